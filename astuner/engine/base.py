@@ -1,0 +1,19 @@
+"""The inference engine interface: every rollout goes through it (HF in-process now, vLLM next)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol, runtime_checkable
+
+from astuner.types import GenerateResult, SamplingParams
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        """Generate one continuation. Concurrent calls may be batched by the engine."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Replace the policy weights (names as in the trainer's `named_parameters()`)."""
+
+    def shutdown(self) -> None:
+        """Release threads and memory."""

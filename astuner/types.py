@@ -1,0 +1,107 @@
+"""Typed records passed between the stages of the loop.
+
+Shape legend used across `algorithm` and `trainer` (suffixes on tensor names):
+  B  samples in a micro-batch     T  tokens of a (padded) sequence
+  R  response tokens, flattened over a micro-batch
+  E  episodes                     G  episodes of one group (one task, `num_repeat` of them)
+
+Nothing here imports torch: these records cross process boundaries (Ray, later) as plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "overflow"]
+
+# Flags an LLM call or an episode can carry. Madness checks produce the first two.
+FLAG_NONSENSE = "nonsense"
+FLAG_WRONG_TOOLCALL = "wrong_toolcall"
+FLAG_OVERFLOW = "overflow"  # context (max_model_len) or episode budget (max_response_length) exhausted
+FLAG_FAILED = "failed"  # workflow raised
+FLAG_TIMEOUT = "timeout"  # workflow exceeded rollout.episode_timeout
+
+
+@dataclass
+class Task:
+    """One row of the task dataset."""
+
+    task_id: str
+    main_query: str
+    init_messages: list[dict[str, Any]] = field(default_factory=list)
+    # Every field of the dataset row (ground truth included), untouched.
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    # log pi(token | prefix) under the sampling distribution, i.e. log_softmax(logits / temperature);
+    # for greedy (temperature 0) the untempered distribution.
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass
+class LLMCall:
+    """One recorded model call: exactly the ids the engine saw and produced."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: FinishReason
+    temperature: float
+    response_text: str = ""
+    flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Episode:
+    """One run of a workflow on a task."""
+
+    task: Task
+    repeat_index: int
+    episode_uid: str
+    calls: list[LLMCall] = field(default_factory=list)
+    reward: float = 0.0
+    is_success: bool = False
+    output_metadata: dict[str, Any] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
+    error: str | None = None  # traceback text when the workflow raised or timed out
+    seconds: float = 0.0
+
+    @property
+    def group_id(self) -> str:
+        return self.task.task_id
+
+    @property
+    def trainable(self) -> bool:
+        """Failed or timed-out episodes have no trustworthy reward and are not trained on."""
+        return FLAG_FAILED not in self.flags and FLAG_TIMEOUT not in self.flags and bool(self.calls)
+
+
+@dataclass
+class Sample:
+    """One training sample: one recorded LLM call with its episode's advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    old_logprobs: list[float]
+    advantage: float
+    # Loss weight of each response token of this sample; see astuner.algorithm for how it is chosen.
+    token_weight: float
+    temperature: float
+    episode_uid: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)

@@ -97,8 +97,6 @@ class Sample:
     response_ids: list[int]
     old_logprobs: list[float]
     advantage: float
-    # Loss weight of each response token of this sample; see astuner.algorithm for how it is chosen.
-    token_weight: float
     temperature: float
     episode_uid: str
 

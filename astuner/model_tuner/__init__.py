@@ -1,0 +1,26 @@
+"""The trainable model as the agent sees it: rendering, generation, tool-call parsing, call recording.
+
+Importing this package does not import AgentScope (it is only needed when an AgentScope agent calls the tuner).
+"""
+
+from astuner.model_tuner.chat_format import ChatRenderer
+from astuner.model_tuner.tool_parser import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    ParsedOutput,
+    ParsedToolCall,
+    get_tool_parser,
+)
+from astuner.model_tuner.tuner import EpisodeOverflow, ModelTuner, TunerLimits
+
+__all__ = [
+    "ModelTuner",
+    "TunerLimits",
+    "EpisodeOverflow",
+    "ChatRenderer",
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "ParsedOutput",
+    "ParsedToolCall",
+    "get_tool_parser",
+]

@@ -1,0 +1,33 @@
+"""Task readers: turn a dataset source into `Task`s, chosen by `astuner.task_reader.type`.
+
+Importing this package is light: `datasets` and `pyarrow` are imported only when a reader reads.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+from astuner.errors import UserError
+from astuner.task_reader.base import KEY, TaskReader
+from astuner.task_reader.hf_reader import HuggingFaceTaskReader
+from astuner.task_reader.jsonl_reader import JsonlTaskReader
+
+TASK_READERS: dict[str, type[TaskReader]] = {
+    "jsonl_dataset_file": JsonlTaskReader,
+    "huggingface_dat_repo": HuggingFaceTaskReader,
+}
+
+__all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]
+
+
+def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
+    """The reader named by `cfg.astuner.task_reader.type`; relative paths resolve against cwd, then `base_dir`."""
+    reader_cfg = cfg.astuner.task_reader
+    kind = str(reader_cfg.get("type"))
+    if kind not in TASK_READERS:
+        close = difflib.get_close_matches(kind, TASK_READERS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"{KEY}.type={kind!r} is not a task reader; use one of {', '.join(TASK_READERS)}.{hint}")
+    return TASK_READERS[kind](reader_cfg, Path(base_dir))

@@ -1,0 +1,58 @@
+"""The debug backbone: the whole loop in one process, no Ray. Breakpoints in workflows and judges work,
+and unlike a dry run it really trains: the same loop, trainer and engine interface as the cluster backbones."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from astuner.loop import LoopSettings, RunSummary, count_steps, run_loop
+from astuner.types import Episode, Sample, Task
+
+log = logging.getLogger(__name__)
+
+
+class InProcessStages:
+    """Every stage in this process: the engine and trainer hold separate copies of the weights."""
+
+    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, on_episode_done=None) -> None:
+        self.runner, self.trainer, self.engine = runner, trainer, engine
+        self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
+        self.on_episode_done = on_episode_done
+
+    def rollout(self, tasks: list[Task], validation: bool) -> list[Episode]:
+        return self.runner.run(tasks, validation=validation, on_episode_done=self.on_episode_done)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        return self.trainer.train_step(samples)
+
+    def sync_weights(self) -> None:
+        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+
+    def save_checkpoint(self, step: int) -> Path:
+        path = self.experiment_dir / f"global_step_{step}"
+        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer)
+        log.info("saved checkpoint %s", path)
+        return path
+
+
+def run(loaded) -> RunSummary:
+    from astuner.runtime import build_runtime
+    from astuner.monitor import Monitor, setup_logging
+
+    cfg = loaded.cfg
+    setup_logging(loaded.experiment_dir)
+    rt = build_runtime(loaded)
+    settings = LoopSettings.from_config(cfg)
+    total = count_steps(len(rt.train_tasks), settings)
+    monitor = Monitor(loaded.experiment_dir, total, tokenizer=rt.tokenizer)
+    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer)
+    try:
+        summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor)
+    finally:
+        monitor.close()
+        rt.engine.shutdown()
+    line = summary.line(str(cfg.astuner.project_name))
+    log.info(line)
+    print(line, flush=True)
+    return summary

@@ -1,0 +1,125 @@
+"""The `astuner` command: load a YAML config, warn about keys that do not apply, save a backup, run a backbone.
+
+Only typer/click load at import so that `astuner --help` is instant; the config package (Hydra) is imported
+when the command runs, and the backbone (torch and friends) only after the config is known to be good.
+Every bad input ends as one `astuner: error: ...` paragraph on stderr and exit code 2, never a traceback.
+"""
+
+import sys
+from typing import Annotated
+
+import typer
+
+from astuner.errors import UserError
+
+# Older Typer raises the click package's exceptions; newer Typer vendors click and raises its own types.
+_CLI_ERRORS: tuple = tuple(t for t in (getattr(typer, "TyperException", None),) if t)
+_ABORTS: tuple = (typer.Abort,)
+try:
+    import click
+
+    _CLI_ERRORS += (click.ClickException,)
+    _ABORTS += (click.exceptions.Abort,)
+except ImportError:  # only newer Typer gets here, and it needs no click
+    pass
+
+BACKBONES = ("debug", "verl", "trinity")
+USAGE_EXIT = 2
+INTERRUPT_EXIT = 130
+
+app = typer.Typer(
+    add_completion=False,
+    rich_markup_mode=None,  # help text holds [lists] that rich would read as markup
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Train an LLM agent with reinforcement learning (GRPO) from a YAML config.",
+)
+
+
+@app.command()
+def launch(
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The YAML config file.", show_default=False)],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="KEY=VALUE",
+            help="Config overrides in Hydra syntax, e.g. astuner.rollout.temperature=0.5 "
+            "astuner.rollout.compute_madness_checklist=[nonsense].",
+            show_default=False,
+        ),
+    ] = None,
+    backbone: Annotated[str, typer.Option(help="Where training runs: debug | verl | trinity.")] = "debug",
+    with_ray: Annotated[
+        bool, typer.Option("--with-ray", help="Run the debug backbone inside Ray (later release).")
+    ] = False,
+    with_logview: Annotated[
+        bool, typer.Option("--with-logview", help="Start the trajectory log viewer (later release).")
+    ] = False,
+) -> None:
+    """Train an LLM agent with reinforcement learning (GRPO) from a YAML config.
+
+    Example: astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug astuner.data.train_batch_size=4
+    """
+    try:
+        run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
+    except KeyboardInterrupt:
+        print("astuner: interrupted", file=sys.stderr)
+        raise typer.Exit(INTERRUPT_EXIT) from None
+
+
+def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
+    """The command's work, without argument parsing. Raises UserError for bad input."""
+    if backbone not in BACKBONES:
+        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
+    later = "comes in a later release; --backbone debug (one process, no Ray) works now"
+    if backbone != "debug":
+        raise UserError(f"the {backbone} backbone {later}.")
+    if with_ray:
+        raise UserError(f"--with-ray {later}.")
+    if with_logview:
+        raise UserError(f"--with-logview {later}.")
+
+    from astuner.config import format_inapplicable_warning, inapplicable_keys, load_config, save_config
+
+    loaded = load_config(conf, overrides)
+    warning = format_inapplicable_warning(
+        inapplicable_keys(loaded, backbone), backbone, loaded.cfg.astuner.rollout.engine
+    )
+    if warning:
+        # Printed rather than logged: logging is configured by the backbone, which has not started yet.
+        print(f"astuner: warning: {warning}", file=sys.stderr)
+    save_config(loaded)
+    print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
+
+    from astuner.backbone import run_backbone
+
+    run_backbone(backbone, loaded)
+
+
+def _fail(message: str) -> int:
+    print(f"astuner: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return USAGE_EXIT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `astuner` console script and of launcher.py. Returns the exit code."""
+    command = typer.main.get_command(app)
+    try:
+        # Not standalone: click would print its own usage errors and Typer would render tracebacks.
+        code = command.main(args=argv, prog_name="astuner", standalone_mode=False)
+    except _CLI_ERRORS as exc:
+        # exit_code 2 marks a usage error (missing --conf, unknown option).
+        message = exc.format_message().rstrip()
+        if not message.endswith((".", "?", "!")):
+            message += "."
+        hint = " Run 'astuner --help' for usage." if getattr(exc, "exit_code", 1) == USAGE_EXIT else ""
+        return _fail(message + hint)
+    except UserError as exc:
+        return _fail(str(exc))
+    except (KeyboardInterrupt, *_ABORTS):
+        print("astuner: interrupted", file=sys.stderr)
+        return INTERRUPT_EXIT
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""In-process Hugging Face engine: batches concurrent requests and samples with exact per-token logprobs.
+
+Requests arrive from many episodes (asyncio tasks). A worker thread drains the queue, waits a few
+milliseconds for stragglers, and decodes them together with a KV cache: left-padded prefill, then one token per
+step for every live row. Finished rows are dropped from the batch (and the cache) so that one long answer does
+not keep paying for the short ones.
+
+Logprobs are log_softmax(logits / temperature) at the sampled token, the same quantity the trainer computes,
+so the importance ratio starts at exactly 1 after a weight sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from astuner.types import GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch_size: int = 64,
+        device: str | None = None,
+        seed: int = 0,
+        batch_window_s: float = 0.01,
+        pad_token_id: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.pad_token_id = pad_token_id
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._model_lock = threading.Lock()  # weight loads never interleave with a decode step
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self.generated_tokens = 0
+
+    # ---------------------------------------------------------------- public API
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if sampling.max_tokens <= 0:
+            return GenerateResult([], [], "length")
+        self._ensure_worker()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put(_Request(list(prompt_ids), sampling, future, loop))
+        return await future
+
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+        """Synchronous batch generation (benchmarks and tests): the raw engine, no queue."""
+        results: list[GenerateResult] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            chunk = prompts[start : start + self.max_batch_size]
+            with self._model_lock:
+                results += self._decode([list(p) for p in chunk], [sampling] * len(chunk))
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with self._model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"engine model has no parameter {name!r}")
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    def shutdown(self) -> None:
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=30)
+            self._worker = None
+
+    # ---------------------------------------------------------------- worker
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, name="astuner-hf-engine", daemon=True)
+            self._worker.start()
+
+    def _serve(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            # Requests from concurrent episodes arrive a few ms apart (each renders its prompt first).
+            while len(batch) < self.max_batch_size:
+                try:
+                    item = self._queue.get(timeout=self.batch_window_s)
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            try:
+                with self._model_lock:
+                    results = self._decode([r.prompt_ids for r in batch], [r.sampling for r in batch])
+                for req, res in zip(batch, results):
+                    req.loop.call_soon_threadsafe(_resolve, req.future, res, None)
+            except BaseException as exc:  # surfaces in the awaiting episodes, never kills the worker
+                log.exception("generation failed")
+                for req in batch:
+                    req.loop.call_soon_threadsafe(_resolve, req.future, None, exc)
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerateResult]:
+        n = len(prompts)
+        dev = self.device
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        width = int(lengths.max())
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=dev)
+        attention = torch.zeros((n, width), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, device=dev)
+            attention[i, width - len(p) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        temps = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=dev)
+        greedy = temps <= 0
+        scale = torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        max_new = [s.max_tokens for s in samplings]
+        stops = [set(s.stop_token_ids) for s in samplings]
+
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str] = ["length"] * n
+        alive = list(range(n))  # row i of the live batch is request alive[i]
+
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else _nullcontext()
+        with autocast:
+            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        next_pos = positions[:, -1] + 1
+
+        for _ in range(max(max_new)):
+            logp = torch.log_softmax(logits / scale, dim=-1)
+            sampled = torch.multinomial(logp.exp(), 1, generator=self._generator).squeeze(-1)
+            tokens = torch.where(greedy, logits.argmax(-1), sampled)
+            token_lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+            tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
+
+            keep: list[int] = []
+            for row, req in enumerate(alive):
+                tok = tokens_l[row]
+                out_ids[req].append(tok)
+                out_lp[req].append(lp_l[row])
+                if tok in stops[req]:
+                    reasons[req] = "stop"
+                elif len(out_ids[req]) < max_new[req]:
+                    keep.append(row)
+            self.generated_tokens += len(alive)
+            if not keep:
+                break
+            if len(keep) < len(alive):
+                index = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(index)
+                attention, tokens, next_pos = attention[index], tokens[index], next_pos[index]
+                greedy, scale = greedy[index], scale[index]
+                alive = [alive[r] for r in keep]
+            attention = torch.cat([attention, attention.new_ones((len(alive), 1))], dim=-1)
+            with autocast:
+                out = self.model(
+                    input_ids=tokens[:, None],
+                    attention_mask=attention,
+                    position_ids=next_pos[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+
+        return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+
+
+def _resolve(future: asyncio.Future, result, exc) -> None:
+    if future.done():  # the episode was cancelled (timeout) meanwhile
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,209 @@
+"""Rendering OpenAI-format messages (+ tool schemas) into prompt token ids.
+
+Two ways to show tools to the model (`rollout.tool_prompt`):
+  template  the tokenizer's own chat template receives `tools` and the messages as they are;
+  builtin   astuner's tool prompt, for templates that cannot render tools (e.g. plain ChatML): the schemas and
+            the `<tool_call>` answer format are appended to the system message, earlier tool calls become
+            `<tool_call>` tags in the assistant text and tool results become user turns in `<tool_response>`
+            tags. This is the Hermes convention, so the `hermes` parser reads the model's answers.
+  auto      template when the template source mentions `tools`, else builtin.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from astuner.errors import UserError
+
+TOOL_PROMPT_MODES = ("auto", "template", "builtin")
+
+BUILTIN_TOOL_PROMPT = """# Tools
+
+You can call functions to help with the task. Their JSON schemas are listed inside <tools></tools>:
+<tools>
+{schemas}
+</tools>
+
+To call a function, answer with a JSON object holding its name and arguments inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": "<function name>", "arguments": {{"<parameter>": <value>}}}}
+</tool_call>
+You may make several calls in one answer, one tag pair each. Each result comes back inside \
+<tool_response></tool_response> tags."""
+
+
+def flatten_content(content: Any) -> str:
+    """A message's content as one string: OpenAI parts ({"type": "text", "text"}) and DashScope parts ({"text"})
+    are joined with newlines; non-text parts (images, audio) are dropped since only text reaches the tokenizer."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        content = [content]
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and part.get("text") is not None:
+            texts.append(str(part["text"]))
+    return "\n".join(texts)
+
+
+def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
+    """OpenAI tool schemas ({"type": "function", "function": {...}}); bare function dicts are wrapped."""
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        if "function" in tool:
+            out.append({"type": tool.get("type", "function"), "function": tool["function"]})
+        elif "name" in tool:
+            out.append({"type": "function", "function": tool})
+        else:
+            raise ValueError(f"tool schema without a function name: {tool!r}")
+    return out
+
+
+def tool_names_of(tools: list[dict] | None) -> set[str]:
+    return {tool["function"]["name"] for tool in normalize_tools(tools) or []}
+
+
+def _arguments_as_object(arguments: Any) -> Any:
+    """Tool-call arguments as a dict when they hold JSON (templates and the builtin prompt expect an object)."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return {} if arguments is None else arguments
+
+
+def _tool_calls_of(message: dict) -> list[dict]:
+    """An assistant message's tool calls in OpenAI shape, arguments as objects."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        arguments = _arguments_as_object(function.get("arguments"))
+        name = function.get("name")
+        calls.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
+    return calls
+
+
+def normalize_ids(encoded: Any) -> list[int]:
+    """`apply_chat_template(tokenize=True)` returns a list, a nested list, a tensor or a BatchEncoding depending
+    on the transformers version and flags; reduce all of them to one flat list of ints."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded.keys():
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    encoded = list(encoded)
+    if encoded and isinstance(encoded[0], (list, tuple)):
+        if len(encoded) != 1:
+            raise ValueError(f"expected one tokenized conversation, got {len(encoded)}")
+        encoded = list(encoded[0])
+    return [int(i) for i in encoded]
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template (any of its named variants) refers to `tools`."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        sources = list(template.values())
+    elif isinstance(template, (list, tuple)):  # older serialisations: [{"name", "template"}]
+        sources = [t.get("template", "") for t in template if isinstance(t, dict)]
+    else:
+        sources = [template or ""]
+    return any(re.search(r"\btools\b", source or "") for source in sources)
+
+
+class ChatRenderer:
+    """Turns messages + tool schemas into the exact prompt ids the engine will see."""
+
+    def __init__(self, tokenizer, tool_prompt: str = "auto") -> None:
+        if tool_prompt not in TOOL_PROMPT_MODES:
+            raise ValueError(f"tool_prompt must be one of {', '.join(TOOL_PROMPT_MODES)}, got {tool_prompt!r}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                "astuner needs a chat (instruct) model or a tokenizer with a chat_template set"
+            )
+        self.tokenizer = tokenizer
+        self.tool_prompt = tool_prompt
+        if tool_prompt == "auto":
+            self.uses_builtin_tool_prompt = not template_renders_tools(tokenizer)
+        else:
+            self.uses_builtin_tool_prompt = tool_prompt == "builtin"
+
+    def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[dict], list[dict] | None]:
+        """The (messages, tools) handed to `apply_chat_template`: contents flattened to strings and, in builtin
+        mode, tools folded into the text. Exposed so tests and debugging can see what the template receives."""
+        tools = normalize_tools(tools)
+        if self.uses_builtin_tool_prompt:
+            return self._builtin_messages(messages, tools), None
+        return [self._template_message(m) for m in messages], tools
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        template_messages, template_tools = self.prepare(messages, tools)
+        encoded = self.tokenizer.apply_chat_template(
+            template_messages, tools=template_tools, add_generation_prompt=True, tokenize=True
+        )
+        return normalize_ids(encoded)
+
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt as text (for logs and debugging; training always uses `render`)."""
+        template_messages, template_tools = self.prepare(messages, tools)
+        return self.tokenizer.apply_chat_template(
+            template_messages, tools=template_tools, add_generation_prompt=True, tokenize=False
+        )
+
+    # --- template mode -------------------------------------------------------------------------------------
+    @staticmethod
+    def _template_message(message: dict) -> dict:
+        out = {"role": message["role"], "content": flatten_content(message.get("content"))}
+        if message.get("tool_calls"):
+            out["tool_calls"] = _tool_calls_of(message)
+        if message["role"] == "tool":
+            for key in ("tool_call_id", "name"):
+                if message.get(key) is not None:
+                    out[key] = message[key]
+        return out
+
+    # --- builtin mode --------------------------------------------------------------------------------------
+    def _builtin_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        out: list[dict] = []
+        for message in messages:
+            role = message["role"]
+            text = flatten_content(message.get("content"))
+            if role == "tool":
+                block = f"<tool_response>\n{text}\n</tool_response>"
+                previous = out[-1] if out else None
+                if previous is not None and previous.get("_tool_results"):
+                    # Results of one parallel call batch share a single user turn, as in the Hermes format.
+                    previous["content"] += "\n" + block
+                else:
+                    out.append({"role": "user", "content": block, "_tool_results": True})
+                continue
+            if role == "assistant" and message.get("tool_calls"):
+                tags = [
+                    "<tool_call>\n"
+                    + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                 ensure_ascii=False)
+                    + "\n</tool_call>"
+                    for c in _tool_calls_of(message)
+                ]
+                text = "\n".join(([text] if text else []) + tags)
+            out.append({"role": role, "content": text})
+        for message in out:
+            message.pop("_tool_results", None)
+        if tools:
+            prompt = BUILTIN_TOOL_PROMPT.format(schemas="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            if out and out[0]["role"] == "system":
+                system = out[0]["content"]
+                out[0]["content"] = f"{system}\n\n{prompt}" if system else prompt
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out

@@ -1,0 +1,394 @@
+"""The policy trainer: PyTorch + transformers only (no Ray, no vLLM, no rollouts).
+
+One `train_step(samples)`:
+  1. split the samples into `mini_batch_num` mini-batches by episode (contiguous runs of episodes in order of
+     first appearance; all samples of an episode stay together) -> one optimizer step each;
+  2. token weights over the mini-batch (`algorithm.loss.token_weights`), so the mini-batch loss is a plain
+     weighted token sum and gradient accumulation over micro-batches is exact;
+  3. micro-batches by token budget: samples sorted by length (longest first), greedily packed while
+     `max_len_in_micro_batch * n_samples <= max_token_len_per_micro_batch` (a sample over budget goes alone);
+  4. per micro-batch: forward the decoder to hidden states, keep only the positions that predict response tokens
+     (response token i of a sample is predicted at index len(prompt) + i - 1), apply the LM head to those alone,
+     logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
+     calls), loss = `algorithm.loss.policy_loss`, backward;
+  5. grad-norm clip, AdamW step, linear warmup of the learning rate.
+
+Not computed, on purpose: logits at prompt positions, an old-logprob pass (old logprobs are the engine's sampling
+logprobs), a reference forward unless the KL loss is on. Without the KL loss, samples whose advantage is exactly 0
+are not forwarded at all: their loss and gradient are exactly 0, yet they still count in the token weights, so
+the result is unchanged.
+
+Precision: fp32 master weights; on CUDA the forward runs under bf16 autocast, on CPU in plain fp32.
+The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, policy_loss, token_weights
+from astuner.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+def _greedy_as_one(temperature: float) -> float:
+    # Temperature 0 means greedy decoding; its logprobs are those of the untempered distribution.
+    return temperature if temperature > 0 else 1.0
+
+
+def split_mini_batches(samples: list[Sample], mini_batch_num: int) -> list[list[Sample]]:
+    """Contiguous runs of episodes (order of first appearance), as even in episode count as possible."""
+    order: dict[str, list[Sample]] = {}
+    for s in samples:
+        order.setdefault(s.episode_uid, []).append(s)
+    episodes = list(order.values())
+    n = min(max(1, mini_batch_num), len(episodes))
+    size, extra = divmod(len(episodes), n) if n else (0, 0)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        out.append([s for ep in episodes[start:stop] for s in ep])
+        start = stop
+    return out
+
+
+def split_micro_batches(lengths_B: list[int], budget: int) -> list[list[int]]:
+    """Indices per micro-batch: longest first, greedy while max_len * n_samples <= budget (rule in module doc)."""
+    order = sorted(range(len(lengths_B)), key=lambda i: (-lengths_B[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        # Longest first: the first sample of a micro-batch is its longest, so max_len is fixed once it opens.
+        if batches and lengths_B[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lr: float,
+        weight_decay: float,
+        lr_warmup_steps: int,
+        grad_clip: float | None,
+        clip_ratio_low: float,
+        clip_ratio_high: float,
+        use_kl_loss: bool,
+        kl_loss_coef: float,
+        kl_loss_type: str,
+        loss_agg_mode: str,
+        norm_length: int,
+        max_token_len_per_micro_batch: int,
+        mini_batch_num: int = 1,
+        device: str | None = None,
+        seed: int = 0,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        if loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
+        if use_kl_loss and kl_loss_type not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; available: {', '.join(KL_ESTIMATORS)}")
+        if max_token_len_per_micro_batch < 1 or mini_batch_num < 1:
+            raise ValueError("max_token_len_per_micro_batch and mini_batch_num must be >= 1")
+
+        self.model_path = str(model_path)
+        self.lr = lr
+        self.lr_warmup_steps = lr_warmup_steps
+        self.grad_clip = grad_clip
+        self.clip_ratio_low = clip_ratio_low
+        self.clip_ratio_high = clip_ratio_high
+        self.use_kl_loss = use_kl_loss
+        self.kl_loss_coef = kl_loss_coef
+        self.kl_loss_type = kl_loss_type
+        self.loss_agg_mode = loss_agg_mode
+        self.norm_length = norm_length
+        self.max_token_len_per_micro_batch = max_token_len_per_micro_batch
+        self.mini_batch_num = mini_batch_num
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.optimizer_steps = 0
+
+        # The seed only matters if the checkpoint lacks some weights (they are then initialised at random);
+        # fork_rng keeps the caller's global RNG untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.model = model.to(self.device).eval()
+        self.ref_model = None
+        if use_kl_loss:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=lr, weight_decay=weight_decay, fused=self.device.type == "cuda"
+        )
+        self._pad_id = 0  # right padding after every real token: causal attention never lets a real token see it
+        self._fast_head = self._check_fast_head()
+
+    # --- forward ---------------------------------------------------------------------------------------------
+
+    def _autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def _head_logits(self, model, hidden_N_H: Tensor) -> Tensor:
+        """LM head on selected hidden states, plus the output transforms some families apply after it."""
+        logits = model.get_output_embeddings()(hidden_N_H).float()
+        config = model.config
+        if getattr(config, "logits_scaling", None):  # Granite
+            logits = logits / config.logits_scaling
+        if getattr(model, "logit_scale", None) is not None:  # Cohere
+            logits = logits * model.logit_scale
+        if getattr(config, "final_logit_softcapping", None):  # Gemma 2/3
+            cap = config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _check_fast_head(self) -> bool:
+        """True when decoder + LM head on selected positions reproduces the model's own logits.
+
+        Guards the fast path against architectures that post-process logits in ways `_head_logits` does not know;
+        those fall back to a full-logits forward (correct, slower). Checked once, in fp32, on 8 tokens.
+        """
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids = (torch.arange(8, device=self.device) * 997 % vocab).unsqueeze(0)
+        with torch.no_grad():
+            try:
+                full = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                hidden = self.model.base_model(input_ids=ids, use_cache=False)[0][0]
+                fast = self._head_logits(self.model, hidden)
+                ok = fast.shape == full.shape and torch.allclose(fast, full, rtol=1e-3, atol=1e-3)
+            except Exception as exc:  # any mismatch of interfaces: take the safe path
+                log.warning("fast LM-head path unavailable (%s)", exc)
+                ok = False
+        if not ok:
+            log.warning("trainer: full-logits forward for %s (slower, same result)", type(self.model).__name__)
+        return ok
+
+    def _forward_logprobs(self, model, samples: list[Sample], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Logprobs (and optionally entropies) of the response tokens of `samples`, flattened to R."""
+        # The last token of each sequence predicts nothing we train on, so it is not fed.
+        inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
+        T = max(len(x) for x in inputs)
+        input_ids_B_T = torch.full((len(samples), T), self._pad_id, dtype=torch.long)
+        batch_idx, pos_idx, targets, temps = [], [], [], []
+        for b, (s, x) in enumerate(zip(samples, inputs)):
+            input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            P, L = len(s.prompt_ids), len(s.response_ids)
+            batch_idx += [b] * L
+            pos_idx += range(P - 1, P + L - 1)
+            targets += s.response_ids
+            temps += [_greedy_as_one(s.temperature)] * L
+        dev = self.device
+        input_ids_B_T = input_ids_B_T.to(dev)
+        batch_idx_R = torch.tensor(batch_idx, device=dev)
+        pos_idx_R = torch.tensor(pos_idx, device=dev)
+        targets_R = torch.tensor(targets, device=dev)
+        temps_R = torch.tensor(temps, device=dev, dtype=torch.float32)
+
+        # No attention mask: with right padding, causal attention already hides the pads from real tokens,
+        # and leaving it out keeps SDPA on its fused causal path.
+        with self._autocast():
+            if self._fast_head:
+                hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
+                logits_R_V = self._head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
+            else:
+                logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
+        logits_R_V = logits_R_V / temps_R[:, None]
+        logz_R = torch.logsumexp(logits_R_V, dim=-1)
+        logprobs_R = logits_R_V.gather(-1, targets_R[:, None]).squeeze(-1) - logz_R
+        entropy_R = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy_R = logz_R - (torch.softmax(logits_R_V, dim=-1) * logits_R_V).sum(-1)
+        return logprobs_R, entropy_R
+
+    @torch.no_grad()
+    def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
+        """log pi(response token | prefix) under log_softmax(logits / temperature), for engine/trainer checks."""
+        if not response_ids:
+            return []
+        if not prompt_ids:
+            raise ValueError("compute_logprobs needs at least one prompt token")
+        sample = Sample(list(prompt_ids), list(response_ids), [0.0] * len(response_ids), 0.0, temperature, "")
+        self.model.eval()
+        logprobs_R, _ = self._forward_logprobs(self.model, [sample], with_entropy=False)
+        return logprobs_R.cpu().tolist()
+
+    # --- training --------------------------------------------------------------------------------------------
+
+    def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
+        """Backward the loss of one mini-batch, micro-batch by micro-batch, into `.grad` (no optimizer step).
+
+        Returns sums over the mini-batch: loss, response tokens, token-summed stats, tokens processed, counts.
+        """
+        for s in samples:
+            if len(s.old_logprobs) != len(s.response_ids):
+                raise ValueError(f"sample of episode {s.episode_uid}: old_logprobs and response_ids lengths differ")
+            if s.response_ids and not s.prompt_ids:
+                raise ValueError(f"sample of episode {s.episode_uid}: empty prompt")
+        weights_B = token_weights(
+            [len(s.response_ids) for s in samples], [s.episode_uid for s in samples], self.loss_agg_mode,
+            self.norm_length,
+        )
+        # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the KL term is on.
+        keep = [
+            i for i, s in enumerate(samples)
+            if weights_B[i] > 0 and (self.ref_model is not None or s.advantage != 0.0)
+        ]
+        kept = [samples[i] for i in keep]
+        dev = self.device
+        sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "approx_kl_old", "ratio_mean",
+                                                         "kl_ref", "entropy")}
+        n_tokens_R = 0
+        micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
+        for idx in micro_batches:
+            mb = [kept[i] for i in idx]
+            mb_weights = [weights_B[keep[i]] for i in idx]
+            lengths = [len(s.response_ids) for s in mb]
+            old_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=dev, dtype=torch.float32)
+            adv_R = torch.tensor([s.advantage for s, n in zip(mb, lengths) for _ in range(n)], device=dev)
+            w_R = torch.tensor([w for w, n in zip(mb_weights, lengths) for _ in range(n)], device=dev)
+
+            ref_R = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
+            logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True)
+            loss, stats = policy_loss(
+                logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high,
+                ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type,
+            )
+            loss.backward()
+
+            R = old_R.numel()
+            n_tokens_R += R
+            sums["loss"] += loss.detach()
+            sums["entropy"] += entropy_R.sum()
+            for k, v in stats.items():
+                sums[k] += v * R  # token means -> token sums, so micro-batches combine exactly
+        out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
+        out.update(
+            response_tokens=n_tokens_R,
+            train_tokens=sum(s.num_tokens for s in kept),
+            num_micro_batches=len(micro_batches),
+            num_forwarded_samples=len(kept),
+        )
+        return out
+
+    def _current_lr(self) -> float:
+        if self.lr_warmup_steps and self.lr_warmup_steps > 0:
+            return self.lr * min(1.0, (self.optimizer_steps + 1) / self.lr_warmup_steps)
+        return self.lr
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        lr = self._current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        else:
+            # A non-finite gradient would poison the Adam moments for good: drop this update.
+            log.warning("non-finite grad norm (%s): optimizer step skipped", grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One training step: `mini_batch_num` optimizer steps over `samples` (see module docstring)."""
+        start = time.perf_counter()
+        self.model.eval()  # no dropout: ratio is exactly 1 before the first update
+        metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
+        totals = {k: 0.0 for k in ("clip_fraction", "approx_kl_old", "ratio_mean", "kl_ref", "entropy")}
+        losses, grad_norms = [], []
+        n_tokens_R = train_tokens = n_micro = n_skipped = 0
+        for mini_batch in split_mini_batches(samples, self.mini_batch_num):
+            sums = self.accumulate_gradients(mini_batch)
+            n_micro += sums["num_micro_batches"]
+            n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
+            if sums["response_tokens"] == 0:
+                self.optimizer.zero_grad(set_to_none=True)
+                continue  # nothing carries a gradient: no step (weight decay alone is not a reason to move)
+            grad_norm, lr = self._optimizer_step()
+            losses.append(sums["loss"])
+            grad_norms.append(grad_norm)
+            metrics["lr"] = lr
+            n_tokens_R += sums["response_tokens"]
+            train_tokens += sums["train_tokens"]
+            for k in totals:
+                totals[k] += sums[k]
+        seconds = time.perf_counter() - start
+
+        if losses:
+            metrics["policy_loss"] = sum(losses) / len(losses)
+            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+            for k, v in totals.items():
+                if k != "kl_ref" or self.ref_model is not None:
+                    metrics[k] = v / n_tokens_R
+        metrics.update(
+            train_tokens=float(train_tokens),
+            train_tokens_per_s=train_tokens / seconds if seconds > 0 else 0.0,
+            num_micro_batches=float(n_micro),
+            num_optimizer_steps=float(len(losses)),
+            num_samples_skipped_zero_adv=float(n_skipped),
+        )
+        return metrics
+
+    # --- weights out -----------------------------------------------------------------------------------------
+
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, detached tensor) as in `model.named_parameters()`.
+
+        With tied embeddings the LM head is the input embedding and appears once (under the embedding's name);
+        an engine holding the same architecture ties it the same way.
+        """
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    def save_checkpoint(self, path: Path, tokenizer=None) -> None:
+        """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
+
+        A run killed mid-save leaves at most a hidden `.NAME.tmp-*` folder, never a half-written `path`.
+        The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = path.parent / f".{path.name}.tmp-{tag}"
+        try:
+            self.model.save_pretrained(tmp)
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                except Exception as exc:
+                    log.warning("checkpoint %s saved without tokenizer: %s", path, exc)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if path.exists():
+                # A directory cannot be renamed over a non-empty one: move the old one aside first.
+                old = path.parent / f".{path.name}.old-{tag}"
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -1,0 +1,113 @@
+"""Token weights, KL estimators and the PPO-clip loss on hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from astuner.algorithm.loss import LOSS_AGG_MODES, kl_penalty, policy_loss, token_weights
+
+# Episode A: calls of 2 and 4 tokens; episode B: one call of 3 tokens (interleaved A, B, A). E = 2.
+LENGTHS = [2, 3, 4]
+UIDS = ["A", "B", "A"]
+
+
+def test_token_mean_weights():
+    # A: T_e = 6 -> 1 / (2 * 6) = 1/12 for both calls; B: T_e = 3 -> 1 / (2 * 3) = 1/6.
+    assert token_weights(LENGTHS, UIDS, "token-mean", 8) == pytest.approx([1 / 12, 1 / 6, 1 / 12])
+
+
+def test_seq_mean_token_mean_weights():
+    # A: 1 / (2 * 2 * 2) = 1/8 and 1 / (2 * 2 * 4) = 1/16; B: 1 / (2 * 1 * 3) = 1/6.
+    assert token_weights(LENGTHS, UIDS, "seq-mean-token-mean", 8) == pytest.approx([1 / 8, 1 / 6, 1 / 16])
+
+
+def test_seq_mean_token_sum_norm_weights():
+    # A: 1 / (2 * 2 * 8) = 1/32; B: 1 / (2 * 1 * 8) = 1/16.
+    assert token_weights(LENGTHS, UIDS, "seq-mean-token-sum-norm", 8) == pytest.approx([1 / 32, 1 / 16, 1 / 32])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_every_episode_weighs_one_over_e(mode):
+    lengths = [2, 3, 4, 1, 7, 5]
+    uids = ["A", "B", "A", "C", "C", "C"]
+    weights = token_weights(lengths, uids, mode, 8)
+    per_episode = {}
+    for w, n, uid in zip(weights, lengths, uids):
+        per_episode[uid] = per_episode.get(uid, 0.0) + w * n
+    assert per_episode == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+
+
+def test_agg_registry_and_errors():
+    assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    with pytest.raises(ValueError, match="unknown loss_agg_mode"):
+        token_weights([1], ["A"], "sum", 8)
+    # An empty response gets weight 0 and does not count as a call of its episode.
+    assert token_weights([0, 2], ["A", "A"], "seq-mean-token-mean", 8) == [0.0, 0.5]
+
+
+def test_kl_estimators():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    assert kl_penalty(logp, ref, "k1").tolist() == pytest.approx([0.5, -1.0])
+    # k3 with log r = ref - logp = (-0.5, 1): e^-0.5 + 0.5 - 1 = 0.1065307, e - 2 = 0.7182818.
+    assert kl_penalty(logp, ref, "k3").tolist() == pytest.approx([0.1065307, 0.7182818], abs=1e-6)
+    assert kl_penalty(logp, logp, "k3").tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k2")
+
+
+def test_policy_loss_clipping_on_both_sides():
+    # clip range [0.8, 1.3] (low 0.2, high 0.3). Per token (A, ratio) -> pg:
+    #   (+1, 1.5): max(-1.5, -1.3) = -1.3   clipped (high side)
+    #   (-1, 0.5): max( 0.5,  0.8) =  0.8   clipped (low side)
+    #   (+2, 1.0): -2                        not clipped
+    #   (-1, 1.2): 1.2                       inside the range
+    #   (+1, 0.5): max(-0.5, -0.8) = -0.5   unclipped branch wins
+    # weights (0.1, 0.2, 0.3, 0.2, 0.2): loss = -0.13 + 0.16 - 0.6 + 0.24 - 0.1 = -0.43
+    ratios = [1.5, 0.5, 1.0, 1.2, 0.5]
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.7])
+    logp = (old + torch.tensor([math.log(r) for r in ratios])).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 2.0, -1.0, 1.0])
+    w = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])
+    loss, stats = policy_loss(logp, old, adv, w, clip_low=0.2, clip_high=0.3)
+    assert loss.item() == pytest.approx(-0.43, abs=1e-6)
+    assert stats["clip_fraction"].item() == pytest.approx(0.4)
+    assert stats["ratio_mean"].item() == pytest.approx(0.94, abs=1e-6)
+    # mean of r - 1 - ln r over the five ratios.
+    assert stats["approx_kl_old"].item() == pytest.approx(0.0997015, abs=1e-6)
+    assert "kl_ref" not in stats
+    loss.backward()
+    # d/dlogp = -A * ratio * w where unclipped, 0 where the clipped branch is active.
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -0.6, 0.24, -0.1], abs=1e-6)
+
+
+def test_policy_loss_adds_kl_term():
+    # A = 0, so only the KL term remains: 0.1 * (0.5 * 0.1065307 + 0.25 * 0.7182818) = 0.0232836
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    loss, stats = policy_loss(
+        logp, logp.clone(), torch.zeros(2), torch.tensor([0.5, 0.25]), 0.2, 0.28,
+        ref_logprobs_R=ref, kl_coef=0.1, kl_kind="k3",
+    )
+    assert loss.item() == pytest.approx(0.0232836, abs=1e-6)
+    assert stats["kl_ref"].item() == pytest.approx((0.1065307 + 0.7182818) / 2, abs=1e-6)
+    assert stats["clip_fraction"].item() == 0.0
+    loss_k1, _ = policy_loss(
+        logp, logp.clone(), torch.zeros(2), torch.tensor([0.5, 0.25]), 0.2, 0.28,
+        ref_logprobs_R=ref, kl_coef=0.1, kl_kind="k1",
+    )
+    # 0.1 * (0.5 * 0.5 + 0.25 * -1.0) = 0
+    assert loss_k1.item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_micro_batch_sum_equals_full_batch():
+    torch.manual_seed(0)
+    old = torch.randn(10)
+    logp = (old + 0.3 * torch.randn(10)).requires_grad_(True)
+    adv, w = torch.randn(10), torch.rand(10)
+    full, _ = policy_loss(logp, old, adv, w, 0.2, 0.28)
+    parts = sum(policy_loss(logp[s], old[s], adv[s], w[s], 0.2, 0.28)[0] for s in (slice(0, 3), slice(3, 10)))
+    assert parts.item() == pytest.approx(full.item(), abs=1e-6)

@@ -1,0 +1,169 @@
+"""The PyTorch trainer on the tiny random Llama (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astuner.trainer import Trainer, split_micro_batches, split_mini_batches
+from astuner.types import Sample
+
+
+def _trainer(model_dir, **overrides) -> Trainer:
+    kwargs = dict(
+        lr=1e-3, weight_decay=0.0, lr_warmup_steps=0, grad_clip=None, clip_ratio_low=0.2, clip_ratio_high=0.28,
+        use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k3", loss_agg_mode="token-mean", norm_length=16,
+        max_token_len_per_micro_batch=4096, mini_batch_num=1, device="cpu",
+    )
+    kwargs.update(overrides)
+    return Trainer(str(model_dir), **kwargs)
+
+
+def _sample(trainer: Trainer, tok, prompt: str, response: str, adv: float, uid: str, temperature=1.0) -> Sample:
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    r = tok(response, add_special_tokens=False)["input_ids"]
+    return Sample(p, r, trainer.compute_logprobs(p, r, temperature), adv, temperature, uid)
+
+
+def test_split_micro_batches_rule():
+    # Longest first: 8 | 5+3 (5*2 = 10 <= 10) | 2 (5*3 = 15 > 10); an over-budget sample goes alone.
+    assert split_micro_batches([5, 3, 8, 2], 10) == [[2], [0, 1], [3]]
+    assert split_micro_batches([5, 3, 8, 2], 4) == [[2], [0], [1], [3]]
+    assert split_micro_batches([5, 3, 8, 2], 100) == [[2, 0, 1, 3]]
+
+
+def test_split_mini_batches_keeps_episodes_together():
+    uids = ["a", "a", "b", "c", "c", "d", "e"]
+    samples = [Sample([1], [2], [0.0], 0.0, 1.0, u) for u in uids]
+    parts = split_mini_batches(samples, 2)
+    assert [[s.episode_uid for s in p] for p in parts] == [["a", "a", "b", "c", "c"], ["d", "e"]]
+    assert len(split_mini_batches(samples, 10)) == 5
+    assert split_mini_batches([], 3) == []
+
+
+def test_compute_logprobs_matches_full_forward(tiny_model_dir):
+    trainer = _trainer(tiny_model_dir)
+    prompt, response = [5, 17, 300, 42, 9], [77, 1200, 3, 8]
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[0]
+    for temperature in (0.7, 1.0):
+        expected = torch.log_softmax(logits / temperature, dim=-1)
+        expected = [expected[len(prompt) + i - 1, t].item() for i, t in enumerate(response)]
+        assert trainer.compute_logprobs(prompt, response, temperature) == pytest.approx(expected, abs=1e-5)
+    # Greedy calls are logged under the untempered distribution.
+    assert trainer.compute_logprobs(prompt, response, 0.0) == pytest.approx(
+        trainer.compute_logprobs(prompt, response, 1.0), abs=1e-6
+    )
+
+
+def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_micro_batch_invariance(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, loss_agg_mode="seq-mean-token-mean")
+    texts = [
+        ("What is 2+2?", " It is 4.", 1.0, "e1"),
+        ("Name a color that is warm.", " Red, like fire", 1.0, "e1"),
+        ("What is 2+2?", " Five, maybe six or seven.", -1.0, "e2"),
+        ("Say hi", " hi", 0.5, "e3"),
+    ]
+    samples = [_sample(trainer, demo_tokenizer, *t) for t in texts]
+    # Move the old logprobs off the current ones so that some tokens are clipped.
+    for s in samples:
+        s.old_logprobs = [x + (0.4 if i % 2 else -0.1) for i, x in enumerate(s.old_logprobs)]
+
+    results = []
+    for budget in (10**6, 1, 24):
+        trainer.max_token_len_per_micro_batch = budget
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums = trainer.accumulate_gradients(samples)
+        results.append((sums, _grads(trainer)))
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+    (full, full_grads), *others = results
+    assert full["num_micro_batches"] == 1
+    assert full["clip_fraction"] > 0
+    for sums, grads in others:
+        assert sums["num_micro_batches"] > 1
+        assert sums["loss"] == pytest.approx(full["loss"], abs=1e-5)
+        assert sums["clip_fraction"] == pytest.approx(full["clip_fraction"], abs=1e-5)
+        assert grads.keys() == full_grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, full_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_train_step_moves_logprobs_by_advantage_sign(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, grad_clip=1.0)
+    good = _sample(trainer, demo_tokenizer, "Question: 3 + 4 =", " 7", 1.0, "good")
+    bad = _sample(trainer, demo_tokenizer, "Question: 3 + 4 =", " 12 apples", -1.0, "bad")
+    before = [sum(s.old_logprobs) for s in (good, bad)]
+    metrics = trainer.train_step([good, bad])
+    after = [sum(trainer.compute_logprobs(s.prompt_ids, s.response_ids, 1.0)) for s in (good, bad)]
+    assert after[0] > before[0]
+    assert after[1] < before[1]
+    # Before the update the policy is the sampling policy: ratio 1, nothing clipped.
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["approx_kl_old"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["num_samples"] == 2 and metrics["num_micro_batches"] == 1
+    assert metrics["train_tokens"] == good.num_tokens + bad.num_tokens
+    assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0 and metrics["train_tokens_per_s"] > 0
+    assert metrics["lr"] == 1e-3
+    assert "kl_ref" not in metrics
+
+
+def test_zero_advantage_samples_skipped_and_warmup(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, mini_batch_num=2, lr_warmup_steps=4)
+    samples = [
+        _sample(trainer, demo_tokenizer, "Hello", " there", 1.0, "a"),
+        _sample(trainer, demo_tokenizer, "Hello", " world", 0.0, "b"),
+        _sample(trainer, demo_tokenizer, "Bye", " now", -1.0, "c"),
+    ]
+    metrics = trainer.train_step(samples)
+    assert metrics["num_optimizer_steps"] == 2
+    assert metrics["num_samples_skipped_zero_adv"] == 1
+    assert metrics["lr"] == pytest.approx(1e-3 * 2 / 4)  # second warmup step
+    # Only zero-advantage samples: no gradient, no step.
+    empty = trainer.train_step([samples[1]])
+    assert empty["num_optimizer_steps"] == 0 and "policy_loss" not in empty
+    assert trainer.optimizer_steps == 2
+
+
+def test_kl_to_reference(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    samples = [
+        _sample(trainer, demo_tokenizer, "Hello", " there friend", 1.0, "a"),
+        _sample(trainer, demo_tokenizer, "Hello", " go away", -1.0, "b"),
+    ]
+    first = trainer.train_step(samples)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    second = trainer.train_step(samples)
+    assert second["kl_ref"] > 0
+    # The reference stays frozen.
+    assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+
+
+def test_checkpoint_roundtrip(tiny_model_dir, demo_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = _trainer(tiny_model_dir)
+    samples = [_sample(trainer, demo_tokenizer, "Hi", " hello", 1.0, "a"),
+               _sample(trainer, demo_tokenizer, "Hi", " no", -1.0, "b")]
+    trainer.train_step(samples)
+    target = tmp_path / "global_step_1"
+    trainer.save_checkpoint(target)
+    trainer.train_step(samples)
+    trainer.save_checkpoint(target)  # overwrite in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]  # no temp folders left
+
+    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    trained = trainer.model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], atol=0, rtol=0, msg=name)
+    assert len(AutoTokenizer.from_pretrained(target)) == len(demo_tokenizer)
+
+    synced = dict(trainer.named_parameters_for_sync())
+    assert synced.keys() == dict(trainer.model.named_parameters()).keys()
+    assert "lm_head.weight" not in synced  # tied to the input embedding

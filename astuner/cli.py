@@ -5,6 +5,7 @@ when the command runs, and the backbone (torch and friends) only after the confi
 Every bad input ends as one `astuner: error: ...` paragraph on stderr and exit code 2, never a traceback.
 """
 
+import os
 import sys
 from typing import Annotated
 
@@ -90,6 +91,9 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     save_config(loaded)
     print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
 
+    # Runs must not reach for the Hugging Face hub (offline clusters, reproducibility); a user can still opt in.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from astuner.backbone import run_backbone
 
     run_backbone(backbone, loaded)

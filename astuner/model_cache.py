@@ -79,3 +79,11 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, target: Path) -> None:
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python -m astuner.model_cache: convert and cache the demo model(s) ahead of time
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for demo in sys.argv[1:] or list(DEMO_MODELS):
+        print(ensure_demo_model(demo))

@@ -72,7 +72,6 @@ class RolloutRunner:
         judge: BaseJudge,
         stop_token_ids: tuple[int, ...],
         config: Any = None,
-        seed: int = 0,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -81,7 +80,6 @@ class RolloutRunner:
         self.judge = judge
         self.stop_token_ids = stop_token_ids
         self.config = config
-        self.seed = seed
         self.renderer = ChatRenderer(tokenizer, settings.tool_prompt)
         self.parser = TOOL_PARSERS[settings.tool_parser]()
 
@@ -122,17 +120,20 @@ class RolloutRunner:
             temperature,
             self.stop_token_ids,
             madness_checks=self.settings.madness_checks,
-            seed=self.seed,
+            # No per-request seed: a shared one would make the episodes of a group sample identical answers
+            # on an engine that honours it. Reproducibility comes from the engine's own seeded generator.
+            seed=None,
         )
         workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation)
         start = time.perf_counter()
         output: WorkflowOutput | None = None
         try:
             workflow = self.workflow_cls(config=self.config)
-            output = await asyncio.wait_for(workflow.execute(workflow_task, tuner), self.settings.episode_timeout)
-            if not isinstance(output, WorkflowOutput):
-                raise TypeError(f"{self.workflow_cls.__name__}.execute returned {type(output).__name__}, "
+            result = await asyncio.wait_for(workflow.execute(workflow_task, tuner), self.settings.episode_timeout)
+            if not isinstance(result, WorkflowOutput):
+                raise TypeError(f"{self.workflow_cls.__name__}.execute returned {type(result).__name__}, "
                                 "expected WorkflowOutput")
+            output = result
         except EpisodeOverflow:
             episode.flags.append(FLAG_OVERFLOW)
         except asyncio.TimeoutError:

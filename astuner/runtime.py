@@ -120,6 +120,7 @@ def build_runtime(loaded) -> Runtime:
     from astuner.task_reader import build_task_reader
 
     cfg = loaded.cfg
+    _quiet_library_progress()
     seed = int(cfg.astuner.seed)
     random.seed(seed)
     torch.manual_seed(seed)
@@ -148,6 +149,18 @@ def build_runtime(loaded) -> Runtime:
         judge_cls(cfg),
         stop_token_ids(model_path, tokenizer),
         config=cfg,
-        seed=seed,
     )
     return Runtime(model_path, tokenizer, train_tasks, val_tasks, engine, trainer, runner)
+
+
+def _quiet_library_progress() -> None:
+    """Weight loading and dataset caching draw their own bars; the run has one progress bar of its own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:
+        pass

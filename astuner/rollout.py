@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from astuner.engine.base import InferenceEngine
+from astuner.errors import UserError
 from astuner.model_tuner import EpisodeOverflow, ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
@@ -80,6 +81,7 @@ class RolloutRunner:
         self.judge = judge
         self.stop_token_ids = stop_token_ids
         self.config = config
+        self._seen_errors: set[str] = set()
         self.renderer = ChatRenderer(tokenizer, settings.tool_prompt)
         self.parser = TOOL_PARSERS[settings.tool_parser]()
 
@@ -139,11 +141,13 @@ class RolloutRunner:
         except asyncio.TimeoutError:
             episode.flags.append(FLAG_TIMEOUT)
             episode.error = f"episode timed out after {self.settings.episode_timeout:.0f}s"
-            log.warning("episode %s: %s", episode.episode_uid, episode.error)
+            self._log_error(episode, "timed out")
+        except UserError:
+            raise  # bad input (e.g. a dataset without the field the judge needs) stops the run with its message
         except Exception:
             episode.flags.append(FLAG_FAILED)
             episode.error = traceback.format_exc()
-            log.warning("episode %s failed:\n%s", episode.episode_uid, episode.error)
+            self._log_error(episode, "failed")
         episode.calls = list(tuner.calls)
         episode.seconds = time.perf_counter() - start
 
@@ -151,12 +155,23 @@ class RolloutRunner:
             episode.output_metadata = dict(output.metadata)
             try:
                 self._score(episode, workflow_task, output)
+            except UserError:
+                raise
             except Exception:
                 episode.flags.append(FLAG_FAILED)
                 episode.error = traceback.format_exc()
-                log.warning("judging episode %s failed:\n%s", episode.episode_uid, episode.error)
+                self._log_error(episode, "could not be judged")
         self._apply_madness(episode)
         return episode
+
+    def _log_error(self, episode: Episode, what: str) -> None:
+        """Every error goes to the log file; the console gets each distinct error once, not once per episode."""
+        last_line = (episode.error or "").strip().splitlines()[-1:] or [""]
+        first_time = last_line[0] not in self._seen_errors
+        self._seen_errors.add(last_line[0])
+        level = logging.WARNING if first_time else logging.INFO
+        suffix = "" if not first_time else " (later episodes with the same error are only in the log file)"
+        log.log(level, "episode %s %s%s:\n%s", episode.episode_uid, what, suffix, episode.error)
 
     def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
         if output.reward is None:

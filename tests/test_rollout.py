@@ -146,3 +146,29 @@ def test_wrong_return_type_is_a_failure(demo_tokenizer):
     r, _ = runner(demo_tokenizer, Wrong)
     e = r.run(TASKS[:1])[0]
     assert "failed" in e.flags and "expected WorkflowOutput" in e.error
+
+
+def test_judge_user_error_stops_the_run(demo_tokenizer):
+    from astuner.errors import UserError
+
+    class NeedsAnswer(BaseJudge):
+        def compute_reward(self, workflow_task, workflow_output):
+            raise UserError("the dataset has no 'answer' field")
+
+    r = RolloutRunner(settings(), TextEngine(demo_tokenizer), demo_tokenizer, ChatWorkflow, NeedsAnswer(None),
+                      (demo_tokenizer.eos_token_id,))
+    with pytest.raises(UserError, match="no 'answer' field"):
+        r.run(TASKS[:1])
+
+
+def test_repeated_errors_reach_the_console_once(demo_tokenizer, caplog):
+    class Broken(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            raise RuntimeError("same bug every time")
+
+    r, _ = runner(demo_tokenizer, Broken)
+    with caplog.at_level("INFO", logger="astuner.rollout"):
+        episodes = r.run(TASKS)
+    assert all("failed" in e.flags for e in episodes)
+    levels = [rec.levelname for rec in caplog.records if "same bug" in rec.getMessage()]
+    assert levels.count("WARNING") == 1 and len(levels) == 6

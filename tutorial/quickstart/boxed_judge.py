@@ -1,8 +1,8 @@
-"""The quick-start judge: half the reward for answering inside \\boxed{}, half for the right number.
+"""The quick-start judge: success is the right number inside \\boxed{}.
 
-Success (what validation accuracy counts) needs both: the right number inside \\boxed{}. The 135M demo model
-adds small numbers correctly about half the time but rarely boxes its answer, so the shaped reward gives GRPO
-a signal from the first step, and the success rate shows the model learning the format.
+Reward: 1.0 for the right boxed number, 0.3 for a wrong boxed number, 0.0 without a boxed number. The partial
+credit rewards following the format (which the demo model rarely does at step 0) without ever paying an
+unboxed answer, so the policy cannot settle on the easier "a + b = c" without the box.
 """
 
 import re
@@ -10,16 +10,12 @@ import re
 from astuner.task_judge.base_judge import BaseJudge
 
 BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
-NUMBER = re.compile(r"-?\d+")
 
 
 class BoxedAnswerJudge(BaseJudge):
     def compute_reward(self, workflow_task, workflow_output):
-        text = workflow_output.metadata.get("final_answer") or ""
-        answer = str(workflow_task.task.metadata["answer"]).strip()
-        boxed = BOXED.findall(text)
-        numbers = NUMBER.findall(text)
-        last_correct = bool(numbers) and numbers[-1] == answer
-        success = bool(boxed) and boxed[-1] == answer
-        reward = 0.5 * bool(boxed) + 0.5 * (success or (not boxed and last_correct))
-        return reward, success
+        boxed = BOXED.findall(workflow_output.metadata.get("final_answer") or "")
+        if not boxed:
+            return 0.0, False
+        correct = boxed[-1] == str(workflow_task.task.metadata["answer"]).strip()
+        return (1.0 if correct else 0.3), correct

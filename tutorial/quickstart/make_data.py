@@ -1,14 +1,15 @@
 """Writes data/train.jsonl and data/val.jsonl: two-number additions whose answer must be given in \\boxed{}.
 
-The 135M demo model adds small numbers correctly about half the time but rarely uses \\boxed{}; GRPO teaches the
-format within minutes, which makes the learning visible on a CPU. Run: python make_data.py
+The 135M demo model writes "a + b = <sum>." and gets the sum right about half the time, but it rarely goes on to
+box the sum as the prompt asks (about 2% of answers succeed at step 0). GRPO teaches it to finish the answer,
+which makes learning visible within minutes on a CPU. Run: python make_data.py
 """
 
 import json
 import random
 from pathlib import Path
 
-PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+PROMPT = "What is {a} + {b}? Reply in the form: {a} + {b} = <sum>. The answer is \\boxed{{<sum>}}."
 
 
 def rows(rng: random.Random, n: int, seen: set) -> list[dict]:

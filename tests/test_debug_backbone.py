@@ -130,3 +130,38 @@ def test_bad_workflow_path_is_a_clean_error(tmp_path, tiny_model_dir, capsys):
                  f"astuner.experiment_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert code == 2 and "missing.py" in err and "Traceback" not in err
+
+
+def test_rollout_progress_counts_every_episode():
+    from types import SimpleNamespace
+
+    from astuner.backbone.debug import InProcessStages
+
+    class Runner:
+        settings = SimpleNamespace(num_repeat=3)
+
+        def run(self, tasks, validation, on_episode_done=None):
+            for _ in range(len(tasks) * (1 if validation else 3)):
+                on_episode_done(None)
+            return []
+
+    bars = []
+
+    class Bar:
+        def __init__(self, desc, total):
+            self.desc, self.total, self.n = desc, total, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k):
+            self.n += k
+
+    stages = InProcessStages(Runner(), None, None, Path("."), None, progress=Bar)
+    stages.rollout([object()] * 4, validation=False)
+    stages.rollout([object()] * 4, validation=True)
+    assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4)]

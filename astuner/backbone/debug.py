@@ -15,13 +15,17 @@ log = logging.getLogger(__name__)
 class InProcessStages:
     """Every stage in this process: the engine and trainer hold separate copies of the weights."""
 
-    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, on_episode_done=None) -> None:
+    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, progress=None) -> None:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
-        self.on_episode_done = on_episode_done
+        self.progress = progress  # (description, total) -> a bar with update(), or None
 
     def rollout(self, tasks: list[Task], validation: bool) -> list[Episode]:
-        return self.runner.run(tasks, validation=validation, on_episode_done=self.on_episode_done)
+        if self.progress is None:
+            return self.runner.run(tasks, validation=validation)
+        total = len(tasks) * (1 if validation else self.runner.settings.num_repeat)
+        with self.progress("validation" if validation else "rollout", total) as bar:
+            return self.runner.run(tasks, validation=validation, on_episode_done=lambda _: bar.update(1))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.trainer.train_step(samples)
@@ -46,7 +50,9 @@ def run(loaded) -> RunSummary:
     settings = LoopSettings.from_config(cfg)
     total = count_steps(len(rt.train_tasks), settings)
     monitor = Monitor(loaded.experiment_dir, total, tokenizer=rt.tokenizer)
-    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer)
+    stages = InProcessStages(
+        rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, progress=monitor.episode_bar
+    )
     try:
         summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor)
     finally:

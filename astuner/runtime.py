@@ -14,7 +14,6 @@ from astuner.workflow import ClassSpecError, Workflow, load_class
 
 log = logging.getLogger(__name__)
 
-ENGINES = {"hf"}  # vllm arrives with its own module
 LATER_ENGINES = {"vllm"}
 
 
@@ -100,16 +99,24 @@ def build_trainer(cfg, model_path: str):
     )
 
 
-def build_engine(cfg, model_path: str, tokenizer):
-    name = str(cfg.astuner.rollout.engine)
-    if name in LATER_ENGINES:
-        raise UserError(f"astuner.rollout.engine={name!r} comes in a later release; use engine 'hf' for now")
+def _hf_engine(cfg, model_path: str, tokenizer):
     from astuner.engine.hf_engine import HFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFEngine(
         model_path, max_batch_size=int(cfg.astuner.rollout.max_env_worker), seed=int(cfg.astuner.seed), pad_token_id=pad
     )
+
+
+# astuner.rollout.engine -> builder(cfg, model_path, tokenizer)
+ENGINES = {"hf": _hf_engine}
+
+
+def build_engine(cfg, model_path: str, tokenizer):
+    name = str(cfg.astuner.rollout.engine)
+    if name in LATER_ENGINES:
+        raise UserError(f"astuner.rollout.engine={name!r} comes in a later release; use engine 'hf' for now")
+    return ENGINES[name](cfg, model_path, tokenizer)
 
 
 def build_runtime(loaded) -> Runtime:

@@ -17,7 +17,6 @@ least disturbed). Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import time
 
@@ -103,7 +102,6 @@ def bench_train(model_path, samples, repeats, budget):
         norm_length=128, max_token_len_per_micro_batch=budget,
     )
     t_grpo = best_of(lambda: trainer.train_step(samples), repeats)
-    del trainer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)

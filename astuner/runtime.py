@@ -19,7 +19,6 @@ LATER_ENGINES = {"vllm"}
 
 @dataclass
 class Runtime:
-    model_path: str
     tokenizer: object
     train_tasks: list[Task]
     val_tasks: list[Task]
@@ -157,7 +156,7 @@ def build_runtime(loaded) -> Runtime:
         stop_token_ids(model_path, tokenizer),
         config=cfg,
     )
-    return Runtime(model_path, tokenizer, train_tasks, val_tasks, engine, trainer, runner)
+    return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner)
 
 
 def _quiet_library_progress() -> None:

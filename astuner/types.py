@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "overflow"]
+FinishReason = Literal["stop", "length"]
 
 # Flags an LLM call or an episode can carry. Madness checks produce the first two.
 FLAG_NONSENSE = "nonsense"

@@ -12,6 +12,7 @@ so the importance ratio starts at exactly 1 after a weight sync.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -58,7 +59,6 @@ class HFEngine:
         self._model_lock = threading.Lock()  # weight loads never interleave with a decode step
         self._worker: threading.Thread | None = None
         self._closed = False
-        self.generated_tokens = 0
 
     # ---------------------------------------------------------------- public API
 
@@ -154,7 +154,7 @@ class HFEngine:
         reasons: list[str] = ["length"] * n
         alive = list(range(n))  # row i of the live batch is request alive[i]
 
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else _nullcontext()
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
         with autocast:
             out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         cache = out.past_key_values
@@ -177,7 +177,6 @@ class HFEngine:
                     reasons[req] = "stop"
                 elif len(out_ids[req]) < max_new[req]:
                     keep.append(row)
-            self.generated_tokens += len(alive)
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -209,11 +208,3 @@ def _resolve(future: asyncio.Future, result, exc) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from astuner.errors import UserError
+from astuner.errors import TrainingStalled, UserError
 
 # Older Typer raises the click package's exceptions; newer Typer vendors click and raises its own types.
 _CLI_ERRORS: tuple = tuple(t for t in (getattr(typer, "TyperException", None),) if t)
@@ -27,6 +27,7 @@ except ImportError:  # only newer Typer gets here, and it needs no click
 BACKBONES = ("debug", "verl", "trinity")
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
+STALLED_EXIT = 1
 
 app = typer.Typer(
     add_completion=False,
@@ -79,15 +80,16 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     if with_logview:
         raise UserError(f"--with-logview {later}.")
 
-    from astuner.config import format_inapplicable_warning, inapplicable_keys, load_config, save_config
+    from astuner.config import config_warnings, load_config, save_config
+    from astuner.resume import plan_start
 
     loaded = load_config(conf, overrides)
-    warning = format_inapplicable_warning(
-        inapplicable_keys(loaded, backbone), backbone, loaded.cfg.astuner.rollout.engine
-    )
-    if warning:
+    for warning in config_warnings(loaded, backbone):
         # Printed rather than logged: logging is configured by the backbone, which has not started yet.
         print(f"astuner: warning: {warning}", file=sys.stderr)
+    start = plan_start(loaded)
+    loaded = start.loaded
+    print(f"astuner: {start.message}", file=sys.stderr)
     save_config(loaded)
     print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
 
@@ -96,7 +98,7 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from astuner.backbone import run_backbone
 
-    run_backbone(backbone, loaded)
+    run_backbone(backbone, loaded, checkpoint=start.checkpoint)
 
 
 def _fail(message: str) -> int:
@@ -118,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         hint = " Run 'astuner --help' for usage." if getattr(exc, "exit_code", 1) == USAGE_EXIT else ""
         return _fail(message + hint)
     except UserError as exc:
-        return _fail(str(exc))
+        code = _fail(str(exc))
+        if exc.details:
+            print(exc.details, file=sys.stderr)
+        return code
+    except TrainingStalled as exc:
+        _fail(str(exc))
+        return STALLED_EXIT
     except (KeyboardInterrupt, *_ABORTS):
         print("astuner: interrupted", file=sys.stderr)
         return INTERRUPT_EXIT

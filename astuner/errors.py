@@ -1,5 +1,40 @@
-"""Errors caused by the user's input (config, data, user code paths). The CLI prints them and exits with 2."""
+"""Errors the CLI turns into a message instead of a traceback.
+
+UserError: bad input (config, data, user code paths); exit code 2.
+TrainingStalled: the run stopped because it would otherwise train on nothing; exit code 1.
+"""
 
 
 class UserError(Exception):
-    """Bad input: the message says what is wrong and how to fix it, in one paragraph."""
+    """Bad input: the message says what is wrong and how to fix it, in one paragraph.
+
+    `details` (optional) is printed after the paragraph, e.g. the traceback of the user's own code.
+    """
+
+    def __init__(self, message: str, details: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class TrainingStalled(RuntimeError):
+    """The run stopped instead of training on nothing; the message quotes the first error seen."""
+
+
+def user_code_error(what: str, path: str, exc: BaseException) -> UserError:
+    """A UserError for an exception raised by the user's own module (at import or in a constructor).
+
+    The message names the file; `details` is the traceback cut to the user's frames (astuner's and importlib's
+    own frames left out), ending with the exception itself.
+    """
+    import traceback
+    from pathlib import Path
+
+    package = str(Path(__file__).resolve().parent)
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(package) and "importlib" not in f.filename and not f.filename.startswith("<frozen")
+    ]
+    lines = ["Traceback (your code):\n"] + traceback.format_list(frames) if frames else []
+    lines += traceback.format_exception_only(type(exc), exc)
+    summary = " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())
+    return UserError(f"{what} {path} raised an error: {summary}. Fix it; the traceback follows.", "".join(lines).rstrip())

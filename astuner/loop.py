@@ -1,12 +1,16 @@
 """THE training loop. Every backbone calls `run_loop`; a backbone only decides where each stage runs.
 
-    for each step:
+    for each step (from the resumed one, if any):
         tasks    = next batch of training tasks
         episodes = stages.rollout(tasks)                 # workflow x num_repeat, judge, madness
         samples  = episodes_to_samples(episodes)         # one per LLM call, GRPO advantage per episode
         metrics  = stages.train(samples)                 # PPO-clip step(s) on the policy
         stages.sync_weights()                            # the engine samples from the new policy
-        log, validate every test_freq, checkpoint every save_freq
+        log, validate every test_freq, checkpoint (resumable) every save_freq
+
+Never silently idle: a step whose episodes all failed or timed out stops the run, and so do `max_idle_steps`
+steps in a row without a sample that carries a gradient (no episode trained, or every group's rewards equal),
+with a message quoting the first error seen.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
 from astuner.algorithm.samples import episodes_to_samples
+from astuner.errors import TrainingStalled
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -35,13 +40,13 @@ log = logging.getLogger(__name__)
 
 
 class Stages(Protocol):
-    def rollout(self, tasks: list[Task], validation: bool) -> list[Episode]: ...
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]: ...
 
     def train(self, samples: list[Sample]) -> dict[str, float]: ...
 
     def sync_weights(self) -> None: ...
 
-    def save_checkpoint(self, step: int) -> Path: ...
+    def save_checkpoint(self, step: int, run_state: dict) -> Path: ...
 
 
 class MonitorLike(Protocol):
@@ -66,24 +71,41 @@ class LoopSettings:
     norm_adv_by_std: bool
     adv_epsilon: float
     max_sample_per_task: int
+    max_idle_steps: int = 5
+    grad_without_advantage: bool = False  # the KL loss gives zero-advantage samples a gradient too
 
     @classmethod
-    def from_config(cls, cfg) -> "LoopSettings":
-        a, tc = cfg.astuner, cfg.astuner.trainer_common
+    def from_config(cls, typed) -> "LoopSettings":
+        a, tc = typed.astuner, typed.astuner.trainer_common
         return cls(
-            train_batch_size=int(a.data.train_batch_size),
-            total_epochs=int(tc.total_epochs),
-            total_training_steps=None if tc.total_training_steps is None else int(tc.total_training_steps),
-            save_freq=int(tc.save_freq),
-            test_freq=int(tc.test_freq),
-            val_before_train=bool(tc.val_before_train),
-            shuffle=bool(a.data.shuffle),
-            seed=int(a.seed),
-            adv_estimator=str(tc.algorithm.adv_estimator),
-            norm_adv_by_std=bool(tc.algorithm.norm_adv_by_std_in_grpo),
-            adv_epsilon=float(tc.algorithm.epsilon),
-            max_sample_per_task=int(a.rollout.multi_turn.max_sample_per_task),
+            train_batch_size=a.data.train_batch_size,
+            total_epochs=tc.total_epochs,
+            total_training_steps=tc.total_training_steps,
+            save_freq=tc.save_freq,
+            test_freq=tc.test_freq,
+            val_before_train=tc.val_before_train,
+            shuffle=a.data.shuffle,
+            seed=a.seed,
+            adv_estimator=tc.algorithm.adv_estimator,
+            norm_adv_by_std=tc.algorithm.norm_adv_by_std_in_grpo,
+            # Read only where it acts (the start-up warning names it otherwise).
+            adv_epsilon=tc.algorithm.epsilon if tc.algorithm.norm_adv_by_std_in_grpo else 0.0,
+            max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
+            max_idle_steps=tc.max_idle_steps,
+            grad_without_advantage=tc.use_kl_loss,
         )
+
+
+@dataclass
+class ResumeState:
+    """Where a run stands after a step; saved with each checkpoint, plain JSON."""
+
+    step: int = 0
+    epoch: int = 0  # epoch of the next batch
+    position: int = 0  # index of the next task in that epoch's (shuffled) order
+    idle_steps: int = 0
+    val_scores: dict[str, float] = field(default_factory=dict)
+    first_error: str | None = None
 
 
 @dataclass
@@ -112,15 +134,25 @@ def count_steps(num_tasks: int, settings: LoopSettings) -> int:
     return total
 
 
-def task_batches(tasks: list[Task], settings: LoopSettings) -> Iterator[list[Task]]:
-    """Epochs of (optionally shuffled) tasks cut into batches; the last batch of an epoch may be smaller."""
+def task_batches(
+    tasks: list[Task], settings: LoopSettings, epoch: int = 0, position: int = 0
+) -> Iterator[tuple[list[Task], int, int]]:
+    """(batch, epoch, position after it) over epochs of (optionally shuffled) tasks, from (epoch, position).
+
+    Epoch e's order is the e-th shuffle of one seeded generator, so a resumed run sees the same order; the last
+    batch of an epoch may be smaller.
+    """
     rng = random.Random(settings.seed)
-    for _ in range(settings.total_epochs):
+    for e in range(settings.total_epochs):
         order = list(tasks)
         if settings.shuffle:
             rng.shuffle(order)
-        for start in range(0, len(order), settings.train_batch_size):
-            yield order[start : start + settings.train_batch_size]
+        if e < epoch:
+            continue
+        start = position if e == epoch else 0
+        for begin in range(start, len(order), settings.train_batch_size):
+            end = begin + settings.train_batch_size
+            yield order[begin:end], e, min(end, len(order))
 
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
@@ -141,14 +173,36 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     }
 
 
+def zero_adv_group_fraction(episodes: list[Episode]) -> float:
+    """Share of task groups (trainable episodes of one task) whose rewards are all equal: GRPO learns nothing
+    from them. A group with one trainable episode counts as equal; a group with none is not counted."""
+    groups: dict[str, set[float]] = {}
+    for e in episodes:
+        if e.trainable:
+            groups.setdefault(e.group_id, set()).add(e.reward)
+    if not groups:
+        return 1.0
+    return sum(len(r) == 1 for r in groups.values()) / len(groups)
+
+
+def _first_error(episodes: list[Episode]) -> str | None:
+    for e in episodes:
+        if e.error:
+            lines = e.error.strip().splitlines()
+            return f"episode {e.episode_uid}: {lines[-1] if lines else e.error}"
+    return None
+
+
 def run_loop(
     settings: LoopSettings,
     stages: Stages,
     train_tasks: list[Task],
     val_tasks: list[Task],
     monitor: MonitorLike,
+    resume: ResumeState | None = None,
 ) -> RunSummary:
-    summary = RunSummary()
+    state = resume or ResumeState()
+    summary = RunSummary(steps=state.step, val_scores={int(k): v for k, v in state.val_scores.items()})
     total_steps = count_steps(len(train_tasks), settings)
     started = time.perf_counter()
 
@@ -156,24 +210,33 @@ def run_loop(
         if not val_tasks:
             return
         t0 = time.perf_counter()
-        episodes = stages.rollout(val_tasks, validation=True)
+        episodes = stages.rollout(val_tasks, validation=True, step=step)
         metrics = episode_metrics(episodes, "val")
         metrics["val/accuracy"] = metrics["val/success_rate"]
         metrics["time/validation_s"] = time.perf_counter() - t0
         summary.val_scores[step] = metrics["val/accuracy"]
+        state.val_scores[str(step)] = metrics["val/accuracy"]
         monitor.log_metrics(step, metrics)
         monitor.save_episodes(step, episodes, "val")
         log.info("step %d validation accuracy %.3f over %d tasks", step, metrics["val/accuracy"], len(episodes))
 
-    if settings.val_before_train:
+    if settings.val_before_train and state.step == 0:
         validate(0)
 
-    for step, tasks in enumerate(task_batches(train_tasks, settings), start=1):
+    batches = task_batches(train_tasks, settings, state.epoch, state.position)
+    for step, (tasks, epoch, position) in enumerate(batches, start=state.step + 1):
         if step > total_steps:
             break
         t0 = time.perf_counter()
-        episodes = stages.rollout(tasks, validation=False)
+        episodes = stages.rollout(tasks, validation=False, step=step)
         t1 = time.perf_counter()
+        state.first_error = state.first_error or _first_error(episodes)
+        if not any(e.trainable for e in episodes):
+            raise TrainingStalled(
+                f"step {step}: all {len(episodes)} episodes failed or timed out, so there is nothing to train on. "
+                f"First error: {state.first_error or 'none recorded'}. Fix the workflow (run with --backbone debug "
+                f"and a breakpoint in it), or raise astuner.rollout.episode_timeout if the episodes are just slow."
+            )
         samples = episodes_to_samples(
             episodes,
             adv_estimator=settings.adv_estimator,
@@ -188,22 +251,47 @@ def run_loop(
 
         metrics = episode_metrics(episodes, "train")
         metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
+        zero_frac = zero_adv_group_fraction(episodes)
         metrics.update({
             "time/rollout_s": t1 - t0,
             "time/train_s": t2 - t1,
             "time/sync_s": t3 - t2,
             "perf/rollout_tokens_per_s": metrics["train/generated_tokens"] / max(t1 - t0, 1e-9),
             "train/num_samples": float(len(samples)),
+            "train/zero_adv_group_fraction": zero_frac,
         })
         monitor.log_metrics(step, metrics)
         monitor.save_episodes(step, episodes, "train")
         summary.steps = step
+        state.step, state.epoch, state.position = step, epoch, position
+        _check_idle(state, settings, samples, zero_frac, step)
 
         if step % settings.test_freq == 0 or step == total_steps:
             validate(step)
         if step % settings.save_freq == 0 or step == total_steps:
-            summary.last_checkpoint = stages.save_checkpoint(step)
+            summary.last_checkpoint = stages.save_checkpoint(step, asdict(state))
         monitor.step_done(step, metrics)
 
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _check_idle(state: ResumeState, settings: LoopSettings, samples: list[Sample], zero_frac: float, step: int) -> None:
+    learning = any(s.advantage != 0.0 for s in samples) or (settings.grad_without_advantage and bool(samples))
+    if learning:
+        state.idle_steps = 0
+        return
+    state.idle_steps += 1
+    why = (
+        "every task's episodes got the same reward (train/zero_adv_group_fraction = 1.0), so every GRPO advantage "
+        "is 0" if zero_frac == 1.0 else "no episode produced a trainable sample"
+    )
+    log.warning("step %d trained on nothing: %s (%d of %d idle steps allowed in a row)", step, why,
+                state.idle_steps, settings.max_idle_steps)
+    if state.idle_steps >= settings.max_idle_steps:
+        raise TrainingStalled(
+            f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
+            f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
+            "the task may be too hard (all 0) or too easy (all 1) for this model, or raise "
+            "astuner.trainer_common.max_idle_steps."
+        )

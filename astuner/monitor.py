@@ -1,4 +1,10 @@
-"""Run outputs: log file, tensorboard scalars, metrics.jsonl, saved trajectories, console progress."""
+"""Run outputs: log file, tensorboard scalars, metrics.jsonl, saved trajectories, console progress.
+
+Logging goes through loguru: a file sink (<experiment_dir>/astuner.log, INFO and up) and a console sink (WARNING and
+up, written with tqdm.write so the progress bars stay whole). Records of the standard `logging` module (astuner's
+own modules, libraries) are routed into loguru, and a workflow that does `from loguru import logger` logs into
+the same file.
+"""
 
 from __future__ import annotations
 
@@ -22,47 +28,93 @@ _POSTFIX = {
 }
 
 
+_SINKS: list[int] = []  # loguru sink ids added by setup_logging, removed on the next call
+
+
 def setup_logging(experiment_dir: Path) -> Path:
     """Log INFO and above to <experiment_dir>/astuner.log; the console shows warnings and the progress bar."""
+    from loguru import logger
+
     experiment_dir.mkdir(parents=True, exist_ok=True)
     path = experiment_dir / "astuner.log"
+    for sink in _SINKS:
+        logger.remove(sink)
+    _SINKS.clear()
+    try:
+        logger.remove(0)  # loguru's own default stderr sink would print every INFO line a second time
+    except ValueError:
+        pass
+    _SINKS.append(logger.add(path, level="INFO", encoding="utf-8", enqueue=False,
+                             format="{time:YYYY-MM-DD HH:mm:ss.SSS} {level} {name}: {message}"))
+    _SINKS.append(logger.add(_console, level="WARNING", format="astuner: {level}: {message}", colorize=False))
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):
-        if getattr(handler, "_astuner", False):
+        if isinstance(handler, _InterceptHandler):
             root.removeHandler(handler)
-    file_handler = logging.FileHandler(path, encoding="utf-8")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    console = _TqdmHandler()
-    console.setLevel(logging.WARNING)
-    console.setFormatter(logging.Formatter("astuner: %(levelname)s: %(message)s"))
-    for handler in (file_handler, console):
-        handler._astuner = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
+    root.addHandler(_InterceptHandler())
     return path
 
 
-class _TqdmHandler(logging.Handler):
-    """Console output that does not tear the progress bar."""
+def announce(message: str) -> None:
+    """INFO in the log file, and on the console whatever its level filter."""
+    from loguru import logger
+    from tqdm import tqdm
+
+    logger.info(message)
+    tqdm.write(f"astuner: {message}", file=sys.stderr)
+
+
+def _console(message) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(str(message).rstrip("\n"), file=sys.stderr)
+
+
+class _InterceptHandler(logging.Handler):
+    """Standard logging -> loguru, keeping the record's level and logger name."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
+        from loguru import logger
 
-        tqdm.write(self.format(record), file=sys.stderr)
+        try:
+            level: str | int = logger.level(record.levelname).name
+        except ValueError:
+            level = record.levelno
+        text = record.getMessage()
+        if record.exc_info:
+            import traceback
+
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        logger.patch(lambda r: r.update(name=record.name)).log(level, text)
 
 
 class Monitor:
-    def __init__(self, experiment_dir: Path, total_steps: int, tokenizer=None, show_progress: bool = True) -> None:
+    def __init__(
+        self,
+        experiment_dir: Path,
+        total_steps: int,
+        tokenizer=None,
+        show_progress: bool = True,
+        resume_step: int | None = None,
+    ) -> None:
+        """`resume_step`: the run continues after that step; metrics and tensorboard events of later steps (the
+        part of the earlier run after its checkpoint) are dropped, so nothing is counted twice."""
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         self.dir = experiment_dir
         self.tokenizer = tokenizer
-        self.writer = SummaryWriter(log_dir=str(experiment_dir / "tensorboard"))
-        self.metrics_file = open(experiment_dir / "metrics.jsonl", "a", encoding="utf-8")
+        metrics_path = experiment_dir / "metrics.jsonl"
+        if resume_step is not None:
+            _truncate_metrics(metrics_path, resume_step)
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(experiment_dir / "tensorboard"), purge_step=purge)
+        self.metrics_file = open(metrics_path, "a" if resume_step is not None else "w", encoding="utf-8")
         self.trajectory_dir = experiment_dir / "trajectories"
         self.trajectory_dir.mkdir(parents=True, exist_ok=True)
-        self.bar = tqdm(total=total_steps, desc="astuner", unit="step", disable=not show_progress, dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, desc="astuner", unit="step", disable=not show_progress, dynamic_ncols=True,
+                        initial=resume_step or 0)
         self._postfix: dict[str, str] = {}
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -123,3 +175,17 @@ class Monitor:
                 for call in episode.calls
             ],
         }
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of steps <= last_step (the checkpoint's); a torn last line from a kill is dropped too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")

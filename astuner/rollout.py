@@ -1,15 +1,28 @@
 """Rollout: run the user's workflow `num_repeat` times per task, concurrently, and turn each run into an Episode.
 
-Per episode: a fresh Workflow instance and a fresh ModelTuner (which records every LLM call), a timeout, and
+Per episode: a fresh Workflow instance and a fresh ModelTuner (which records every LLM call), a deadline, and
 never a crash of the run: an exception or timeout is logged with its traceback and the episode is flagged
 (failed / timeout) and left out of training. A context overflow ends the episode early (flag "overflow",
 reward 0.0, its calls are kept). When the workflow returns reward=None the judge scores it. If a madness check
 listed in `rollout.compute_madness_checklist` fired on any call, the reward becomes `agent_madness_reward`.
+
+The deadline is enforced where astuner has control, because a workflow may not let a cancellation through
+(AgentScope's `AgentBase.__call__` catches `CancelledError` and returns an "interrupted" message, so
+`asyncio.wait_for` would return normally and leave the rest of the workflow without a limit). At the deadline the
+ModelTuner expires (its pending engine requests are aborted and every later call raises `EpisodeTimeout` at once),
+the workflow task is cancelled, and the episode is flagged timeout whatever the workflow returns. A workflow that
+still does not finish within `CANCEL_GRACE_S` is abandoned. Likewise an overflow the ModelTuner recorded flags the
+episode even when the workflow caught the exception.
+
+Sampling seeds are derived from (astuner.seed, step, episode uid), so an episode samples the same tokens whatever
+else runs beside it, and a resumed run repeats the run it continues.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 import logging
 import time
 import traceback
@@ -18,7 +31,7 @@ from typing import Any, Callable
 
 from astuner.engine.base import InferenceEngine
 from astuner.errors import UserError
-from astuner.model_tuner import EpisodeOverflow, ModelTuner, TunerLimits
+from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.task_judge.base_judge import BaseJudge
@@ -26,6 +39,9 @@ from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Tas
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
 log = logging.getLogger(__name__)
+
+# Seconds a cancelled workflow gets to unwind after its deadline before the rollout stops waiting for it.
+CANCEL_GRACE_S = 5.0
 
 
 @dataclass
@@ -39,25 +55,28 @@ class RolloutSettings:
     limits: TunerLimits
     tool_prompt: str
     tool_parser: str
+    seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "RolloutSettings":
-        r, d = cfg.astuner.rollout, cfg.astuner.data
+    def from_config(cls, typed, max_model_len: int) -> "RolloutSettings":
+        """From the typed config; `max_model_len` is rollout.max_model_len resolved against the model's limit."""
+        r, d = typed.astuner.rollout, typed.astuner.data
         return cls(
-            num_repeat=int(r.num_repeat),
-            max_env_worker=int(r.max_env_worker),
-            temperature=float(r.temperature),
-            episode_timeout=float(r.episode_timeout),
-            agent_madness_reward=float(r.agent_madness_reward),
+            num_repeat=r.num_repeat,
+            max_env_worker=r.max_env_worker,
+            temperature=r.temperature,
+            episode_timeout=r.episode_timeout,
+            agent_madness_reward=r.agent_madness_reward,
             madness_checks=tuple(r.compute_madness_checklist),
             limits=TunerLimits(
-                max_model_len=int(r.max_model_len),
-                max_tokens_per_turn=int(r.max_response_length_in_one_turn),
-                max_response_tokens=int(d.max_response_length),
-                max_prompt_length=int(d.max_prompt_length),
+                max_model_len=max_model_len,
+                max_tokens_per_turn=r.max_response_length_in_one_turn,
+                max_response_tokens=d.max_response_length,
+                max_prompt_length=d.max_prompt_length,
             ),
-            tool_prompt=str(r.tool_prompt),
-            tool_parser=str(r.tool_parser),
+            tool_prompt=r.tool_prompt,
+            tool_parser=r.tool_parser,
+            seed=typed.astuner.seed,
         )
 
 
@@ -91,18 +110,25 @@ class RolloutRunner:
         *,
         validation: bool = False,
         on_episode_done: Callable[[Episode], None] | None = None,
+        step: int = 0,
     ) -> list[Episode]:
         """Training: `num_repeat` sampled episodes per task. Validation: one greedy episode per task."""
-        return asyncio.run(self.run_async(tasks, validation=validation, on_episode_done=on_episode_done))
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(
+                self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step)
+            )
+        finally:
+            _close_loop(loop)
 
-    async def run_async(self, tasks, *, validation=False, on_episode_done=None) -> list[Episode]:
+    async def run_async(self, tasks, *, validation=False, on_episode_done=None, step: int = 0) -> list[Episode]:
         repeats = 1 if validation else self.settings.num_repeat
         temperature = 0.0 if validation else self.settings.temperature
         gate = asyncio.Semaphore(self.settings.max_env_worker)
 
         async def one(task: Task, index: int) -> Episode:
             async with gate:
-                episode = await self._episode(task, index, temperature, validation)
+                episode = await self._episode(task, index, temperature, validation, step)
             if on_episode_done is not None:
                 on_episode_done(episode)
             return episode
@@ -110,9 +136,12 @@ class RolloutRunner:
         jobs = [one(task, i) for task in tasks for i in range(repeats)]
         return list(await asyncio.gather(*jobs))
 
-    async def _episode(self, task: Task, repeat_index: int, temperature: float, validation: bool) -> Episode:
+    async def _episode(
+        self, task: Task, repeat_index: int, temperature: float, validation: bool, step: int = 0
+    ) -> Episode:
         tag = "val" if validation else "train"
         episode = Episode(task=task, repeat_index=repeat_index, episode_uid=f"{tag}:{task.task_id}#{repeat_index}")
+        timeout = self.settings.episode_timeout
         tuner = ModelTuner(
             self.engine,
             self.tokenizer,
@@ -122,28 +151,31 @@ class RolloutRunner:
             temperature,
             self.stop_token_ids,
             madness_checks=self.settings.madness_checks,
-            # No per-request seed: a shared one would make the episodes of a group sample identical answers
-            # on an engine that honours it. Reproducibility comes from the engine's own seeded generator.
-            seed=None,
+            # Distinct per episode (a shared seed would make a group's episodes sample identical answers), and
+            # independent of what else is in the engine's batch.
+            seed=_episode_seed(self.settings.seed, step, episode.episode_uid),
+            deadline=time.monotonic() + timeout,
+            episode_uid=episode.episode_uid,
         )
         workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation)
         start = time.perf_counter()
         output: WorkflowOutput | None = None
+        job = asyncio.ensure_future(self._execute(workflow_task, tuner))
+        done, _ = await asyncio.wait({job}, timeout=timeout)
+        if not done:
+            tuner.expire(f"episode timed out after {timeout:g}s")
+            job.cancel()
+            done, _ = await asyncio.wait({job}, timeout=CANCEL_GRACE_S)
+            if not done:
+                log.warning("episode %s: the workflow ignored cancellation for %gs after its deadline; abandoned",
+                            episode.episode_uid, CANCEL_GRACE_S)
         try:
-            workflow = self.workflow_cls(config=self.config)
-            result = await asyncio.wait_for(workflow.execute(workflow_task, tuner), self.settings.episode_timeout)
-            if not isinstance(result, WorkflowOutput):
-                raise TypeError(f"{self.workflow_cls.__name__}.execute returned {type(result).__name__}, "
-                                "expected WorkflowOutput")
-            output = result
-        except EpisodeOverflow:
-            episode.flags.append(FLAG_OVERFLOW)
-        except asyncio.TimeoutError:
-            episode.flags.append(FLAG_TIMEOUT)
-            episode.error = f"episode timed out after {self.settings.episode_timeout:.0f}s"
-            self._log_error(episode, "timed out")
+            if job.done() and not job.cancelled():
+                output = job.result()
         except UserError:
             raise  # bad input (e.g. a dataset without the field the judge needs) stops the run with its message
+        except (EpisodeOverflow, EpisodeTimeout):
+            pass  # flagged below from the tuner's own record
         except Exception:
             episode.flags.append(FLAG_FAILED)
             episode.error = traceback.format_exc()
@@ -151,10 +183,20 @@ class RolloutRunner:
         episode.calls = list(tuner.calls)
         episode.seconds = time.perf_counter() - start
 
+        # The tuner's record wins over what the workflow returned: it may have caught our exception and gone on.
+        if tuner.expired:
+            output = None
+            episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_TIMEOUT]
+            episode.error = f"episode timed out after {timeout:g}s ({tuner.expired_reason})"
+            self._log_error(episode, "timed out")
+        elif tuner.overflowed:
+            output = None
+            episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_OVERFLOW]
+
         if output is not None:
             episode.output_metadata = dict(output.metadata)
             try:
-                self._score(episode, workflow_task, output)
+                await self._score(episode, workflow_task, output)
             except UserError:
                 raise
             except Exception:
@@ -163,6 +205,15 @@ class RolloutRunner:
                 self._log_error(episode, "could not be judged")
         self._apply_madness(episode)
         return episode
+
+    async def _execute(self, workflow_task: WorkflowTask, tuner: ModelTuner) -> WorkflowOutput:
+        workflow = self.workflow_cls(config=self.config)
+        result = await workflow.execute(workflow_task, tuner)
+        if not isinstance(result, WorkflowOutput):
+            raise TypeError(
+                f"{self.workflow_cls.__name__}.execute returned {type(result).__name__}, expected WorkflowOutput"
+            )
+        return result
 
     def _log_error(self, episode: Episode, what: str) -> None:
         """Every error goes to the log file; the console gets each distinct error once, not once per episode."""
@@ -173,9 +224,14 @@ class RolloutRunner:
         suffix = "" if not first_time else " (later episodes with the same error are only in the log file)"
         log.log(level, "episode %s %s%s:\n%s", episode.episode_uid, what, suffix, episode.error)
 
-    def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
+    async def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
         if output.reward is None:
-            reward, success = self.judge.compute_reward(workflow_task, output)
+            if inspect.iscoroutinefunction(self.judge.compute_reward):
+                reward, success = await self.judge.compute_reward(workflow_task, output)
+            else:
+                # A worker thread: a slow judge (a verifier, a sandbox, a remote model) must not stall the
+                # episodes still running on this event loop.
+                reward, success = await asyncio.to_thread(self.judge.compute_reward, workflow_task, output)
         else:
             reward = output.reward
             success = output.is_success if output.is_success is not None else reward > 0
@@ -188,3 +244,22 @@ class RolloutRunner:
             episode.flags.extend(fired)
             episode.reward = self.settings.agent_madness_reward
             episode.is_success = False
+
+
+def _episode_seed(seed: int, step: int, episode_uid: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{step}:{episode_uid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a rollout's loop without waiting for ever on a workflow that ignores cancellation."""
+    try:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE_S))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()

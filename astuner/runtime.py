@@ -3,12 +3,13 @@ in the process where each piece lives; the debug backbone builds all of them her
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from astuner.errors import UserError
+from astuner.errors import UserError, user_code_error
 from astuner.types import Task
 from astuner.workflow import ClassSpecError, Workflow, load_class
 
@@ -25,6 +26,7 @@ class Runtime:
     engine: object
     trainer: object
     runner: object
+    plan: object = None  # preflight.RunPlan
 
 
 def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None = None) -> type:
@@ -34,9 +36,35 @@ def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None
         cls = load_class(str(spec), [base_dir])
     except ClassSpecError as exc:
         raise UserError(f"{key}: {exc}") from None
+    except Exception as exc:  # the user's module itself raised at import: show their traceback, not ours
+        raise user_code_error(f"{key}: your {what} module", _module_file(str(spec), exc), exc) from None
     if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
         raise UserError(f"{key}: {spec!r} is not a subclass of {base.__module__}.{base.__qualname__}")
     return cls
+
+
+def _module_file(spec: str, exc: BaseException) -> str:
+    """The user's file an import error came from: the innermost traceback frame outside astuner, else the spec."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename
+              and not f.filename.startswith(str(Path(__file__).resolve().parent))]
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename
+    return frames[0].filename if frames else spec.split("->")[0]
+
+
+def build_judge(typed, cfg, base_dir: Path):
+    from astuner.task_judge.base_judge import BaseJudge
+
+    key = "astuner.task_judge.judge_protocol"
+    judge_cls = load_user_class(typed.astuner.task_judge.judge_protocol, base_dir, "judge", key, BaseJudge)
+    try:
+        return judge_cls(cfg)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise user_code_error(f"{key}: {judge_cls.__qualname__}.__init__ in", inspect.getfile(judge_cls), exc) from None
 
 
 def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
@@ -54,11 +82,11 @@ def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_policy_model_path(cfg) -> str:
+def build_policy_model_path(typed) -> str:
     from astuner.model_cache import ModelPathError, resolve_model_path
 
     try:
-        return resolve_model_path(str(cfg.astuner.model.path))
+        return resolve_model_path(typed.astuner.model.path)
     except ModelPathError as exc:
         raise UserError(f"astuner.model.path: {exc}") from None
 
@@ -67,96 +95,116 @@ def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except OSError as exc:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as exc:
         raise UserError(
-            f"astuner.model.path: cannot load a tokenizer from {model_path!r} ({exc}). Give a local Hugging Face "
-            "model folder (there is no hub access at run time) or demo:smollm2-135m-instruct."
+            f"astuner.model.path: cannot load a tokenizer from {model_path!r} ({' '.join(str(exc).split())[:300]}). "
+            "Give a local Hugging Face model folder with its tokenizer files (tokenizer.json or tokenizer.model and "
+            "tokenizer_config.json; there is no hub access at run time), or demo:smollm2-135m-instruct."
         ) from None
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            f"astuner.model.path: the tokenizer of {model_path!r} has no chat template, so chat messages cannot be "
+            "turned into prompts; use an instruct/chat model or add chat_template to tokenizer_config.json."
+        )
+    return tokenizer
 
 
-def build_trainer(cfg, model_path: str):
+def build_trainer(typed, model_path: str, total_steps: int):
     from astuner.trainer import Trainer
 
-    tc = cfg.astuner.trainer_common
+    tc = typed.astuner.trainer_common
     return Trainer(
         model_path,
-        lr=float(tc.optim.lr),
-        weight_decay=float(tc.optim.weight_decay),
-        lr_warmup_steps=int(tc.optim.lr_warmup_steps),
-        grad_clip=None if tc.optim.grad_clip is None else float(tc.optim.grad_clip),
-        clip_ratio_low=float(tc.clip_ratio_low),
-        clip_ratio_high=float(tc.clip_ratio_high),
-        use_kl_loss=bool(tc.use_kl_loss),
-        kl_loss_coef=float(tc.kl_loss_coef),
-        kl_loss_type=str(tc.kl_loss_type),
-        loss_agg_mode=str(tc.loss_agg_mode),
-        norm_length=int(cfg.astuner.rollout.max_response_length_in_one_turn),
-        max_token_len_per_micro_batch=int(cfg.trinity.trainer.max_token_len_per_gpu),
-        mini_batch_num=int(tc.mini_batch_num),
-        seed=int(cfg.astuner.seed),
+        lr=tc.optim.lr,
+        weight_decay=tc.optim.weight_decay,
+        lr_warmup_steps=tc.optim.lr_warmup_steps,
+        lr_scheduler_type=tc.optim.lr_scheduler_type,
+        # Read only where it acts (the start-up warning names it otherwise).
+        min_lr_ratio=tc.optim.min_lr_ratio if tc.optim.lr_scheduler_type == "cosine" else 0.0,
+        total_optimizer_steps=total_steps * tc.mini_batch_num,
+        grad_clip=tc.optim.grad_clip,
+        clip_ratio_low=tc.clip_ratio_low,
+        clip_ratio_high=tc.clip_ratio_high,
+        clip_ratio_c=tc.clip_ratio_c,
+        use_kl_loss=tc.use_kl_loss,
+        kl_loss_coef=tc.kl_loss_coef if tc.use_kl_loss else 0.0,
+        kl_loss_type=tc.kl_loss_type if tc.use_kl_loss else "k3",
+        loss_agg_mode=tc.loss_agg_mode,
+        norm_length=typed.astuner.rollout.max_response_length_in_one_turn,
+        max_token_len_per_micro_batch=typed.trinity.trainer.max_token_len_per_gpu,
+        mini_batch_num=tc.mini_batch_num,
+        seed=typed.astuner.seed,
     )
 
 
-def _hf_engine(cfg, model_path: str, tokenizer):
+def _hf_engine(typed, model_path: str, tokenizer):
     from astuner.engine.hf_engine import HFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFEngine(
-        model_path, max_batch_size=int(cfg.astuner.rollout.max_env_worker), seed=int(cfg.astuner.seed), pad_token_id=pad
+        model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed, pad_token_id=pad
     )
 
 
-# astuner.rollout.engine -> builder(cfg, model_path, tokenizer)
+# astuner.rollout.engine -> builder(typed config, model_path, tokenizer)
 ENGINES = {"hf": _hf_engine}
 
 
-def build_engine(cfg, model_path: str, tokenizer):
-    name = str(cfg.astuner.rollout.engine)
+def build_engine(typed, model_path: str, tokenizer):
+    name = typed.astuner.rollout.engine
     if name in LATER_ENGINES:
         raise UserError(f"astuner.rollout.engine={name!r} comes in a later release; use engine 'hf' for now")
-    return ENGINES[name](cfg, model_path, tokenizer)
+    return ENGINES[name](typed, model_path, tokenizer)
 
 
-def build_runtime(loaded) -> Runtime:
+def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
+    """Every piece of a run, in the order that fails fastest: user code, data, the model's config and memory
+    estimate, and only then the weights. `total_steps_of(n_train_tasks)` gives the run's step count."""
     import torch
 
+    from astuner import preflight
+    from astuner.monitor import announce
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.task_judge.base_judge import BaseJudge
     from astuner.task_reader import build_task_reader
 
-    cfg = loaded.cfg
+    typed, cfg = loaded.typed, loaded.cfg
     _quiet_library_progress()
-    seed = int(cfg.astuner.seed)
+    seed = typed.astuner.seed
     random.seed(seed)
     torch.manual_seed(seed)
 
     # Fail on user input (classes, data) before spending time on model loading.
     workflow_cls = load_user_class(
-        cfg.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
+        typed.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
         Workflow,
     )
-    judge_cls = load_user_class(
-        cfg.astuner.task_judge.judge_protocol, loaded.config_dir, "judge", "astuner.task_judge.judge_protocol", BaseJudge
-    )
-    reader = build_task_reader(cfg, loaded.config_dir)
+    judge = build_judge(typed, cfg, loaded.config_dir)
+    reader = build_task_reader(typed, loaded.config_dir)
     train_tasks, val_tasks = reader.training_tasks(), reader.validation_tasks()
     log.info("tasks: %d training, %d validation", len(train_tasks), len(val_tasks))
 
-    model_path = build_policy_model_path(cfg)
+    model_path = build_policy_model_path(typed)
+    facts = preflight.read_model_facts(model_path)
+    max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts)
     tokenizer = load_tokenizer(model_path)
-    engine = build_engine(cfg, model_path, tokenizer)
-    trainer = build_trainer(cfg, model_path)
+    total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
+    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps)
+    announce(plan.block(facts))
+    preflight.check_fits(plan, facts)
+
+    engine = build_engine(typed, model_path, tokenizer)
+    trainer = build_trainer(typed, model_path, total_steps)
     runner = RolloutRunner(
-        RolloutSettings.from_config(cfg),
+        RolloutSettings.from_config(typed, max_model_len),
         engine,
         tokenizer,
         workflow_cls,
-        judge_cls(cfg),
+        judge,
         stop_token_ids(model_path, tokenizer),
         config=cfg,
     )
-    return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner)
+    return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner, plan)
 
 
 def _quiet_library_progress() -> None:

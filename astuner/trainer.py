@@ -11,7 +11,12 @@ One `train_step(samples)`:
      (response token i of a sample is predicted at index len(prompt) + i - 1), apply the LM head to those alone,
      logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
      calls), loss = `algorithm.loss.policy_loss`, backward;
-  5. grad-norm clip, AdamW step, linear warmup of the learning rate.
+  5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant or cosine).
+
+Metrics cover these tokens: `clip_fraction`, `clip_fraction_lower` every loss-weighted response token (a token with
+advantage 0 is never clipped, so the skipped ones count as unclipped, exactly); `entropy`, `ratio_mean`,
+`approx_kl_old`, `kl_ref` the tokens forwarded (advantage != 0, or all with the KL loss on);
+`forwarded_token_fraction` says what share of the weighted tokens that is.
 
 Not computed, on purpose: logits at prompt positions, an old-logprob pass (old logprobs are the engine's sampling
 logprobs), a reference forward unless the KL loss is on. Without the KL loss, samples whose advantage is exactly 0
@@ -25,7 +30,9 @@ The model stays in eval mode (no dropout), so that before any update the trainer
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -36,6 +43,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, policy_loss, token_weights
 from astuner.types import Sample
 
@@ -45,6 +53,24 @@ log = logging.getLogger(__name__)
 def _greedy_as_one(temperature: float) -> float:
     # Temperature 0 means greedy decoding; its logprobs are those of the untempered distribution.
     return temperature if temperature > 0 else 1.0
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, kind: str, min_lr_ratio: float) -> float:
+    """Learning rate of optimizer step `step` (0-based):
+
+        warmup  (step < W):  lr = base * (step + 1) / W
+        constant:            lr = base
+        cosine:              p = (step - W) / max(1, total - W - 1), clipped to [0, 1]
+                             lr = base * (m + (1 - m) * (1 + cos(pi * p)) / 2),   m = min_lr_ratio
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if kind == "constant":
+        return base_lr
+    if kind != "cosine":
+        raise ValueError(f"unknown lr_scheduler_type {kind!r}; available: constant, cosine")
+    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def split_mini_batches(samples: list[Sample], mini_batch_num: int) -> list[list[Sample]]:
@@ -94,6 +120,10 @@ class Trainer:
         norm_length: int,
         max_token_len_per_micro_batch: int,
         mini_batch_num: int = 1,
+        clip_ratio_c: float = 3.0,
+        lr_scheduler_type: str = "constant",
+        min_lr_ratio: float = 0.0,
+        total_optimizer_steps: int = 1,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -112,6 +142,10 @@ class Trainer:
         self.grad_clip = grad_clip
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
+        self.clip_ratio_c = clip_ratio_c
+        self.lr_scheduler_type = lr_scheduler_type
+        self.min_lr_ratio = min_lr_ratio
+        self.total_optimizer_steps = max(1, total_optimizer_steps)
         self.use_kl_loss = use_kl_loss
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
@@ -251,8 +285,8 @@ class Trainer:
         ]
         kept = [samples[i] for i in keep]
         dev = self.device
-        sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "approx_kl_old", "ratio_mean",
-                                                         "kl_ref", "entropy")}
+        sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "clip_fraction_lower",
+                                                         "approx_kl_old", "ratio_mean", "kl_ref", "entropy")}
         n_tokens_R = 0
         micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
         for idx in micro_batches:
@@ -269,7 +303,7 @@ class Trainer:
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True)
             loss, stats = policy_loss(
-                logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high,
+                logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
                 ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type,
             )
             loss.backward()
@@ -279,10 +313,11 @@ class Trainer:
             sums["loss"] += loss.detach()
             sums["entropy"] += entropy_R.sum()
             for k, v in stats.items():
-                sums[k] += v * R  # token means -> token sums, so micro-batches combine exactly
+                sums[k] += v  # token sums, so micro-batches combine exactly
         out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
         out.update(
             response_tokens=n_tokens_R,
+            weighted_tokens=sum(len(s.response_ids) for s, w in zip(samples, weights_B) if w > 0),
             train_tokens=sum(s.num_tokens for s in kept),
             num_micro_batches=len(micro_batches),
             num_forwarded_samples=len(kept),
@@ -290,9 +325,8 @@ class Trainer:
         return out
 
     def _current_lr(self) -> float:
-        if self.lr_warmup_steps and self.lr_warmup_steps > 0:
-            return self.lr * min(1.0, (self.optimizer_steps + 1) / self.lr_warmup_steps)
-        return self.lr
+        return lr_at(self.optimizer_steps, self.lr, self.lr_warmup_steps, self.total_optimizer_steps,
+                     self.lr_scheduler_type, self.min_lr_ratio)
 
     def _optimizer_step(self) -> tuple[float, float]:
         lr = self._current_lr()
@@ -314,9 +348,10 @@ class Trainer:
         start = time.perf_counter()
         self.model.eval()  # no dropout: ratio is exactly 1 before the first update
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
-        totals = {k: 0.0 for k in ("clip_fraction", "approx_kl_old", "ratio_mean", "kl_ref", "entropy")}
+        totals = {k: 0.0 for k in ("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref",
+                                   "entropy")}
         losses, grad_norms = [], []
-        n_tokens_R = train_tokens = n_micro = n_skipped = 0
+        n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
         for mini_batch in split_mini_batches(samples, self.mini_batch_num):
             sums = self.accumulate_gradients(mini_batch)
             n_micro += sums["num_micro_batches"]
@@ -329,6 +364,7 @@ class Trainer:
             grad_norms.append(grad_norm)
             metrics["lr"] = lr
             n_tokens_R += sums["response_tokens"]
+            n_weighted += sums["weighted_tokens"]
             train_tokens += sums["train_tokens"]
             for k in totals:
                 totals[k] += sums[k]
@@ -339,7 +375,9 @@ class Trainer:
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
             for k, v in totals.items():
                 if k != "kl_ref" or self.ref_model is not None:
-                    metrics[k] = v / n_tokens_R
+                    # Clip counts cover every weighted token (see the module docstring); the rest, those forwarded.
+                    metrics[k] = v / (n_weighted if k.startswith("clip_fraction") else n_tokens_R)
+            metrics["forwarded_token_fraction"] = n_tokens_R / max(n_weighted, 1)
         metrics.update(
             train_tokens=float(train_tokens),
             train_tokens_per_s=train_tokens / seconds if seconds > 0 else 0.0,
@@ -360,11 +398,13 @@ class Trainer:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
-    def save_checkpoint(self, path: Path, tokenizer=None) -> None:
+    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None) -> None:
         """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
 
         A run killed mid-save leaves at most a hidden `.NAME.tmp-*` folder, never a half-written `path`.
         The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
+        With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
+        exactly: optimizer state, optimizer step count, torch RNG states and the run state.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,6 +421,20 @@ class Trainer:
                     log.warning("checkpoint %s saved without tokenizer: %s", path, exc)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            if run_state is not None:
+                resume = tmp / RESUME_DIR
+                resume.mkdir()
+                torch.save(
+                    {
+                        "optimizer": self.optimizer.state_dict(),
+                        "optimizer_steps": self.optimizer_steps,
+                        "torch_rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    },
+                    resume / "trainer.pt",
+                )
+                # Written last: its presence marks a complete, resumable checkpoint.
+                (resume / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
             if path.exists():
                 # A directory cannot be renamed over a non-empty one: move the old one aside first.
                 old = path.parent / f".{path.name}.old-{tag}"
@@ -392,3 +446,29 @@ class Trainer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def load_checkpoint(self, path: Path) -> dict:
+        """Restore weights, optimizer, step count and RNG from a checkpoint `save_checkpoint` wrote with a run
+        state; returns that run state. The KL reference model stays the initial policy."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no .safetensors weights")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # Tied weights are saved once; anything else missing means another architecture.
+        tied = {n for n in missing if "lm_head" in n and getattr(self.model.config, "tie_word_embeddings", False)}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]})")
+        saved = torch.load(path / RESUME_DIR / "trainer.pt", map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.optimizer_steps = int(saved["optimizer_steps"])
+        torch.set_rng_state(saved["torch_rng"])
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        return json.loads((path / RESUME_DIR / "state.json").read_text(encoding="utf-8"))

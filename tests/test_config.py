@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ReadonlyConfigError
 
 from astuner.config import (
-    ALLOWED_VALUES,
     APPLIES_ONLY_WITH,
     DEFAULT_CONFIG_DIR,
     ConfigError,
@@ -24,7 +23,7 @@ from astuner.config import (
     save_config,
     valid_keys,
 )
-from astuner.config.validate import BOUNDS, NULLABLE
+from astuner.config.schema import DEFAULT_FILE_OF, RunConfig, render_yaml
 from astuner.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,16 +324,62 @@ def test_numeric_sanity(tmp_path, elsewhere, yaml_text, key):
     assert key in config_error(write(tmp_path / "c.yaml", yaml_text + "\n"))
 
 
-def test_rule_tables_name_real_keys_and_accept_their_defaults():
-    # Guards the tables in the config package against drift from astuner_default.yaml.
+def test_packaged_yamls_are_generated_from_the_schema():
+    # The default YAMLs are what Hydra composes; the schema is what validates. They must say the same.
+    for name, rel in DEFAULT_FILE_OF.items():
+        assert (DEFAULT_CONFIG_DIR / rel).read_text() == render_yaml(name), (
+            f"{rel} is stale: run python -m astuner.config.schema --write"
+        )
+    assert OmegaConf.to_container(load_config(DEFAULT_CONFIG_DIR / "astuner_default.yaml").cfg) == default_tree()
+
+
+def test_every_key_is_documented_and_applicability_names_real_keys():
     keys = set(valid_keys())
-    for table in (ALLOWED_VALUES, BOUNDS, APPLIES_ONLY_WITH, NULLABLE):
-        assert set(table) <= keys
-    for key, allowed in ALLOWED_VALUES.items():
-        node = default_tree()
-        for part in key.split("."):
-            node = node[part]
-        assert all(v in allowed for v in (node if isinstance(node, list) else [node])), key
+    assert set(APPLIES_ONLY_WITH) <= keys
+    for path in keys:
+        node, cls = path.split("."), RunConfig
+        for part in node[:-1]:
+            cls = cls.model_fields[part].annotation
+        info = cls.model_fields[node[-1]]
+        assert info.description or node[-1] in ("training", "validation", "multi_turn", "trainer", "optim",
+                                                 "algorithm", "model", "task_reader", "data", "rollout",
+                                                 "task_judge", "trainer_common", "astuner", "trinity", "verl",
+                                                 "jsonl_dataset_file", "huggingface_dat_repo"), path
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("astuner.trainer_common.total_training_steps=2.5", "must be an integer or null, got 2.5"),
+        ("astuner.trainer_common.total_training_steps=abc", "must be an integer or null, got 'abc'"),
+        ("astuner.rollout.temperature=0", "'astuner.rollout.temperature' must be > 0"),
+        ("astuner.trainer_common.algorithm.epsilon=0", "'astuner.trainer_common.algorithm.epsilon' must be > 0"),
+        ("astuner.trainer_common.optim.lr=-1e-5", "'astuner.trainer_common.optim.lr' must be >= 0"),
+        ("astuner.rollout.max_model_len=0", "'astuner.rollout.max_model_len' must be >= 1"),
+        ("astuner.data.max_response_length=0", "'astuner.data.max_response_length' must be >= 1"),
+        ("astuner.experiment_dir=[a]", "'astuner.experiment_dir' must be a string or null"),
+        ("astuner.trainer_common.clip_ratio_c=1", "'astuner.trainer_common.clip_ratio_c' must be > 1"),
+        ("astuner.trainer_common.max_idle_steps=0", "'astuner.trainer_common.max_idle_steps' must be >= 1"),
+        ("astuner.rollout.max_env_worker=1.5", "'astuner.rollout.max_env_worker' must be an integer"),
+    ],
+)
+def test_typed_values_and_ranges(seed_file, elsewhere, override, needle):
+    assert needle in config_error(seed_file, [override])
+
+
+def test_experiment_dir_that_is_a_file(tmp_path, elsewhere):
+    (tmp_path / "afile").write_text("x")
+    message = config_error(write(tmp_path / "c.yaml", f"astuner: {{experiment_dir: {tmp_path / 'afile'}}}\n"))
+    assert "is a file" in message
+
+
+def test_stages_get_a_typed_frozen_config(seed_file, elsewhere):
+    typed = load_config(seed_file, ["astuner.trainer_common.optim.lr=1"]).typed
+    assert isinstance(typed, RunConfig)
+    assert typed.astuner.trainer_common.optim.lr == 1.0 and isinstance(typed.astuner.trainer_common.optim.lr, float)
+    assert typed.astuner.rollout.num_repeat == 4
+    with pytest.raises(Exception):
+        typed.astuner.rollout.num_repeat = 3
 
 
 @pytest.mark.parametrize(
@@ -386,6 +431,38 @@ def test_inapplicable_keys_for_debug_with_hf(seed_file, elsewhere):
     message = format_inapplicable_warning(keys, "debug", "hf")
     assert all(k in message for k in keys)
     assert "vllm" in message and "trinity" in message
+
+
+@pytest.mark.parametrize(
+    "yaml_text, inactive, active",
+    [
+        ("astuner: {trainer_common: {kl_loss_coef: 0.1, kl_loss_type: k1}}",
+         ["astuner.trainer_common.kl_loss_coef", "astuner.trainer_common.kl_loss_type"], []),
+        ("astuner: {trainer_common: {use_kl_loss: true, kl_loss_coef: 0.1}}", [], ["astuner.trainer_common.kl_loss_coef"]),
+        ("astuner: {trainer_common: {algorithm: {norm_adv_by_std_in_grpo: false, epsilon: 0.01}}}",
+         ["astuner.trainer_common.algorithm.epsilon"], []),
+        ("astuner: {task_reader: {type: jsonl_dataset_file, huggingface_dat_repo: {dataset_path: x}}}",
+         ["astuner.task_reader.huggingface_dat_repo.dataset_path"], []),
+        ("astuner: {task_reader: {type: huggingface_dat_repo, jsonl_dataset_file: {training: {file_path: a}}}}",
+         ["astuner.task_reader.jsonl_dataset_file.training.file_path"], []),
+        ("astuner: {trainer_common: {optim: {min_lr_ratio: 0.1}}}", ["astuner.trainer_common.optim.min_lr_ratio"], []),
+        ("astuner: {trainer_common: {optim: {lr_scheduler_type: cosine, min_lr_ratio: 0.1}}}", [],
+         ["astuner.trainer_common.optim.min_lr_ratio"]),
+    ],
+)
+def test_keys_that_act_only_under_another_setting(tmp_path, elsewhere, yaml_text, inactive, active):
+    loaded = load_config(write(tmp_path / "c.yaml", yaml_text + "\n"))
+    keys = inapplicable_keys(loaded, "debug")
+    assert keys == inactive
+    assert not set(active) & set(keys)
+
+
+def test_num_repeat_one_warns_no_baseline(tmp_path, elsewhere):
+    from astuner.config import config_warnings
+
+    loaded = load_config(write(tmp_path / "c.yaml", "astuner: {rollout: {num_repeat: 1}}\n"))
+    assert any("no baseline" in w for w in config_warnings(loaded, "debug"))
+    assert config_warnings(load_config(write(tmp_path / "d.yaml", "astuner: {seed: 1}\n")), "debug") == []
 
 
 def test_inapplicable_keys_follow_engine_and_backbone(seed_file, elsewhere):

@@ -140,7 +140,7 @@ def test_rollout_progress_counts_every_episode():
     class Runner:
         settings = SimpleNamespace(num_repeat=3)
 
-        def run(self, tasks, validation, on_episode_done=None):
+        def run(self, tasks, validation, on_episode_done=None, step=0):
             for _ in range(len(tasks) * (1 if validation else 3)):
                 on_episode_done(None)
             return []

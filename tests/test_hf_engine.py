@@ -54,7 +54,7 @@ def test_concurrent_requests_are_batched(tiny_model_dir):
     eng = HFEngine(str(tiny_model_dir), seed=0, pad_token_id=0, batch_window_s=0.05)
     calls = []
     original = eng._decode
-    eng._decode = lambda prompts, samplings: calls.append(len(prompts)) or original(prompts, samplings)
+    eng._decode = lambda requests: calls.append(len(requests)) or original(requests)
 
     async def main():
         return await asyncio.gather(*[eng.generate([3, 4, i + 5], SamplingParams(1.0, max_tokens=4)) for i in range(8)])

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from astuner.loop import LoopSettings, count_steps, episode_metrics, run_loop, task_batches
+import pytest
+
+from astuner.errors import TrainingStalled
+from astuner.loop import (
+    LoopSettings,
+    ResumeState,
+    count_steps,
+    episode_metrics,
+    run_loop,
+    task_batches,
+    zero_adv_group_fraction,
+)
 from astuner.types import LLMCall, Episode, Task
 
 
@@ -20,12 +31,20 @@ TASKS = [Task(f"t{i}", f"q{i}") for i in range(5)]
 
 
 def test_batches_cover_every_task_once_per_epoch_with_a_short_last_batch():
-    batches = list(task_batches(TASKS, settings()))
+    batches = [b for b, _, _ in task_batches(TASKS, settings())]
     assert [len(b) for b in batches] == [2, 2, 1, 2, 2, 1]
     for epoch in (batches[:3], batches[3:]):
         assert sorted(t.task_id for b in epoch for t in b) == [t.task_id for t in TASKS]
     assert [t.task_id for t in batches[0] + batches[1]] != [t.task_id for t in batches[3] + batches[4]]  # reshuffled
-    assert list(task_batches(TASKS, settings(shuffle=False)))[0] == TASKS[:2]
+    assert next(task_batches(TASKS, settings(shuffle=False)))[0] == TASKS[:2]
+
+
+def test_batches_resume_from_a_cursor_in_the_same_order():
+    full = list(task_batches(TASKS, settings()))
+    # After the 4th batch: epoch 1, position 2 (its 2 tasks taken).
+    assert full[3][1:] == (1, 2)
+    resumed = list(task_batches(TASKS, settings(), epoch=1, position=2))
+    assert [b for b, _, _ in resumed] == [b for b, _, _ in full[4:]]
 
 
 def test_step_count_and_cap():
@@ -54,12 +73,15 @@ def test_episode_metrics_by_hand():
 
 
 class FakeStages:
-    def __init__(self):
-        self.events = []
 
-    def rollout(self, tasks, validation):
+    def __init__(self, rewards=lambda step, i: float(i), flags=lambda step: []):
+        self.events = []
+        self.rewards, self.flags = rewards, flags
+
+    def rollout(self, tasks, validation, step=0):
         self.events.append(("val" if validation else "rollout", len(tasks)))
-        return [Episode(t, i, f"{t.task_id}#{i}", calls=[call(2)], reward=float(i), is_success=i > 0)
+        return [Episode(t, i, f"{t.task_id}#{i}", calls=[call(2)], reward=self.rewards(step, i), is_success=i > 0,
+                        flags=list(self.flags(step)), error="Traceback ...\nValueError: boom" if self.flags(step) else None)
                 for t in tasks for i in range(1 if validation else 2)]
 
     def train(self, samples):
@@ -69,8 +91,9 @@ class FakeStages:
     def sync_weights(self):
         self.events.append(("sync",))
 
-    def save_checkpoint(self, step):
+    def save_checkpoint(self, step, run_state):
         self.events.append(("save", step))
+        self.run_state = run_state
         return Path(f"global_step_{step}")
 
 
@@ -97,3 +120,42 @@ def test_schedule_of_validation_training_and_checkpoints():
     assert summary.steps == 4 and sorted(summary.val_scores) == [0, 3, 4]
     assert summary.last_checkpoint == Path("global_step_4") and monitor.done == [1, 2, 3, 4]
     assert "4 steps" in summary.line("run") and "validation accuracy 0.000 (step 0)" in summary.line("run")
+
+
+def test_a_step_whose_episodes_all_failed_stops_the_run_with_the_first_error():
+    stages = FakeStages(flags=lambda step: ["failed"] if step == 2 else [])
+    with pytest.raises(TrainingStalled, match="step 2: all 4 episodes failed.*ValueError: boom"):
+        run_loop(settings(total_training_steps=4), stages, TASKS, [], FakeMonitor())
+    assert ("train", 4) in stages.events  # step 1 trained
+
+
+def test_steps_without_learning_signal_stop_after_max_idle_steps():
+    # Step 1 has a reward spread; from step 2 on every group's rewards are equal: advantages are all 0.
+    stages, monitor = FakeStages(rewards=lambda step, i: float(i) if step == 1 else 1.0), FakeMonitor()
+    with pytest.raises(TrainingStalled, match="3 steps in a row.*zero_adv_group_fraction"):
+        run_loop(settings(total_training_steps=6, max_idle_steps=3), stages, TASKS, [], monitor)
+    fractions = [m["train/zero_adv_group_fraction"] for _, m in monitor.logged]
+    assert fractions == [0.0, 1.0, 1.0, 1.0]
+    # The KL loss gives zero-advantage samples a gradient: not idle.
+    run_loop(settings(total_training_steps=4, max_idle_steps=2, grad_without_advantage=True),
+             FakeStages(rewards=lambda step, i: 1.0), TASKS, [], FakeMonitor())
+
+
+def test_zero_adv_group_fraction_by_hand():
+    a, b = Task("a", "q"), Task("b", "q")
+    eps = [Episode(a, 0, "a0", calls=[call(1)], reward=1.0), Episode(a, 1, "a1", calls=[call(1)], reward=1.0),
+           Episode(b, 0, "b0", calls=[call(1)], reward=0.0), Episode(b, 1, "b1", calls=[call(1)], reward=1.0),
+           Episode(b, 2, "b2", calls=[], flags=["failed"])]
+    assert zero_adv_group_fraction(eps) == 0.5
+
+
+def test_run_state_is_the_resume_cursor():
+    stages = FakeStages()
+    run_loop(settings(total_training_steps=4), stages, TASKS, [], FakeMonitor())
+    assert stages.run_state["step"] == 4 and (stages.run_state["epoch"], stages.run_state["position"]) == (1, 2)
+    resumed = FakeStages()
+    state = ResumeState(step=2, epoch=0, position=4)
+    summary = run_loop(settings(total_training_steps=4), resumed, TASKS, TASKS[:1], FakeMonitor(), resume=state)
+    assert [e for e in resumed.events if e[0] == "rollout"] == [("rollout", 1), ("rollout", 2)]
+    assert ("val", 1) not in resumed.events[:1]  # no validation "before training" on a resumed run
+    assert summary.steps == 4

@@ -14,37 +14,56 @@ LENGTHS = [2, 3, 4]
 UIDS = ["A", "B", "A"]
 
 
-def test_token_mean_weights():
+def test_episode_mean_token_mean_weights():
     # A: T_e = 6 -> 1 / (2 * 6) = 1/12 for both calls; B: T_e = 3 -> 1 / (2 * 3) = 1/6.
-    assert token_weights(LENGTHS, UIDS, "token-mean", 8) == pytest.approx([1 / 12, 1 / 6, 1 / 12])
+    assert token_weights(LENGTHS, UIDS, "episode-mean-token-mean", 8) == pytest.approx([1 / 12, 1 / 6, 1 / 12])
 
 
-def test_seq_mean_token_mean_weights():
-    # A: 1 / (2 * 2 * 2) = 1/8 and 1 / (2 * 2 * 4) = 1/16; B: 1 / (2 * 1 * 3) = 1/6.
-    assert token_weights(LENGTHS, UIDS, "seq-mean-token-mean", 8) == pytest.approx([1 / 8, 1 / 6, 1 / 16])
+def test_token_mean_weights_every_token_the_same_as_verl():
+    # T = 2 + 3 + 4 = 9 tokens in the mini-batch: each weighs 1/9, whatever episode it belongs to.
+    assert token_weights(LENGTHS, UIDS, "token-mean", 8) == pytest.approx([1 / 9, 1 / 9, 1 / 9])
 
 
-def test_seq_mean_token_sum_norm_weights():
-    # A: 1 / (2 * 2 * 8) = 1/32; B: 1 / (2 * 1 * 8) = 1/16.
-    assert token_weights(LENGTHS, UIDS, "seq-mean-token-sum-norm", 8) == pytest.approx([1 / 32, 1 / 16, 1 / 32])
+def test_seq_mean_token_mean_weights_as_verl():
+    # N = 3 sequences: 1 / (3 * T_s) = 1/6, 1/9, 1/12 (the multi-call episode A gets 2/3 of the weight).
+    assert token_weights(LENGTHS, UIDS, "seq-mean-token-mean", 8) == pytest.approx([1 / 6, 1 / 9, 1 / 12])
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_every_episode_weighs_one_over_e(mode):
+def test_seq_mean_token_sum_norm_weights_as_verl():
+    # 1 / (N * norm_length) = 1 / (3 * 8) for every token.
+    assert token_weights(LENGTHS, UIDS, "seq-mean-token-sum-norm", 8) == pytest.approx([1 / 24] * 3)
+
+
+def test_single_call_episodes_agree_with_verl():
+    # One call per episode: N == E and T_e == T_s, so episode-mean-token-mean is verl's seq-mean-token-mean.
+    lengths, uids = [2, 5, 3], ["A", "B", "C"]
+    assert token_weights(lengths, uids, "episode-mean-token-mean", 8) == pytest.approx(
+        token_weights(lengths, uids, "seq-mean-token-mean", 8)
+    )
+    assert token_weights(lengths, uids, "seq-mean-token-mean", 8) == pytest.approx([1 / 6, 1 / 15, 1 / 9])
+
+
+def test_every_episode_weighs_one_over_e_only_in_the_episode_mode():
     lengths = [2, 3, 4, 1, 7, 5]
     uids = ["A", "B", "A", "C", "C", "C"]
-    weights = token_weights(lengths, uids, mode, 8)
-    per_episode = {}
-    for w, n, uid in zip(weights, lengths, uids):
-        per_episode[uid] = per_episode.get(uid, 0.0) + w * n
-    assert per_episode == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+
+    def per_episode(mode):
+        out = {}
+        for w, n, uid in zip(token_weights(lengths, uids, mode, 8), lengths, uids):
+            out[uid] = out.get(uid, 0.0) + w * n
+        return out
+
+    assert per_episode("episode-mean-token-mean") == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+    # verl's token-mean weighs episodes by their token count: 6, 3 and 13 of 22 tokens.
+    assert per_episode("token-mean") == pytest.approx({"A": 6 / 22, "B": 3 / 22, "C": 13 / 22})
 
 
 def test_agg_registry_and_errors():
-    assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    assert set(LOSS_AGG_MODES) == {"episode-mean-token-mean", "token-mean", "seq-mean-token-mean",
+                                   "seq-mean-token-sum-norm"}
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         token_weights([1], ["A"], "sum", 8)
-    # An empty response gets weight 0 and does not count as a call of its episode.
+    # An empty response gets weight 0 and does not count as a sequence.
     assert token_weights([0, 2], ["A", "A"], "seq-mean-token-mean", 8) == [0.0, 0.5]
 
 
@@ -55,6 +74,8 @@ def test_kl_estimators():
     # k3 with log r = ref - logp = (-0.5, 1): e^-0.5 + 0.5 - 1 = 0.1065307, e - 2 = 0.7182818.
     assert kl_penalty(logp, ref, "k3").tolist() == pytest.approx([0.1065307, 0.7182818], abs=1e-6)
     assert kl_penalty(logp, logp, "k3").tolist() == [0.0, 0.0]
+    # Clamped as verl: log r clipped to [-20, 20], the estimate to [-10, 10].
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").tolist() == [10.0]
     with pytest.raises(ValueError):
         kl_penalty(logp, ref, "k2")
 
@@ -74,10 +95,12 @@ def test_policy_loss_clipping_on_both_sides():
     w = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])
     loss, stats = policy_loss(logp, old, adv, w, clip_low=0.2, clip_high=0.3)
     assert loss.item() == pytest.approx(-0.43, abs=1e-6)
-    assert stats["clip_fraction"].item() == pytest.approx(0.4)
-    assert stats["ratio_mean"].item() == pytest.approx(0.94, abs=1e-6)
-    # mean of r - 1 - ln r over the five ratios.
-    assert stats["approx_kl_old"].item() == pytest.approx(0.0997015, abs=1e-6)
+    # Stats are token sums (the trainer divides by the tokens they cover): 2 of 5 tokens clipped.
+    assert stats["clip_fraction"].item() == pytest.approx(2.0)
+    assert stats["clip_fraction_lower"].item() == 0.0
+    assert stats["ratio_mean"].item() == pytest.approx(4.7, abs=1e-6)
+    # sum of r - 1 - ln r over the five ratios.
+    assert stats["approx_kl_old"].item() == pytest.approx(0.4985075, abs=1e-6)
     assert "kl_ref" not in stats
     loss.backward()
     # d/dlogp = -A * ratio * w where unclipped, 0 where the clipped branch is active.
@@ -93,7 +116,7 @@ def test_policy_loss_adds_kl_term():
         ref_logprobs_R=ref, kl_coef=0.1, kl_kind="k3",
     )
     assert loss.item() == pytest.approx(0.0232836, abs=1e-6)
-    assert stats["kl_ref"].item() == pytest.approx((0.1065307 + 0.7182818) / 2, abs=1e-6)
+    assert stats["kl_ref"].item() == pytest.approx(0.1065307 + 0.7182818, abs=1e-6)
     assert stats["clip_fraction"].item() == 0.0
     loss_k1, _ = policy_loss(
         logp, logp.clone(), torch.zeros(2), torch.tensor([0.5, 0.25]), 0.2, 0.28,
@@ -111,3 +134,30 @@ def test_micro_batch_sum_equals_full_batch():
     full, _ = policy_loss(logp, old, adv, w, 0.2, 0.28)
     parts = sum(policy_loss(logp[s], old[s], adv[s], w[s], 0.2, 0.28)[0] for s in (slice(0, 3), slice(3, 10)))
     assert parts.item() == pytest.approx(full.item(), abs=1e-6)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    # clip_c = 3, clip range [0.8, 1.28]. Per token (A, ratio):
+    #   (-1, 5.0): max(5, 1.28) = 5 > -A * c = 3 -> 3 (capped: no gradient)
+    #   (-1, 2.0): max(2, 1.28) = 2 < 3 -> 2 (gradient -A * ratio * w = 2 * 0.5 = 1)
+    #   (+1, 5.0): max(-5, -1.28) = -1.28 (positive A: no dual clip)
+    # weights 0.5 each: loss = 0.5 * (3 + 2 - 1.28) = 1.86
+    ratios = [5.0, 2.0, 5.0]
+    old = torch.tensor([-3.0, -2.0, -4.0])
+    logp = (old + torch.tensor([math.log(r) for r in ratios])).requires_grad_(True)
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    loss, stats = policy_loss(logp, old, adv, torch.full((3,), 0.5), 0.2, 0.28, clip_c=3.0)
+    assert loss.item() == pytest.approx(1.86, abs=1e-5)
+    assert stats["clip_fraction_lower"].item() == 1.0
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-6)
+    # Without the cap (a huge clip_c) the first token keeps its full loss: 0.5 * 5.
+    uncapped, _ = policy_loss(logp.detach(), old, adv, torch.full((3,), 0.5), 0.2, 0.28, clip_c=1e9)
+    assert uncapped.item() == pytest.approx(0.5 * (5 + 2 - 1.28), abs=1e-5)
+
+
+def test_log_ratio_is_clamped():
+    # A log ratio of 100 would overflow exp; verl clamps it to 20.
+    loss, stats = policy_loss(torch.tensor([100.0]), torch.tensor([0.0]), torch.tensor([-1.0]), torch.ones(1),
+                              0.2, 0.28, clip_c=1e12)
+    assert math.isfinite(loss.item()) and stats["ratio_mean"].item() == pytest.approx(math.exp(20), rel=1e-5)

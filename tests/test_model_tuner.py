@@ -39,7 +39,7 @@ class ScriptedEngine:
         self.samplings = []
         self.responses: list[list[int]] = []
 
-    async def generate(self, prompt_ids, sampling):
+    async def generate(self, prompt_ids, sampling, request_id=None):
         self.prompts.append(list(prompt_ids))
         self.samplings.append(sampling)
         ids = self.tokenizer.encode(self.script.pop(0), add_special_tokens=False)
@@ -47,6 +47,9 @@ class ScriptedEngine:
         self.responses.append(ids)
         logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
         return GenerateResult(token_ids=ids, logprobs=logprobs, finish_reason="stop")
+
+    def abort(self, request_id):
+        pass
 
     def load_weights(self, named_tensors):
         pass

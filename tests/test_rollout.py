@@ -21,7 +21,7 @@ class TextEngine:
         self.in_flight = self.max_in_flight = 0
         self.samplings = []
 
-    async def generate(self, prompt_ids, sampling):
+    async def generate(self, prompt_ids, sampling, request_id=None):
         self.samplings.append(sampling)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -29,6 +29,9 @@ class TextEngine:
         self.in_flight -= 1
         ids = self.tokenizer.encode(self.reply(prompt_ids), add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return GenerateResult(ids, [-0.5] * len(ids), "stop")
+
+    def abort(self, request_id):
+        pass
 
     def load_weights(self, named_tensors):
         pass

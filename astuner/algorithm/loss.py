@@ -1,35 +1,44 @@
-"""The policy loss: PPO-clip with asymmetric clip range, optional KL to a reference, episode-fair aggregation.
+"""The policy loss: PPO-clip with asymmetric and dual clip, optional KL to a reference, four aggregation modes.
 
 Per response token t of sample s (logp = log pi_theta, old = the engine's sampling logprob, A = advantage):
 
-    ratio_t = exp(logp_t - old_t)
-    pg_t    = max( -A * ratio_t,  -A * clip(ratio_t, 1 - clip_low, 1 + clip_high) )
-    kl_t    = logp_t - ref_t                                   (k1)
-            = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (k3, >= 0)
-    l_t     = pg_t + kl_coef * kl_t                            (KL term only when a reference is given)
+    log_ratio_t = clamp(logp_t - old_t, -20, 20)                   (as verl: exp never overflows)
+    ratio_t     = exp(log_ratio_t)
+    pg1_t       = -A * ratio_t
+    pg2_t       = -A * clip(ratio_t, 1 - clip_low, 1 + clip_high)
+    pg_t        = max(pg1_t, pg2_t)                                (PPO clip)
+    pg_t        = min(pg_t, -A * clip_c)            if A < 0       (dual clip, verl's clip_ratio_c)
+    kl_t        = logp_t - ref_t                                   (k1)
+                = clamp(exp(d) - d - 1, -10, 10), d = clamp(ref_t - logp_t, -20, 20)   (k3, as verl)
+    l_t         = pg_t + kl_coef * kl_t                            (KL term only when a reference is given)
 
     L = sum over tokens of  w_s * l_t
 
-Token weights w_s (one per sample, shared by its tokens). With E episodes in the batch, S_e samples in episode e,
-T_s response tokens of sample s and T_e = sum of T_s over e's samples:
+Token weights w_s (one per sample, shared by its tokens), over the samples of one mini-batch. N samples, E
+episodes, S_e samples in episode e, T_s response tokens of sample s, T_e = sum of T_s over e's samples,
+T = sum of all T_s:
 
-    token-mean               w_s = 1 / (E * T_e)              token mean inside an episode, mean over episodes
-    seq-mean-token-mean      w_s = 1 / (E * S_e * T_s)        token mean inside a call, mean over calls, episodes
-    seq-mean-token-sum-norm  w_s = 1 / (E * S_e * norm_length)  token sum / constant (Dr. GRPO), norm_length =
-                                                                rollout.max_response_length_in_one_turn
+    episode-mean-token-mean  w_s = 1 / (E * T_e)            token mean inside an episode, mean over episodes:
+                                                             every episode weighs the same however many calls or
+                                                             tokens it made (astuner's default, for multi-turn)
+    token-mean               w_s = 1 / T                    verl/DAPO: every token of the mini-batch weighs the same
+    seq-mean-token-mean      w_s = 1 / (N * T_s)            verl: token mean inside a sequence, mean over sequences
+    seq-mean-token-sum-norm  w_s = 1 / (N * norm_length)    verl (Dr. GRPO): token sum / constant, mean over
+                                                             sequences; norm_length = max_response_length_in_one_turn
 
-so every episode weighs the same (its weights sum to 1/E in the first two modes) however many calls or tokens it
-made. Samples with no response token get weight 0 and do not count in S_e.
+For single-call episodes (N == E, T_e == T_s) the first mode equals seq-mean-token-mean. Samples with no response
+token get weight 0 and count in none of N, E, S_e, T.
 
-Because the weights are computed once for the whole (mini-)batch, L is a plain sum over tokens: splitting the
+Because the weights are computed once for the whole mini-batch, L is a plain sum over tokens: splitting the
 tokens into micro-batches and summing the micro-batch losses (i.e. accumulating their gradients) gives exactly
 the full-batch loss and gradient.
 
-Statistics (token means over the tokens given, detached):
-    clip_fraction  share of tokens where the clipped term wins the max and differs from the unclipped one
-    approx_kl_old  mean of ratio - 1 - log(ratio): the k3 estimate of KL(pi_old || pi_theta)
-    kl_ref         mean of kl_t (only with a reference)
-    ratio_mean     mean of ratio_t
+Statistics (token sums over the tokens given, detached; the trainer divides by the tokens they cover):
+    clip_fraction        tokens where pg2 > pg1 (the PPO clip is active)
+    clip_fraction_lower  tokens with A < 0 where the dual clip is active (pg > -A * clip_c before capping)
+    approx_kl_old        ratio - 1 - log(ratio): the k3 estimate of KL(pi_old || pi_theta)
+    kl_ref               kl_t (only with a reference)
+    ratio_mean           ratio_t
 """
 
 from __future__ import annotations
@@ -41,24 +50,12 @@ from torch import Tensor
 
 # --- aggregation (token weights) ---------------------------------------------------------------------------
 
-
-def _w_token_mean(T_s: int, S_e: int, T_e: int, norm_length: int) -> float:
-    return 1.0 / T_e
-
-
-def _w_seq_mean_token_mean(T_s: int, S_e: int, T_e: int, norm_length: int) -> float:
-    return 1.0 / (S_e * T_s)
-
-
-def _w_seq_mean_token_sum_norm(T_s: int, S_e: int, T_e: int, norm_length: int) -> float:
-    return 1.0 / (S_e * norm_length)
-
-
-# mode -> weight of one sample's tokens before the 1/E factor.
-LOSS_AGG_MODES: dict[str, Callable[[int, int, int, int], float]] = {
-    "token-mean": _w_token_mean,
-    "seq-mean-token-mean": _w_seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _w_seq_mean_token_sum_norm,
+# mode -> weight of one sample's tokens: f(T_s, S_e, T_e, N, E, T, norm_length) (formulas in the module docstring).
+LOSS_AGG_MODES: dict[str, Callable[..., float]] = {
+    "episode-mean-token-mean": lambda T_s, S_e, T_e, N, E, T, norm: 1.0 / (E * T_e),
+    "token-mean": lambda T_s, S_e, T_e, N, E, T, norm: 1.0 / T,
+    "seq-mean-token-mean": lambda T_s, S_e, T_e, N, E, T, norm: 1.0 / (N * T_s),
+    "seq-mean-token-sum-norm": lambda T_s, S_e, T_e, N, E, T, norm: 1.0 / (N * norm),
 }
 
 
@@ -79,14 +76,12 @@ def token_weights(response_lengths_B: list[int], episode_uids_B: list[str], mode
             samples_per_episode[uid] = samples_per_episode.get(uid, 0) + 1
             tokens_per_episode[uid] = tokens_per_episode.get(uid, 0) + T_s
     E = len(samples_per_episode)
-
-    weights_B = []
-    for T_s, uid in zip(response_lengths_B, episode_uids_B):
-        if T_s <= 0:
-            weights_B.append(0.0)
-        else:
-            weights_B.append(weight_fn(T_s, samples_per_episode[uid], tokens_per_episode[uid], norm_length) / E)
-    return weights_B
+    N = sum(samples_per_episode.values())
+    T = sum(tokens_per_episode.values())
+    return [
+        weight_fn(T_s, samples_per_episode[uid], tokens_per_episode[uid], N, E, T, norm_length) if T_s > 0 else 0.0
+        for T_s, uid in zip(response_lengths_B, episode_uids_B)
+    ]
 
 
 # --- KL estimators -----------------------------------------------------------------------------------------
@@ -97,8 +92,8 @@ def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    log_r = ref_logprobs - logprobs
-    return torch.exp(log_r) - log_r - 1.0
+    log_r = torch.clamp(ref_logprobs - logprobs, -20.0, 20.0)
+    return torch.clamp(torch.exp(log_r) - log_r - 1.0, -10.0, 10.0)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _kl_k1, "k3": _kl_k3}
@@ -123,26 +118,31 @@ def policy_loss(
     weights_R: Tensor,
     clip_low: float,
     clip_high: float,
+    clip_c: float = 3.0,
     ref_logprobs_R: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-mean stats)."""
-    log_ratio_R = logprobs_R - old_logprobs_R
+    """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-sum stats)."""
+    log_ratio_R = torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
     ratio_R = torch.exp(log_ratio_R)
-    pg_unclipped_R = -advantages_R * ratio_R
-    pg_clipped_R = -advantages_R * torch.clamp(ratio_R, 1.0 - clip_low, 1.0 + clip_high)
-    token_loss_R = torch.maximum(pg_unclipped_R, pg_clipped_R)
+    pg1_R = -advantages_R * ratio_R
+    pg2_R = -advantages_R * torch.clamp(ratio_R, 1.0 - clip_low, 1.0 + clip_high)
+    clipped_R = torch.maximum(pg1_R, pg2_R)
+    pg3_R = -advantages_R * clip_c
+    negative_R = advantages_R < 0
+    token_loss_R = torch.where(negative_R, torch.minimum(clipped_R, pg3_R), clipped_R)
 
     stats: dict[str, Tensor] = {}
     if ref_logprobs_R is not None:
         kl_R = kl_penalty(logprobs_R, ref_logprobs_R, kl_kind)
         token_loss_R = token_loss_R + kl_coef * kl_R
-        stats["kl_ref"] = kl_R.detach().mean()
+        stats["kl_ref"] = kl_R.detach().sum()
 
     loss = (weights_R * token_loss_R).sum()
     with torch.no_grad():
-        stats["clip_fraction"] = (pg_clipped_R > pg_unclipped_R).float().mean()
-        stats["approx_kl_old"] = (ratio_R - 1.0 - log_ratio_R).mean()
-        stats["ratio_mean"] = ratio_R.mean()
+        stats["clip_fraction"] = (pg2_R > pg1_R).float().sum()
+        stats["clip_fraction_lower"] = ((clipped_R > pg3_R) & negative_R).float().sum()
+        stats["approx_kl_old"] = (ratio_R - 1.0 - log_ratio_R).sum()
+        stats["ratio_mean"] = ratio_R.sum()
     return loss, stats

@@ -12,10 +12,10 @@ BACKBONES = {
 LATER = {"verl", "trinity"}
 
 
-def run_backbone(name: str, loaded) -> None:
+def run_backbone(name: str, loaded, checkpoint=None) -> None:
     if name in LATER:
         raise UserError(f"the {name!r} backbone comes in a later release; use --backbone debug for now")
     if name not in BACKBONES:
         raise UserError(f"unknown backbone {name!r}; choose one of: {', '.join(sorted(BACKBONES))}")
     module_name, func = BACKBONES[name].split(":")
-    getattr(importlib.import_module(module_name), func)(loaded)
+    getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint)

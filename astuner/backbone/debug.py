@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from astuner.loop import LoopSettings, RunSummary, count_steps, run_loop
+from astuner.loop import LoopSettings, ResumeState, RunSummary, count_steps, run_loop
 from astuner.types import Episode, Sample, Task
 
 log = logging.getLogger(__name__)
@@ -20,12 +20,12 @@ class InProcessStages:
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.progress = progress  # (description, total) -> a bar with update(), or None
 
-    def rollout(self, tasks: list[Task], validation: bool) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
         if self.progress is None:
-            return self.runner.run(tasks, validation=validation)
+            return self.runner.run(tasks, validation=validation, step=step)
         total = len(tasks) * (1 if validation else self.runner.settings.num_repeat)
         with self.progress("validation" if validation else "rollout", total) as bar:
-            return self.runner.run(tasks, validation=validation, on_episode_done=lambda _: bar.update(1))
+            return self.runner.run(tasks, validation=validation, step=step, on_episode_done=lambda _: bar.update(1))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.trainer.train_step(samples)
@@ -33,32 +33,39 @@ class InProcessStages:
     def sync_weights(self) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.experiment_dir / f"global_step_{step}"
-        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer)
+        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
         log.info("saved checkpoint %s", path)
         return path
 
 
-def run(loaded) -> RunSummary:
+def run(loaded, checkpoint: Path | None = None) -> RunSummary:
+    """The whole run in this process; `checkpoint`: a complete checkpoint to continue from (see astuner.resume)."""
+    from astuner.monitor import Monitor, announce, setup_logging
     from astuner.runtime import build_runtime
-    from astuner.monitor import Monitor, setup_logging
 
-    cfg = loaded.cfg
+    typed = loaded.typed
     setup_logging(loaded.experiment_dir)
-    rt = build_runtime(loaded)
-    settings = LoopSettings.from_config(cfg)
+    settings = LoopSettings.from_config(typed)
+    rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
     total = count_steps(len(rt.train_tasks), settings)
-    monitor = Monitor(loaded.experiment_dir, total, tokenizer=rt.tokenizer)
+    resume = None
+    if checkpoint is not None:
+        resume = ResumeState(**rt.trainer.load_checkpoint(checkpoint))
+        rt.engine.load_weights(rt.trainer.named_parameters_for_sync())
+        announce(f"resumed at step {resume.step} of {total} from {checkpoint}")
+    monitor = Monitor(loaded.experiment_dir, total, tokenizer=rt.tokenizer,
+                      resume_step=None if resume is None else resume.step)
     stages = InProcessStages(
         rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, progress=monitor.episode_bar
     )
     try:
-        summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor)
+        summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor, resume=resume)
     finally:
         monitor.close()
         rt.engine.shutdown()
-    line = summary.line(str(cfg.astuner.project_name))
+    line = summary.line(typed.astuner.project_name)
     log.info(line)
     print(line, flush=True)
     return summary

@@ -3,16 +3,21 @@
 Imports nothing heavier than Hydra/OmegaConf, so the CLI's `--help` stays instant.
 
     loaded = load_config("my.yaml", ["astuner.rollout.temperature=0.5"])
-    loaded.cfg.astuner.rollout.temperature  # 0.5
+    loaded.typed.astuner.rollout.temperature  # 0.5 (typed, validated); loaded.cfg is the DictConfig
 """
 
-from astuner.config.applicability import APPLIES_ONLY_WITH, format_inapplicable_warning, inapplicable_keys
+from astuner.config.applicability import (
+    APPLIES_ONLY_WITH,
+    config_warnings,
+    format_inapplicable_warning,
+    inapplicable_keys,
+)
 from astuner.config.compose import LoadedConfig, load_config, save_config
-from astuner.config.validate import ALLOWED_VALUES, DEFAULT_CONFIG_DIR, ConfigError, default_tree, valid_keys
+from astuner.config.validate import DEFAULT_CONFIG_DIR, ConfigError, default_tree, valid_keys
 
 __all__ = [
-    "ALLOWED_VALUES",
     "APPLIES_ONLY_WITH",
+    "config_warnings",
     "DEFAULT_CONFIG_DIR",
     "ConfigError",
     "LoadedConfig",

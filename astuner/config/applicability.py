@@ -1,55 +1,89 @@
-"""Which config keys act only on some backbone or engine, so that setting one elsewhere gets a warning.
+"""Which config keys act only under some setting, so that setting one where it does nothing gets a warning.
 
-No key may be silently ignored: a user who tunes `max_num_seqs` while running the hf engine should be told
-once, at start, that it does nothing there.
+No key may be silently ignored: a user who tunes `max_num_seqs` while running the hf engine, or `kl_loss_coef`
+with the KL loss off, is told once, at start, that it does nothing there. The same rules mark the keys in the
+generated default YAML ("[only ...]"), and the test that every key is read accepts exactly these as unread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from astuner.config.compose import LoadedConfig
 
-# Key (or a section: everything under it) -> (what it depends on: "engine" | "backbone", values where it acts).
-# Mirrors the [vllm] / [trinity] tags in astuner_default.yaml.
-APPLIES_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
-    "astuner.rollout.tensor_model_parallel_size": ("engine", ("vllm",)),
-    "astuner.rollout.max_num_seqs": ("engine", ("vllm",)),
-    "astuner.rollout.gpu_memory_utilization": ("engine", ("vllm",)),
-    "astuner.trainer_common.trinity_only__n_vllm_engine": ("backbone", ("trinity",)),
+# Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
+Rule = tuple[str, Callable[[Any, str], bool]]
+APPLIES_ONLY_WITH: dict[str, Rule] = {
+    "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
+    "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
+    "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
+    "astuner.trainer_common.trinity_only__n_vllm_engine": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.task_reader.jsonl_dataset_file": (
+        "with task_reader.type jsonl_dataset_file", lambda c, b: c.astuner.task_reader.type == "jsonl_dataset_file"
+    ),
+    "astuner.task_reader.huggingface_dat_repo": (
+        "with task_reader.type huggingface_dat_repo",
+        lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",
+    ),
+    "astuner.trainer_common.kl_loss_coef": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
+    "astuner.trainer_common.kl_loss_type": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
+    "astuner.trainer_common.algorithm.epsilon": (
+        "with norm_adv_by_std_in_grpo true", lambda c, b: c.astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo
+    ),
+    "astuner.trainer_common.optim.min_lr_ratio": (
+        "with lr_scheduler_type cosine", lambda c, b: c.astuner.trainer_common.optim.lr_scheduler_type == "cosine"
+    ),
 }
 
 
-def _rule_for(key: str) -> tuple[str, tuple[str, ...]] | None:
+def _rule_for(key: str) -> Rule | None:
     for scope, rule in APPLIES_ONLY_WITH.items():
         if key == scope or key.startswith(scope + "."):
             return rule
     return None
 
 
+def rule_note(key: str) -> str | None:
+    """'with engine vllm' for a key that acts only there; None for a key that always acts."""
+    rule = _rule_for(key)
+    return rule[0] if rule else None
+
+
+def key_is_inactive(key: str, typed: Any, backbone: str) -> bool:
+    rule = _rule_for(key)
+    return rule is not None and not rule[1](typed, backbone)
+
+
 def inapplicable_keys(loaded: LoadedConfig, backbone: str) -> list[str]:
-    """User-set keys (sorted) that have no effect with `backbone` and the configured rollout engine."""
-    current = {"backbone": backbone, "engine": loaded.cfg.astuner.rollout.engine}
-    out = []
-    for key in sorted(loaded.user_keys):
-        rule = _rule_for(key)
-        if rule is not None and current[rule[0]] not in rule[1]:
-            out.append(key)
-    return out
+    """User-set keys (sorted) that have no effect with `backbone` and the rest of this config."""
+    return [k for k in sorted(loaded.user_keys) if key_is_inactive(k, loaded.typed, backbone)]
 
 
 def format_inapplicable_warning(keys: list[str], backbone: str, engine: str) -> str | None:
     """One message naming every key in `keys` and where it would act; None when `keys` is empty."""
     if not keys:
         return None
-    parts = []
-    for key in keys:
-        rule = _rule_for(key)
-        where = f"acts only with {rule[0]} {' or '.join(rule[1])}" if rule else "does not apply here"
-        parts.append(f"{key} ({where})")
+    parts = [f"{key} (acts only {rule_note(key) or 'elsewhere'})" for key in keys]
     noun = "key has" if len(keys) == 1 else f"{len(keys)} keys have"
     return (
-        f"config {noun} no effect with backbone '{backbone}' and engine '{engine}' and will be ignored: "
-        f"{', '.join(parts)}. Remove them, or choose the backbone/engine they belong to."
+        f"config {noun} no effect with backbone '{backbone}', engine '{engine}' and the rest of this config, and "
+        f"will be ignored: {', '.join(parts)}. Remove them, or change the setting they depend on."
     )
+
+
+def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
+    """Every start-up warning about the config: keys with no effect, and settings that defeat training."""
+    typed = loaded.typed
+    out = []
+    inapplicable = format_inapplicable_warning(inapplicable_keys(loaded, backbone), backbone, typed.astuner.rollout.engine)
+    if inapplicable:
+        out.append(inapplicable)
+    if typed.astuner.rollout.num_repeat == 1:
+        out.append(
+            "astuner.rollout.num_repeat is 1: GRPO compares the episodes of a task with each other, so with one "
+            "episode per task there is no baseline, every advantage is 0 and nothing is learned; use 2 or more "
+            "(4-16 is common)."
+        )
+    return out

@@ -24,11 +24,11 @@ from astuner.config.validate import (
     DEFAULT_CONFIG_DIR,
     SECTION_KEYS,
     ConfigError,
-    check_tree,
     check_user_shape,
     default_at,
     raise_problems,
     unknown_key_message,
+    validate_tree,
 )
 
 PACKAGED_DEFAULTS = ("verl_default", "trinity_default", "astuner_default")
@@ -43,7 +43,8 @@ class LoadedConfig:
     cfg is read-only and in struct mode: reading a misspelt key raises instead of returning None.
     """
 
-    cfg: DictConfig
+    cfg: DictConfig  # what user code (workflows, judges) receives
+    typed: Any  # astuner.config.schema.RunConfig: what astuner's own stages read
     yaml_path: Path  # absolute path of the user's YAML
     config_dir: Path  # its folder: relative paths in the config (data files, workflow files) start here
     user_keys: set[str]  # dotted keys the YAML or an override set, e.g. "astuner.rollout.max_num_seqs"
@@ -64,7 +65,7 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
     primary = _rewrite_primary(raw, path)
     cfg = _compose(primary, overrides, path)
     tree = _resolve(cfg, path)
-    problems = check_tree(tree)
+    typed, problems = validate_tree(tree)
     raise_problems(path, [_with_origin(key, msg, origins) for key, msg in problems])
 
     final = OmegaConf.create(tree)
@@ -75,10 +76,11 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
         user_keys |= _user_keys(_nest(key, override[1]))
     return LoadedConfig(
         cfg=final,
+        typed=typed,
         yaml_path=path,
         config_dir=path.parent,
         user_keys=user_keys,
-        experiment_dir=_experiment_dir(tree, path),
+        experiment_dir=_experiment_dir(typed, path),
         overrides=overrides,
     )
 
@@ -300,8 +302,11 @@ def _user_keys(tree: dict, prefix: str = "") -> set[str]:
     return keys
 
 
-def _experiment_dir(tree: dict, path: Path) -> Path:
-    chosen = tree["astuner"].get("experiment_dir")
-    if chosen:
-        return Path(chosen).expanduser().absolute()
-    return Path.cwd() / "launcher_record" / path.stem
+def _experiment_dir(typed: Any, path: Path) -> Path:
+    chosen = typed.astuner.experiment_dir
+    if chosen is not None and not chosen.strip():
+        raise ConfigError(f"config {path}: 'astuner.experiment_dir' is empty; give a folder or null.")
+    out = Path(chosen).expanduser().absolute() if chosen else Path.cwd() / "launcher_record" / path.stem
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config {path}: 'astuner.experiment_dir' {out} is a file, not a folder; give a folder.")
+    return out

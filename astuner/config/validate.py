@@ -1,79 +1,24 @@
-"""Schema checks for a config: unknown or misplaced keys, value types, enumerations and numeric ranges.
+"""Schema checks for a config: unknown or misplaced keys (with a suggestion), then types, enumerations and ranges.
 
-The schema is the packaged defaults themselves: a key is valid when one of the three default YAMLs has it, and
-its default value gives its type. Keeping no second copy of the key list means a key documented in
-`astuner_default.yaml` can never be missing from validation. Imports only omegaconf, so `--help` stays fast.
+The schema is `astuner.config.schema.RunConfig`; the packaged default YAMLs are generated from it. Unknown keys
+are found here (pydantic would reject them too, but without saying which key the user meant); everything else
+is pydantic's strict validation, its errors turned into one line per key. Imports only omegaconf and pydantic.
 """
 
 from __future__ import annotations
 
 import difflib
-import operator
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from astuner.errors import UserError
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "default_config"
-# Relative to DEFAULT_CONFIG_DIR; together they define every valid key.
-DEFAULT_FILES = ("verl/verl_default.yaml", "trinity/trinity_default.yaml", "astuner_default.yaml")
 # Sections a config may hold, and the Hydra bookkeeping keys allowed beside them in the user's YAML.
 SECTION_KEYS = ("astuner", "trinity", "verl")
 HYDRA_KEYS = ("hydra", "defaults")
-
-# Keys whose documented values form a fixed set. For a list-valued key each entry must be in the set.
-ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
-    "astuner.task_reader.type": ("jsonl_dataset_file", "huggingface_dat_repo"),
-    "astuner.rollout.engine": ("hf", "vllm"),
-    "astuner.rollout.tool_prompt": ("auto", "template", "builtin"),
-    "astuner.rollout.tool_parser": ("hermes",),
-    "astuner.rollout.compute_madness_checklist": ("nonsense", "wrong_toolcall"),
-    "astuner.trainer_common.algorithm.adv_estimator": ("grpo",),
-    "astuner.trainer_common.kl_loss_type": ("k1", "k3"),
-    "astuner.trainer_common.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-}
-
-# Numeric sanity limits: key -> ((comparison, bound), ...). A null value (where allowed) is not checked.
-BOUNDS: dict[str, tuple[tuple[str, float], ...]] = {
-    "astuner.data.train_batch_size": ((">=", 1),),
-    "astuner.data.max_prompt_length": ((">=", 1),),
-    "astuner.data.max_response_length": ((">=", 1),),
-    "astuner.rollout.temperature": ((">=", 0),),
-    "astuner.rollout.max_env_worker": ((">=", 1),),
-    "astuner.rollout.num_repeat": ((">=", 1),),
-    "astuner.rollout.episode_timeout": ((">", 0),),
-    "astuner.rollout.max_response_length_in_one_turn": ((">=", 1),),
-    "astuner.rollout.max_model_len": ((">=", 1),),
-    "astuner.rollout.tensor_model_parallel_size": ((">=", 1),),
-    "astuner.rollout.max_num_seqs": ((">=", 1),),
-    "astuner.rollout.gpu_memory_utilization": ((">", 0), ("<=", 1)),
-    "astuner.rollout.multi_turn.max_sample_per_task": ((">=", 1),),
-    "astuner.trainer_common.save_freq": ((">=", 1),),
-    "astuner.trainer_common.test_freq": ((">=", 1),),
-    "astuner.trainer_common.total_epochs": ((">=", 1),),
-    "astuner.trainer_common.total_training_steps": ((">=", 1),),
-    "astuner.trainer_common.trinity_only__n_vllm_engine": ((">=", 1),),
-    "astuner.trainer_common.mini_batch_num": ((">=", 1),),
-    "astuner.trainer_common.optim.lr": ((">=", 0),),
-    "astuner.trainer_common.optim.weight_decay": ((">=", 0),),
-    "astuner.trainer_common.optim.lr_warmup_steps": ((">=", 0),),
-    "astuner.trainer_common.optim.grad_clip": ((">", 0),),
-    "astuner.trainer_common.algorithm.epsilon": ((">=", 0),),
-    "astuner.trainer_common.clip_ratio_low": ((">=", 0),),
-    "astuner.trainer_common.clip_ratio_high": ((">=", 0),),
-    "astuner.trainer_common.kl_loss_coef": ((">=", 0),),
-    "trinity.trainer.max_token_len_per_gpu": ((">=", 1),),
-}
-
-# Keys with a non-null default whose documentation gives null a meaning.
-NULLABLE = frozenset({"astuner.trainer_common.optim.grad_clip"})
-
-_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
-
 
 class ConfigError(UserError):
     """The config file or an override is wrong; the message names the file and the key."""
@@ -81,11 +26,10 @@ class ConfigError(UserError):
 
 @lru_cache(maxsize=1)
 def default_tree() -> dict[str, Any]:
-    """The union of the packaged default YAMLs as plain containers (the schema). Do not mutate."""
-    merged = OmegaConf.create({})
-    for name in DEFAULT_FILES:
-        merged = OmegaConf.merge(merged, OmegaConf.load(DEFAULT_CONFIG_DIR / name))
-    return OmegaConf.to_container(merged, resolve=False)
+    """Every key of the schema with its default, as plain containers. Do not mutate."""
+    from astuner.config.schema import RunConfig
+
+    return RunConfig().model_dump(mode="python")
 
 
 @lru_cache(maxsize=1)
@@ -139,101 +83,101 @@ def unknown_key_message(key: str) -> str:
     return f"unknown key '{key}'{tail}"
 
 
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, dict):
-        return "dict"
-    return type(value).__name__
-
-
-_KIND_WORDS = {
-    "bool": "true or false",
-    "int": "an integer",
-    "float": "a number",
-    "str": "a string",
-    "list": "a list",
-    "dict": "a mapping",
-}
-
-
-def _type_ok(value: Any, expected: str) -> bool:
-    got = _kind(value)
-    # An int is a fine float (lr: 1); the reverse would silently truncate.
-    return got == expected or (expected == "float" and got == "int")
-
-
-def _walk(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:
-    if default is None:  # a null default accepts any value
+def _unknown_keys(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:
+    """Keys the schema does not have, and scalars where the schema has a section."""
+    if not isinstance(default, dict):
         return
-    if isinstance(default, dict):
-        if not isinstance(value, dict):
-            problems.append((path, f"'{path}' must be a mapping (a section of keys), got {value!r}"))
-            return
-        for key, sub in value.items():
-            sub_path = f"{path}.{key}" if path else str(key)
-            if key not in default:
-                problems.append((sub_path, unknown_key_message(sub_path)))
-            else:
-                _walk(sub, default[key], sub_path, problems)
+    if not isinstance(value, dict):
+        problems.append((path, f"'{path}' must be a mapping (a section of keys), got {value!r}"))
         return
+    for key, sub in value.items():
+        sub_path = f"{path}.{key}" if path else str(key)
+        if key not in default:
+            problems.append((sub_path, unknown_key_message(sub_path)))
+        else:
+            _unknown_keys(sub, default[key], sub_path, problems)
+
+
+def _annotation_words(annotation: Any) -> str:
+    """'an integer', 'one of hf, vllm', 'a list of nonsense, wrong_toolcall' for a field's annotation."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list:
+        return "a list, each entry " + _annotation_words(args[0])
+    if origin is typing.Union and len(args) == 1:
+        return _annotation_words(args[0]) + " or null"
+    name = getattr(annotation, "__name__", str(annotation))
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(name, name)
+
+
+def _field_at(loc: tuple) -> Any:
+    """The pydantic FieldInfo of a dotted location, or None."""
+    from astuner.config.schema import RunConfig, Section
+
+    cls: Any = RunConfig
+    info = None
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, Section)) or part not in cls.model_fields:
+            return info if isinstance(part, int) else None
+        info = cls.model_fields[part]
+        cls = info.annotation
+    return info
+
+
+_BOUND_WORDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _pydantic_problem(error: dict) -> tuple[str, str]:
+    loc = tuple(error["loc"])
+    names = tuple(p for p in loc if not isinstance(p, int))
+    path = ".".join(map(str, names))
+    value = error.get("input")
+    info = _field_at(names)
+    ctx = error.get("ctx") or {}
+    bound = next((k for k in _BOUND_WORDS if k in ctx), None)
+    if bound is not None:
+        return path, f"'{path}' must be {_BOUND_WORDS[bound]} {ctx[bound]}, got {value!r}"
+    words = _annotation_words(info.annotation) if info is not None else "valid"
     if value is None:
-        if path not in NULLABLE:
-            problems.append((path, f"'{path}' must not be null (its default is {default!r})"))
-        return
-    expected = _kind(default)
-    if not _type_ok(value, expected):
-        words = _KIND_WORDS.get(expected, expected)
-        hint = " (quote it to make it a string)" if expected == "str" else ""
-        problems.append((path, f"'{path}' must be {words}, got {value!r} ({_kind(value)}){hint}"))
+        default = info.get_default(call_default_factory=True) if info is not None else None
+        return path, f"'{path}' must not be null (it must be {words}; its default is {default!r})"
+    if len(loc) > len(names):  # an entry of a list
+        return path, f"entries of '{path}' must be {words.split('each entry ', 1)[-1]}; got {value!r}"
+    hint = " (quote it to make it a string)" if words.startswith("a string") else ""
+    return path, f"'{path}' must be {words}, got {value!r} ({type(value).__name__}){hint}"
 
 
-def _lookup(tree: dict, path: str) -> tuple[bool, Any]:
-    node: Any = tree
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
+def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
+    """(typed RunConfig or None, problems as (dotted key, message)) of a resolved config tree."""
+    from pydantic import ValidationError
 
+    from astuner.config.schema import RunConfig
 
-def _check_values(tree: dict, skip: set[str], problems: list[tuple[str, str]]) -> None:
-    for path, allowed in ALLOWED_VALUES.items():
-        found, value = _lookup(tree, path)
-        if not found or path in skip or value is None:
-            continue
-        entries = value if isinstance(value, list) else [value]
-        bad = [v for v in entries if v not in allowed]
-        if bad:
-            what = "entries of" if isinstance(value, list) else "value of"
-            problems.append(
-                (path, f"{what} '{path}' must be one of {', '.join(allowed)}; got {', '.join(map(repr, bad))}")
-            )
-    for path, limits in BOUNDS.items():
-        found, value = _lookup(tree, path)
-        if not found or path in skip or value is None or _kind(value) not in ("int", "float"):
-            continue
-        for op, bound in limits:
-            if not _COMPARE[op](value, bound):
-                problems.append((path, f"'{path}' must be {op} {bound}, got {value!r}"))
-                break
-
-
-def check_tree(tree: dict) -> list[tuple[str, str]]:
-    """All problems of a resolved config tree as (dotted key, message) pairs; empty when it is valid."""
     problems: list[tuple[str, str]] = []
-    _walk(tree, default_tree(), "", problems)
-    _check_values(tree, {path for path, _ in problems}, problems)
-    return problems
+    _unknown_keys(tree, default_tree(), "", problems)
+    try:
+        # Unknown keys are reported above, with a suggestion; the rest is checked without them, so that one
+        # message lists every problem.
+        typed = RunConfig.model_validate(_known_only(tree, default_tree()))
+        return (typed if not problems else None), problems
+    except ValidationError as exc:
+        seen = {path for path, _ in problems}
+        for error in exc.errors(include_url=False):
+            path, message = _pydantic_problem(error)
+            if path not in seen:  # a union (e.g. int or null) reports once per branch; once is enough
+                seen.add(path)
+                problems.append((path, message))
+        return None, problems
 
+
+def _known_only(value: Any, default: Any) -> Any:
+    if not (isinstance(value, dict) and isinstance(default, dict)):
+        return value
+    return {k: _known_only(v, default[k]) for k, v in value.items() if k in default}
 
 def check_user_shape(raw: Any, source: Path) -> None:
     """Checks of the user's YAML itself, before composing: top-level keys and the Hydra bookkeeping."""

@@ -9,8 +9,13 @@ from astuner.types import GenerateResult, SamplingParams
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
         """Generate one continuation. Concurrent calls may be batched by the engine."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a pending request (its caller gets CancelledError); unknown or finished ids are ignored."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         """Replace the policy weights (names as in the trainer's `named_parameters()`)."""

@@ -7,6 +7,12 @@ not keep paying for the short ones.
 
 Logprobs are log_softmax(logits / temperature) at the sampled token, the same quantity the trainer computes,
 so the importance ratio starts at exactly 1 after a weight sync.
+
+Prefill computes logits at the last prompt position only (a full-prompt logits tensor is
+batch x prompt x vocab floats: for 64 prompts of 3,000 tokens and a 150k vocab, over 100 GB). A request with a
+`seed` samples from its own generator, so its tokens do not depend on which other requests share its batch (runs
+and resumed runs reproduce); requests without one share the engine's seeded generator. `abort(request_id)` (or
+cancelling the awaiting task) drops a request from the queue or from the batch being decoded.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ log = logging.getLogger(__name__)
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    request_id: str | None = None
+    aborted: bool = False  # set from the event loop's thread, read by the worker: a plain bool is enough
 
 
 class HFEngine:
@@ -57,29 +65,46 @@ class HFEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._model_lock = threading.Lock()  # weight loads never interleave with a decode step
+        self._live: dict[str, _Request] = {}  # request_id -> request, for abort()
         self._worker: threading.Thread | None = None
         self._closed = False
 
     # ---------------------------------------------------------------- public API
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
         if self._closed:
             raise RuntimeError("engine is shut down")
         if sampling.max_tokens <= 0:
             return GenerateResult([], [], "length")
         self._ensure_worker()
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queue.put(_Request(list(prompt_ids), sampling, future, loop))
-        return await future
+        request = _Request(list(prompt_ids), sampling, loop.create_future(), loop, request_id)
+        if request_id is not None:
+            self._live[request_id] = request
+        self._queue.put(request)
+        try:
+            return await request.future
+        finally:
+            request.aborted = True  # done, failed or cancelled: the worker stops spending steps on it
+            if request_id is not None:
+                self._live.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a pending request: its awaiting caller gets CancelledError; unknown or finished ids are ignored."""
+        request = self._live.pop(request_id, None)
+        if request is not None:
+            request.aborted = True
+            request.loop.call_soon_threadsafe(_cancel, request.future)
 
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
         """Synchronous batch generation (benchmarks and tests): the raw engine, no queue."""
         results: list[GenerateResult] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            chunk = prompts[start : start + self.max_batch_size]
+            chunk = [_Request(list(p), sampling) for p in prompts[start : start + self.max_batch_size]]
             with self._model_lock:
-                results += self._decode([list(p) for p in chunk], [sampling] * len(chunk))
+                results += self._decode(chunk)
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -120,9 +145,12 @@ class HFEngine:
                     self._queue.put(None)
                     break
                 batch.append(item)
+            batch = [r for r in batch if not r.aborted]
+            if not batch:
+                continue
             try:
                 with self._model_lock:
-                    results = self._decode([r.prompt_ids for r in batch], [r.sampling for r in batch])
+                    results = self._decode(batch)
                 for req, res in zip(batch, results):
                     req.loop.call_soon_threadsafe(_resolve, req.future, res, None)
             except BaseException as exc:  # surfaces in the awaiting episodes, never kills the worker
@@ -131,7 +159,9 @@ class HFEngine:
                     req.loop.call_soon_threadsafe(_resolve, req.future, None, exc)
 
     @torch.no_grad()
-    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerateResult]:
+    def _decode(self, requests: list[_Request]) -> list[GenerateResult]:
+        prompts = [r.prompt_ids for r in requests]
+        samplings = [r.sampling for r in requests]
         n = len(prompts)
         dev = self.device
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
@@ -148,6 +178,11 @@ class HFEngine:
         scale = torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         max_new = [s.max_tokens for s in samplings]
         stops = [set(s.stop_token_ids) for s in samplings]
+        # One generator per seeded request (torch.Generator on this device), None: the shared one.
+        generators = [
+            None if s.seed is None else torch.Generator(device=dev).manual_seed(int(s.seed) % (2**63))
+            for s in samplings
+        ]
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
@@ -156,15 +191,17 @@ class HFEngine:
 
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
         with autocast:
-            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                logits_to_keep=1,
+            )
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
         next_pos = positions[:, -1] + 1
 
         for _ in range(max(max_new)):
             logp = torch.log_softmax(logits / scale, dim=-1)
-            sampled = torch.multinomial(logp.exp(), 1, generator=self._generator).squeeze(-1)
-            tokens = torch.where(greedy, logits.argmax(-1), sampled)
+            tokens = self._sample(logp, logits, greedy, [generators[r] for r in alive])
             token_lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
             tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
 
@@ -175,7 +212,7 @@ class HFEngine:
                 out_lp[req].append(lp_l[row])
                 if tok in stops[req]:
                     reasons[req] = "stop"
-                elif len(out_ids[req]) < max_new[req]:
+                elif len(out_ids[req]) < max_new[req] and not requests[req].aborted:
                     keep.append(row)
             if not keep:
                 break
@@ -199,6 +236,27 @@ class HFEngine:
             next_pos = next_pos + 1
 
         return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+
+    def _sample(self, logp: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, generators: list) -> torch.Tensor:
+        """One token per row: argmax for greedy rows, else a draw from exp(logp) with the row's generator."""
+        probs = logp.exp()
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        else:
+            sampled = torch.empty(len(generators), dtype=torch.long, device=logp.device)
+            if shared:
+                index = torch.tensor(shared, device=logp.device)
+                sampled[index] = torch.multinomial(probs[index], 1, generator=self._generator).squeeze(-1)
+            for i, g in enumerate(generators):
+                if g is not None:
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def _cancel(future: asyncio.Future) -> None:
+    if not future.done():
+        future.cancel()
 
 
 def _resolve(future: asyncio.Future, result, exc) -> None:

@@ -11,12 +11,13 @@ from astuner.model_tuner.tool_parser import (
     ParsedToolCall,
     get_tool_parser,
 )
-from astuner.model_tuner.tuner import EpisodeOverflow, ModelTuner, TunerLimits
+from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
 
 __all__ = [
     "ModelTuner",
     "TunerLimits",
     "EpisodeOverflow",
+    "EpisodeTimeout",
     "ChatRenderer",
     "TOOL_PARSERS",
     "HermesToolParser",

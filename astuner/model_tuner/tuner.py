@@ -33,7 +33,12 @@ class TunerLimits:
 
 class EpisodeOverflow(RuntimeError):
     """The episode ran out of context or token budget. The rollout ends the episode, flags it "overflow" and
-    keeps the calls recorded so far."""
+    keeps the calls recorded so far (also when the workflow catches this exception)."""
+
+
+class EpisodeTimeout(RuntimeError):
+    """The episode's deadline passed: every later LLM call of the episode raises this at once. The rollout flags
+    the episode "timeout" whatever the workflow returns (agents that swallow it cannot train on a late answer)."""
 
 
 @dataclass
@@ -71,6 +76,8 @@ class ModelTuner:
         stop_token_ids: tuple[int, ...],
         madness_checks: tuple[str, ...] = ("nonsense", "wrong_toolcall"),
         seed: int | None = None,
+        deadline: float | None = None,
+        episode_uid: str = "",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -81,6 +88,10 @@ class ModelTuner:
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.madness_checks = validate_checklist(madness_checks)
         self.seed = seed
+        self.deadline = deadline  # time.monotonic() after which no LLM call starts; None: no deadline
+        self.episode_uid = episode_uid
+        self.expired_reason: str | None = None
+        self._in_flight: set[str] = set()  # engine request ids of calls awaiting the engine
         name = str(getattr(tokenizer, "name_or_path", "") or "model").rstrip("/").rsplit("/", 1)[-1]
         self.model_name = f"astuner/{name}"
 
@@ -136,6 +147,24 @@ class ModelTuner:
         turn = await self._complete(messages, offered_tools(tools, tool_choice))
         return to_chat_response(turn)
 
+    # --- the deadline ---------------------------------------------------------------------------------------
+    @property
+    def expired(self) -> bool:
+        return self.expired_reason is not None
+
+    def expire(self, reason: str) -> None:
+        """End the episode's access to the model: abort its pending engine requests; later calls raise."""
+        if self.expired_reason is None:
+            self.expired_reason = reason
+        for request_id in list(self._in_flight):
+            self.engine.abort(request_id)
+
+    def _check_deadline(self) -> None:
+        if self.expired_reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.expire("episode deadline passed")
+        if self.expired_reason is not None:
+            raise EpisodeTimeout(f"{self.expired_reason}: no more LLM calls in this episode")
+
     # --- the call itself ------------------------------------------------------------------------------------
     def _overflow(self, reason: str) -> EpisodeOverflow:
         self.overflowed = True
@@ -157,6 +186,7 @@ class ModelTuner:
         return min(lim.max_tokens_per_turn, room, budget_left)
 
     async def _complete(self, messages: list[dict], tools: list[dict] | None) -> _Turn:
+        self._check_deadline()
         tools = tools or None
         prompt_ids = self.renderer.render(messages, tools)
         index = self._started
@@ -170,7 +200,13 @@ class ModelTuner:
             seed=None if self.seed is None else self.seed + index,
         )
         started = time.perf_counter()
-        result = await self.engine.generate(list(prompt_ids), sampling)
+        request_id = f"{self.episode_uid}/{index}/{id(self):x}"
+        self._in_flight.add(request_id)
+        try:
+            result = await self.engine.generate(list(prompt_ids), sampling, request_id=request_id)
+        finally:
+            self._in_flight.discard(request_id)
+        self._check_deadline()  # a call that outlived the deadline is not handed back to the agent
         seconds = time.perf_counter() - started
         response_ids = [int(i) for i in result.token_ids]
         self.generated_tokens += len(response_ids)

@@ -25,7 +25,7 @@ __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]
 def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
     """The reader named by `cfg.astuner.task_reader.type`; relative paths resolve against cwd, then `base_dir`."""
     reader_cfg = cfg.astuner.task_reader
-    kind = str(reader_cfg.get("type"))
+    kind = str(reader_cfg.type)
     if kind not in TASK_READERS:
         close = difflib.get_close_matches(kind, TASK_READERS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -23,8 +23,8 @@ class TaskReader:
 
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         self.base_dir = Path(base_dir)
-        self.query_field = str(reader_cfg.get("query_field") or "question")
-        task_id_field = reader_cfg.get("task_id_field")
+        self.query_field = str(reader_cfg.query_field or "question")
+        task_id_field = reader_cfg.task_id_field
         self.task_id_field = None if task_id_field is None else str(task_id_field)
         self._cache: dict[str, list[Task]] = {}
 

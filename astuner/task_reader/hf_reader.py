@@ -21,21 +21,21 @@ SECTION = f"{KEY}.huggingface_dat_repo"
 class HuggingFaceTaskReader(TaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
-        section = reader_cfg.get("huggingface_dat_repo") or {}
-        dataset_path = section.get("dataset_path")
+        section = reader_cfg.huggingface_dat_repo
+        dataset_path = section.dataset_path
         if dataset_path is None or not str(dataset_path).strip():
             raise UserError(
                 f"{SECTION}.dataset_path is not set; give a local dataset folder (e.g. my_dataset/ with "
                 f"train.jsonl) or a hub id already in the local Hugging Face cache."
             )
         self.dataset_path, self.is_local = _resolve_dataset_path(str(dataset_path), self.base_dir)
-        name = section.get("dataset_name")
+        name = section.dataset_name
         self.dataset_name = None if name is None else str(name)
-        train_split = section.get("training_split", "train")
+        train_split = section.training_split
         if train_split is None:
             raise UserError(f"{SECTION}.training_split is null; name the split to train on (e.g. train).")
         self.training_split = str(train_split)
-        val_split = section.get("validation_split")
+        val_split = section.validation_split
         self.validation_split = None if val_split is None else str(val_split)
 
     def training_tasks(self) -> list[Task]:

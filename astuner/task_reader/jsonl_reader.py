@@ -22,9 +22,9 @@ SECTION = f"{KEY}.jsonl_dataset_file"
 class JsonlTaskReader(TaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
-        section = reader_cfg.get("jsonl_dataset_file") or {}
-        train_path = (section.get("training") or {}).get("file_path")
-        val_path = (section.get("validation") or {}).get("file_path")
+        section = reader_cfg.jsonl_dataset_file
+        train_path = section.training.file_path
+        val_path = section.validation.file_path
         if train_path is None:
             raise UserError(f"{SECTION}.training.file_path is not set; point it at a .jsonl, .json or .parquet file.")
         # Resolved now so that a wrong path fails before any model is loaded.
@@ -59,7 +59,15 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     if suffix == ".parquet":
         yield from _parquet_rows(path)
         return
-    text = path.read_text(encoding="utf-8-sig")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}, line {line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}). Save the file "
+            "as UTF-8, e.g. iconv -f latin1 -t utf-8 in > out."
+        ) from None
     if suffix == ".json":
         yield from _json_rows(path, text)
     else:

@@ -1,0 +1,368 @@
+"""The config schema: every key's type, range, default and documentation, in one place.
+
+The packaged default YAMLs (`default_config/*.yaml`) are generated from these models (`python -m
+astuner.config.schema --write`; a test fails when they drift), so the Hydra defaults, the validator and the typed
+object each stage receives cannot disagree. After composing, `RunConfig.model_validate(tree)` checks types strictly
+(`2.5` is not an int, `"abc"` is not a number, `true` is not an int) and ranges, and the stages read the resulting
+frozen objects: `loaded.typed.astuner.rollout.num_repeat` is an int >= 1, no casting anywhere.
+
+Imports only pydantic, so `astuner --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LOSS_AGG_MODES = ("episode-mean-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def key(default: Any, doc: str, **bounds: Any) -> Any:
+    """A config key: its default, its documentation (a comment above it in the YAML), optional ge/gt/le bounds."""
+    return Field(default=default, description=doc, **bounds)
+
+
+def section(cls: type, doc: str = "") -> Any:
+    return Field(default_factory=cls, description=doc)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+# --- astuner ------------------------------------------------------------------------------------------------
+
+
+class ModelSection(Section):
+    path: str = key(
+        "demo:smollm2-135m-instruct",
+        'Policy model: a local Hugging Face folder, a hub id already in the local HF cache, or '
+        '"demo:smollm2-135m-instruct" (the embedded demo model; converted and cached on first use).',
+    )
+
+
+class JsonlFile(Section):
+    file_path: Optional[str] = key(None, "Local .jsonl, .json (a list of objects) or .parquet file.")
+
+
+class JsonlValidation(Section):
+    file_path: Optional[str] = key(None, "null: no validation.")
+
+
+class JsonlReader(Section):
+    training: JsonlFile = section(JsonlFile)
+    validation: JsonlValidation = section(JsonlValidation)
+
+
+class HfReader(Section):
+    dataset_path: Optional[str] = key(
+        None,
+        "A `datasets.load_dataset` path: a local dataset folder (e.g. my_dataset/ with train.jsonl) or a hub id "
+        "already in the local HF cache (there is no hub access at run time on offline machines).",
+    )
+    dataset_name: Optional[str] = key(
+        None, 'Dataset configuration name passed to load_dataset (e.g. "main" for gsm8k); null: none.'
+    )
+    training_split: str = key("train", "Split to train on.")
+    validation_split: Optional[str] = key(None, "null: no validation.")
+
+
+class TaskReaderSection(Section):
+    type: Literal["jsonl_dataset_file", "huggingface_dat_repo"] = key(
+        "jsonl_dataset_file", "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo"
+    )
+    query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
+    task_id_field: Optional[str] = key(None, 'Dataset field holding a stable task id; null: "<split>-<row index>".')
+    jsonl_dataset_file: JsonlReader = section(JsonlReader)
+    huggingface_dat_repo: HfReader = section(HfReader)
+
+
+class DataSection(Section):
+    train_batch_size: int = key(32, "Tasks per training step (each is rolled out rollout.num_repeat times).", ge=1)
+    max_prompt_length: int = key(
+        3000, 'Episodes whose first prompt is longer than this many tokens end at once, flagged "overflow".', ge=1
+    )
+    max_response_length: int = key(
+        10000,
+        'Budget of generated tokens over all LLM calls of one episode; once spent, the episode ends ("overflow").',
+        ge=1,
+    )
+    shuffle: bool = key(True, "Shuffle training tasks each epoch (seeded by astuner.seed).")
+
+
+class MultiTurn(Section):
+    max_sample_per_task: int = key(
+        4,
+        "Most training samples (LLM calls) kept per episode. When an episode made more calls, the last call and "
+        "evenly spaced earlier ones are kept (deterministic); the episode's weight in the loss is unchanged.",
+        ge=1,
+    )
+
+
+class RolloutSection(Section):
+    agentscope_workflow: Optional[str] = key(
+        None,
+        'The user\'s workflow class: "pkg.module->Class" or "path/to/file.py->Class" (relative to the YAML\'s '
+        "folder, then the working directory). Any framework works; the name is kept from the AgentScope-first API.",
+    )
+    engine: Literal["hf", "vllm"] = key("hf", "Inference engine: hf (in-process transformers) | vllm (next release).")
+    temperature: float = key(1.0, "Sampling temperature for training rollouts (> 0). Validation is always greedy.", gt=0)
+    max_env_worker: int = key(
+        64, "Episodes run concurrently (asyncio); also the most requests the hf engine batches together.", ge=1
+    )
+    num_repeat: int = key(
+        4, "Episodes per task; GRPO advantages are computed within these groups (1: no baseline, no learning).", ge=1
+    )
+    episode_timeout: float = key(
+        600.0,
+        "Seconds before an episode is stopped and flagged timeout (not trained on), whatever the workflow does "
+        "after: its pending LLM requests are aborted and its later LLM calls fail at once.",
+        gt=0,
+    )
+    agent_madness_reward: float = key(
+        0.0, "Reward given to an episode in which a check from compute_madness_checklist fired."
+    )
+    compute_madness_checklist: list[Literal["nonsense", "wrong_toolcall"]] = key(
+        ["nonsense", "wrong_toolcall"],
+        "Madness checks: nonsense (garbled or looping text, leaked special tokens) | wrong_toolcall.",
+    )
+    max_response_length_in_one_turn: int = key(1024, "Max new tokens of one LLM call.", ge=1)
+    max_model_len: Optional[int] = key(
+        None,
+        "Context window: prompt + response of one call; null: the model's own limit (max_position_embeddings). "
+        'A prompt that leaves no room ends the episode ("overflow"). Checked against the model before it loads.',
+        ge=1,
+    )
+    tool_prompt: Literal["auto", "template", "builtin"] = key(
+        "auto",
+        "How tools reach the model: auto (the chat template if it renders tools, else the built-in tool prompt) | "
+        "template | builtin.",
+    )
+    tool_parser: Literal["hermes"] = key(
+        "hermes", 'Parser for tool calls in model output: hermes (<tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>)."
+    )
+    tensor_model_parallel_size: int = key(1, "Tensor-parallel degree of each vLLM engine.", ge=1)
+    max_num_seqs: int = key(64, "Max concurrent sequences in one vLLM engine.", ge=1)
+    gpu_memory_utilization: float = key(0.6, "Fraction of accelerator memory vLLM may take.", gt=0, le=1)
+    multi_turn: MultiTurn = section(MultiTurn)
+
+
+class TaskJudgeSection(Section):
+    judge_protocol: str = key(
+        "astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge",
+        'Scores an episode when the workflow returns reward=None: "pkg.module->Class" subclassing '
+        "astuner.task_judge.base_judge.BaseJudge. compute_reward may be a plain or an async def; a plain one runs "
+        "in a worker thread, so a slow judge does not stall the episodes still running.",
+    )
+
+
+class OptimSection(Section):
+    lr: float = key(1.0e-6, "AdamW learning rate (peak, after warmup).", ge=0)
+    weight_decay: float = key(0.01, "AdamW weight decay.", ge=0)
+    lr_warmup_steps: int = key(0, "Linear warmup from 0 to lr over this many optimizer steps.", ge=0)
+    lr_scheduler_type: Literal["constant", "cosine"] = key(
+        "constant",
+        "After warmup: constant | cosine (decays to min_lr_ratio * lr at the last optimizer step of the run).",
+    )
+    min_lr_ratio: float = key(0.0, "Final learning rate of the cosine schedule, as a fraction of lr.", ge=0, le=1)
+    grad_clip: Optional[float] = key(1.0, "Clip the global gradient norm to this value; null: no clipping.", gt=0)
+
+
+class AlgorithmSection(Section):
+    adv_estimator: Literal["grpo"] = key("grpo", "Advantage estimator: grpo.")
+    norm_adv_by_std_in_grpo: bool = key(True, "GRPO: divide (r - mean) by (std + epsilon) within each group.")
+    epsilon: float = key(1.0e-6, "Added to the group std before dividing (> 0).", gt=0)
+
+
+class TrainerCommonSection(Section):
+    save_freq: int = key(
+        99999, "Save a checkpoint (global_step_N/, resumable) every this many steps; one is always saved at the end.",
+        ge=1,
+    )
+    test_freq: int = key(99999, "Validate every this many steps; validation also runs at the end.", ge=1)
+    val_before_train: bool = key(True, 'Validate before the first step (gives the "start" score in the summary).')
+    total_epochs: int = key(1, "Passes over the training tasks.", ge=1)
+    total_training_steps: Optional[int] = key(
+        None, "Stop after this many steps even if epochs remain; null: no cap.", ge=1
+    )
+    resume_mode: str = key(
+        "auto",
+        "auto: continue from the latest complete checkpoint in experiment_dir (or start fresh there, or in a new "
+        "folder if it holds a run without one) | disable: never resume; a folder holding a run is left alone and "
+        "the run goes to a new folder | <path to a global_step_N folder>: continue from that checkpoint.",
+    )
+    max_idle_steps: int = key(
+        5,
+        "Stop the run when this many steps in a row gave no sample with a gradient (every episode failed, or every "
+        "group's rewards were equal); the message quotes the first error.",
+        ge=1,
+    )
+    trinity_only__n_vllm_engine: int = key(1, "Number of vLLM explorer engines.", ge=1)
+    mini_batch_num: int = key(
+        1, "Optimizer steps per training step: the step's episodes are split into this many mini-batches.", ge=1
+    )
+    optim: OptimSection = section(OptimSection)
+    algorithm: AlgorithmSection = section(AlgorithmSection)
+    clip_ratio_low: float = key(0.2, "PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high].",
+                                ge=0, lt=1)
+    clip_ratio_high: float = key(0.28, "Upper side of the PPO clip range.", ge=0)
+    clip_ratio_c: float = key(
+        3.0, "Dual-clip (verl): for tokens with a negative advantage the loss is capped at -A * clip_ratio_c (> 1).",
+        gt=1,
+    )
+    use_kl_loss: bool = key(False, "Add kl_loss_coef * KL(policy || frozen initial policy) per token to the loss.")
+    kl_loss_coef: float = key(0.001, "Weight of the KL term.", ge=0)
+    kl_loss_type: Literal["k1", "k3"] = key("k3", "KL estimator: k1 (log ratio) | k3 (low-variance, >= 0, clamped).")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = key(  # type: ignore[valid-type]
+        "episode-mean-token-mean",
+        "episode-mean-token-mean (every episode weighs the same, however many calls or tokens) | token-mean "
+        "(verl/DAPO: every token of the mini-batch weighs the same) | seq-mean-token-mean | seq-mean-token-sum-norm "
+        "(formulas in astuner/algorithm/loss.py).",
+    )
+
+
+class AstunerSection(Section):
+    project_name: str = key("astuner_project", "Name of the run, shown in logs, tensorboard and the summary.")
+    experiment_dir: Optional[str] = key(
+        None, "Output folder. null: launcher_record/<name of the YAML file without .yaml>, relative to the working "
+        "directory."
+    )
+    seed: int = key(42, "Seed for data order, sampling and model init of anything random.")
+    model: ModelSection = section(ModelSection)
+    task_reader: TaskReaderSection = section(TaskReaderSection)
+    data: DataSection = section(DataSection)
+    rollout: RolloutSection = section(RolloutSection)
+    task_judge: TaskJudgeSection = section(TaskJudgeSection)
+    trainer_common: TrainerCommonSection = section(TrainerCommonSection)
+
+
+# --- trinity / verl -----------------------------------------------------------------------------------------
+
+
+class TrinityTrainer(Section):
+    max_token_len_per_gpu: int = key(
+        13000,
+        "Token budget of one training micro-batch (padded prompt + response tokens). Used by every backbone's "
+        "trainer; a single sample longer than this forms its own micro-batch.",
+        ge=1,
+    )
+
+
+class TrinitySection(Section):
+    trainer: TrinityTrainer = section(TrinityTrainer)
+
+
+class VerlSection(Section):
+    pass
+
+
+class RunConfig(Section):
+    astuner: AstunerSection = section(AstunerSection)
+    trinity: TrinitySection = section(TrinitySection)
+    verl: VerlSection = section(VerlSection)
+
+
+# --- YAML generation ----------------------------------------------------------------------------------------
+
+HEADERS = {
+    "astuner": (
+        "astuner defaults. Generated from astuner/config/schema.py (python -m astuner.config.schema --write); edit "
+        "the schema, not this file. Every key below is read by astuner; a user YAML may set any of them. Keys marked "
+        "[only ...] act only under that setting; setting one elsewhere is reported in one warning at start."
+    ),
+    "trinity": (
+        "Defaults for keys named after the Trinity-RFT backbone. Generated from astuner/config/schema.py. The debug "
+        "backbone reads them too where noted."
+    ),
+    "verl": (
+        "Defaults for keys named after the verl backbone. Generated from astuner/config/schema.py. The verl backbone "
+        "is not in this release, so this section holds no keys yet; any key set under `verl:` is reported as unknown."
+    ),
+}
+DEFAULT_FILE_OF = {"verl": "verl/verl_default.yaml", "trinity": "trinity/trinity_default.yaml",
+                   "astuner": "astuner_default.yaml"}
+
+
+def _wrap(text: str, indent: str, width: int = 116) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width - len(indent) - 2, break_on_hyphens=False) or [""]
+
+
+def _scalar(value: Any) -> str:
+    import json
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if "e" not in repr(value) else f"{value:.1e}".replace("e-0", "e-")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    text = str(value)
+    return text if text and text.replace("_", "").replace("-", "").replace(":", "").replace(".", "").replace(
+        ">", "").isalnum() and not text[0].isdigit() else json.dumps(text)
+
+
+def render_yaml(name: str) -> str:
+    """The default YAML of one top-level section, comments from the schema's docs."""
+    from astuner.config.applicability import APPLIES_ONLY_WITH
+
+    model_cls = RunConfig.model_fields[name].annotation
+    lines = [f"# {line}" for line in _wrap(HEADERS[name], "")]
+
+    def walk(cls: type[Section], indent: str, prefix: str) -> None:
+        for field_name, info in cls.model_fields.items():
+            path = f"{prefix}.{field_name}"
+            annotation = info.annotation
+            is_section = isinstance(annotation, type) and issubclass(annotation, Section)
+            doc = info.description or ""
+            if path in APPLIES_ONLY_WITH:  # marked where its scope starts, not on every key inside it
+                doc = f"[only {APPLIES_ONLY_WITH[path][0]}] {doc}".rstrip()
+            if doc:
+                lines.extend(f"{indent}# {line}" for line in _wrap(doc, indent))
+            if is_section:
+                if annotation.model_fields:
+                    lines.append(f"{indent}{field_name}:")
+                    walk(annotation, indent + "  ", path)
+                else:
+                    lines.append(f"{indent}{field_name}: {{}}")
+            else:
+                default = info.default if info.default_factory is None else info.default_factory()
+                lines.append(f"{indent}{field_name}: {_scalar(default)}")
+
+    if model_cls.model_fields:
+        lines.append(f"{name}:")
+        walk(model_cls, "  ", name)
+    else:
+        lines.append(f"{name}: {{}}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+    from pathlib import Path
+
+    args = sys.argv[1:] if argv is None else argv
+    root = Path(__file__).resolve().parent.parent / "default_config"
+    stale = []
+    for name, rel in DEFAULT_FILE_OF.items():
+        text = render_yaml(name)
+        target = root / rel
+        if target.read_text(encoding="utf-8") != text:
+            stale.append(str(target))
+            if "--write" in args:
+                target.write_text(text, encoding="utf-8")
+    if stale and "--write" not in args:
+        print("stale (run python -m astuner.config.schema --write):", *stale, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

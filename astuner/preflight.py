@@ -1,0 +1,188 @@
+"""Checks and figures from the model's config alone, before any weight loads: the context limit, the parameter
+count, a trainer memory estimate against this machine's memory, and the effective-config block printed at start.
+
+Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
+    trainer  = 16 * P          weights 4 + gradients 4 + Adam first and second moments 4 + 4
+    engine   =  4 * P          the hf engine's own fp32 copy (same machine in the debug backbone)
+    ref      =  4 * P          the frozen reference model, only with the KL loss
+Activations and the KV cache come on top (they scale with trinity.trainer.max_token_len_per_gpu and the batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from astuner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+@dataclass
+class ModelFacts:
+    path: str
+    architecture: str
+    num_params: int
+    max_position_embeddings: int | None
+
+
+@dataclass
+class RunPlan:
+    """The effective numbers of a run, shown in one block at start."""
+
+    backbone: str
+    engine: str
+    tasks_per_step: int
+    episodes_per_step: int
+    optimizer_steps_per_step: int
+    micro_batch_token_budget: int
+    total_steps: int
+    max_model_len: int
+    trainer_bytes: int
+    engine_bytes: int
+    ref_bytes: int
+    available_bytes: int | None
+    device: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.trainer_bytes + self.engine_bytes + self.ref_bytes
+
+    def block(self, model: ModelFacts) -> str:
+        available = "unknown" if self.available_bytes is None else f"{self.available_bytes / GIB:.1f} GiB"
+        rows = [
+            ("model", f"{model.path} ({model.architecture}, {model.num_params / 1e6:.1f}M parameters)"),
+            ("backbone / engine", f"{self.backbone} / {self.engine} on {self.device}"),
+            ("tasks per step", str(self.tasks_per_step)),
+            ("episodes per step", str(self.episodes_per_step)),
+            ("optimizer steps per step", str(self.optimizer_steps_per_step)),
+            ("micro-batch token budget", str(self.micro_batch_token_budget)),
+            ("total steps", str(self.total_steps)),
+            ("max_model_len", str(self.max_model_len)),
+            (
+                "memory estimate",
+                f"{self.total_bytes / GIB:.1f} GiB (trainer {self.trainer_bytes / GIB:.1f}, engine "
+                f"{self.engine_bytes / GIB:.1f}, reference {self.ref_bytes / GIB:.1f}) + activations; "
+                f"available {available}",
+            ),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "effective config:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelFacts:
+    """config.json alone: architecture, exact parameter count (built on the meta device), position limit."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(model_path)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise UserError(
+            f"{key}: {model_path} has no config.json, so it is not a Hugging Face model folder. Point it at the "
+            "folder that holds config.json, the weights (*.safetensors) and the tokenizer files."
+        )
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{key}: cannot read the model config of {model_path!r}: {' '.join(str(exc).split())}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise UserError(
+            f"{key}: {model_path!r} is not a causal language model transformers can build "
+            f"({' '.join(str(exc).split())[:300]})."
+        ) from None
+    num_params = sum(p.numel() for p in model.parameters())
+    limit = getattr(config, "max_position_embeddings", None)
+    return ModelFacts(str(model_path), type(model).__name__, num_params, int(limit) if limit else None)
+
+
+def resolve_max_model_len(configured: int | None, facts: ModelFacts) -> int:
+    limit = facts.max_position_embeddings
+    if configured is None:
+        if limit is None:
+            raise UserError(
+                f"astuner.rollout.max_model_len is null (use the model's limit), but {facts.path} does not state "
+                "max_position_embeddings; set astuner.rollout.max_model_len."
+            )
+        return limit
+    if limit is not None and configured > limit:
+        raise UserError(
+            f"astuner.rollout.max_model_len={configured} is longer than the model's position limit "
+            f"(max_position_embeddings={limit} in {facts.path}/config.json): positions past it were never trained "
+            f"and give garbage. Set it to {limit} or less, or null for the model's limit."
+        )
+    return configured
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            room = int(limit) - usage
+            available = room if available is None else min(available, room)
+        break
+    return available
+
+
+def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
+    import torch
+
+    a, tc = typed.astuner, typed.astuner.trainer_common
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    P = facts.num_params
+    return RunPlan(
+        backbone=backbone,
+        engine=a.rollout.engine,
+        tasks_per_step=a.data.train_batch_size,
+        episodes_per_step=a.data.train_batch_size * a.rollout.num_repeat,
+        optimizer_steps_per_step=tc.mini_batch_num,
+        micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
+        total_steps=total_steps,
+        max_model_len=max_model_len,
+        trainer_bytes=16 * P,
+        engine_bytes=4 * P,
+        ref_bytes=4 * P if tc.use_kl_loss else 0,
+        available_bytes=available_memory(device),
+        device=device,
+    )
+
+
+def check_fits(plan: RunPlan, facts: ModelFacts) -> None:
+    """Refuse, before loading, a run whose weights and optimizer alone cannot fit (ASTUNER_SKIP_MEMORY_CHECK=1 skips)."""
+    if os.environ.get("ASTUNER_SKIP_MEMORY_CHECK") == "1" or plan.available_bytes is None:
+        return
+    if plan.total_bytes > plan.available_bytes:
+        need = math.ceil(plan.total_bytes / GIB)
+        raise UserError(
+            f"{facts.path} has {facts.num_params / 1e9:.2f}B parameters: training it in fp32 with AdamW on one "
+            f"{plan.device} needs about {need} GiB for weights, gradients, optimizer states and the engine's copy "
+            f"(before activations), but {plan.available_bytes / GIB:.1f} GiB is available. Use a smaller model "
+            "(e.g. demo:smollm2-135m-instruct or a 0.5B model) on this machine, or a GPU cluster backbone; set "
+            "ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway."
+        )

@@ -48,6 +48,7 @@ class RunPlan:
     ref_bytes: int
     available_bytes: int | None
     device: str
+    sandbox: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +65,7 @@ class RunPlan:
             ("micro-batch token budget", str(self.micro_batch_token_budget)),
             ("total steps", str(self.total_steps)),
             ("max_model_len", str(self.max_model_len)),
+            ("python tool sandbox", self.sandbox),
             (
                 "memory estimate",
                 f"{self.total_bytes / GIB:.1f} GiB (trainer {self.trainer_bytes / GIB:.1f}, engine "
@@ -153,6 +155,8 @@ def available_memory(device: str) -> int | None:
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
     import torch
 
+    from astuner.tools.python_exec import describe_sandbox
+
     a, tc = typed.astuner, typed.astuner.trainer_common
     device = "cuda" if torch.cuda.is_available() else "cpu"
     P = facts.num_params
@@ -170,6 +174,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         ref_bytes=4 * P if tc.use_kl_loss else 0,
         available_bytes=available_memory(device),
         device=device,
+        sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
 
 

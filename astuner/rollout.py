@@ -227,11 +227,18 @@ class RolloutRunner:
     async def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
         if output.reward is None:
             if inspect.iscoroutinefunction(self.judge.compute_reward):
-                reward, success = await self.judge.compute_reward(workflow_task, output)
+                result = await self.judge.compute_reward(workflow_task, output)
             else:
                 # A worker thread: a slow judge (a verifier, a sandbox, a remote model) must not stall the
                 # episodes still running on this event loop.
-                reward, success = await asyncio.to_thread(self.judge.compute_reward, workflow_task, output)
+                result = await asyncio.to_thread(self.judge.compute_reward, workflow_task, output)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (int, float))
+                    and not isinstance(result[0], bool)):
+                raise UserError(
+                    f"judge {type(self.judge).__qualname__}.compute_reward returned {result!r:.200}; it must return "
+                    "(reward: float, is_success: bool)."
+                )
+            reward, success = result
         else:
             reward = output.reward
             success = output.is_success if output.is_success is not None else reward > 0

@@ -179,6 +179,11 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
         typed.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
         Workflow,
     )
+    if not inspect.iscoroutinefunction(workflow_cls.execute):
+        raise UserError(
+            f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__}.execute must be 'async def execute("
+            "self, workflow_task, model_tuner)' (it awaits the model); it is a plain function."
+        )
     judge = build_judge(typed, cfg, loaded.config_dir)
     reader = build_task_reader(typed, loaded.config_dir)
     train_tasks, val_tasks = reader.training_tasks(), reader.validation_tasks()
@@ -186,7 +191,9 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
 
     model_path = build_policy_model_path(typed)
     facts = preflight.read_model_facts(model_path)
-    max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts)
+    max_model_len = preflight.resolve_max_model_len(
+        typed.astuner.rollout.max_model_len, facts, typed.astuner.rollout.max_response_length_in_one_turn
+    )
     tokenizer = load_tokenizer(model_path)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps)

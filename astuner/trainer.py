@@ -311,7 +311,8 @@ class Trainer:
             R = old_R.numel()
             n_tokens_R += R
             sums["loss"] += loss.detach()
-            sums["entropy"] += entropy_R.sum()
+            if entropy_R is not None:
+                sums["entropy"] += entropy_R.sum()
             for k, v in stats.items():
                 sums[k] += v  # token sums, so micro-batches combine exactly
         out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch

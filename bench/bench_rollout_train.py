@@ -6,9 +6,15 @@ Rollout: tokens/s generated through Workflow + ModelTuner + RolloutRunner (async
 tool parsing, madness checks, recording) next to the raw engine's batched generate on the same prompt ids.
 Greedy decoding, so both produce the same tokens and do the same model work.
 
-Train: tokens/s (prompt + response) of Trainer.train_step on a batch of samples next to a minimal hand-written
-step on the same batch: one padded forward with full logits, log_softmax, advantage-weighted sum, backward,
-AdamW. Every sample has a non-zero advantage, so the trainer cannot skip any.
+Engine: the HF engine's batched sampling (temperature 1, logprobs recorded) next to plain `transformers`
+`model.generate(do_sample=True)` on the same left-padded batch (default 16 prompts x 64 new tokens, no early
+stop), and the engine again with a seed per request (what rollouts use, for reproducible runs).
+
+Train: tokens/s (prompt + response) of Trainer.train_step on a batch of samples next to the step a careful
+engineer writes by hand for the same loss: one padded forward of the decoder, the LM head applied only at the
+positions that predict response tokens, logprob = logit[token] - logsumexp (no full log_softmax), advantage-
+weighted token mean, backward, grad clip, AdamW. Every sample has a non-zero advantage, so the trainer cannot
+skip any. The trainer also computes the entropy metric; its cost is reported on its own (trainer with it off).
 
 Each measurement is the best of --repeats runs after one warm-up (the machine is shared; the best run is the
 least disturbed). Not a test: nothing here asserts a speed.
@@ -76,6 +82,52 @@ def bench_rollout(model_path, tokenizer, prompts_text, max_tokens, repeats):
     return raw_tokens[0] / t_raw, flow_tokens[0] / t_flow, raw_tokens[0]
 
 
+def bench_engine(model_path, tokenizer, prompts_text, max_tokens, repeats):
+    from transformers import AutoModelForCausalLM
+
+    from astuner.engine.hf_engine import HFEngine, _Request
+    from astuner.types import SamplingParams
+
+    pad = tokenizer.pad_token_id or 0
+    prompt_ids = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        for q in prompts_text
+    ]
+    n_tokens = len(prompt_ids) * max_tokens
+    engine = HFEngine(model_path, max_batch_size=len(prompt_ids), pad_token_id=pad, seed=0)
+    sampling = SamplingParams(1.0, max_tokens, ())  # no stop token: every row makes max_tokens tokens
+
+    def run_engine(seeded: bool):
+        requests = [_Request(p, SamplingParams(1.0, max_tokens, (), seed=i if seeded else None))
+                    for i, p in enumerate(prompt_ids)]
+        with torch.no_grad():
+            out = engine._decode(requests)
+        assert sum(len(r.token_ids) for r in out) == n_tokens
+
+    t_engine = best_of(lambda: run_engine(False), repeats)
+    t_seeded = best_of(lambda: run_engine(True), repeats)
+    engine.shutdown()
+    del engine
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+
+    def run_generate():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad)
+        assert out.shape[1] - width == max_tokens
+
+    t_generate = best_of(run_generate, repeats)
+    return n_tokens / t_engine, n_tokens / t_seeded, n_tokens / t_generate, n_tokens
+
+
 def make_samples(tokenizer, prompts_text, response_len, seed=0):
     from astuner.types import Sample
 
@@ -102,38 +154,49 @@ def bench_train(model_path, samples, repeats, budget):
         norm_length=128, max_token_len_per_micro_batch=budget,
     )
     t_grpo = best_of(lambda: trainer.train_step(samples), repeats)
+    forward = trainer._forward_logprobs
+    trainer._forward_logprobs = lambda model, batch, with_entropy: forward(model, batch, False)
+    t_no_entropy = best_of(lambda: trainer.train_step(samples), repeats)
+    trainer._forward_logprobs = forward
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-    width = max(s.num_tokens for s in samples)
+    # Right padding, no mask (causal attention hides the pads from real tokens), last token not fed.
+    inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
+    width = max(len(x) for x in inputs)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
-    target_mask = torch.zeros(len(samples), width - 1)
-    weight = torch.zeros(len(samples), 1)
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
-        target_mask[i, len(s.prompt_ids) - 1 : len(seq) - 1] = 1
-        weight[i] = s.advantage
+    rows, cols, targets, weights = [], [], [], []
+    n_response = sum(len(s.response_ids) for s in samples)
+    for i, (s, x) in enumerate(zip(samples, inputs)):
+        ids[i, : len(x)] = torch.tensor(x)
+        P, L = len(s.prompt_ids), len(s.response_ids)
+        rows += [i] * L
+        cols += range(P - 1, P + L - 1)
+        targets += s.response_ids
+        weights += [s.advantage / n_response] * L
+    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+    targets_t, weights_t = torch.tensor(targets), torch.tensor(weights)
+    head = model.get_output_embeddings()
 
     def floor():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(weight * logp * target_mask).sum() / target_mask.sum()
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        logits = head(hidden[rows_t, cols_t])
+        logp = logits.gather(-1, targets_t[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+        loss = -(weights_t * logp).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
 
     t_floor = best_of(floor, repeats)
-    return tokens / t_grpo, tokens / t_floor, tokens
+    return tokens / t_grpo, tokens / t_no_entropy, tokens / t_floor, tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo:smollm2-135m-instruct")
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--engine-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--train-samples", type=int, default=16)
     parser.add_argument("--response-len", type=int, default=96)
@@ -153,14 +216,25 @@ def main() -> None:
     prompts = [f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Explain briefly." for _ in range(args.prompts)]
     print(f"model {args.model}, torch threads {torch.get_num_threads()}, best of {args.repeats}")
 
+    engine, seeded, generate, n = bench_engine(model_path, tokenizer, prompts[: args.engine_prompts],
+                                               args.max_tokens, args.repeats)
+    print(f"engine   transformers generate {generate:8.1f} tok/s   ({n} tokens, {args.engine_prompts} prompts, "
+          "sampled, no stop)")
+    print(f"engine   astuner HF engine     {engine:8.1f} tok/s   {100 * (engine / generate - 1):+.1f}% vs generate "
+          "(also records logprobs)")
+    print(f"engine   ... seed per request  {seeded:8.1f} tok/s   {100 * (seeded / generate - 1):+.1f}% vs generate")
+
     raw, flow, n = bench_rollout(model_path, tokenizer, prompts, args.max_tokens, args.repeats)
     print(f"rollout  raw engine generate   {raw:8.1f} tok/s   ({n} tokens, {args.prompts} prompts, greedy)")
     print(f"rollout  workflow + ModelTuner {flow:8.1f} tok/s   {100 * (flow / raw - 1):+.1f}% vs raw")
 
     samples = make_samples(tokenizer, prompts[: args.train_samples], args.response_len)
-    grpo, floor, n = bench_train(model_path, samples, args.repeats, args.budget)
-    print(f"train    minimal fwd/bwd/AdamW {floor:8.1f} tok/s   ({n} tokens, {len(samples)} samples)")
+    grpo, no_entropy, floor, n = bench_train(model_path, samples, args.repeats, args.budget)
+    print(f"train    hand-written step     {floor:8.1f} tok/s   ({n} tokens, {len(samples)} samples; response-only "
+          "LM head, logsumexp)")
     print(f"train    astuner GRPO step     {grpo:8.1f} tok/s   {100 * (grpo / floor - 1):+.1f}% vs floor")
+    print(f"train    ... without entropy   {no_entropy:8.1f} tok/s   {100 * (no_entropy / floor - 1):+.1f}% vs floor "
+          f"(the entropy metric costs {100 * (1 - grpo / no_entropy):.1f}%)")
 
 
 if __name__ == "__main__":

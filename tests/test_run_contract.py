@@ -304,3 +304,41 @@ def test_workflow_loguru_lines_land_in_the_run_log(tmp_path, tiny_model_dir):
     assert "workflow saw task" in log_text  # the user's loguru logger
     assert "astuner.rollout" in log_text or "astuner.loop" in log_text or "effective config" in log_text
     assert "effective config" in log_text and "python tool sandbox" in log_text
+
+
+def test_a_workflow_whose_execute_is_not_async(tmp_path, tiny_model_dir, capsys, no_model_load):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    (tmp_path / "wf.py").write_text(
+        "from astuner import Workflow, WorkflowOutput\n\n"
+        "class EchoWorkflow(Workflow):\n"
+        "    def execute(self, workflow_task, model_tuner):\n"
+        "        return WorkflowOutput(reward=1.0)\n"
+    )
+    assert "must be 'async def execute" in cli_error(capsys, yaml)
+
+
+def test_per_turn_length_that_leaves_no_room_for_a_prompt(tmp_path, tiny_model_dir, capsys, no_model_load):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    err = cli_error(capsys, yaml, "astuner.rollout.max_response_length_in_one_turn=256")
+    assert "leaves no room for a prompt" in err
+
+
+def test_huggingface_reader_with_a_file_that_is_not_utf8(tmp_path, tiny_model_dir, capsys, no_model_load):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.jsonl").write_bytes('{"question": "caf\u00e9?"}\n'.encode("latin-1"))
+    err = cli_error(capsys, yaml, "astuner.task_reader.type=huggingface_dat_repo",
+                    f"astuner.task_reader.huggingface_dat_repo.dataset_path={tmp_path / 'ds'}")
+    assert "cannot read the data files" in err
+
+
+def test_a_judge_that_returns_the_wrong_shape_stops_the_run(tmp_path, tiny_model_dir, capsys):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    (tmp_path / "judge.py").write_text(
+        "from astuner.task_judge.base_judge import BaseJudge\n\n"
+        "class LengthJudge(BaseJudge):\n"
+        "    def compute_reward(self, workflow_task, workflow_output):\n"
+        "        return 0.5\n"
+    )
+    err = cli_error(capsys, yaml)
+    assert "returned 0.5; it must return (reward: float, is_success: bool)" in err

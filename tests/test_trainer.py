@@ -167,3 +167,31 @@ def test_checkpoint_roundtrip(tiny_model_dir, demo_tokenizer, tmp_path):
     synced = dict(trainer.named_parameters_for_sync())
     assert synced.keys() == dict(trainer.model.named_parameters()).keys()
     assert "lm_head.weight" not in synced  # tied to the input embedding
+
+
+def test_lr_schedule_by_hand():
+    from astuner.trainer import lr_at
+
+    # Warmup 2 steps to 1.0, then cosine over the remaining 8 (progress p = (step - 2) / 7) down to 0.1.
+    assert [lr_at(s, 1.0, 2, 10, "cosine", 0.1) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, 1.0, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_at(9, 1.0, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
+    # p = 3.5 / 7 = 0.5: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
+    assert lr_at(5.5, 1.0, 2, 10, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_at(50, 1.0, 0, 10, "constant", 0.1) == 1.0
+
+
+def test_metrics_say_which_tokens_they_cover(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir)
+    moving = [_sample(trainer, demo_tokenizer, "Q: hi", " there friend", 1.0, "a")]
+    still = [_sample(trainer, demo_tokenizer, "Q: yo", " hello pal", 0.0, "b")]
+    n_moving, n_still = len(moving[0].response_ids), len(still[0].response_ids)
+    # Old logprobs far below the policy's: every forwarded token's ratio is far above 1 + clip_high (clipped).
+    for s in moving + still:
+        s.old_logprobs = [x - 5.0 for x in s.old_logprobs]
+    metrics = trainer.train_step(moving + still)
+    assert metrics["num_samples_skipped_zero_adv"] == 1.0  # the zero-advantage sample is not forwarded...
+    # ...but its tokens carry a loss weight and cannot be clipped (A = 0): they count as unclipped.
+    assert metrics["clip_fraction"] == pytest.approx(n_moving / (n_moving + n_still))
+    assert metrics["forwarded_token_fraction"] == pytest.approx(n_moving / (n_moving + n_still))
+    assert metrics["ratio_mean"] > 100  # over the forwarded tokens only

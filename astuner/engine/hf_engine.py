@@ -151,12 +151,13 @@ class HFEngine:
             try:
                 with self._model_lock:
                     results = self._decode(batch)
-                for req, res in zip(batch, results):
-                    req.loop.call_soon_threadsafe(_resolve, req.future, res, None)
             except BaseException as exc:  # surfaces in the awaiting episodes, never kills the worker
                 log.exception("generation failed")
                 for req in batch:
-                    req.loop.call_soon_threadsafe(_resolve, req.future, None, exc)
+                    _deliver(req, None, exc)
+            else:
+                for req, res in zip(batch, results):
+                    _deliver(req, res, None)
 
     @torch.no_grad()
     def _decode(self, requests: list[_Request]) -> list[GenerateResult]:
@@ -200,9 +201,7 @@ class HFEngine:
         next_pos = positions[:, -1] + 1
 
         for _ in range(max(max_new)):
-            logp = torch.log_softmax(logits / scale, dim=-1)
-            tokens = self._sample(logp, logits, greedy, [generators[r] for r in alive])
-            token_lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+            tokens, token_lp = self._sample(logits / scale, greedy, [generators[r] for r in alive])
             tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
 
             keep: list[int] = []
@@ -237,21 +236,37 @@ class HFEngine:
 
         return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
 
-    def _sample(self, logp: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, generators: list) -> torch.Tensor:
-        """One token per row: argmax for greedy rows, else a draw from exp(logp) with the row's generator."""
-        probs = logp.exp()
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if len(shared) == len(generators):
-            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
-        else:
-            sampled = torch.empty(len(generators), dtype=torch.long, device=logp.device)
+    def _sample(self, z: torch.Tensor, greedy: torch.Tensor, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, their logprobs) from tempered logits z: argmax for greedy rows; for the others, inverse-CDF
+        sampling of softmax(z) with one uniform per row (the row's own generator, or the shared one).
+
+        One uniform per row instead of one per vocabulary entry: torch's CPU random generator and
+        `torch.multinomial` cost more than the model's forward at small batch sizes. The CDF is summed in float64
+        so that tokens at the end of a 150k vocabulary keep their probability.
+        """
+        lse = torch.logsumexp(z, dim=-1)
+        tokens = z.argmax(dim=-1)
+        rows = (~greedy).nonzero().squeeze(-1).tolist()
+        if rows:
+            index = torch.tensor(rows, device=z.device)
+            cdf = torch.cumsum(torch.exp(z[index] - lse[index, None]).double(), dim=-1)
+            shared = [i for i, r in enumerate(rows) if generators[r] is None]
+            u = torch.empty(len(rows), dtype=torch.float64, device=z.device)
             if shared:
-                index = torch.tensor(shared, device=logp.device)
-                sampled[index] = torch.multinomial(probs[index], 1, generator=self._generator).squeeze(-1)
-            for i, g in enumerate(generators):
-                if g is not None:
-                    sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-        return torch.where(greedy, logits.argmax(-1), sampled)
+                u[shared] = torch.rand(len(shared), generator=self._generator, dtype=torch.float64, device=z.device)
+            for i, r in enumerate(rows):
+                if generators[r] is not None:
+                    u[i] = torch.rand(1, generator=generators[r], dtype=torch.float64, device=z.device)[0]
+            picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+            tokens[index] = picked.clamp_(max=z.shape[-1] - 1)
+        return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
+def _deliver(request: _Request, result, exc) -> None:
+    try:
+        request.loop.call_soon_threadsafe(_resolve, request.future, result, exc)
+    except RuntimeError:  # the caller's event loop is closed (its rollout ended): nobody waits for this result
+        pass
 
 
 def _cancel(future: asyncio.Future) -> None:

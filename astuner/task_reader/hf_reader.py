@@ -49,7 +49,14 @@ class HuggingFaceTaskReader(TaskReader):
     def _read(self, split: str) -> list[Task]:
         dataset = self._load(split)
         source = f"dataset {self.dataset_path!r} (split {split!r})"
-        return self.make_tasks(((f"row {i}", row) for i, row in enumerate(dataset)), split, source)
+        try:
+            rows = [(f"row {i}", row) for i, row in enumerate(dataset)]
+        except UnicodeDecodeError as exc:  # `datasets` may load a latin-1 file and fail only on reading a row
+            raise UserError(
+                f"{source}: cannot read the data files: not UTF-8 text ({exc.reason} at byte {exc.start}); save "
+                "the files as UTF-8."
+            ) from None
+        return self.make_tasks(rows, split, source)
 
     def _load(self, split: str):
         import datasets  # lazy: importing astuner.task_reader must stay light
@@ -69,6 +76,12 @@ class HuggingFaceTaskReader(TaskReader):
             # Unknown split or config name, a folder without data files, a hub id that does not exist.
             hint = "" if self.is_local else " (no such folder in the working directory or the YAML's folder)"
             raise UserError(f"{what}{hint}, split {split!r}, dataset_name {self.dataset_name!r}: {exc}") from None
+        except Exception as exc:  # `datasets` wraps a bad data file (not UTF-8, broken JSON) in its own errors
+            cause = exc.__cause__ or exc.__context__ or exc
+            detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:400]
+            if isinstance(cause, UnicodeDecodeError):
+                detail += " (the file is not UTF-8 text; save it as UTF-8)"
+            raise UserError(f"{what}, split {split!r}: cannot read the data files: {detail}") from None
 
 
 def _resolve_dataset_path(value: str, base_dir: Path) -> tuple[str, bool]:

@@ -84,10 +84,9 @@ def _bwrap_prefix() -> list[str]:
             "--perms", "1777", "--tmpfs", "/tmp"]
     if os.geteuid() == 0:
         args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        args += list(_interpreter_mounts())
     else:
         args += ["--unshare-all"]
-    return args + ["--die-with-parent", "--new-session"]
+    return args + list(_interpreter_mounts()) + ["--die-with-parent", "--new-session"]
 
 
 def _bwrap_user() -> list[str]:
@@ -99,29 +98,32 @@ def _bwrap_user() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _interpreter_mounts() -> tuple[str, ...]:
-    """bwrap arguments that let an unprivileged user run this interpreter when it lives under a folder others
-    cannot enter (e.g. /root/.pyenv): such a folder becomes an empty tmpfs and only the interpreter's own
-    prefixes are bound back in, read-only (the rest of that folder stays hidden)."""
-    needed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(
-        os.path.realpath(sys.executable)))})
-    closed: list[str] = []
-    for path in needed:
-        parts = path.split(os.sep)
-        for i in range(2, len(parts) + 1):
-            ancestor = os.sep.join(parts[:i])
-            try:
-                if not os.stat(ancestor).st_mode & 0o001:
-                    if not any(ancestor.startswith(c + os.sep) or ancestor == c for c in closed):
-                        closed.append(ancestor)
+    """bwrap arguments that keep this interpreter runnable inside the sandbox. Its prefixes (a venv, the base
+    installation) may lie under /tmp, which the sandbox replaces by a private tmpfs, or, when astuner runs as
+    root, under a folder others cannot enter (e.g. /root/.pyenv), which becomes an empty tmpfs (hiding the rest
+    of it). Either way the prefixes are bound back in, read-only."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(
+        os.path.realpath(sys.executable)))}
+    needed = sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in paths))
+    masked: list[str] = ["/tmp"]
+    if os.geteuid() == 0:  # only root's bwrap can bind what an unprivileged user cannot reach
+        for path in needed:
+            parts = path.split(os.sep)
+            for i in range(2, len(parts) + 1):
+                ancestor = os.sep.join(parts[:i])
+                try:
+                    if not os.stat(ancestor).st_mode & 0o001:
+                        if not any(ancestor == m or ancestor.startswith(m + os.sep) for m in masked):
+                            masked.append(ancestor)
+                        break
+                except OSError:
                     break
-            except OSError:
-                break
     args: list[str] = []
-    for folder in closed:
+    for folder in masked[1:]:  # /tmp is made by _bwrap_prefix
         args += ["--perms", "0755", "--tmpfs", folder]
     made: set[str] = set()
     for path in needed:
-        base = next((c for c in closed if path.startswith(c + os.sep)), None)
+        base = next((m for m in masked if path.startswith(m + os.sep)), None)
         if base is None:
             continue
         # Folders between the tmpfs and the bound prefix, made enterable (bwrap would create them 0700).

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from astuner.algorithm.samples import episodes_to_samples
+from astuner.algorithm.samples import episodes_to_samples, merge_ratio
 from astuner.errors import TrainingStalled
 from astuner.types import (
     FLAG_FAILED,
@@ -73,6 +73,7 @@ class LoopSettings:
     max_sample_per_task: int
     max_idle_steps: int = 5
     grad_without_advantage: bool = False  # the KL loss gives zero-advantage samples a gradient too
+    sample_mode: str = "per_call"
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
@@ -93,6 +94,7 @@ class LoopSettings:
             max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
             max_idle_steps=tc.max_idle_steps,
             grad_without_advantage=tc.use_kl_loss,
+            sample_mode=a.rollout.multi_turn.sample_mode,
         )
 
 
@@ -173,6 +175,44 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     }
 
 
+# Past these, a step's log carries a warning: the token pipeline is probably broken (see rollout.preflight).
+PIPELINE_WARN = {
+    "rollout/tool_call_parse_failure_rate": 0.2,
+    "rollout/logprob_abs_diff_mean": 0.05,
+}
+
+
+def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -> dict[str, float]:
+    """Token-pipeline health: parse failures among calls that tried a tool call, calls whose prompt extended an
+    earlier call token-exactly, the share `merge` joins, engine-trainer logprob gap, and per-agent counts."""
+    calls = [c for e in episodes for c in e.calls]
+    attempted = [c for c in calls if c.tool_call_attempted]
+    out = {
+        "rollout/tool_call_parse_failure_rate": (
+            sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0),
+        "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
+        "rollout/merge_ratio": merge_ratio(episodes),
+    }
+    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max"):
+        if name in train_metrics:
+            out[f"rollout/{name}"] = train_metrics[name]
+    agents = sorted({c.agent for c in calls if c.agent})
+    for agent in agents:
+        mine = [c for c in calls if c.agent == agent]
+        out[f"agent/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
+        out[f"agent/{agent}/response_length"] = sum(len(c.response_ids) for c in mine) / len(mine)
+    return out
+
+
+def warn_pipeline(step: int, metrics: dict[str, float]) -> None:
+    for name, limit in PIPELINE_WARN.items():
+        value = metrics.get(name)
+        if value is not None and value > limit:
+            log.warning("step %d: %s = %.3g is above %.3g: the token pipeline may be broken (a tool-call parser "
+                        "that does not match the model's format, or engine and trainer disagreeing); see the "
+                        "preflight table at start and rollout.tool_call_parser", step, name, value, limit)
+
+
 def zero_adv_group_fraction(episodes: list[Episode]) -> float:
     """Share of task groups (trainable episodes of one task) whose rewards are all equal: GRPO learns nothing
     from them. A group with one trainable episode counts as equal; a group with none is not counted."""
@@ -243,6 +283,7 @@ def run_loop(
             norm_by_std=settings.norm_adv_by_std,
             epsilon=settings.adv_epsilon,
             max_sample_per_task=settings.max_sample_per_task,
+            sample_mode=settings.sample_mode,
         )
         train_metrics = stages.train(samples) if samples else {}
         t2 = time.perf_counter()
@@ -251,6 +292,8 @@ def run_loop(
 
         metrics = episode_metrics(episodes, "train")
         metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
+        metrics.update(pipeline_metrics(episodes, train_metrics))
+        warn_pipeline(step, metrics)
         zero_frac = zero_adv_group_fraction(episodes)
         metrics.update({
             "time/rollout_s": t1 - t0,

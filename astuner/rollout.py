@@ -33,6 +33,8 @@ from astuner.engine.base import InferenceEngine
 from astuner.errors import UserError
 from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
+from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
+from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.task_judge.base_judge import BaseJudge
 from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
@@ -54,7 +56,8 @@ class RolloutSettings:
     madness_checks: tuple[str, ...]
     limits: TunerLimits
     tool_prompt: str
-    tool_parser: str
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     seed: int = 0
 
     @classmethod
@@ -75,7 +78,8 @@ class RolloutSettings:
                 max_prompt_length=d.max_prompt_length,
             ),
             tool_prompt=r.tool_prompt,
-            tool_parser=r.tool_parser,
+            tool_call_parser=r.tool_call_parser,
+            reasoning_parser=r.reasoning_parser,
             seed=typed.astuner.seed,
         )
 
@@ -102,7 +106,20 @@ class RolloutRunner:
         self.config = config
         self._seen_errors: set[str] = set()
         self.renderer = ChatRenderer(tokenizer, settings.tool_prompt)
-        self.parser = TOOL_PARSERS[settings.tool_parser]()
+        self.chat_format = detect_formats(template_source(tokenizer), self.renderer.uses_builtin_tool_prompt,
+                                          settings.tool_call_parser, settings.reasoning_parser)
+        self.parser = TOOL_PARSERS[self.chat_format.tool_parser]()
+        self.reasoning_parser = REASONING_PARSERS[self.chat_format.reasoning_parser]()
+        self.gateway = Gateway()
+
+    def stop_texts(self) -> tuple[str, ...]:
+        """End-of-turn markers as text (the stop tokens and the tokenizer's eos)."""
+        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in self.stop_token_ids]
+        return tuple(dict.fromkeys(texts + [getattr(self.tokenizer, "eos_token", None) or ""]))
+
+    def close(self) -> None:
+        """Stop the loopback endpoint, if an agent started it."""
+        self.gateway.close()
 
     def run(
         self,
@@ -156,6 +173,8 @@ class RolloutRunner:
             seed=_episode_seed(self.settings.seed, step, episode.episode_uid),
             deadline=time.monotonic() + timeout,
             episode_uid=episode.episode_uid,
+            reasoning_parser=self.reasoning_parser,
+            gateway=self.gateway,
         )
         workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation)
         start = time.perf_counter()
@@ -180,6 +199,7 @@ class RolloutRunner:
             episode.flags.append(FLAG_FAILED)
             episode.error = traceback.format_exc()
             self._log_error(episode, "failed")
+        tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
         episode.calls = list(tuner.calls)
         episode.seconds = time.perf_counter() - start
 
@@ -197,6 +217,7 @@ class RolloutRunner:
             episode.output_metadata = dict(output.metadata)
             try:
                 await self._score(episode, workflow_task, output)
+                episode.output_metadata = dict(output.metadata)  # a judge may add to it (EnvServiceJudge)
             except UserError:
                 raise
             except Exception:

@@ -211,6 +211,13 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
         stop_token_ids(model_path, tokenizer),
         config=cfg,
     )
+    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check, run_preflight
+
+    run_preflight(
+        typed.astuner.rollout.preflight, runner.renderer, runner.chat_format, runner.parser, runner.reasoning_parser,
+        runner.stop_texts(),
+        engine_trainer_logprob_check(engine, trainer, tokenizer, runner.renderer, runner.stop_token_ids),
+    )
     return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner, plan)
 
 

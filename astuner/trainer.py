@@ -274,8 +274,10 @@ class Trainer:
                 raise ValueError(f"sample of episode {s.episode_uid}: old_logprobs and response_ids lengths differ")
             if s.response_ids and not s.prompt_ids:
                 raise ValueError(f"sample of episode {s.episode_uid}: empty prompt")
+        # Lengths count trained tokens only: a merged sample (loss_mask) weighs its tokens as the separate
+        # calls it joins would.
         weights_B = token_weights(
-            [len(s.response_ids) for s in samples], [s.episode_uid for s in samples], self.loss_agg_mode,
+            [s.num_trained_tokens for s in samples], [s.episode_uid for s in samples], self.loss_agg_mode,
             self.norm_length,
         )
         # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the KL term is on.
@@ -286,7 +288,8 @@ class Trainer:
         kept = [samples[i] for i in keep]
         dev = self.device
         sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "clip_fraction_lower",
-                                                         "approx_kl_old", "ratio_mean", "kl_ref", "entropy")}
+                                                         "approx_kl_old", "ratio_mean", "kl_ref", "entropy",
+                                                         "logprob_abs_diff", "logprob_abs_diff_max")}
         n_tokens_R = 0
         micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
         for idx in micro_batches:
@@ -295,7 +298,9 @@ class Trainer:
             lengths = [len(s.response_ids) for s in mb]
             old_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=dev, dtype=torch.float32)
             adv_R = torch.tensor([s.advantage for s, n in zip(mb, lengths) for _ in range(n)], device=dev)
-            w_R = torch.tensor([w for w, n in zip(mb_weights, lengths) for _ in range(n)], device=dev)
+            mask_R = torch.tensor([m for s in mb for m in (s.loss_mask or [1] * len(s.response_ids))],
+                                  device=dev, dtype=torch.float32)
+            w_R = torch.tensor([w for w, n in zip(mb_weights, lengths) for _ in range(n)], device=dev) * mask_R
 
             ref_R = None
             if self.ref_model is not None:
@@ -304,21 +309,23 @@ class Trainer:
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True)
             loss, stats = policy_loss(
                 logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
-                ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type,
+                ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
             )
             loss.backward()
 
-            R = old_R.numel()
-            n_tokens_R += R
+            n_tokens_R += int(mask_R.sum().item())
             sums["loss"] += loss.detach()
             if entropy_R is not None:
-                sums["entropy"] += entropy_R.sum()
+                sums["entropy"] += (entropy_R * mask_R).sum()
             for k, v in stats.items():
-                sums[k] += v  # token sums, so micro-batches combine exactly
+                if k == "logprob_abs_diff_max":
+                    sums[k] = torch.maximum(sums[k], v)
+                else:
+                    sums[k] += v  # token sums, so micro-batches combine exactly
         out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
         out.update(
             response_tokens=n_tokens_R,
-            weighted_tokens=sum(len(s.response_ids) for s, w in zip(samples, weights_B) if w > 0),
+            weighted_tokens=sum(s.num_trained_tokens for s, w in zip(samples, weights_B) if w > 0),
             train_tokens=sum(s.num_tokens for s in kept),
             num_micro_batches=len(micro_batches),
             num_forwarded_samples=len(kept),
@@ -360,6 +367,11 @@ class Trainer:
             if sums["response_tokens"] == 0:
                 self.optimizer.zero_grad(set_to_none=True)
                 continue  # nothing carries a gradient: no step (weight decay alone is not a reason to move)
+            if not losses:
+                # Only the first mini-batch is forwarded before any update: there trainer and engine logprobs
+                # of the sampled tokens should agree (fp32 on CPU: ~1e-6); a gap means a broken sync or pipeline.
+                metrics["logprob_abs_diff_mean"] = sums["logprob_abs_diff"] / sums["response_tokens"]
+                metrics["logprob_abs_diff_max"] = sums["logprob_abs_diff_max"]
             grad_norm, lr = self._optimizer_step()
             losses.append(sums["loss"])
             grad_norms.append(grad_norm)

@@ -62,6 +62,11 @@ class LLMCall:
     temperature: float
     response_text: str = ""
     flags: list[str] = field(default_factory=list)
+    agent: str = ""  # ModelTuner.for_agent name; "" for the episode's main model
+    trainable: bool = True  # False: served and recorded, never a training sample
+    extends_previous: bool = False  # prompt = an earlier call's exact prompt + response ids + new messages
+    tool_call_attempted: bool = False  # the output held a tool call (well-formed or not)
+    tool_call_parse_failed: bool = False  # ... and the parser could not use some of it
 
 
 @dataclass
@@ -99,7 +104,14 @@ class Sample:
     advantage: float
     temperature: float
     episode_uid: str
+    # 1 for generated tokens, 0 for tokens the model did not sample (tool results and turn markers joined in by
+    # multi_turn.sample_mode=merge); None means every response token is trained on.
+    loss_mask: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)

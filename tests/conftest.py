@@ -54,3 +54,92 @@ def tiny_model_dir(tmp_path_factory, demo_tokenizer) -> Path:
     model.save_pretrained(path)
     demo_tokenizer.save_pretrained(path)
     return path
+
+
+# Real chat templates of four model families, from the template collection that llama.cpp tests against
+# (models/templates/ in the llama-cpp-python sdist on PyPI: the package index is the one network source CI has).
+# Downloaded once, checked against a pinned sha256, cached outside the repo.
+_TEMPLATES_SDIST = (
+    "https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/"
+    "llama_cpp_python-0.3.36.tar.gz",
+    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+)
+FAMILY_TEMPLATES = {
+    "qwen2.5": "Qwen-Qwen2.5-7B-Instruct.jinja",
+    "qwen3": "Qwen-Qwen3-0.6B.jinja",
+    "qwen3_coder": "Qwen3-Coder.jinja",
+    "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "mistral_nemo": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+}
+
+
+@pytest.fixture(scope="session")
+def family_templates() -> dict[str, str]:
+    import hashlib
+    import tarfile
+    import urllib.request
+
+    cache = Path(os.environ.get("ASTUNER_CACHE", Path.home() / ".cache" / "astuner")) / "chat_templates"
+    if not all((cache / f).is_file() for f in FAMILY_TEMPLATES.values()):
+        cache.mkdir(parents=True, exist_ok=True)
+        url, sha = _TEMPLATES_SDIST
+        archive = cache / "sdist.tar.gz"
+        try:
+            urllib.request.urlretrieve(url, archive)
+        except OSError as exc:
+            pytest.fail(f"could not download the chat-template collection from PyPI ({exc}); the family parser "
+                        f"tests need it once (it is cached in {cache})")
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+        if digest != sha:
+            pytest.fail(f"{url} has sha256 {digest}, expected {sha}")
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                name = member.name.rsplit("/", 1)[-1]
+                if "/models/templates/" in member.name and name in FAMILY_TEMPLATES.values():
+                    (cache / name).write_bytes(tar.extractfile(member).read())
+        archive.unlink()
+    return {family: (cache / f).read_text() for family, f in FAMILY_TEMPLATES.items()}
+
+
+def serve_in_thread(app):
+    """Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) in a daemon thread; returns (url, stop)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "test server did not start"
+        time.sleep(0.01)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=5)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def load_tutorial_module(relative: str, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def env_server():
+    """The tutorial's arithmetic environment service, served for one test."""
+    module = load_tutorial_module("tutorial/env_service/server.py", "tutorial_env_server")
+    env = module.ArithmeticEnv()
+    url, stop = serve_in_thread(module.build_app(env))
+    yield url, env
+    stop()

@@ -304,7 +304,7 @@ def test_accepted_values(tmp_path, elsewhere, yaml_text):
         ("astuner: {trainer_common: {loss_agg_mode: sum}}", "token-mean"),
         ("astuner: {trainer_common: {algorithm: {adv_estimator: ppo}}}", "grpo"),
         ("astuner: {rollout: {tool_prompt: none}}", "builtin"),
-        ("astuner: {rollout: {tool_parser: json}}", "hermes"),
+        ("astuner: {rollout: {tool_call_parser: json}}", "hermes"),
     ],
 )
 def test_bad_enum(tmp_path, elsewhere, yaml_text, needle):

@@ -95,7 +95,7 @@ class NeverJudge(BaseJudge):
 def make_runner(tokenizer, workflow, engine, timeout):
     settings = RolloutSettings(
         num_repeat=1, max_env_worker=4, temperature=1.0, episode_timeout=timeout, agent_madness_reward=0.0,
-        madness_checks=(), tool_prompt="auto", tool_parser="hermes",
+        madness_checks=(), tool_prompt="auto", tool_call_parser="hermes",
         limits=TunerLimits(max_model_len=2048, max_tokens_per_turn=64, max_response_tokens=4096,
                            max_prompt_length=1000),
     )

@@ -54,7 +54,7 @@ class ContainsFourJudge(BaseJudge):
 
 def settings(**kw):
     base = dict(num_repeat=3, max_env_worker=2, temperature=0.9, episode_timeout=5.0, agent_madness_reward=-1.0,
-                madness_checks=("nonsense", "wrong_toolcall"), tool_prompt="auto", tool_parser="hermes",
+                madness_checks=("nonsense", "wrong_toolcall"), tool_prompt="auto", tool_call_parser="hermes",
                 limits=TunerLimits(max_model_len=1024, max_tokens_per_turn=64, max_response_tokens=256,
                                    max_prompt_length=512))
     base.update(kw)

@@ -22,6 +22,8 @@ from astuner.config import load_config, valid_keys
 from astuner.config.applicability import key_is_inactive
 from astuner.config.schema import Section
 
+REPO = Path(__file__).resolve().parents[1]
+
 WORKFLOW = '''
 from loguru import logger
 from astuner import Workflow, WorkflowOutput
@@ -115,7 +117,7 @@ def leaf_keys() -> set[str]:
     return {k for k in valid_keys() if not isinstance(default_at(k)[1], dict)}
 
 
-def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir):
+def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, env_server):
     leaves = leaf_keys()
     one_step = ["astuner.trainer_common.total_training_steps=1"]
     # Run A: jsonl reader, KL off, constant LR, std normalisation on.
@@ -134,11 +136,23 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir):
         "astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo=false",
     ])
     assert leaves - reads_b - inactive_b - READ_WHILE_LOADING == set()
+    # Run C: the environment-service reader and judge (the tutorial's service), merged samples.
+    workflow = REPO / "tutorial" / "env_service" / "workflow.py"
+    reads_c, inactive_c = keys_read_by_a_run(write_run(tmp_path / "c", tiny_model_dir), one_step + [
+        "astuner.task_reader.type=env_service",
+        f"astuner.task_reader.env_service.env_url={env_server[0]}",
+        "astuner.task_reader.env_service.validation_split=test",
+        f"astuner.rollout.agentscope_workflow='{workflow}->EnvServiceWorkflow'",
+        "astuner.task_judge.judge_protocol='astuner.task_judge.env_service_judge->EnvServiceJudge'",
+        "astuner.rollout.multi_turn.sample_mode=merge",
+    ])
+    assert leaves - reads_c - inactive_c - READ_WHILE_LOADING == set()
+    assert not env_server[1].instances  # the judge released every instance
     # Together they read every key but those of the vLLM engine and the trinity backbone (not in this release).
     later = {k for k in leaves if k.startswith(("astuner.rollout.tensor_model_parallel_size",
                                                 "astuner.rollout.max_num_seqs", "astuner.rollout.gpu_memory",
                                                 "astuner.trainer_common.trinity_only"))}
-    assert leaves - reads_a - reads_b - READ_WHILE_LOADING == later
+    assert leaves - reads_a - reads_b - reads_c - READ_WHILE_LOADING == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

@@ -15,7 +15,7 @@ def parser():
 
 
 def test_registry():
-    assert TOOL_PARSERS == {"hermes": HermesToolParser}
+    assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral"}
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("llama3")

@@ -122,8 +122,12 @@ def policy_loss(
     ref_logprobs_R: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
+    mask_R: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-sum stats)."""
+    """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-sum stats).
+
+    mask_R (1 = trained, 0 = a token the model did not sample, e.g. a tool result inside a merged sample) is
+    already folded into weights_R by the caller; here it only keeps masked tokens out of the stats."""
     log_ratio_R = torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
     ratio_R = torch.exp(log_ratio_R)
     pg1_R = -advantages_R * ratio_R
@@ -141,8 +145,16 @@ def policy_loss(
 
     loss = (weights_R * token_loss_R).sum()
     with torch.no_grad():
-        stats["clip_fraction"] = (pg2_R > pg1_R).float().sum()
-        stats["clip_fraction_lower"] = ((clipped_R > pg3_R) & negative_R).float().sum()
-        stats["approx_kl_old"] = (ratio_R - 1.0 - log_ratio_R).sum()
-        stats["ratio_mean"] = ratio_R.sum()
+        m_R = torch.ones_like(ratio_R) if mask_R is None else mask_R
+        if ref_logprobs_R is not None:
+            stats["kl_ref"] = (kl_R.detach() * m_R).sum()
+        stats["clip_fraction"] = ((pg2_R > pg1_R).float() * m_R).sum()
+        stats["clip_fraction_lower"] = (((clipped_R > pg3_R) & negative_R).float() * m_R).sum()
+        stats["approx_kl_old"] = ((ratio_R - 1.0 - log_ratio_R) * m_R).sum()
+        stats["ratio_mean"] = (ratio_R * m_R).sum()
+        # Engine vs trainer: before the first update old_logprobs are the engine's sampling logprobs and
+        # logprobs_R the trainer's, so this is the train-inference mismatch (the trainer reports it from there).
+        diff_R = (logprobs_R.detach() - old_logprobs_R).abs() * m_R
+        stats["logprob_abs_diff"] = diff_R.sum()
+        stats["logprob_abs_diff_max"] = diff_R.max() if diff_R.numel() else diff_R.sum()
     return loss, stats

@@ -12,6 +12,16 @@ Rules:
     i.e. the first call, the last call and evenly spaced ones between, in their original order. Because
     n > k the step (n-1)/(k-1) exceeds 1, so the indices are distinct. Example n=7, k=4: [0, 2, 4, 6].
     The episode's weight in the loss does not depend on how many of its calls are kept (see `loss.py`).
+  * Calls made with `trainable=False` (`ModelTuner.for_agent(name, trainable=False)`) never become samples.
+  * `sample_mode` (multi_turn.sample_mode):
+      per_call  one sample per call;
+      merge     consecutive calls of one agent where call j+1's prompt ids start with call j's prompt + response
+                ids are joined into one sample: prompt = the first call's prompt, response = R_1 + X_1 + R_2 + ...
+                where X_j are the ids between (tool results, turn markers), with loss_mask 1 on every R and 0 on
+                every X. Same tokens, same contexts, same per-token weights (loss.py counts masked tokens), so the
+                same gradient from fewer forward passes; calls that do not extend stay separate. Ids are never
+                rebuilt from text.
+    `max_sample_per_task` counts samples after merging.
   * `Sample.old_logprobs` are the engine's sampling logprobs of the call: there is no separate old-logprob
     forward pass, so the PPO ratio starts at ~1 only if engine and trainer agree (tested elsewhere).
 """
@@ -40,8 +50,11 @@ def episodes_to_samples(
     norm_by_std: bool,
     epsilon: float,
     max_sample_per_task: int,
+    sample_mode: str = "per_call",
 ) -> list[Sample]:
     """Samples of all trainable episodes, episode by episode, calls in order (rules in the module docstring)."""
+    if sample_mode not in SAMPLE_MODES:
+        raise ValueError(f"sample_mode must be one of {', '.join(SAMPLE_MODES)}, got {sample_mode!r}")
     estimator = get_adv_estimator(adv_estimator)
     trainable = [ep for ep in episodes if ep.trainable]
     advantages_E = estimator(
@@ -50,10 +63,58 @@ def episodes_to_samples(
 
     samples: list[Sample] = []
     for ep, adv in zip(trainable, advantages_E):
-        calls = [c for c in ep.calls if c.response_ids]
-        for i in subset_indices(len(calls), max_sample_per_task):
-            samples.append(_to_sample(calls[i], adv, ep.episode_uid))
+        calls = [c for c in ep.calls if c.response_ids and c.trainable]
+        units = [_to_sample(c, adv, ep.episode_uid) for c in calls]
+        if sample_mode == "merge":
+            units = merge_samples(units, [c.agent for c in calls])
+        for i in subset_indices(len(units), max_sample_per_task):
+            samples.append(units[i])
     return samples
+
+
+SAMPLE_MODES = ("per_call", "merge")
+
+
+def extends(prefix_ids: list[int], ids: list[int]) -> bool:
+    return len(ids) > len(prefix_ids) and ids[: len(prefix_ids)] == prefix_ids
+
+
+def merge_samples(samples: list[Sample], agents: list[str]) -> list[Sample]:
+    """Join consecutive samples of one agent whose prompt extends the previous prompt + response exactly."""
+    out: list[Sample] = []
+    last_of: dict[str, Sample] = {}  # agents may interleave; each agent's conversation merges on its own
+    for s, agent in zip(samples, agents):
+        last = last_of.get(agent)
+        if (last is not None and last.temperature == s.temperature
+                and extends(last.prompt_ids + last.response_ids, s.prompt_ids)):
+            gap = s.prompt_ids[len(last.prompt_ids) + len(last.response_ids):]
+            mask = last.loss_mask if last.loss_mask is not None else [1] * len(last.response_ids)
+            last.response_ids = last.response_ids + gap + s.response_ids
+            last.old_logprobs = last.old_logprobs + [0.0] * len(gap) + s.old_logprobs
+            last.loss_mask = mask + [0] * len(gap) + [1] * len(s.response_ids)
+            continue
+        out.append(s)
+        last_of[agent] = s
+    return out
+
+
+def merge_ratio(episodes: list[Episode]) -> float:
+    """Fraction of trainable calls whose prompt extends the previous call of the same agent exactly (the calls
+    `merge` joins; in per_call mode it says how much merging would save)."""
+    total = joined = 0
+    for ep in episodes:
+        if not ep.trainable:
+            continue
+        previous: dict[str, LLMCall] = {}
+        for c in ep.calls:
+            if not (c.response_ids and c.trainable):
+                continue
+            total += 1
+            p = previous.get(c.agent)
+            if p is not None and extends(p.prompt_ids + p.response_ids, c.prompt_ids):
+                joined += 1
+            previous[c.agent] = c
+    return joined / total if total else 0.0
 
 
 def _to_sample(call: LLMCall, advantage: float, episode_uid: str) -> Sample:

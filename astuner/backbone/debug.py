@@ -85,6 +85,7 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
         summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor, resume=resume)
     finally:
         monitor.close()
+        rt.runner.close()
         rt.engine.shutdown()
     line = summary.line(typed.astuner.project_name)
     log.info(line)

@@ -23,6 +23,9 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.task_reader.jsonl_dataset_file": (
         "with task_reader.type jsonl_dataset_file", lambda c, b: c.astuner.task_reader.type == "jsonl_dataset_file"
     ),
+    "astuner.task_reader.env_service": (
+        "with task_reader.type env_service", lambda c, b: c.astuner.task_reader.type == "env_service"
+    ),
     "astuner.task_reader.huggingface_dat_repo": (
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",

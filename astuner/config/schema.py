@@ -68,14 +68,26 @@ class HfReader(Section):
     validation_split: Optional[str] = key(None, "null: no validation.")
 
 
+class EnvServiceReader(Section):
+    env_url: Optional[str] = key(None, "Base URL of the environment service (protocol: astuner/env_service.py).")
+    env_type: str = key("default", "Environment type the service should create (sent with every request).")
+    training_split: str = key("train", "Split to train on.")
+    validation_split: Optional[str] = key(None, "null: no validation.")
+    request_timeout: float = key(30.0, "Seconds one request may take before it is retried.", gt=0)
+    retries: int = key(3, "Retries of a failed request (connection error, timeout, 5xx) with backoff.", ge=0)
+
+
 class TaskReaderSection(Section):
-    type: Literal["jsonl_dataset_file", "huggingface_dat_repo"] = key(
-        "jsonl_dataset_file", "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo"
+    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service"] = key(
+        "jsonl_dataset_file", "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service"
     )
     query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
     task_id_field: Optional[str] = key(None, 'Dataset field holding a stable task id; null: "<split>-<row index>".')
     jsonl_dataset_file: JsonlReader = section(JsonlReader)
     huggingface_dat_repo: HfReader = section(HfReader)
+    env_service: EnvServiceReader = section(
+        EnvServiceReader, "An HTTP environment service: tasks, instances, steps and evaluation (astuner/env_service.py)."
+    )
 
 
 class DataSection(Section):
@@ -92,6 +104,12 @@ class DataSection(Section):
 
 
 class MultiTurn(Section):
+    sample_mode: Literal["per_call", "merge"] = key(
+        "per_call",
+        "per_call: one training sample per LLM call | merge: consecutive calls of one agent whose prompt extends "
+        "the previous prompt + response token-exactly become one sample, the loss masked to generated tokens "
+        "(fewer, longer samples, same gradient; rollout/merge_ratio says how many calls joined).",
+    )
     max_sample_per_task: int = key(
         4,
         "Most training samples (LLM calls) kept per episode. When an episode made more calls, the last call and "
@@ -139,9 +157,22 @@ class RolloutSection(Section):
         "How tools reach the model: auto (the chat template if it renders tools, else the built-in tool prompt) | "
         "template | builtin.",
     )
-    tool_parser: Literal["hermes"] = key(
-        "hermes", 'Parser for tool calls in model output: hermes (<tool_call>{"name": ..., "arguments": {...}}'
-        "</tool_call>)."
+    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral"] = key(
+        "auto",
+        "Parser for tool calls in model output: auto (detected from the chat template; hermes with the built-in "
+        "tool prompt) | hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3) | qwen3_coder "
+        "(<function=name><parameter=p>) | llama3_json | mistral ([TOOL_CALLS]).",
+    )
+    reasoning_parser: Literal["auto", "none", "think"] = key(
+        "auto",
+        "auto (think when the chat template knows </think>) | none | think: <think>...</think> is kept out of the "
+        "content the agent sees (returned as reasoning_content) and kept in the trained tokens.",
+    )
+    preflight: Literal["strict", "warn", "off"] = key(
+        "strict",
+        "Token-pipeline check before training: a golden conversation through the chat template and the parsers "
+        "(the parser recovers the template's own tool call, each turn's prompt extends the last) and engine vs "
+        "trainer logprobs on a short sequence. strict: stop with a message when a check fails | warn | off.",
     )
     tensor_model_parallel_size: int = key(1, "Tensor-parallel degree of each vLLM engine.", ge=1)
     max_num_seqs: int = key(64, "Max concurrent sequences in one vLLM engine.", ge=1)

@@ -11,10 +11,16 @@ from astuner.model_tuner.tool_parser import (
     ParsedToolCall,
     get_tool_parser,
 )
-from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
+from astuner.model_tuner.formats import REASONING_PARSERS, ChatFormat, detect_formats
+from astuner.model_tuner.tuner import AgentModel, CallOptions, EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
 
 __all__ = [
     "ModelTuner",
+    "AgentModel",
+    "CallOptions",
+    "ChatFormat",
+    "detect_formats",
+    "REASONING_PARSERS",
     "TunerLimits",
     "EpisodeOverflow",
     "EpisodeTimeout",

@@ -93,6 +93,21 @@ def _tool_calls_of(message: dict) -> list[dict]:
     return calls
 
 
+def canonical_messages(messages: list[dict], reasoning_parser=None) -> list[str]:
+    """Messages reduced to what decides whether a conversation was sent back unchanged: role, text (an assistant
+    turn without its reasoning, which OpenAI clients drop), tool calls as (name, arguments object), and a tool
+    result's text. Compared as JSON strings."""
+    out = []
+    for message in messages:
+        role = message.get("role")
+        text = flatten_content(message.get("content"))
+        if role == "assistant" and reasoning_parser is not None:
+            text = reasoning_parser.split(text).content
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in _tool_calls_of(message)]
+        out.append(json.dumps([role, text.strip(), calls], sort_keys=True, ensure_ascii=False))
+    return out
+
+
 def normalize_ids(encoded: Any) -> list[int]:
     """`apply_chat_template(tokenize=True)` returns a list, a nested list, a tensor or a BatchEncoding depending
     on the transformers version and flags; reduce all of them to one flat list of ints."""
@@ -153,17 +168,68 @@ class ChatRenderer:
         )
         return normalize_ids(encoded)
 
-    def render_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt as text (for logs and debugging; training always uses `render`)."""
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The conversation as the template writes it (logs, checks and the extension below; the ids of a
+        first prompt always come from `render`)."""
         template_messages, template_tools = self.prepare(messages, tools)
         return self.tokenizer.apply_chat_template(
-            template_messages, tools=template_tools, add_generation_prompt=True, tokenize=False
+            template_messages, tools=template_tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
+
+    def render_extension(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        k: int,
+        prev_ids: list[int],
+        response_ids: list[int],
+        stop_texts: tuple[str, ...],
+    ) -> list[int] | None:
+        """Prompt ids for `messages` that reuse the exact ids of an earlier call, or None when they cannot.
+
+        The earlier call saw `messages[:k-1]` (its prompt ids are `prev_ids`) and produced `response_ids`, which
+        the agent sent back as `messages[k-1]`. With the template's texts
+            A = render(messages[:k-1], generation prompt)      (the earlier prompt)
+            B = render(messages[:k],   no generation prompt)   (... plus the assistant turn)
+            C = render(messages,       generation prompt)      (the new prompt)
+        the template extends the conversation unchanged when A is a prefix of B and B a prefix of C. Then
+            ids = prev_ids + response_ids + encode(closing + C[len(B):])
+        where `closing` is what B writes after the end-of-turn marker the model generated (e.g. the newline
+        after <|im_end|>); a response cut at max_tokens gets the marker itself too. Earlier turns are never
+        decoded and re-encoded: the model is conditioned on exactly the tokens it produced.
+        """
+        try:
+            a = self.render_text(messages[: k - 1], tools)
+            b = self.render_text(messages[:k], tools, add_generation_prompt=False)
+            c = self.render_text(messages, tools)
+        except Exception:  # a template that refuses a partial conversation: render the whole prompt instead
+            return None
+        if not (b.startswith(a) and c.startswith(b)):
+            return None
+        turn = b[len(a):]
+        last = self.tokenizer.decode(response_ids[-1:], skip_special_tokens=False) if response_ids else ""
+        if last and last in stop_texts:
+            at = turn.rfind(last)
+            if at < 0:
+                return None
+            closing = turn[at + len(last):]
+        else:
+            found = [(turn.rfind(t), t) for t in stop_texts if t and t in turn]
+            if not found:
+                return None
+            closing = turn[max(found)[0]:]
+        suffix = closing + c[len(b):]
+        return list(prev_ids) + list(response_ids) + self.tokenizer.encode(suffix, add_special_tokens=False)
 
     # --- template mode -------------------------------------------------------------------------------------
     @staticmethod
     def _template_message(message: dict) -> dict:
         out = {"role": message["role"], "content": flatten_content(message.get("content"))}
+        if message["role"] == "assistant" and message.get("reasoning_content"):
+            # Templates with reasoning (Qwen3) keep it in turns after the last user message; without it they
+            # render those turns differently from what the model wrote.
+            out["reasoning_content"] = str(message["reasoning_content"])
         if message.get("tool_calls"):
             out["tool_calls"] = _tool_calls_of(message)
         if message["role"] == "tool":

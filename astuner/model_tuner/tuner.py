@@ -4,9 +4,17 @@ Every call renders the messages to token ids, generates through the inference en
 records an `LLMCall` holding exactly the ids the engine saw and produced (they are never rebuilt from text: a
 decode/encode round trip is not the identity, and training on ids the policy did not sample biases the loss).
 
-The same object answers two ways: `await tuner.chat(messages, tools)` (OpenAI-shaped dicts), and
-`await tuner(messages, tools=..., tool_choice=...)` which returns an AgentScope `ChatResponse`, so that
-`ReActAgent(model=tuner, ...)` works unchanged.
+Front ends, all over the same `_complete`:
+  `await tuner(messages, tools=..., tool_choice=...)`   an AgentScope `ChatResponse` (ReActAgent(model=tuner))
+  `await tuner.chat(messages, tools)`                  an OpenAI-shaped message dict
+  `tuner.get_openai_client()`                          an `openai.AsyncOpenAI` served in-process (`sync=True`:
+                                                       an `openai.OpenAI`, for code running in a worker thread)
+  `tuner.base_url`, `tuner.api_key`                    a loopback OpenAI-compatible HTTP endpoint (gateway.py)
+  `tuner.for_agent(name, trainable)`                   the same, for one named agent of a multi-agent workflow
+
+Token-exact multi-turn: when a request's messages extend an earlier call's messages plus the assistant message
+that call returned, the prompt reuses that call's exact prompt and response ids and only the new messages are
+rendered (`ChatRenderer.render_extension`); the call is marked `extends_previous`.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from typing import Any
 
 from astuner.engine.base import InferenceEngine
 from astuner.madness import CallView, run_checks, validate_checklist
-from astuner.model_tuner.chat_format import ChatRenderer, tool_names_of
+from astuner.model_tuner.chat_format import ChatRenderer, canonical_messages, normalize_tools, tool_names_of
+from astuner.model_tuner.formats import NoReasoningParser
 from astuner.model_tuner.tool_parser import ParsedOutput, ParsedToolCall, ToolParser
 from astuner.types import LLMCall, SamplingParams
 
@@ -49,6 +58,29 @@ class _Turn:
     content: str
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
     seconds: float = 0.0
+    reasoning: str | None = None
+    finish_reason: str = "stop"  # OpenAI's: "stop", "length" or "tool_calls"
+
+
+@dataclass
+class _Conversation:
+    """What a later call needs to extend an earlier one token-exactly."""
+
+    canonical: list  # canonical_messages(request) + the canonical assistant message handed back
+    tools_key: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass
+class CallOptions:
+    """Per-call settings an agent may pass (OpenAI arguments), applied within the configured limits."""
+
+    agent: str = ""
+    trainable: bool = True
+    temperature: float | None = None  # honoured when > 0; otherwise the rollout's temperature
+    max_tokens: int | None = None  # honoured up to rollout.max_response_length_in_one_turn
+    stop: tuple[str, ...] = ()  # the response is cut after the token that completes a stop string
 
 
 def special_token_ids(tokenizer) -> set[int]:
@@ -78,6 +110,8 @@ class ModelTuner:
         seed: int | None = None,
         deadline: float | None = None,
         episode_uid: str = "",
+        reasoning_parser=None,
+        gateway=None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -90,6 +124,13 @@ class ModelTuner:
         self.seed = seed
         self.deadline = deadline  # time.monotonic() after which no LLM call starts; None: no deadline
         self.episode_uid = episode_uid
+        self.reasoning_parser = reasoning_parser or NoReasoningParser()
+        self.gateway = gateway  # the OpenAI front ends (gateway.Gateway); None: not offered
+        self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
+        self._conversations: list[_Conversation] = []
+        self._stop_texts = tuple(
+            tokenizer.decode([i], skip_special_tokens=False) for i in stop_token_ids
+        ) + ((getattr(tokenizer, "eos_token", None) or ""),)
         self.expired_reason: str | None = None
         self._in_flight: set[str] = set()  # engine request ids of calls awaiting the engine
         name = str(getattr(tokenizer, "name_or_path", "") or "model").rstrip("/").rsplit("/", 1)[-1]
@@ -108,19 +149,45 @@ class ModelTuner:
     # --- OpenAI-shaped front end ---------------------------------------------------------------------------
     async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
         """Generate one assistant message: {"role": "assistant", "content": str, "tool_calls": [...]}, the
-        `tool_calls` key present only when the model called tools (arguments as JSON strings)."""
-        turn = await self._complete(messages, tools)
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if turn.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
-                }
-                for c in turn.tool_calls
-            ]
-        return message
+        `tool_calls` key present only when the model called tools (arguments as JSON strings), and
+        `reasoning_content` only when a reasoning parser split some out."""
+        return assistant_message(await self._complete(messages, tools))
+
+    def for_agent(self, name: str, trainable: bool = True) -> "AgentModel":
+        """The model as one named agent of a multi-agent workflow sees it. Calls of an agent with
+        trainable=False are served by the same engine and recorded, but never become training samples."""
+        return AgentModel(self, CallOptions(agent=str(name), trainable=bool(trainable)))
+
+    # --- OpenAI front ends ----------------------------------------------------------------------------------
+    def get_openai_client(self, sync: bool = False):
+        return self._gateway().client(self._key(CallOptions()), sync=sync)
+
+    @property
+    def base_url(self) -> str:
+        """The loopback endpoint's base URL (".../v1"); the server starts on first use."""
+        return self._gateway().base_url()
+
+    @property
+    def api_key(self) -> str:
+        """This episode's key for `base_url`; revoked when the episode ends."""
+        return self._key(CallOptions())
+
+    def _gateway(self):
+        if self.gateway is None:
+            raise RuntimeError("this ModelTuner was built without the OpenAI gateway (astuner builds it with one)")
+        return self.gateway
+
+    def _key(self, options: CallOptions) -> str:
+        slot = (options.agent, options.trainable)
+        if slot not in self._keys:
+            self._keys[slot] = self._gateway().register(self, options)
+        return self._keys[slot]
+
+    def close(self) -> None:
+        """The episode is over: revoke its API keys (a late request gets 401 and records nothing)."""
+        if self.gateway is not None:
+            for key in self._keys.values():
+                self.gateway.revoke(key)
 
     # --- AgentScope chat-model front end -------------------------------------------------------------------
     async def __call__(
@@ -144,8 +211,7 @@ class ModelTuner:
                 "ModelTuner does not support structured_model (constrained JSON output); use tools instead, "
                 "e.g. ReActAgent's structured output, which goes through the generate_response tool"
             )
-        turn = await self._complete(messages, offered_tools(tools, tool_choice))
-        return to_chat_response(turn)
+        return to_chat_response(await self._complete(messages, offered_tools(tools, tool_choice)))
 
     # --- the deadline ---------------------------------------------------------------------------------------
     @property
@@ -185,15 +251,22 @@ class ModelTuner:
             raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}")
         return min(lim.max_tokens_per_turn, room, budget_left)
 
-    async def _complete(self, messages: list[dict], tools: list[dict] | None) -> _Turn:
+    async def _complete(self, messages: list[dict], tools: list[dict] | None,
+                        options: CallOptions | None = None) -> _Turn:
+        options = options or CallOptions()
         self._check_deadline()
-        tools = tools or None
-        prompt_ids = self.renderer.render(messages, tools)
+        tools = normalize_tools(tools)
+        prompt_ids, extends, canonical, tools_key = self._prompt_ids(messages, tools)
         index = self._started
         max_tokens = self._max_tokens(len(prompt_ids), first=index == 0)
+        if options.max_tokens is not None:
+            max_tokens = max(1, min(max_tokens, int(options.max_tokens)))
+        temperature = self.temperature
+        if options.temperature is not None and options.temperature > 0 and self.temperature > 0:
+            temperature = float(options.temperature)  # validation stays greedy whatever the agent asks
         self._started += 1
         sampling = SamplingParams(
-            temperature=self.temperature,
+            temperature=temperature,
             max_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids,
             # Distinct per call so repeated prompts within an episode are not sampled identically.
@@ -209,27 +282,70 @@ class ModelTuner:
         self._check_deadline()  # a call that outlived the deadline is not handed back to the agent
         seconds = time.perf_counter() - started
         response_ids = [int(i) for i in result.token_ids]
+        logprobs = [float(x) for x in result.logprobs]
+        finish = result.finish_reason
+        if options.stop:
+            cut = self._stop_string_cut(response_ids, options.stop)
+            if cut is not None:
+                response_ids, logprobs, finish = response_ids[:cut], logprobs[:cut], "stop"
         self.generated_tokens += len(response_ids)
 
         text_ids = response_ids[:-1] if response_ids and response_ids[-1] in self._stop_ids else response_ids
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        parsed = self._parse(text, tools, call_index=index)
+        if options.stop:
+            text = _before_stop(text, options.stop)
+        split = self.reasoning_parser.split(text)
+        parsed = self._parse(split.content, tools, call_index=index)
 
         view = CallView(response_ids, text, self._special_ids, self._stop_ids, parsed.errors)
         fired = run_checks(self.madness_checks, view)
         call = LLMCall(
             prompt_ids=list(prompt_ids),
             response_ids=response_ids,
-            response_logprobs=[float(x) for x in result.logprobs],
-            finish_reason=result.finish_reason,
-            temperature=self.temperature,
+            response_logprobs=logprobs,
+            finish_reason=finish,
+            temperature=temperature,
             response_text=text,
             flags=list(fired),
+            agent=options.agent,
+            trainable=options.trainable,
+            extends_previous=extends,
+            tool_call_attempted=bool(parsed.tool_calls or parsed.errors),
+            tool_call_parse_failed=bool(parsed.errors),
         )
         for flag, reason in fired.items():
             self.flag_reasons.append((len(self.calls), flag, reason))
         self.calls.append(call)
-        return _Turn(call=call, content=parsed.content, tool_calls=parsed.tool_calls, seconds=seconds)
+        turn = _Turn(call=call, content=parsed.content, tool_calls=parsed.tool_calls, seconds=seconds,
+                     reasoning=split.reasoning,
+                     finish_reason="tool_calls" if parsed.tool_calls else ("length" if finish == "length" else "stop"))
+        self._conversations.append(_Conversation(
+            canonical + canonical_messages([assistant_message(turn)], self.reasoning_parser),
+            tools_key, list(prompt_ids), list(response_ids)))
+        return turn
+
+    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None):
+        """(prompt ids, whether they extend an earlier call exactly, canonical messages, tools key)."""
+        canonical = canonical_messages(messages, self.reasoning_parser)
+        tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False)
+        for conv in reversed(self._conversations):
+            k = len(conv.canonical)
+            if conv.tools_key == tools_key and len(canonical) > k and canonical[:k] == conv.canonical:
+                ids = self.renderer.render_extension(messages, tools, k, conv.prompt_ids, conv.response_ids,
+                                                     self._stop_texts)
+                if ids is not None:
+                    return ids, True, canonical, tools_key
+                break
+        return self.renderer.render(messages, tools), False, canonical, tools_key
+
+    def _stop_string_cut(self, response_ids: list[int], stops: tuple[str, ...]) -> int | None:
+        """Number of tokens up to and including the one that completes the first stop string, or None."""
+        text = ""
+        for n, token_id in enumerate(response_ids, start=1):
+            text = self.tokenizer.decode(response_ids[:n], skip_special_tokens=True)
+            if any(s and s in text for s in stops):
+                return n
+        return None
 
     def _parse(self, text: str, tools: list[dict] | None, call_index: int) -> ParsedOutput:
         if not tools and not self.tool_parser.has_tool_call(text):
@@ -239,3 +355,58 @@ class ModelTuner:
             # A call nobody offered is flagged but not returned: the agent has nothing to run it with.
             return ParsedOutput(content=text.strip(), errors=parsed.errors)
         return parsed
+
+
+def _before_stop(text: str, stops: tuple[str, ...]) -> str:
+    """OpenAI semantics: the returned text ends before the first stop string."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def assistant_message(turn: _Turn) -> dict:
+    """The OpenAI-shaped assistant message for a turn (arguments as JSON strings, as the OpenAI API sends)."""
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.reasoning is not None:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+            }
+            for c in turn.tool_calls
+        ]
+    return message
+
+
+class AgentModel:
+    """`ModelTuner.for_agent(name, trainable)`: the same front ends, recording calls under the agent's name."""
+
+    stream = False
+
+    def __init__(self, tuner: ModelTuner, options: CallOptions) -> None:
+        self.tuner = tuner
+        self.options = options
+        self.model_name = tuner.model_name
+
+    async def __call__(self, messages, tools=None, tool_choice=None, structured_model=None, **kwargs):
+        from astuner.model_tuner.agentscope_adapter import offered_tools, to_chat_response
+
+        if structured_model is not None:
+            raise NotImplementedError("structured_model is not supported; use tools instead")
+        return to_chat_response(await self.tuner._complete(messages, offered_tools(tools, tool_choice), self.options))
+
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
+        return assistant_message(await self.tuner._complete(messages, tools, self.options))
+
+    def get_openai_client(self, sync: bool = False):
+        return self.tuner._gateway().client(self.tuner._key(self.options), sync=sync)
+
+    @property
+    def base_url(self) -> str:
+        return self.tuner._gateway().base_url()
+
+    @property
+    def api_key(self) -> str:
+        return self.tuner._key(self.options)

@@ -11,12 +11,14 @@ from typing import Any
 
 from astuner.errors import UserError
 from astuner.task_reader.base import KEY, TaskReader
+from astuner.task_reader.env_service_reader import EnvServiceTaskReader
 from astuner.task_reader.hf_reader import HuggingFaceTaskReader
 from astuner.task_reader.jsonl_reader import JsonlTaskReader
 
 TASK_READERS: dict[str, type[TaskReader]] = {
     "jsonl_dataset_file": JsonlTaskReader,
     "huggingface_dat_repo": HuggingFaceTaskReader,
+    "env_service": EnvServiceTaskReader,
 }
 
 __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]

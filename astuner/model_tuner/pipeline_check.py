@@ -1,0 +1,188 @@
+"""The token-pipeline preflight (`rollout.preflight: strict | warn | off`), run once before training.
+
+A golden conversation (system, user, an assistant tool call, the tool result, a final answer; with reasoning
+when the reasoning parser is `think`) goes through the model's chat template and the chosen parsers:
+  template      every prefix of the conversation renders;
+  tool parser   the parser recovers the tool call from the template's own rendering of the assistant turn
+                (a parser that does not match the model's format would leave reward near 0 with no error);
+  extension     each turn's prompt extends the previous prompt + assistant turn (else multi-turn prompts cannot
+                reuse the exact ids of earlier turns and `merge` joins nothing);
+  reasoning     the reasoning parser recovers the reasoning the template wrote (only with `think`);
+  logprobs      engine and trainer agree on the logprobs of a short sampled sequence (max |difference|).
+One table is printed; with `strict` any failed check stops the run (exit 2) with what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from astuner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOGPROB_TOLERANCE = 0.05  # max |engine - trainer| logprob on the check sequence (fp32 CPU: ~1e-5)
+
+GOLDEN_TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}]
+GOLDEN_ARGUMENTS = {"city": "Paris", "unit": "celsius"}
+GOLDEN_REASONING = "The user asks for the weather, so I call the tool."
+
+
+def golden_conversation(with_reasoning: bool) -> list[dict]:
+    call = {"id": "call12345", "type": "function",  # 9 alphanumerics: the shape Mistral templates require
+            "function": {"name": "get_weather", "arguments": json.dumps(GOLDEN_ARGUMENTS)}}
+    tool_turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    final = {"role": "assistant", "content": "It is 18 degrees in Paris."}
+    if with_reasoning:
+        tool_turn["reasoning_content"] = GOLDEN_REASONING
+        final["reasoning_content"] = "The tool answered."
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        tool_turn,
+        {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "18 degrees, sunny"},
+        final,
+    ]
+
+
+@dataclass
+class CheckRow:
+    name: str
+    ok: bool
+    detail: str
+
+
+def assistant_turn_text(renderer, messages: list[dict], index: int, tools, stop_texts: tuple[str, ...]) -> str:
+    """What the template writes for assistant turn `messages[index]`, up to its end-of-turn marker: the text a
+    model of this family generates for that turn. Found where the rendering diverges from the same conversation
+    ending in a sentinel answer, so it works for templates that move earlier text (Mistral's system prompt)."""
+    upto = renderer.render_text(messages[: index + 1], tools, add_generation_prompt=False)
+    sentinel = renderer.render_text(messages[:index] + [{"role": "assistant", "content": _SENTINEL}], tools,
+                                    add_generation_prompt=False)
+    common = 0
+    for x, y in zip(upto, sentinel):
+        if x != y:
+            break
+        common += 1
+    turn = upto[common:]
+    ends = [turn.find(t) for t in stop_texts if t and t in turn]
+    return turn[: min(ends)] if ends else turn
+
+
+_SENTINEL = "ZQXJ sentinel answer"
+
+
+def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_texts: tuple[str, ...],
+                   logprob_check: Callable[[], tuple[float, int]] | None = None) -> list[CheckRow]:
+    with_reasoning = chat_format.reasoning_parser == "think"
+    messages = golden_conversation(with_reasoning)
+    tools = GOLDEN_TOOLS
+    rows: list[CheckRow] = []
+
+    try:
+        for n in range(2, len(messages) + 1):  # from the first user message (Llama puts tools in it)
+            renderer.render_text(messages[:n], tools, add_generation_prompt=messages[n - 1]["role"] != "assistant")
+        rows.append(CheckRow("template", True, f"{len(messages)} messages render with tools"))
+    except Exception as exc:  # noqa: BLE001 - a template error is the finding
+        rows.append(CheckRow("template", False, f"the chat template raised {type(exc).__name__}: {exc}"))
+        return rows
+
+    try:
+        text = assistant_turn_text(renderer, messages, 2, tools, stop_texts)
+        split = reasoning_parser.split(text)
+        parsed = tool_parser.parse(split.content, {"get_weather"})
+        got = [(c.name, c.arguments) for c in parsed.tool_calls]
+        ok = got == [("get_weather", GOLDEN_ARGUMENTS)] and not parsed.errors
+        detail = (f"{chat_format.tool_parser} reads the template's call" if ok else
+                  f"{chat_format.tool_parser} read {got or 'no call'} {parsed.errors or ''} from {text[:80]!r}")
+        rows.append(CheckRow("tool parser", ok, detail))
+        if with_reasoning:
+            ok = (split.reasoning or "").strip() == GOLDEN_REASONING
+            rows.append(CheckRow("reasoning", ok, "think parser splits the template's <think> block" if ok else
+                                 f"reasoning read as {split.reasoning!r}"))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(CheckRow("tool parser", False, f"{type(exc).__name__}: {exc}"))
+
+    bad = []
+    for index in (2, 4):
+        a = renderer.render_text(messages[:index], tools)
+        b = renderer.render_text(messages[: index + 1], tools, add_generation_prompt=False)
+        nxt = renderer.render_text(messages[: index + 2], tools) if index + 2 <= len(messages) else b
+        if not (b.startswith(a) and nxt.startswith(b)):
+            bad.append(index)
+    rows.append(CheckRow("extension", not bad, "each prompt extends the previous turns" if not bad else
+                         f"the template rewrites earlier turns after message {bad}: multi-turn prompts are "
+                         "re-rendered and merge cannot join those calls"))
+
+    if logprob_check is not None:
+        diff, n = logprob_check()
+        rows.append(CheckRow("logprobs", diff <= LOGPROB_TOLERANCE,
+                             f"engine vs trainer max |diff| {diff:.2e} over {n} tokens (tolerance {LOGPROB_TOLERANCE})"))
+    return rows
+
+
+def format_table(rows: list[CheckRow], chat_format, seconds: float) -> str:
+    lines = [f"token pipeline ({chat_format.family}; tool parser {chat_format.tool_parser} [{chat_format.how}], "
+             f"reasoning parser {chat_format.reasoning_parser}; {seconds:.2f}s):"]
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        lines.append(f"  {r.name:<{width}}  {'ok  ' if r.ok else 'FAIL'}  {r.detail}")
+    return "\n".join(lines)
+
+
+def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parser, stop_texts,
+                  logprob_check=None) -> list[CheckRow]:
+    if mode == "off":
+        return []
+    start = time.perf_counter()
+    rows = check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_texts, logprob_check)
+    table = format_table(rows, chat_format, time.perf_counter() - start)
+    failed = [r for r in rows if not r.ok]
+    # The extension check only costs efficiency (prompts are re-rendered, never wrong), so it never stops a run.
+    fatal = [r for r in failed if r.name != "extension"]
+    if fatal and mode == "strict":
+        raise UserError(
+            f"{table}\nThe token pipeline is broken, so training would run on calls the agent cannot use. Set "
+            "astuner.rollout.tool_call_parser (hermes | qwen3_coder | llama3_json | mistral) and "
+            "astuner.rollout.reasoning_parser to the model's format, or astuner.rollout.preflight: warn to train "
+            "anyway."
+        )
+    log.log(logging.WARNING if failed else logging.INFO, "%s", table)
+    return rows
+
+
+def engine_trainer_logprob_check(engine, trainer, tokenizer, renderer, stop_token_ids, n_tokens: int = 16):
+    """A callable for `check_pipeline`: sample a short answer with the engine, score it with the trainer."""
+    import asyncio
+
+    from astuner.types import SamplingParams
+
+    def check() -> tuple[float, int]:
+        prompt = renderer.render([{"role": "user", "content": "Count from one to ten."}])
+        sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
+        loop = asyncio.new_event_loop()
+        try:
+            result = loop.run_until_complete(engine.generate(prompt, sampling, request_id="preflight"))
+        finally:
+            loop.close()
+        if not result.token_ids:
+            return 0.0, 0
+        mine = trainer.compute_logprobs(prompt, list(result.token_ids), 1.0)
+        diff = max(abs(a - b) for a, b in zip(mine, result.logprobs))
+        return diff, len(mine)
+
+    return check

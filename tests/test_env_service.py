@@ -1,0 +1,105 @@
+"""The environment-service client, reader and judge against the tutorial's service (real HTTP, uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import load_tutorial_module, serve_in_thread
+from test_model_tuner import make_tuner
+
+from astuner.env_service import EnvServiceClient, EnvServiceError, client_for
+from astuner.errors import UserError
+from astuner.task_judge.env_service_judge import EnvServiceJudge
+from astuner.task_reader.env_service_reader import EnvServiceTaskReader
+from astuner.workflow import WorkflowOutput, WorkflowTask
+
+
+def _reader(url, **extra):
+    section = SimpleNamespace(env_url=url, env_type="arithmetic", training_split="train", validation_split="test",
+                              request_timeout=5.0, retries=1, **extra)
+    return EnvServiceTaskReader(SimpleNamespace(query_field="question", task_id_field=None, env_service=section), ".")
+
+
+def test_reader_lists_tasks_with_a_link_to_the_service(env_server):
+    url, _ = env_server
+    reader = _reader(url)
+    tasks, val = reader.training_tasks(), reader.validation_tasks()
+    assert len(tasks) == 64 and len(val) == 64
+    assert tasks[0].task_id == "train-0" and tasks[0].main_query.startswith("What is")
+    assert tasks[0].metadata["env_service"]["env_url"] == url.rstrip("/")
+    assert client_for(tasks[0]).env_type == "arithmetic"
+
+
+def test_workflow_and_judge_play_the_service(env_server, demo_tokenizer):
+    url, env = env_server
+    workflow_cls = load_tutorial_module("tutorial/env_service/workflow.py", "tutorial_env_workflow").EnvServiceWorkflow
+    task = _reader(url).training_tasks()[0]
+    answer = task.metadata["answer"]
+    expression = task.main_query.removeprefix("What is ").rstrip("?")
+    tool_turn = f'<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+    tuner, engine = make_tuner(demo_tokenizer, [tool_turn, f"The answer is \\boxed{{{answer}}}"])
+    workflow_task = WorkflowTask(task, 0, "e0", False)
+
+    async def episode():
+        output = await workflow_cls().execute(workflow_task, tuner)
+        assert len(env.instances) == 1  # left open for the judge
+        return output, await EnvServiceJudge().compute_reward(workflow_task, output)
+
+    output, (reward, success) = asyncio.run(episode())
+    assert (reward, success) == (1.0, True)
+    assert env.instances == {}  # released by the judge
+    assert output.metadata["env_metrics"] == {"answered": 1.0}
+    first, second = tuner.calls
+    assert f"<tool_response>\n{answer}\n</tool_response>" in demo_tokenizer.decode(second.prompt_ids)
+    assert second.extends_previous  # the service's observation extended the conversation token-exactly
+
+
+def test_a_service_that_is_down_is_a_clear_error_after_retries():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens here
+    start = time.monotonic()
+    with pytest.raises(UserError) as info:
+        _reader(f"http://127.0.0.1:{port}").training_tasks()
+    message = str(info.value)
+    assert "did not answer" in message and "2 attempts" in message and "env_url" in message
+    assert time.monotonic() - start < 5  # one backoff of 0.5 s, no hang
+    with pytest.raises(UserError, match="env_url is not set"):
+        _reader(None)
+
+
+def test_5xx_is_retried_and_4xx_is_reported():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    hits = {"n": 0}
+
+    async def flaky(request):
+        hits["n"] += 1
+        if hits["n"] == 1:
+            return JSONResponse({"error": "warming up"}, 503)
+        return JSONResponse({"tasks": [{"task_id": "a", "query": "q"}]})
+
+    async def missing(request):
+        return JSONResponse({"error": "unknown task_id 'zzz'"}, 404)
+
+    url, stop = serve_in_thread(Starlette(routes=[Route("/tasks", flaky), Route("/instances", missing,
+                                                                                methods=["POST"])]))
+    try:
+        client = EnvServiceClient(url, request_timeout=5, retries=2, backoff_s=0.05)
+        assert client.list_tasks("train") == [{"task_id": "a", "query": "q"}] and hits["n"] == 2
+        with pytest.raises(EnvServiceError, match="404: unknown task_id 'zzz'"):
+            asyncio.run(client.create("zzz"))
+    finally:
+        stop()
+
+
+def test_judge_needs_the_instance_id():
+    with pytest.raises(UserError, match="instance_id"):
+        asyncio.run(EnvServiceJudge().compute_reward(SimpleNamespace(task=None), WorkflowOutput(reward=None)))

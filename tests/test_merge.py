@@ -1,0 +1,83 @@
+"""multi_turn.sample_mode=merge: joined samples, masks, the merge ratio, and the same loss and gradient as
+per_call on the tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import _grads, _trainer
+
+from astuner.algorithm.samples import episodes_to_samples, merge_ratio
+from astuner.types import Episode, LLMCall, Task
+
+
+def _call(prompt, response, agent="", trainable=True):
+    return LLMCall(list(prompt), list(response), [-0.5 - 0.01 * i for i in range(len(response))], "stop", 1.0,
+                   agent=agent, trainable=trainable)
+
+
+def _episode(uid, calls, reward):
+    return Episode(Task("t", "q"), 0, uid, calls=calls, reward=reward)
+
+
+P1, R1, X1, R2, X2, R3 = [5, 17, 300], [42, 9, 2], [11, 12], [77, 3], [13], [8, 1200, 2]
+
+
+def _three_turns(uid="a", reward=1.0):
+    p2 = P1 + R1 + X1
+    p3 = p2 + R2 + X2
+    return _episode(uid, [_call(P1, R1), _call(p2, R2), _call(p3, R3)], reward)
+
+
+def _samples(episodes, mode, k=8):
+    return episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                               max_sample_per_task=k, sample_mode=mode)
+
+
+def test_merge_joins_extending_calls_with_a_mask():
+    episodes = [_three_turns("a", 1.0), _three_turns("b", 0.0)]
+    per_call, merged = _samples(episodes, "per_call"), _samples(episodes, "merge")
+    assert len(per_call) == 6 and len(merged) == 2
+    s = merged[0]
+    assert s.prompt_ids == P1
+    assert s.response_ids == R1 + X1 + R2 + X2 + R3
+    assert s.loss_mask == [1] * 3 + [0] * 2 + [1] * 2 + [0] + [1] * 3
+    assert s.num_trained_tokens == len(R1 + R2 + R3)
+    assert [lp for lp, m in zip(s.old_logprobs, s.loss_mask) if m] == [
+        lp for c in episodes[0].calls for lp in c.response_logprobs]
+    assert merge_ratio(episodes) == pytest.approx(4 / 6)
+
+
+def test_calls_that_do_not_extend_stay_separate_and_agents_merge_on_their_own():
+    rewritten = _episode("a", [_call(P1, R1), _call([5, 99] + R1 + X1, R2)], 1.0)  # history changed
+    assert len(_samples([rewritten], "merge")) == 2
+    # Two agents interleaved: each agent's conversation merges; the untrained one never becomes a sample.
+    calls = [_call(P1, R1, "solver"), _call([7, 7], [4], "critic"), _call(P1 + R1 + X1, R2, "solver"),
+             _call([7, 7, 4, 6], [5], "critic", trainable=False)]
+    merged = _samples([_episode("m", calls, 1.0)], "merge")
+    assert [s.response_ids for s in merged] == [R1 + X1 + R2, [4]]
+    assert merge_ratio([_episode("m", calls, 1.0)]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("agg", ["episode-mean-token-mean", "token-mean"])
+def test_merge_gives_the_same_loss_and_gradient(tiny_model_dir, agg):
+    episodes = [_three_turns("a", 1.0), _three_turns("b", 0.0)]
+    results = {}
+    for mode in ("per_call", "merge"):
+        trainer = _trainer(tiny_model_dir, loss_agg_mode=agg)
+        samples = _samples(episodes, mode)
+        # old logprobs from the trainer itself, per call, so the ratio is 1 in both modes
+        for s in samples:
+            full = trainer.compute_logprobs(s.prompt_ids, s.response_ids, 1.0)
+            s.old_logprobs = [lp if m else 0.0 for lp, m in zip(full, s.loss_mask or [1] * len(full))]
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums = trainer.accumulate_gradients(samples)
+        results[mode] = (sums, _grads(trainer), len(samples))
+    (a, ga, na), (b, gb, nb) = results["per_call"], results["merge"]
+    assert (na, nb) == (6, 2)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["response_tokens"] == b["response_tokens"] == 2 * len(R1 + R2 + R3)
+    assert a["logprob_abs_diff"] == pytest.approx(0.0, abs=1e-4)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6)
+    assert b["train_tokens"] < a["train_tokens"]  # fewer tokens forwarded for the same gradient

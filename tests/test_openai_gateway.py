@@ -1,0 +1,210 @@
+"""The OpenAI front ends: in-process async/sync clients, the loopback HTTP endpoint (streaming, 401), sampling
+arguments, reasoning split, per-agent models, and AgentScope's OpenAIChatModel with its client replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from test_model_tuner import ANSWER_TURN, PY_TOOL, TOOL_TURN, assert_recorded_exactly, make_tuner
+
+from astuner.algorithm.samples import episodes_to_samples
+from astuner.model_tuner.formats import ThinkReasoningParser
+from astuner.model_tuner.gateway import Gateway
+from astuner.types import Episode, Task
+
+QUESTION = [{"role": "user", "content": "What is 6*12?"}]
+
+
+@pytest.fixture()
+def gateway():
+    gw = Gateway()
+    yield gw
+    gw.close()
+
+
+def test_async_client_returns_openai_types_and_records_exact_ids(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, [TOOL_TURN], gateway=gateway)
+
+    async def main():
+        client = tuner.get_openai_client()
+        assert isinstance(client, openai.AsyncOpenAI)
+        return await client.chat.completions.create(model="policy", messages=QUESTION, tools=PY_TOOL)
+
+    resp = asyncio.run(main())
+    assert isinstance(resp, openai.types.chat.ChatCompletion)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will compute it."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "execute_python_code"
+    assert json.loads(call.function.arguments) == {"code": "print(6*12)"}
+    assert resp.usage.completion_tokens == len(tuner.calls[0].response_ids)
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_streaming_keeps_exact_ids(demo_tokenizer, gateway):
+    text = "The answer is seventy two, computed by hand."
+    tuner, engine = make_tuner(demo_tokenizer, [text], gateway=gateway)
+
+    async def main():
+        client = tuner.get_openai_client()
+        stream = await client.chat.completions.create(model="policy", messages=QUESTION, stream=True,
+                                                      stream_options={"include_usage": True})
+        parts, usage, finish = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        return "".join(parts), usage, finish
+
+    content, usage, finish = asyncio.run(main())
+    assert content == text and finish == "stop"
+    assert usage.completion_tokens == len(engine.responses[0])
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_reasoning_is_split_out_but_kept_in_the_tokens(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, ["<think>\nsix times twelve\n</think>\n\n72"], gateway=gateway,
+                               reasoning_parser=ThinkReasoningParser())
+
+    async def main():
+        return await tuner.get_openai_client().chat.completions.create(model="p", messages=QUESTION)
+
+    message = asyncio.run(main()).choices[0].message
+    assert message.content == "72"
+    assert message.model_extra["reasoning_content"] == "six times twelve"
+    assert "<think>" in tuner.calls[0].response_text
+    assert demo_tokenizer.decode(tuner.calls[0].response_ids).startswith("<think>")
+
+
+def test_sampling_arguments_within_limits(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, ["one two three STOP four five", "x"], gateway=gateway)
+
+    async def main():
+        client = tuner.get_openai_client()
+        first = await client.chat.completions.create(model="p", messages=QUESTION, temperature=0.3,
+                                                     max_tokens=100000, stop=["STOP"])
+        with pytest.raises(openai.BadRequestError, match="n=1"):
+            await client.chat.completions.create(model="p", messages=QUESTION, n=2)
+        return first
+
+    first = asyncio.run(main())
+    sampling = engine.samplings[0]
+    assert sampling.temperature == 0.3 and tuner.calls[0].temperature == 0.3
+    assert sampling.max_tokens == 256  # capped by max_tokens_per_turn
+    assert first.choices[0].message.content == "one two three "
+    recorded = demo_tokenizer.decode(tuner.calls[0].response_ids)
+    assert recorded.endswith("STOP") and "four" not in recorded  # cut after the token completing the stop string
+    assert len(tuner.calls[0].response_logprobs) == len(tuner.calls[0].response_ids)
+    assert len(tuner.calls) == 1  # the refused n=2 request recorded nothing
+
+
+def test_loopback_endpoint_http_streaming_and_401(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, [ANSWER_TURN, ANSWER_TURN], gateway=gateway)
+
+    async def main():
+        url, key = tuner.base_url, tuner.api_key
+        assert url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(timeout=30) as http:
+            ok = await http.post(f"{url}/chat/completions", json={"model": "p", "messages": QUESTION},
+                                 headers={"Authorization": f"Bearer {key}"})
+            models = await http.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})
+            wrong = await http.post(f"{url}/chat/completions", json={"model": "p", "messages": QUESTION},
+                                    headers={"Authorization": "Bearer not-a-key"})
+            events = []
+            async with http.stream("POST", f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                   json={"model": "p", "messages": QUESTION, "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            tuner.close()  # the episode ends: its key is revoked
+            revoked = await http.post(f"{url}/chat/completions", json={"model": "p", "messages": QUESTION},
+                                      headers={"Authorization": f"Bearer {key}"})
+        return ok, models, wrong, events, revoked
+
+    ok, models, wrong, events, revoked = asyncio.run(main())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER_TURN
+    assert models.json()["data"][0]["id"] == tuner.model_name
+    assert wrong.status_code == 401 and revoked.status_code == 401
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert streamed == ANSWER_TURN
+    assert len(tuner.calls) == 2  # the 401s recorded nothing
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_sync_client_from_a_worker_thread_and_refused_on_the_loop(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, [ANSWER_TURN], gateway=gateway)
+
+    async def main():
+        client = tuner.get_openai_client(sync=True)
+        assert isinstance(client, openai.OpenAI)
+        with pytest.raises(RuntimeError, match="worker thread"):
+            client.chat.completions.create(model="p", messages=QUESTION)  # would deadlock the loop
+        return await asyncio.to_thread(client.chat.completions.create, model="p", messages=QUESTION)
+
+    resp = asyncio.run(main())
+    assert resp.choices[0].message.content == ANSWER_TURN
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_for_agent_untrained_calls_never_become_samples(demo_tokenizer, gateway):
+    tuner, engine = make_tuner(demo_tokenizer, ["plan: multiply", ANSWER_TURN], gateway=gateway)
+
+    async def main():
+        planner = tuner.for_agent("planner", trainable=False)
+        await planner.get_openai_client().chat.completions.create(model="p", messages=QUESTION)
+        await tuner.for_agent("solver").chat(QUESTION)
+
+    asyncio.run(main())
+    planner_call, solver_call = tuner.calls
+    assert (planner_call.agent, planner_call.trainable) == ("planner", False)
+    assert (solver_call.agent, solver_call.trainable) == ("solver", True)
+    tasks = [Task("t", "q")]
+    episodes = [Episode(tasks[0], i, f"e{i}", calls=list(tuner.calls), reward=float(i)) for i in range(2)]
+    samples = episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                                  max_sample_per_task=4)
+    assert len(samples) == 2 and all(s.response_ids == solver_call.response_ids for s in samples)
+
+
+def test_agentscope_openai_chat_model_with_the_episode_client(demo_tokenizer, gateway):
+    """Trinity-RFT's pattern: AgentScope's OpenAIChatModel with `client` replaced, inside a ReActAgent.
+
+    stream=False: AgentScope 1.0.21's streaming reader tests `"data" in delta.audio`, which fails on every
+    server with openai>=3 (its ChoiceDelta has `audio=None`); streaming itself is tested with the raw client."""
+    from agentscope.agent import ReActAgent
+    from agentscope.formatter import OpenAIChatFormatter
+    from agentscope.memory import InMemoryMemory
+    from agentscope.message import Msg
+    from agentscope.model import OpenAIChatModel
+    from agentscope.tool import Toolkit
+
+    from astuner.tools import execute_python_code
+
+    tuner, engine = make_tuner(demo_tokenizer, [TOOL_TURN, ANSWER_TURN], gateway=gateway)
+
+    async def main():
+        model = OpenAIChatModel(model_name="policy", api_key="unused", stream=False)
+        model.client = tuner.get_openai_client()
+        toolkit = Toolkit()
+        toolkit.register_tool_function(execute_python_code)
+        agent = ReActAgent(name="Solver", sys_prompt="You solve math problems.", model=model,
+                           formatter=OpenAIChatFormatter(), toolkit=toolkit, memory=InMemoryMemory(), max_iters=2)
+        agent.set_console_output_enabled(False)
+        return await agent(Msg("user", "What is 6*12?", "user"))
+
+    reply = asyncio.run(main())
+    assert "\\boxed{72}" in reply.get_text_content()
+    first, second = tuner.calls
+    assert "<stdout>72\n</stdout>" in demo_tokenizer.decode(second.prompt_ids)
+    # Token-exact multi-turn through a real framework: the second prompt is the first prompt + response + more.
+    assert second.extends_previous
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == (
+        first.prompt_ids + first.response_ids)
+    assert_recorded_exactly(tuner, engine)

@@ -57,7 +57,7 @@ def bench_rollout(model_path, tokenizer, prompts_text, max_tokens, repeats):
     settings = RolloutSettings(
         num_repeat=1, max_env_worker=len(prompts_text), temperature=0.0, episode_timeout=600,
         agent_madness_reward=0.0, madness_checks=("nonsense", "wrong_toolcall"), tool_prompt="auto",
-        tool_parser="hermes",
+        tool_call_parser="hermes",
         limits=TunerLimits(max_model_len=4096, max_tokens_per_turn=max_tokens, max_response_tokens=max_tokens,
                            max_prompt_length=4096),
     )

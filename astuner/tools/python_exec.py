@@ -313,6 +313,26 @@ async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
     return True
 
 
+# The Python tool as an OpenAI tool schema, for agents that are not AgentScope agents (run it with python_tool_text).
+PYTHON_TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "execute_python_code",
+        "description": "Execute Python code and return its return code, standard output and standard error. "
+                       "Only printed output is returned, so print the values you need.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code."}},
+                       "required": ["code"]},
+    },
+}
+
+
+async def python_tool_text(code: str, timeout: float = 10.0) -> str:
+    """The Python tool's answer as text (what execute_python_code returns, without AgentScope types)."""
+    result = await run_python(str(code), timeout=min(max(float(timeout), 0.1), MAX_TOOL_TIMEOUT))
+    return (f"<returncode>{result.returncode}</returncode><stdout>{result.stdout}</stdout>"
+            f"<stderr>{result.stderr}</stderr>")
+
+
 async def execute_python_code(code: str, timeout: float = 10.0, **kwargs: Any) -> "ToolResponse":
     """Execute Python code in a fresh process and return its return code, standard output and standard error.
     Only printed output is returned, so `print` the values you need. The code runs in an empty temporary
@@ -336,10 +356,4 @@ async def execute_python_code(code: str, timeout: float = 10.0, **kwargs: Any) -
         seconds = min(max(float(timeout), 0.1), MAX_TOOL_TIMEOUT)
     except (TypeError, ValueError):
         seconds = 10.0
-    result = await run_python(str(code), timeout=seconds)
-    text = (
-        f"<returncode>{result.returncode}</returncode>"
-        f"<stdout>{result.stdout}</stdout>"
-        f"<stderr>{result.stderr}</stderr>"
-    )
-    return ToolResponse(content=[TextBlock(type="text", text=text)])
+    return ToolResponse(content=[TextBlock(type="text", text=await python_tool_text(str(code), seconds))])

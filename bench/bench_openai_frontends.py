@@ -8,10 +8,13 @@ loopback HTTP endpoint (httpx, with and without streaming). Reported as generate
 `chat`, best of --repeats after a warm-up.
 
 Merge: the ReAct math tutorial (AgentScope ReActAgent, Python tool) rolled out on --react-tasks GSM8K sample
-tasks x 2 with the demo model; its episodes become samples per_call and merged, and one forward+backward over
-each sample set is timed (the trainer work merge saves). Also the merge ratio and prefix reuse.
+tasks x 2 with the demo model, and a three-turn self-check agent (answer, check, answer again) on the same
+tasks; each batch of episodes becomes samples per_call and merged, and one forward+backward over each sample set
+is timed once (the trainer work merge saves; a whole batch takes minutes on CPU). Also the merge ratio and
+prefix reuse.
 
-Preflight: seconds of the token-pipeline check (template, parser, extension, engine vs trainer logprobs).
+Preflight: seconds of the token-pipeline check (template, parser, extension, engine vs trainer logprobs), at
+start and warm, and without the logprob check.
 Not a test: nothing here asserts a speed.
 """
 
@@ -76,7 +79,10 @@ def bench_frontends(model_path, tokenizer, args):
     def run(path):
         loop = asyncio.new_event_loop()
         try:
-            return loop.run_until_complete(asyncio.gather(*(one(path, i) for i in range(args.conversations))))
+            async def everything():
+                return await asyncio.gather(*(one(path, i) for i in range(args.conversations)))
+
+            return loop.run_until_complete(everything())
         finally:
             loop.close()
 
@@ -113,34 +119,57 @@ def bench_merge_and_preflight(model_path, tokenizer, args):
     from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check, run_preflight
 
     runner = rt.runner
+    check = engine_trainer_logprob_check(rt.engine, rt.trainer, rt.tokenizer, runner.renderer,
+                                         runner.stop_token_ids)
+    preflight = lambda logprobs: run_preflight(  # noqa: E731
+        "warn", runner.renderer, runner.chat_format, runner.parser, runner.reasoning_parser, runner.stop_texts(),
+        check if logprobs else None)
     start = time.perf_counter()
-    rows = run_preflight("warn", runner.renderer, runner.chat_format, runner.parser, runner.reasoning_parser,
-                         runner.stop_texts(), engine_trainer_logprob_check(rt.engine, rt.trainer, rt.tokenizer,
-                                                                          runner.renderer, runner.stop_token_ids))
-    preflight_s = time.perf_counter() - start
+    rows = preflight(True)
+    first_s = time.perf_counter() - start
+    again_s = best_of(lambda: preflight(True), args.repeats)
+    template_s = best_of(lambda: preflight(False), args.repeats)
+    checks = ", ".join(f"{r.name} {'ok' if r.ok else 'FAIL'}" for r in rows)
+    print(f"preflight  {first_s:.2f} s at start (first engine call included), {again_s:.2f} s warm, "
+          f"{template_s * 1000:.0f} ms without the logprob check ({checks})")
 
-    episodes = runner.run(rt.train_tasks[: args.react_tasks], step=1)
-    for i, e in enumerate(episodes):  # distinct rewards so every sample carries a gradient
-        e.reward = float(i % 2)
-    timings = {}
-    for mode in ("per_call", "merge"):
-        samples = episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
-                                      max_sample_per_task=8, sample_mode=mode)
+    from astuner.workflow import Workflow, WorkflowOutput
 
-        def step():
+    class SelfCheckWorkflow(Workflow):
+        """Three turns per episode whatever the model does: answer, check, answer again."""
+
+        async def execute(self, workflow_task, model_tuner):
+            messages = [{"role": "user", "content": workflow_task.task.main_query}]
+            for follow_up in ("Check your work step by step.", "Give the final answer within \\boxed{}."):
+                messages.append(await model_tuner.chat(messages))
+                messages.append({"role": "user", "content": follow_up})
+            reply = await model_tuner.chat(messages)
+            return WorkflowOutput(reward=0.0, metadata={"final_answer": reply["content"]})
+
+    tasks = rt.train_tasks[: args.react_tasks]
+    workloads = [("react", runner.run(tasks, step=1))]
+    runner.workflow_cls = SelfCheckWorkflow
+    workloads.append(("self-check", runner.run(tasks, step=1)))
+    for name, episodes in workloads:
+        for i, e in enumerate(episodes):  # distinct rewards so every sample carries a gradient
+            e.reward = float(i % 2)
+        timings = {}
+        for mode in ("per_call", "merge"):
+            samples = episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                                          max_sample_per_task=8, sample_mode=mode)
             rt.trainer.optimizer.zero_grad(set_to_none=True)
+            start = time.perf_counter()  # once: a step over a whole batch takes minutes on CPU
             rt.trainer.accumulate_gradients(samples)
-
-        timings[mode] = (len(samples), sum(s.num_tokens for s in samples), best_of(step, args.repeats))
-    calls = sum(len(e.calls) for e in episodes)
-    reuse = sum(c.extends_previous for e in episodes for c in e.calls) / max(calls, 1)
+            timings[mode] = (len(samples), sum(s.num_tokens for s in samples), time.perf_counter() - start)
+        calls = sum(len(e.calls) for e in episodes)
+        reuse = sum(c.extends_previous for e in episodes for c in e.calls) / max(calls, 1)
+        (n1, t1, s1), (n2, t2, s2) = timings["per_call"], timings["merge"]
+        print(f"{name:<10} {len(episodes)} episodes, {calls} calls, prefix reuse {reuse:.2f}, "
+              f"merge ratio {merge_ratio(episodes):.2f}")
+        print(f"{name:<10} per_call: {n1} samples, {t1} tokens forwarded, {s1:.1f} s forward+backward")
+        print(f"{name:<10} merge:    {n2} samples, {t2} tokens forwarded, {s2:.1f} s ({1 - s2 / s1:.1%} less time, "
+              f"{1 - t2 / t1:.1%} fewer tokens)")
     rt.engine.shutdown()
-    print(f"preflight  {preflight_s:.2f} s ({', '.join(f'{r.name} {'ok' if r.ok else 'FAIL'}' for r in rows)})")
-    print(f"react      {len(episodes)} episodes, {calls} calls, prefix reuse {reuse:.2f}, "
-          f"merge ratio {merge_ratio(episodes):.2f}")
-    (n1, t1, s1), (n2, t2, s2) = timings["per_call"], timings["merge"]
-    print(f"train      per_call: {n1} samples, {t1} tokens forwarded, {s1:.2f} s forward+backward")
-    print(f"train      merge:    {n2} samples, {t2} tokens forwarded, {s2:.2f} s ({1 - s2 / s1:+.1%} time saved)")
 
 
 def main() -> None:
@@ -150,6 +179,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--react-tasks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=["frontends", "merge"], help="run one part")
     args = parser.parse_args()
 
     from astuner.model_cache import resolve_model_path
@@ -159,8 +189,10 @@ def main() -> None:
     model_path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     print(f"model {args.model}, torch threads {torch.get_num_threads()}, best of {args.repeats}")
-    bench_frontends(model_path, tokenizer, args)
-    bench_merge_and_preflight(model_path, tokenizer, args)
+    if args.only != "merge":
+        bench_frontends(model_path, tokenizer, args)
+    if args.only != "frontends":
+        bench_merge_and_preflight(model_path, tokenizer, args)
 
 
 if __name__ == "__main__":

@@ -81,3 +81,23 @@ def test_merge_gives_the_same_loss_and_gradient(tiny_model_dir, agg):
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6)
     assert b["train_tokens"] < a["train_tokens"]  # fewer tokens forwarded for the same gradient
+
+
+def test_pipeline_metrics_and_their_warning(caplog):
+    from astuner.loop import pipeline_metrics, warn_pipeline
+
+    ok = _call(P1, R1, agent="solver")
+    ok.tool_call_attempted = True
+    broken = _call(P1 + R1 + X1, R2, agent="solver")
+    broken.tool_call_attempted = broken.tool_call_parse_failed = broken.extends_previous = True
+    critic = _call([7], [4, 5], agent="critic", trainable=False)
+    metrics = pipeline_metrics([_episode("a", [ok, broken, critic], 1.0)], {"logprob_abs_diff_mean": 0.2})
+    assert metrics["rollout/tool_call_parse_failure_rate"] == 0.5  # 1 of the 2 calls that tried a tool call
+    assert metrics["rollout/prefix_reuse_rate"] == pytest.approx(1 / 3)
+    assert metrics["rollout/merge_ratio"] == 0.5  # the critic's untrained call does not count
+    assert metrics["rollout/logprob_abs_diff_mean"] == 0.2
+    assert metrics["agent/solver/calls_per_episode"] == 2 and metrics["agent/critic/response_length"] == 2
+    with caplog.at_level("WARNING"):
+        warn_pipeline(3, metrics)
+    text = caplog.text
+    assert "tool_call_parse_failure_rate" in text and "logprob_abs_diff_mean" in text and "step 3" in text

@@ -340,8 +340,10 @@ class ModelTuner:
 
     def _stop_string_cut(self, response_ids: list[int], stops: tuple[str, ...]) -> int | None:
         """Number of tokens up to and including the one that completes the first stop string, or None."""
-        text = ""
-        for n, token_id in enumerate(response_ids, start=1):
+        full = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        if not any(s and s in full for s in stops):
+            return None  # the common case: one decode, no scan
+        for n in range(1, len(response_ids) + 1):
             text = self.tokenizer.decode(response_ids[:n], skip_special_tokens=True)
             if any(s and s in text for s in stops):
                 return n

@@ -54,12 +54,15 @@ def launch(
         bool, typer.Option("--with-ray", help="Run the debug backbone inside Ray (later release).")
     ] = False,
     with_logview: Annotated[
-        bool, typer.Option("--with-logview", help="Start the trajectory log viewer (later release).")
+        bool, typer.Option("--with-logview", help="Serve the trajectory and metrics viewer on 127.0.0.1 beside "
+                           "the run (port: astuner.logview.port; the URL is printed).")
     ] = False,
 ) -> None:
     """Train an LLM agent with reinforcement learning (GRPO) from a YAML config.
 
     Example: astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug astuner.data.train_batch_size=4
+
+    Open a run in the log viewer: astuner logview launcher_record/quickstart
     """
     try:
         run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
@@ -77,8 +80,6 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
         raise UserError(f"the {backbone} backbone {later}.")
     if with_ray:
         raise UserError(f"--with-ray {later}.")
-    if with_logview:
-        raise UserError(f"--with-logview {later}.")
 
     from astuner.config import config_warnings, load_config, save_config
     from astuner.resume import plan_start
@@ -98,7 +99,51 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from astuner.backbone import run_backbone
 
-    run_backbone(backbone, loaded, checkpoint=start.checkpoint)
+    viewer = None
+    if with_logview:
+        from astuner.logview.app import LogViewServer
+
+        viewer = LogViewServer(loaded.experiment_dir, loaded.typed.astuner.logview.port)
+        print(f"astuner: log viewer at {viewer.start()} (this run's trajectories appear as its steps finish)",
+              file=sys.stderr)
+    try:
+        run_backbone(backbone, loaded, checkpoint=start.checkpoint)
+    finally:
+        if viewer is not None:
+            viewer.stop()
+            print(f"astuner: log viewer stopped; reopen this run with: astuner logview {loaded.experiment_dir}",
+                  file=sys.stderr)
+
+
+logview_app = typer.Typer(add_completion=False, rich_markup_mode=None,
+                          context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@logview_app.command()
+def logview(
+    path: Annotated[str, typer.Argument(help="A run's folder (its experiment_dir), or a folder of runs.",
+                                        show_default=False)],
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1; 0: any free port.")] = 0,
+) -> None:
+    """Open finished (or running) runs in the log viewer: astuner logview launcher_record/quickstart"""
+    from pathlib import Path
+
+    from astuner.logview.app import LogViewServer, find_runs
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"logview: {path} is not a folder; give a run's experiment_dir or a folder of runs.")
+    runs = find_runs(folder)
+    if not runs:
+        raise UserError(f"logview: no run under {folder} (a run's folder holds metrics.jsonl or logview.sqlite).")
+    viewer = LogViewServer(folder, port)
+    url = viewer.start()  # printed only once it answers
+    print(f"astuner: log viewer at {url} ({len(runs)} run(s) under {folder.resolve()}); Ctrl-C stops it",
+          file=sys.stderr, flush=True)
+    try:
+        viewer.wait()
+    finally:
+        viewer.stop()
 
 
 def _fail(message: str) -> int:
@@ -108,10 +153,15 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `astuner` console script and of launcher.py. Returns the exit code."""
-    command = typer.main.get_command(app)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # `astuner logview PATH` is a second command; `astuner --conf ...` stays the command line of a run.
+    command = typer.main.get_command(logview_app if args[:1] == ["logview"] else app)
+    prog = "astuner"
+    if args[:1] == ["logview"]:
+        argv, prog = args[1:], "astuner logview"
     try:
         # Not standalone: click would print its own usage errors and Typer would render tracebacks.
-        code = command.main(args=argv, prog_name="astuner", standalone_mode=False)
+        code = command.main(args=argv, prog_name=prog, standalone_mode=False)
     except _CLI_ERRORS as exc:
         # exit_code 2 marks a usage error (missing --conf, unknown option).
         message = exc.format_message().rstrip()

@@ -52,7 +52,8 @@ class Stages(Protocol):
 class MonitorLike(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def save_episodes(self, step: int, episodes: list[Episode], tag: str) -> None: ...
+    def save_episodes(self, step: int, episodes: list[Episode], tag: str,
+                      samples: list[Sample] | None = None) -> None: ...
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None: ...
 
@@ -304,7 +305,7 @@ def run_loop(
             "train/zero_adv_group_fraction": zero_frac,
         })
         monitor.log_metrics(step, metrics)
-        monitor.save_episodes(step, episodes, "train")
+        monitor.save_episodes(step, episodes, "train", samples)
         summary.steps = step
         state.step, state.epoch, state.position = step, epoch, position
         _check_idle(state, settings, samples, zero_frac, step)

@@ -113,6 +113,9 @@ class Monitor:
         self.metrics_file = open(metrics_path, "a" if resume_step is not None else "w", encoding="utf-8")
         self.trajectory_dir = experiment_dir / "trajectories"
         self.trajectory_dir.mkdir(parents=True, exist_ok=True)
+        from astuner.logview.store import StepWriter
+
+        self.store = StepWriter(experiment_dir, resume_step)  # the log viewer's data, one transaction per step
         self.bar = tqdm(total=total_steps, desc="astuner", unit="step", disable=not show_progress, dynamic_ncols=True,
                         initial=resume_step or 0)
         self._postfix: dict[str, str] = {}
@@ -130,11 +133,16 @@ class Monitor:
                 self._postfix[short] = f"{metrics[key]:.3g}"
         self.bar.set_postfix(self._postfix, refresh=True)
 
-    def save_episodes(self, step: int, episodes: list[Episode], tag: str) -> None:
+    def save_episodes(self, step: int, episodes: list[Episode], tag: str, samples=None) -> None:
+        """trajectories/<tag>_step_N.jsonl (text), and the log viewer's store (token level, with what was
+        trained: `samples` after the train step, carrying the trainer's logprobs)."""
+        from astuner.logview.records import episode_records
+
         path = self.trajectory_dir / f"{tag}_step_{step:06d}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
             for episode in episodes:
                 f.write(json.dumps(self._episode_record(episode), ensure_ascii=False, default=str) + "\n")
+        self.store.write(tag, step, episode_records(episodes, samples, self.tokenizer))
 
     def episode_bar(self, description: str, total: int):
         """A second, transient bar under the step bar: episodes finished in the current rollout."""
@@ -150,6 +158,7 @@ class Monitor:
         self.bar.close()
         self.writer.close()
         self.metrics_file.close()
+        self.store.close()
 
     def _episode_record(self, episode: Episode) -> dict:
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: "")

@@ -73,6 +73,14 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, kind: 
     return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def _offsets(lengths: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
+
+
 def split_mini_batches(samples: list[Sample], mini_batch_num: int) -> list[list[Sample]]:
     """Contiguous runs of episodes (order of first appearance), as even in episode count as possible."""
     order: dict[str, list[Sample]] = {}
@@ -264,7 +272,7 @@ class Trainer:
 
     # --- training --------------------------------------------------------------------------------------------
 
-    def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
+    def accumulate_gradients(self, samples: list[Sample], record_logprobs: bool = False) -> dict[str, float]:
         """Backward the loss of one mini-batch, micro-batch by micro-batch, into `.grad` (no optimizer step).
 
         Returns sums over the mini-batch: loss, response tokens, token-summed stats, tokens processed, counts.
@@ -307,6 +315,10 @@ class Trainer:
                 with torch.no_grad():
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True)
+            if record_logprobs:  # before any update: the trainer's view of what the engine sampled (log viewer)
+                flat = logprobs_R.detach().cpu().tolist()
+                for s, start, n in zip(mb, _offsets(lengths), lengths):
+                    s.trainer_logprobs = flat[start : start + n]
             loss, stats = policy_loss(
                 logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
                 ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
@@ -361,7 +373,7 @@ class Trainer:
         losses, grad_norms = [], []
         n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
         for mini_batch in split_mini_batches(samples, self.mini_batch_num):
-            sums = self.accumulate_gradients(mini_batch)
+            sums = self.accumulate_gradients(mini_batch, record_logprobs=not losses)
             n_micro += sums["num_micro_batches"]
             n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
             if sums["response_tokens"] == 0:

@@ -67,6 +67,10 @@ class LLMCall:
     extends_previous: bool = False  # prompt = an earlier call's exact prompt + response ids + new messages
     tool_call_attempted: bool = False  # the output held a tool call (well-formed or not)
     tool_call_parse_failed: bool = False  # ... and the parser could not use some of it
+    # For the log viewer: the request's messages (only those after the call it extends, when it extends one)
+    # and the assistant message handed back.
+    messages: list[dict] | None = None
+    reply: dict | None = None
 
 
 @dataclass
@@ -107,6 +111,8 @@ class Sample:
     # 1 for generated tokens, 0 for tokens the model did not sample (tool results and turn markers joined in by
     # multi_turn.sample_mode=merge); None means every response token is trained on.
     loss_mask: list[int] | None = None
+    call_indices: list[int] = field(default_factory=list)  # the episode's calls this sample holds, in order
+    trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the trainer)
 
     @property
     def num_tokens(self) -> int:

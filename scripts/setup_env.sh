@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with astuner, its test tools and AgentScope 1.x, and caches the demo model.
+# --test also installs what only the tests need (Chromium for the log viewer's browser test).
 # Safe to run again: it only installs what is missing. Set PYTHON to choose the interpreter (3.10+).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
       || echo "setup: could not install bubblewrap; the Python tool falls back to its process sandbox" >&2
   else
     echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) to isolate the Python tool" >&2
+  fi
+fi
+# Tests only: the log viewer's browser test drives Debian's Chromium through its chromedriver.
+if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null)) \
+      || echo "setup: could not install chromium; the log viewer's browser test will say so" >&2
+  else
+    echo "setup: install chromium and chromium-driver (apt) for the log viewer's browser test" >&2
   fi
 fi
 python -m astuner.model_cache

@@ -90,8 +90,9 @@ class Recorder:
         return value
 
 
-# Read by load_config itself (it decides the output folder); checked by test_config's experiment_dir tests.
-READ_WHILE_LOADING = {"astuner.experiment_dir"}
+# Read by load_config itself (it decides the output folder; checked by test_config's experiment_dir tests), and
+# by the CLI for --with-logview (checked by test_logview).
+READ_WHILE_LOADING = {"astuner.experiment_dir", "astuner.logview.port"}
 
 
 def keys_read_by_a_run(yaml: Path, overrides=()) -> tuple[set[str], set[str]]:

@@ -64,7 +64,8 @@ def episodes_to_samples(
     samples: list[Sample] = []
     for ep, adv in zip(trainable, advantages_E):
         calls = [c for c in ep.calls if c.response_ids and c.trainable]
-        units = [_to_sample(c, adv, ep.episode_uid) for c in calls]
+        units = [_to_sample(c, adv, ep.episode_uid, i) for i, c in enumerate(ep.calls)
+                 if c.response_ids and c.trainable]
         if sample_mode == "merge":
             units = merge_samples(units, [c.agent for c in calls])
         for i in subset_indices(len(units), max_sample_per_task):
@@ -92,6 +93,7 @@ def merge_samples(samples: list[Sample], agents: list[str]) -> list[Sample]:
             last.response_ids = last.response_ids + gap + s.response_ids
             last.old_logprobs = last.old_logprobs + [0.0] * len(gap) + s.old_logprobs
             last.loss_mask = mask + [0] * len(gap) + [1] * len(s.response_ids)
+            last.call_indices = last.call_indices + s.call_indices
             continue
         out.append(s)
         last_of[agent] = s
@@ -117,7 +119,7 @@ def merge_ratio(episodes: list[Episode]) -> float:
     return joined / total if total else 0.0
 
 
-def _to_sample(call: LLMCall, advantage: float, episode_uid: str) -> Sample:
+def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: int = -1) -> Sample:
     if len(call.response_logprobs) != len(call.response_ids):
         raise ValueError(
             f"episode {episode_uid}: {len(call.response_ids)} response tokens but "
@@ -133,4 +135,5 @@ def _to_sample(call: LLMCall, advantage: float, episode_uid: str) -> Sample:
         advantage=float(advantage),
         temperature=float(call.temperature),
         episode_uid=episode_uid,
+        call_indices=[call_index] if call_index >= 0 else [],
     )

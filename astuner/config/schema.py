@@ -254,6 +254,13 @@ class TrainerCommonSection(Section):
     )
 
 
+class LogviewSection(Section):
+    port: int = key(
+        0, "Port of the log viewer that --with-logview starts on 127.0.0.1; 0: any free port (the URL is printed).",
+        ge=0, le=65535,
+    )
+
+
 class AstunerSection(Section):
     project_name: str = key("astuner_project", "Name of the run, shown in logs, tensorboard and the summary.")
     experiment_dir: Optional[str] = key(
@@ -267,6 +274,9 @@ class AstunerSection(Section):
     rollout: RolloutSection = section(RolloutSection)
     task_judge: TaskJudgeSection = section(TaskJudgeSection)
     trainer_common: TrainerCommonSection = section(TrainerCommonSection)
+    logview: LogviewSection = section(
+        LogviewSection, "The trajectory and metrics viewer (--with-logview; `astuner logview PATH` for a finished run)."
+    )
 
 
 # --- trinity / verl -----------------------------------------------------------------------------------------

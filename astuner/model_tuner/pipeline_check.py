@@ -161,7 +161,12 @@ def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parse
             "astuner.rollout.reasoning_parser to the model's format, or astuner.rollout.preflight: warn to train "
             "anyway."
         )
-    log.log(logging.WARNING if failed else logging.INFO, "%s", table)
+    if failed:
+        log.warning("%s", table)
+    else:
+        from astuner.monitor import announce
+
+        announce(table)  # on the console too: the user sees which parsers were chosen
     return rows
 
 

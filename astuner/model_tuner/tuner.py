@@ -256,7 +256,7 @@ class ModelTuner:
         options = options or CallOptions()
         self._check_deadline()
         tools = normalize_tools(tools)
-        prompt_ids, extends, canonical, tools_key = self._prompt_ids(messages, tools)
+        prompt_ids, extends, canonical, tools_key, new_from = self._prompt_ids(messages, tools)
         index = self._started
         max_tokens = self._max_tokens(len(prompt_ids), first=index == 0)
         if options.max_tokens is not None:
@@ -315,17 +315,20 @@ class ModelTuner:
         )
         for flag, reason in fired.items():
             self.flag_reasons.append((len(self.calls), flag, reason))
+        call.messages = [_brief(m) for m in messages[new_from:]]
         self.calls.append(call)
         turn = _Turn(call=call, content=parsed.content, tool_calls=parsed.tool_calls, seconds=seconds,
                      reasoning=split.reasoning,
                      finish_reason="tool_calls" if parsed.tool_calls else ("length" if finish == "length" else "stop"))
+        call.reply = assistant_message(turn)
         self._conversations.append(_Conversation(
             canonical + canonical_messages([assistant_message(turn)], self.reasoning_parser),
             tools_key, list(prompt_ids), list(response_ids)))
         return turn
 
     def _prompt_ids(self, messages: list[dict], tools: list[dict] | None):
-        """(prompt ids, whether they extend an earlier call exactly, canonical messages, tools key)."""
+        """(prompt ids, whether they extend an earlier call exactly, canonical messages, tools key, index of the
+        first message that call had not seen)."""
         canonical = canonical_messages(messages, self.reasoning_parser)
         tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False)
         for conv in reversed(self._conversations):
@@ -334,9 +337,9 @@ class ModelTuner:
                 ids = self.renderer.render_extension(messages, tools, k, conv.prompt_ids, conv.response_ids,
                                                      self._stop_texts)
                 if ids is not None:
-                    return ids, True, canonical, tools_key
+                    return ids, True, canonical, tools_key, k
                 break
-        return self.renderer.render(messages, tools), False, canonical, tools_key
+        return self.renderer.render(messages, tools), False, canonical, tools_key, 0
 
     def _stop_string_cut(self, response_ids: list[int], stops: tuple[str, ...]) -> int | None:
         """Number of tokens up to and including the one that completes the first stop string, or None."""
@@ -357,6 +360,19 @@ class ModelTuner:
             # A call nobody offered is flagged but not returned: the agent has nothing to run it with.
             return ParsedOutput(content=text.strip(), errors=parsed.errors)
         return parsed
+
+
+def _brief(message: dict) -> dict:
+    """A message as the log viewer shows it: role, text, tool calls, tool name (no images, no extra fields)."""
+    from astuner.model_tuner.chat_format import _tool_calls_of, flatten_content
+
+    out = {"role": message.get("role"), "content": flatten_content(message.get("content"))}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                             for c in _tool_calls_of(message)]
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
 
 
 def _before_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -1,0 +1,201 @@
+"""The log viewer's web app: JSON endpoints over the runs under a folder, and one static page.
+
+  GET /                                   the page (static/index.html: runs -> steps -> episodes -> episode)
+  GET /api/runs                           runs under the root: a folder holding metrics.jsonl or logview.sqlite
+  GET /api/runs/{run}/metrics             metrics.jsonl rows (a torn last line of a live run is skipped)
+  GET /api/runs/{run}/steps               per (split, step): episodes, mean reward, success rate, flagged
+  GET /api/runs/{run}/episodes            ?split=train&step=N&flag=&min_reward=&max_reward=&sort=&page=&page_size=
+  GET /api/runs/{run}/episodes/{id}       one episode: calls with messages, reply and token-level data
+Run ids are paths relative to the root, checked against the runs found there (nothing outside it is served).
+Every request opens the SQLite file read-only, so the viewer follows a live run and never blocks its writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+from astuner.logview import store
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+MAX_DEPTH = 3
+MAX_PAGE_SIZE = 200
+
+
+def find_runs(root: Path) -> dict[str, Path]:
+    """Run id -> folder, for the root itself and folders below it (to MAX_DEPTH levels)."""
+    root = root.resolve()
+    runs: dict[str, Path] = {}
+
+    def visit(folder: Path, depth: int) -> None:
+        if (folder / "metrics.jsonl").is_file() or (folder / store.FILE_NAME).is_file():
+            # The root itself is named by its folder name ("." does not survive URL normalisation).
+            runs[folder.relative_to(root).as_posix() if folder != root else (root.name or "run")] = folder
+        if depth < MAX_DEPTH:
+            try:
+                children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                return
+            for child in children:
+                if child.name not in ("tensorboard", "trajectories") and not child.name.startswith("global_step_"):
+                    visit(child, depth + 1)
+
+    visit(root, 0)
+    return runs
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # the line a live run is writing, or one cut by a kill
+    return rows
+
+
+def build_app(root: Path):
+    from starlette.applications import Starlette
+    from starlette.responses import FileResponse, JSONResponse
+    from starlette.routing import Route
+
+    root = Path(root)
+
+    def run_folder(request) -> Path | None:
+        return find_runs(root).get(request.path_params["run"])
+
+    def missing(what: str):
+        return JSONResponse({"error": f"{what} not found"}, 404)
+
+    def open_store(folder: Path):
+        path = folder / store.FILE_NAME
+        return store.connect(path, readonly=True) if path.is_file() else None
+
+    async def index(request):
+        return FileResponse(STATIC / "index.html")
+
+    async def runs(request):
+        out = []
+        for run_id, folder in find_runs(root).items():
+            metrics = read_metrics(folder)
+            last = max((m.get("step", 0) for m in metrics), default=0)
+            out.append({"id": run_id, "name": folder.name,
+                        "steps": last, "has_trajectories": (folder / store.FILE_NAME).is_file(),
+                        "modified": (folder / "metrics.jsonl").stat().st_mtime
+                        if (folder / "metrics.jsonl").is_file() else None})
+        return JSONResponse({"root": str(root.resolve()), "runs": out})
+
+    async def metrics(request):
+        folder = run_folder(request)
+        return missing("run") if folder is None else JSONResponse({"rows": read_metrics(folder)})
+
+    async def steps(request):
+        folder = run_folder(request)
+        if folder is None:
+            return missing("run")
+        conn = open_store(folder)
+        if conn is None:
+            return JSONResponse({"steps": []})
+        try:
+            return JSONResponse({"steps": store.steps(conn)})
+        finally:
+            conn.close()
+
+    async def episodes(request):
+        folder = run_folder(request)
+        if folder is None:
+            return missing("run")
+        q = request.query_params
+        try:
+            step = int(q.get("step", "0"))
+            page = max(int(q.get("page", "0")), 0)
+            page_size = min(max(int(q.get("page_size", "50")), 1), MAX_PAGE_SIZE)
+            min_reward = float(q["min_reward"]) if q.get("min_reward") not in (None, "") else None
+            max_reward = float(q["max_reward"]) if q.get("max_reward") not in (None, "") else None
+        except ValueError as exc:
+            return JSONResponse({"error": f"bad query: {exc}"}, 400)
+        sort = q.get("sort", "idx")
+        if sort not in store.SORTS:
+            return JSONResponse({"error": f"sort must be one of {', '.join(store.SORTS)}"}, 400)
+        conn = open_store(folder)
+        if conn is None:
+            return JSONResponse({"total": 0, "page": 0, "page_size": page_size, "items": [], "flags": []})
+        try:
+            return JSONResponse(store.episodes(conn, q.get("split", "train"), step, flag=q.get("flag") or None,
+                                               min_reward=min_reward, max_reward=max_reward, sort=sort, page=page,
+                                               page_size=page_size))
+        finally:
+            conn.close()
+
+    async def episode(request):
+        folder = run_folder(request)
+        if folder is None:
+            return missing("run")
+        conn = open_store(folder)
+        if conn is None:
+            return missing("episode")
+        try:
+            found = store.episode(conn, int(request.path_params["episode_id"]))
+        finally:
+            conn.close()
+        return missing("episode") if found is None else JSONResponse(found)
+
+    return Starlette(routes=[
+        Route("/", index),
+        Route("/api/runs", runs),
+        Route("/api/runs/{run:path}/metrics", metrics),
+        Route("/api/runs/{run:path}/steps", steps),
+        Route("/api/runs/{run:path}/episodes/{episode_id:int}", episode),
+        Route("/api/runs/{run:path}/episodes", episodes),
+    ])
+
+
+class LogViewServer:
+    """uvicorn on 127.0.0.1 in a daemon thread (beside a run), or in the foreground (`astuner logview`)."""
+
+    def __init__(self, root: Path, port: int = 0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind(("127.0.0.1", int(port)))
+        except OSError as exc:
+            from astuner.errors import UserError
+
+            raise UserError(f"the log viewer cannot listen on 127.0.0.1:{port} ({exc.strerror}); set "
+                            "astuner.logview.port to a free port, or 0 for any free port") from None
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(root), log_level="warning", lifespan="off",
+                                                    access_log=False))
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="astuner-logview", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the log viewer did not start on {self.url} within {timeout:g}s")
+            time.sleep(0.01)
+        return self.url
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C interrupts the wait)."""
+        while self.thread is not None and self.thread.is_alive():
+            self.thread.join(0.5)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=5)

@@ -1,0 +1,88 @@
+"""Episodes (+ the samples trained on them) -> the records the log viewer stores, token by token.
+
+For each call: its response token ids, each token decoded alone, the engine's sampling logprob, the trainer's
+logprob before the update (where the call was forwarded in the step's first mini-batch), the loss mask (1 where
+the token was trained on: the call became, or joined, a sample with a non-zero weight) and the advantage. A
+merged sample (sample_mode merge) is split back into its calls along its loss mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from astuner.types import Episode, Sample
+
+
+def _per_call_training(samples: list[Sample]) -> dict[tuple[str, int], tuple[float, list[float] | None]]:
+    """(episode uid, call index) -> (advantage, trainer logprobs of that call's response or None)."""
+    out: dict[tuple[str, int], tuple[float, list[float] | None]] = {}
+    for s in samples:
+        if not s.call_indices:
+            continue
+        mask = s.loss_mask or [1] * len(s.response_ids)
+        lps = s.trainer_logprobs
+        # Runs of 1s in the mask are the calls' responses, in order.
+        runs: list[tuple[int, int]] = []
+        start = None
+        for i, m in enumerate(mask + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                runs.append((start, i))
+                start = None
+        for call_index, (a, b) in zip(s.call_indices, runs):
+            out[(s.episode_uid, call_index)] = (s.advantage, None if lps is None else lps[a:b])
+    return out
+
+
+def episode_records(episodes: list[Episode], samples: list[Sample] | None, tokenizer) -> list[dict[str, Any]]:
+    trained = _per_call_training(samples or [])
+    advantage_of = {s.episode_uid: s.advantage for s in samples or []}
+
+    def pieces(ids: list[int]) -> list[str]:
+        if tokenizer is None:
+            return [str(i) for i in ids]
+        return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
+    records = []
+    for ep in episodes:
+        calls = []
+        for index, call in enumerate(ep.calls):
+            adv, trainer_lps = trained.get((ep.episode_uid, index), (None, None))
+            n = len(call.response_ids)
+            calls.append({
+                "agent": call.agent,
+                "trainable": call.trainable,
+                "messages": call.messages or [],
+                "reply": call.reply,
+                "response_text": call.response_text,
+                "finish_reason": call.finish_reason,
+                "flags": call.flags,
+                "prompt_tokens": len(call.prompt_ids),
+                "tokens": {
+                    "ids": list(call.response_ids),
+                    "text": pieces(call.response_ids),
+                    "logprob": [round(x, 5) for x in call.response_logprobs],
+                    "trainer_logprob": None if trainer_lps is None else [round(x, 5) for x in trainer_lps],
+                    "mask": [1 if adv is not None else 0] * n,
+                    "advantage": adv,
+                },
+            })
+        for call in calls:  # messages are stored on the call; keep the reply beside them for the chat view
+            if call["reply"] is not None:
+                call["messages"] = call["messages"] + [dict(call["reply"], _reply=True)]
+            del call["reply"]
+        records.append({
+            "uid": ep.episode_uid,
+            "task_id": ep.task.task_id,
+            "query": ep.task.main_query,
+            "reward": ep.reward,
+            "success": ep.is_success,
+            "flags": list(ep.flags),
+            "error": ep.error,
+            "seconds": round(ep.seconds, 3),
+            "advantage": advantage_of.get(ep.episode_uid),
+            "output": ep.output_metadata,
+            "calls": calls,
+        })
+    return records

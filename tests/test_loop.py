@@ -104,7 +104,7 @@ class FakeMonitor:
     def log_metrics(self, step, metrics):
         self.logged.append((step, metrics))
 
-    def save_episodes(self, step, episodes, tag):
+    def save_episodes(self, step, episodes, tag, samples=None):
         self.saved.append((step, tag))
 
     def step_done(self, step, metrics):

@@ -2,6 +2,7 @@
 
 Public API (imported lazily so that `astuner --help` and the config module stay light):
     from astuner import ModelTuner, Workflow, WorkflowTask, WorkflowOutput
+    from astuner import tune, JudgeOutput, DatasetConfig, TunerModelConfig, AlgorithmConfig   (the tune() API)
 """
 
 __version__ = "0.1.0"
@@ -12,6 +13,12 @@ _EXPORTS = {
     "WorkflowOutput": "astuner.workflow",
     "ModelTuner": "astuner.model_tuner",
     "Task": "astuner.types",
+    "JudgeOutput": "astuner.workflow",
+    "tune": "astuner.tune_api",
+    "DatasetConfig": "astuner.tune_api",
+    "TunerModelConfig": "astuner.tune_api",
+    "AlgorithmConfig": "astuner.tune_api",
+    "AuxiliaryModelConfig": "astuner.tune_api",
 }
 
 __all__ = list(_EXPORTS)

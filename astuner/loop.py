@@ -173,7 +173,17 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
         f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
+        **_mean_episode_metrics(episodes, prefix),
     }
+
+
+def _mean_episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """Each metric a workflow or judge reported (e.g. a reward term), averaged over the episodes reporting it."""
+    values: dict[str, list[float]] = {}
+    for e in episodes:
+        for name, value in e.metrics.items():
+            values.setdefault(name, []).append(value)
+    return {f"{prefix}/metrics/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 # Past these, a step's log carries a warning: the token pipeline is probably broken (see rollout.preflight).

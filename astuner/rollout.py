@@ -96,8 +96,10 @@ class RolloutRunner:
         judge: BaseJudge,
         stop_token_ids: tuple[int, ...],
         config: Any = None,
+        auxiliary=None,
     ) -> None:
         self.settings = settings
+        self.auxiliary = auxiliary  # auxiliary.AuxiliaryPool or None
         self.engine = engine
         self.tokenizer = tokenizer
         self.workflow_cls = workflow_cls
@@ -118,8 +120,10 @@ class RolloutRunner:
         return tuple(dict.fromkeys(texts + [getattr(self.tokenizer, "eos_token", None) or ""]))
 
     def close(self) -> None:
-        """Stop the loopback endpoint, if an agent started it."""
+        """Stop the loopback endpoint, if an agent started it, and the auxiliary models' engines."""
         self.gateway.close()
+        if self.auxiliary is not None:
+            self.auxiliary.shutdown()
 
     def run(
         self,
@@ -176,7 +180,10 @@ class RolloutRunner:
             reasoning_parser=self.reasoning_parser,
             gateway=self.gateway,
         )
-        workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation)
+        aux_models, aux_usage = ({}, {}) if self.auxiliary is None else self.auxiliary.for_episode(
+            episode.episode_uid, tuner.deadline)
+        tuner.auxiliary_models = aux_models
+        workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation, aux_models)
         start = time.perf_counter()
         output: WorkflowOutput | None = None
         job = asyncio.ensure_future(self._execute(workflow_task, tuner))
@@ -215,15 +222,20 @@ class RolloutRunner:
 
         if output is not None:
             episode.output_metadata = dict(output.metadata)
+            output.stats = {"calls": len(tuner.calls), "response_tokens": tuner.generated_tokens}
             try:
                 await self._score(episode, workflow_task, output)
                 episode.output_metadata = dict(output.metadata)  # a judge may add to it (EnvServiceJudge)
+                episode.metrics = {k: float(v) for k, v in output.metrics.items()
+                                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
             except UserError:
                 raise
             except Exception:
                 episode.flags.append(FLAG_FAILED)
                 episode.error = traceback.format_exc()
                 self._log_error(episode, "could not be judged")
+        if aux_models:
+            episode.metrics.update(self.auxiliary.metrics(aux_models, aux_usage))  # never trained, logged apart
         self._apply_madness(episode)
         return episode
 

@@ -38,6 +38,8 @@ def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None
         raise UserError(f"{key}: {exc}") from None
     except Exception as exc:  # the user's module itself raised at import: show their traceback, not ours
         raise user_code_error(f"{key}: your {what} module", _module_file(str(spec), exc), exc) from None
+    if base is not None and not isinstance(cls, type) and inspect.isfunction(cls):
+        return cls  # a function workflow or judge: the caller wraps it
     if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
         raise UserError(f"{key}: {spec!r} is not a subclass of {base.__module__}.{base.__qualname__}")
     return cls
@@ -57,8 +59,18 @@ def _module_file(spec: str, exc: BaseException) -> str:
 def build_judge(typed, cfg, base_dir: Path):
     from astuner.task_judge.base_judge import BaseJudge
 
+    if typed.astuner.task_judge.combine:
+        from astuner.task_judge.shaping import build_combined_judge
+
+        return build_combined_judge(
+            typed.astuner.task_judge.combine, cfg,
+            lambda spec, where: load_user_class(spec, base_dir, "judge", where, BaseJudge))
     key = "astuner.task_judge.judge_protocol"
     judge_cls = load_user_class(typed.astuner.task_judge.judge_protocol, base_dir, "judge", key, BaseJudge)
+    if inspect.isfunction(judge_cls):
+        from astuner.task_judge.base_judge import FunctionJudge
+
+        return FunctionJudge(judge_cls, cfg)
     try:
         return judge_cls(cfg)
     except UserError:
@@ -179,6 +191,15 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
         typed.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
         Workflow,
     )
+    if inspect.isfunction(workflow_cls):
+        if not inspect.iscoroutinefunction(workflow_cls):
+            raise UserError(
+                f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__} must be 'async def "
+                f"{workflow_cls.__name__}(task, model, auxiliary_models)' (it awaits the model); it is a plain function."
+            )
+        from astuner.workflow import function_workflow
+
+        workflow_cls = function_workflow(workflow_cls)
     if not inspect.iscoroutinefunction(workflow_cls.execute):
         raise UserError(
             f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__}.execute must be 'async def execute("
@@ -210,6 +231,7 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
         judge,
         stop_token_ids(model_path, tokenizer),
         config=cfg,
+        auxiliary=_auxiliary_pool(typed),
     )
     from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check, run_preflight
 
@@ -219,6 +241,17 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
         engine_trainer_logprob_check(engine, trainer, tokenizer, runner.renderer, runner.stop_token_ids),
     )
     return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner, plan)
+
+
+def _auxiliary_pool(typed):
+    """The auxiliary models (astuner.auxiliary_models), checked and loaded; None when there are none."""
+    if not typed.astuner.auxiliary_models:
+        return None
+    from astuner import preflight
+    from astuner.auxiliary import AuxiliaryPool
+
+    return AuxiliaryPool.build(
+        typed, lambda path: preflight.resolve_max_model_len(None, preflight.read_model_facts(path, "auxiliary model")))
 
 
 def _quiet_library_progress() -> None:

@@ -87,6 +87,7 @@ class Episode:
     flags: list[str] = field(default_factory=list)
     error: str | None = None  # traceback text when the workflow raised or timed out
     seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # the workflow's and the judge's, logged per step
 
     @property
     def group_id(self) -> str:

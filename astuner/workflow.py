@@ -23,15 +23,55 @@ class WorkflowTask:
     repeat_index: int = 0
     episode_uid: str = ""
     is_validation: bool = False
+    # The episode's frozen auxiliary models by name (astuner.auxiliary_models); also model_tuner.auxiliary_models.
+    auxiliary_models: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class WorkflowOutput:
-    """What a workflow returns. reward=None lets the configured judge score `metadata`."""
+    """What a workflow returns. reward=None lets the configured judge score it.
+
+    response: the agent's answer (e.g. an AgentScope `Msg`), handed to a function judge as `response`.
+    metrics: numbers to log for this episode (their mean per step is logged as `<split>/metrics/<name>`).
+    stats: filled by astuner before judging: {"calls": LLM calls, "response_tokens": tokens generated}.
+    """
 
     reward: float | None = None
     is_success: bool | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    response: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class JudgeOutput:
+    """What a function judge returns: the reward, optional metrics to log, and success (default: reward > 0)."""
+
+    reward: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    is_success: bool | None = None
+
+
+def task_dict(task: Task) -> dict[str, Any]:
+    """The task as a function workflow or judge sees it: the dataset row, plus task_id and query."""
+    return {**task.metadata, "task_id": task.task_id, "query": task.main_query}
+
+
+def function_workflow(fn) -> type:
+    """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`."""
+
+    class FunctionWorkflow(Workflow):
+        name = getattr(fn, "__qualname__", "function_workflow")
+
+        async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
+            result = await fn(task_dict(workflow_task.task), model_tuner, workflow_task.auxiliary_models)
+            if not isinstance(result, WorkflowOutput):
+                raise TypeError(f"{self.name} returned {type(result).__name__}, expected WorkflowOutput")
+            return result
+
+    FunctionWorkflow.__qualname__ = f"FunctionWorkflow[{FunctionWorkflow.name}]"
+    return FunctionWorkflow
 
 
 class Workflow:

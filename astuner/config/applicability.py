@@ -30,6 +30,7 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",
     ),
+    "astuner.task_judge.judge_protocol": ("with task_judge.combine empty", lambda c, b: not c.astuner.task_judge.combine),
     "astuner.trainer_common.kl_loss_coef": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
     "astuner.trainer_common.kl_loss_type": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
     "astuner.trainer_common.algorithm.epsilon": (

@@ -27,6 +27,7 @@ from astuner.config.validate import (
     check_user_shape,
     default_at,
     raise_problems,
+    OPEN_MAPS,
     unknown_key_message,
     validate_tree,
 )
@@ -227,6 +228,8 @@ def _check_overrides(overrides: Sequence[str], source: Path) -> dict[str, tuple[
             problems.append(f"override '{text}' deletes a key, which astuner does not allow; set a value instead")
         elif override.package is not None:
             problems.append(f"override '{text}' uses a package (@...), which astuner configs do not have")
+        elif any(key.startswith(m + ".") for m in OPEN_MAPS):
+            origins[key] = (text, override.value())  # a user-named entry; pydantic checks its fields
         elif not default_at(key)[0]:
             if key.split(".")[0] not in SECTION_KEYS and not default_at(f"astuner.{key}")[0]:
                 problems.append(

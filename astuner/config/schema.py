@@ -121,8 +121,9 @@ class MultiTurn(Section):
 class RolloutSection(Section):
     agentscope_workflow: Optional[str] = key(
         None,
-        'The user\'s workflow class: "pkg.module->Class" or "path/to/file.py->Class" (relative to the YAML\'s '
-        "folder, then the working directory). Any framework works; the name is kept from the AgentScope-first API.",
+        'The user\'s workflow: "pkg.module->Class" or "path/to/file.py->Class" (relative to the YAML\'s folder, then '
+        "the working directory), a Workflow subclass, or a function 'async def f(task: dict, model, "
+        "auxiliary_models) -> WorkflowOutput'. Any framework works; the name is kept from the AgentScope-first API.",
     )
     engine: Literal["hf", "vllm"] = key("hf", "Inference engine: hf (in-process transformers) | vllm (next release).")
     temperature: float = key(1.0, "Sampling temperature for training rollouts (> 0). Validation is always greedy.", gt=0)
@@ -180,12 +181,30 @@ class RolloutSection(Section):
     multi_turn: MultiTurn = section(MultiTurn)
 
 
+class CombineItem(Section):
+    judge: str = Field(description='"pkg.module->Class" (a BaseJudge, built as Class(config, **args)) or '
+                       '"module->function".')
+    weight: float = key(1.0, "Weight of this term in the reward.")
+    name: Optional[str] = key(None, "Metric name of the term (reward/<name>); null: the judge's class name.")
+    args: dict[str, Any] = key({}, "Keyword arguments of the judge class, e.g. {target: 256, alpha: 0.001}.")
+    success: bool = key(False, "Whether this term decides is_success (default: the first term).")
+
+
 class TaskJudgeSection(Section):
     judge_protocol: str = key(
         "astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge",
         'Scores an episode when the workflow returns reward=None: "pkg.module->Class" subclassing '
-        "astuner.task_judge.base_judge.BaseJudge. compute_reward may be a plain or an async def; a plain one runs "
+        "astuner.task_judge.base_judge.BaseJudge, or a function 'async def judge(task: dict, response, "
+        "auxiliary_models) -> JudgeOutput'. compute_reward may be a plain or an async def; a plain one runs "
         "in a worker thread, so a slow judge does not stall the episodes still running.",
+    )
+    combine: list[CombineItem] = key(
+        [],
+        "Reward as a weighted sum of judges, each logged as its own metric (reward/<name>); when set, "
+        "judge_protocol is not used. Shapes in astuner.task_judge.shaping: LengthPenalty {target, alpha}, "
+        "StepBonus {per_step, max_steps}, FormatReward {pattern}. E.g. [{judge: astuner.task_judge."
+        "math_answer_as_judge->MathAnswerAsJudge, weight: 1.0}, {judge: astuner.task_judge.shaping->LengthPenalty, "
+        "args: {target: 256, alpha: 0.001}}].",
     )
 
 
@@ -254,6 +273,16 @@ class TrainerCommonSection(Section):
     )
 
 
+class AuxiliaryModelSection(Section):
+    model_path: Optional[str] = key(None, "Served by astuner: a local model folder (a second engine, frozen).")
+    base_url: Optional[str] = key(None, "Or an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1.")
+    api_key_env: Optional[str] = key(None, "Environment variable holding the endpoint's key (never logged or saved).")
+    model_name: Optional[str] = key(None, "Model name sent to the endpoint; null: the key of this entry.")
+    temperature: float = key(0.0, "Sampling temperature of its calls (0: greedy).", ge=0)
+    max_tokens: int = key(512, "Max new tokens of one call.", ge=1)
+    timeout: float = key(120.0, "Seconds one endpoint call may take (with retries inside it).", gt=0)
+
+
 class LogviewSection(Section):
     port: int = key(
         0, "Port of the log viewer that --with-logview starts on 127.0.0.1; 0: any free port (the URL is printed).",
@@ -274,6 +303,13 @@ class AstunerSection(Section):
     rollout: RolloutSection = section(RolloutSection)
     task_judge: TaskJudgeSection = section(TaskJudgeSection)
     trainer_common: TrainerCommonSection = section(TrainerCommonSection)
+    auxiliary_models: dict[str, AuxiliaryModelSection] = key(
+        {},
+        "Frozen models the workflow and judge may call (e.g. an LLM judge), by name: {judge: {model_path: ...}} "
+        "or {judge: {base_url: ..., api_key_env: OPENAI_API_KEY, model_name: ...}}. Function workflows and judges "
+        "get them as `auxiliary_models`, class workflows as `model_tuner.auxiliary_models`; never trained, their "
+        "calls are logged as aux/<name>/... metrics.",
+    )
     logview: LogviewSection = section(
         LogviewSection, "The trajectory and metrics viewer (--with-logview; `astuner logview PATH` for a finished run)."
     )
@@ -346,6 +382,8 @@ def _scalar(value: Any) -> str:
         return str(value)
     if isinstance(value, list):
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_scalar(v)}" for k, v in value.items()) + "}"
     text = str(value)
     return text if text and text.replace("_", "").replace("-", "").replace(":", "").replace(".", "").replace(
         ">", "").isalnum() and not text[0].isdigit() else json.dumps(text)

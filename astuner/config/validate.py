@@ -83,9 +83,13 @@ def unknown_key_message(key: str) -> str:
     return f"unknown key '{key}'{tail}"
 
 
+# Keys whose entries are named by the user (checked entry by entry by pydantic, not here).
+OPEN_MAPS = ("astuner.auxiliary_models",)
+
+
 def _unknown_keys(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:
     """Keys the schema does not have, and scalars where the schema has a section."""
-    if not isinstance(default, dict):
+    if not isinstance(default, dict) or path in OPEN_MAPS:
         return
     if not isinstance(value, dict):
         problems.append((path, f"'{path}' must be a mapping (a section of keys), got {value!r}"))
@@ -162,7 +166,7 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
     try:
         # Unknown keys are reported above, with a suggestion; the rest is checked without them, so that one
         # message lists every problem.
-        typed = RunConfig.model_validate(_known_only(tree, default_tree()))
+        typed = RunConfig.model_validate(_known_only(tree, default_tree(), ""))
         return (typed if not problems else None), problems
     except ValidationError as exc:
         seen = {path for path, _ in problems}
@@ -174,10 +178,10 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
         return None, problems
 
 
-def _known_only(value: Any, default: Any) -> Any:
-    if not (isinstance(value, dict) and isinstance(default, dict)):
+def _known_only(value: Any, default: Any, path: str) -> Any:
+    if not (isinstance(value, dict) and isinstance(default, dict)) or path in OPEN_MAPS:
         return value
-    return {k: _known_only(v, default[k]) for k, v in value.items() if k in default}
+    return {k: _known_only(v, default[k], f"{path}.{k}" if path else str(k)) for k, v in value.items() if k in default}
 
 def check_user_shape(raw: Any, source: Path) -> None:
     """Checks of the user's YAML itself, before composing: top-level keys and the Hydra bookkeeping."""

@@ -126,6 +126,7 @@ class ModelTuner:
         self.episode_uid = episode_uid
         self.reasoning_parser = reasoning_parser or NoReasoningParser()
         self.gateway = gateway  # the OpenAI front ends (gateway.Gateway); None: not offered
+        self.auxiliary_models: dict[str, Any] = {}  # frozen models by name (astuner.auxiliary_models)
         self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
         self._conversations: list[_Conversation] = []
         self._stop_texts = tuple(

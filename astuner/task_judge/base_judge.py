@@ -30,6 +30,33 @@ class BaseJudge(ABC):
         """Return (reward, is_success) for one episode."""
 
 
+class FunctionJudge(BaseJudge):
+    """A judge written as `async def judge(task: dict, response, auxiliary_models) -> JudgeOutput` (or a plain
+    def, run in a worker thread); `response` is the workflow's `WorkflowOutput.response`."""
+
+    def __init__(self, fn, config: Any = None) -> None:
+        super().__init__(config)
+        self.fn = fn
+
+    async def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
+        import asyncio
+        import inspect
+
+        from astuner.workflow import JudgeOutput, task_dict
+
+        args = (task_dict(workflow_task.task), workflow_output.response, workflow_task.auxiliary_models)
+        if inspect.iscoroutinefunction(self.fn):
+            result = await self.fn(*args)
+        else:
+            result = await asyncio.to_thread(self.fn, *args)
+        if not isinstance(result, JudgeOutput):
+            raise UserError(f"judge function {getattr(self.fn, '__qualname__', self.fn)!r} returned "
+                            f"{type(result).__name__}; it must return JudgeOutput(reward=...)")
+        workflow_output.metrics.update(result.metrics)
+        success = result.is_success if result.is_success is not None else result.reward > 0
+        return float(result.reward), bool(success)
+
+
 def final_answer_of(workflow_output: WorkflowOutput) -> str | None:
     """`workflow_output.metadata["final_answer"]` as stripped text; None when missing or empty."""
     value = (workflow_output.metadata or {}).get(FINAL_ANSWER_KEY)

@@ -3,6 +3,7 @@
     for each step (from the resumed one, if any):
         tasks    = next batch of training tasks
         episodes = stages.rollout(tasks)                 # workflow x num_repeat, judge, madness
+                                                         # (filter_groups: drop equal-reward groups, roll out more)
         samples  = episodes_to_samples(episodes)         # one per LLM call, GRPO advantage per episode
         metrics  = stages.train(samples)                 # PPO-clip step(s) on the policy
         stages.sync_weights()                            # the engine samples from the new policy
@@ -23,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
+from astuner.algorithm.registry import STD_NORMALISED
 from astuner.algorithm.samples import episodes_to_samples, merge_ratio
 from astuner.errors import TrainingStalled
 from astuner.types import (
@@ -73,12 +76,17 @@ class LoopSettings:
     adv_epsilon: float
     max_sample_per_task: int
     max_idle_steps: int = 5
-    grad_without_advantage: bool = False  # the KL loss gives zero-advantage samples a gradient too
+    grad_without_advantage: bool = False  # the KL or entropy term gives zero-advantage samples a gradient too
     sample_mode: str = "per_call"
+    filter_groups: bool = False
+    filter_metric: str = "score"
+    max_num_gen_batches: int = 0
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
         a, tc = typed.astuner, typed.astuner.trainer_common
+        std = tc.algorithm.adv_estimator in STD_NORMALISED and tc.algorithm.norm_adv_by_std_in_grpo
+        fg = tc.algorithm.filter_groups
         return cls(
             train_batch_size=a.data.train_batch_size,
             total_epochs=tc.total_epochs,
@@ -89,13 +97,16 @@ class LoopSettings:
             shuffle=a.data.shuffle,
             seed=a.seed,
             adv_estimator=tc.algorithm.adv_estimator,
-            norm_adv_by_std=tc.algorithm.norm_adv_by_std_in_grpo,
-            # Read only where it acts (the start-up warning names it otherwise).
-            adv_epsilon=tc.algorithm.epsilon if tc.algorithm.norm_adv_by_std_in_grpo else 0.0,
+            # Read only where they act (the start-up warning names them otherwise).
+            norm_adv_by_std=std,
+            adv_epsilon=tc.algorithm.epsilon if std else 0.0,
             max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
             max_idle_steps=tc.max_idle_steps,
-            grad_without_advantage=tc.use_kl_loss,
+            grad_without_advantage=tc.use_kl_loss or tc.entropy_coeff > 0,
             sample_mode=a.rollout.multi_turn.sample_mode,
+            filter_groups=fg.enable,
+            filter_metric=fg.metric if fg.enable else "score",
+            max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
         )
 
 
@@ -280,6 +291,10 @@ def run_loop(
             break
         t0 = time.perf_counter()
         episodes = stages.rollout(tasks, validation=False, step=step)
+        trained = episodes
+        if settings.filter_groups:
+            trained, episodes, epoch, position, fill = fill_with_informative_groups(
+                episodes, tasks, batches, stages, settings, step, epoch, position)
         t1 = time.perf_counter()
         state.first_error = state.first_error or _first_error(episodes)
         if not any(e.trainable for e in episodes):
@@ -289,7 +304,7 @@ def run_loop(
                 f"and a breakpoint in it), or raise astuner.rollout.episode_timeout if the episodes are just slow."
             )
         samples = episodes_to_samples(
-            episodes,
+            trained,
             adv_estimator=settings.adv_estimator,
             norm_by_std=settings.norm_adv_by_std,
             epsilon=settings.adv_epsilon,
@@ -314,6 +329,8 @@ def run_loop(
             "train/num_samples": float(len(samples)),
             "train/zero_adv_group_fraction": zero_frac,
         })
+        if settings.filter_groups:
+            metrics.update({f"train/dynamic_sampling/{k}": float(v) for k, v in fill.items()})
         monitor.log_metrics(step, metrics)
         monitor.save_episodes(step, episodes, "train", samples)
         summary.steps = step
@@ -328,6 +345,38 @@ def run_loop(
 
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def fill_with_informative_groups(episodes, tasks, batches, stages, settings, step, epoch, position):
+    """DAPO dynamic sampling (algorithm/dynamic_sampling.py): roll out further batches of `batches` until
+    `train_batch_size` groups carry a signal, or `max_num_gen_batches` batches were rolled out, or the data ends.
+
+    Returns (episodes to train on, every episode rolled out, epoch and position after the last batch used,
+    counts for the log). Tasks already in this step (a batch that crosses an epoch) are skipped."""
+    want = settings.train_batch_size
+    kept = informative_groups(episodes, settings.filter_metric)
+    generated, seen = 1, {t.task_id for t in tasks}
+    while len(kept) < want and (settings.max_num_gen_batches == 0 or generated < settings.max_num_gen_batches):
+        try:
+            more, epoch, position = next(batches)
+        except StopIteration:
+            break
+        more = [t for t in more if t.task_id not in seen]
+        seen.update(t.task_id for t in more)
+        if not more:
+            continue
+        extra = stages.rollout(more, validation=False, step=step)
+        generated += 1
+        episodes = episodes + extra
+        kept += informative_groups(extra, settings.filter_metric)
+    if len(kept) < want:
+        log.warning("step %d: dynamic sampling found %d of %d groups with differing rewards in %d rollout batches "
+                    "(cap filter_groups.max_num_gen_batches = %d, or the data ran out); training on those",
+                    step, len(kept), want, generated, settings.max_num_gen_batches)
+    kept = kept[:want]
+    groups = len({e.group_id for e in episodes})
+    counts = {"gen_batches": generated, "kept_groups": len(kept), "dropped_groups": groups - len(kept)}
+    return keep_groups(episodes, kept), episodes, epoch, position, counts
 
 
 def _check_idle(state: ResumeState, settings: LoopSettings, samples: list[Sample], zero_frac: float, step: int) -> None:

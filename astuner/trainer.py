@@ -1,6 +1,6 @@
 """The policy trainer: PyTorch + transformers only (no Ray, no vLLM, no rollouts).
 
-One `train_step(samples)`:
+One `train_step(samples)`, repeated `ppo_epochs` times over the same samples and old logprobs:
   1. split the samples into `mini_batch_num` mini-batches by episode (contiguous runs of episodes in order of
      first appearance; all samples of an episode stay together) -> one optimizer step each;
   2. token weights over the mini-batch (`algorithm.loss.token_weights`), so the mini-batch loss is a plain
@@ -11,16 +11,16 @@ One `train_step(samples)`:
      (response token i of a sample is predicted at index len(prompt) + i - 1), apply the LM head to those alone,
      logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
      calls), loss = `algorithm.loss.policy_loss`, backward;
-  5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant or cosine).
+  5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant, cosine or linear).
 
 Metrics cover these tokens: `clip_fraction`, `clip_fraction_lower` every loss-weighted response token (a token with
 advantage 0 is never clipped, so the skipped ones count as unclipped, exactly); `entropy`, `ratio_mean`,
-`approx_kl_old`, `kl_ref` the tokens forwarded (advantage != 0, or all with the KL loss on);
+`approx_kl_old`, `kl_ref` the tokens forwarded (advantage != 0, or all with the KL or entropy term on);
 `forwarded_token_fraction` says what share of the weighted tokens that is.
 
 Not computed, on purpose: logits at prompt positions, an old-logprob pass (old logprobs are the engine's sampling
 logprobs), a reference forward unless the KL loss is on. Without the KL loss, samples whose advantage is exactly 0
-are not forwarded at all: their loss and gradient are exactly 0, yet they still count in the token weights, so
+are not forwarded at all (unless entropy_coeff > 0): their loss and gradient are exactly 0, yet they still count in the token weights, so
 the result is unchanged.
 
 Precision: fp32 master weights; on CUDA the forward runs under bf16 autocast, on CPU in plain fp32.
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from astuner.resume import RESUME_DIR
-from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, policy_loss, token_weights
+from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, token_weights
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,17 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, kind: 
         constant:            lr = base
         cosine:              p = (step - W) / max(1, total - W - 1), clipped to [0, 1]
                              lr = base * (m + (1 - m) * (1 + cos(pi * p)) / 2),   m = min_lr_ratio
+        linear:              lr = base * (1 - (1 - m) * p)       (same p: base right after warmup, m * base last)
     """
     if warmup_steps > 0 and step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     if kind == "constant":
         return base_lr
-    if kind != "cosine":
-        raise ValueError(f"unknown lr_scheduler_type {kind!r}; available: constant, cosine")
+    if kind not in ("cosine", "linear"):
+        raise ValueError(f"unknown lr_scheduler_type {kind!r}; available: constant, cosine, linear")
     progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)))
+    if kind == "linear":
+        return base_lr * (1.0 - (1.0 - min_lr_ratio) * progress)
     return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
@@ -132,6 +135,9 @@ class Trainer:
         lr_scheduler_type: str = "constant",
         min_lr_ratio: float = 0.0,
         total_optimizer_steps: int = 1,
+        ppo_epochs: int = 1,
+        loss_mode: str = "vanilla",
+        entropy_coeff: float = 0.0,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -141,8 +147,10 @@ class Trainer:
             raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
         if use_kl_loss and kl_loss_type not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; available: {', '.join(KL_ESTIMATORS)}")
-        if max_token_len_per_micro_batch < 1 or mini_batch_num < 1:
-            raise ValueError("max_token_len_per_micro_batch and mini_batch_num must be >= 1")
+        if max_token_len_per_micro_batch < 1 or mini_batch_num < 1 or ppo_epochs < 1:
+            raise ValueError("max_token_len_per_micro_batch, mini_batch_num and ppo_epochs must be >= 1")
+        if loss_mode not in POLICY_LOSS_MODES:
+            raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
 
         self.model_path = str(model_path)
         self.lr = lr
@@ -161,6 +169,9 @@ class Trainer:
         self.norm_length = norm_length
         self.max_token_len_per_micro_batch = max_token_len_per_micro_batch
         self.mini_batch_num = mini_batch_num
+        self.ppo_epochs = ppo_epochs
+        self.loss_mode = loss_mode
+        self.entropy_coeff = entropy_coeff
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.optimizer_steps = 0
 
@@ -220,8 +231,10 @@ class Trainer:
             log.warning("trainer: full-logits forward for %s (slower, same result)", type(self.model).__name__)
         return ok
 
-    def _forward_logprobs(self, model, samples: list[Sample], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Logprobs (and optionally entropies) of the response tokens of `samples`, flattened to R."""
+    def _forward_logprobs(self, model, samples: list[Sample], with_entropy: bool,
+                          entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
+        `samples`, flattened to R."""
         # The last token of each sequence predicts nothing we train on, so it is not fed.
         inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
         T = max(len(x) for x in inputs)
@@ -254,7 +267,7 @@ class Trainer:
         logprobs_R = logits_R_V.gather(-1, targets_R[:, None]).squeeze(-1) - logz_R
         entropy_R = None
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy_R = logz_R - (torch.softmax(logits_R_V, dim=-1) * logits_R_V).sum(-1)
         return logprobs_R, entropy_R
 
@@ -288,10 +301,12 @@ class Trainer:
             [s.num_trained_tokens for s in samples], [s.episode_uid for s in samples], self.loss_agg_mode,
             self.norm_length,
         )
-        # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the KL term is on.
+        # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the KL or the entropy
+        # term is on.
+        every_token_counts = self.ref_model is not None or self.entropy_coeff > 0
         keep = [
             i for i, s in enumerate(samples)
-            if weights_B[i] > 0 and (self.ref_model is not None or s.advantage != 0.0)
+            if weights_B[i] > 0 and (every_token_counts or s.advantage != 0.0)
         ]
         kept = [samples[i] for i in keep]
         dev = self.device
@@ -314,7 +329,9 @@ class Trainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
-            logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True)
+            logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True,
+                                                           entropy_grad=self.entropy_coeff > 0)
+            seq_index_R = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev)
             if record_logprobs:  # before any update: the trainer's view of what the engine sampled (log viewer)
                 flat = logprobs_R.detach().cpu().tolist()
                 for s, start, n in zip(mb, _offsets(lengths), lengths):
@@ -322,13 +339,15 @@ class Trainer:
             loss, stats = policy_loss(
                 logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
                 ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
+                loss_mode=self.loss_mode, seq_index_R=seq_index_R, entropy_R=entropy_R,
+                entropy_coeff=self.entropy_coeff,
             )
             loss.backward()
 
             n_tokens_R += int(mask_R.sum().item())
             sums["loss"] += loss.detach()
             if entropy_R is not None:
-                sums["entropy"] += (entropy_R * mask_R).sum()
+                sums["entropy"] += (entropy_R.detach() * mask_R).sum()
             for k, v in stats.items():
                 if k == "logprob_abs_diff_max":
                     sums[k] = torch.maximum(sums[k], v)
@@ -364,7 +383,9 @@ class Trainer:
         return grad_norm, lr
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One training step: `mini_batch_num` optimizer steps over `samples` (see module docstring)."""
+        """One training step: `ppo_epochs` passes over `samples`, each `mini_batch_num` optimizer steps (see the
+        module docstring). Every pass uses the same old logprobs (the engine's), so from the second optimizer
+        step on the ratio moves away from 1 and the clip acts."""
         start = time.perf_counter()
         self.model.eval()  # no dropout: ratio is exactly 1 before the first update
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
@@ -372,7 +393,8 @@ class Trainer:
                                    "entropy")}
         losses, grad_norms = [], []
         n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
-        for mini_batch in split_mini_batches(samples, self.mini_batch_num):
+        passes = [mb for _ in range(self.ppo_epochs) for mb in split_mini_batches(samples, self.mini_batch_num)]
+        for mini_batch in passes:
             sums = self.accumulate_gradients(mini_batch, record_logprobs=not losses)
             n_micro += sums["num_micro_batches"]
             n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
@@ -408,7 +430,7 @@ class Trainer:
             train_tokens_per_s=train_tokens / seconds if seconds > 0 else 0.0,
             num_micro_batches=float(n_micro),
             num_optimizer_steps=float(len(losses)),
-            num_samples_skipped_zero_adv=float(n_skipped),
+            num_samples_skipped_zero_adv=float(n_skipped / self.ppo_epochs),
         )
         return metrics
 

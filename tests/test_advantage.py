@@ -1,10 +1,13 @@
-"""GRPO advantages on hand-computed examples."""
+"""Advantage estimators (GRPO, Dr. GRPO, RLOO) on hand-computed examples."""
 
 from __future__ import annotations
 
 import pytest
 
-from astuner.algorithm.advantage import ADV_ESTIMATORS, get_adv_estimator, grpo_advantages
+from astuner.algorithm.advantage import grpo_advantages
+from astuner.algorithm.dr_grpo import dr_grpo_advantages
+from astuner.algorithm.registry import ADV_ESTIMATORS, get_adv_estimator
+from astuner.algorithm.rloo import rloo_advantages
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.types import FLAG_FAILED, FLAG_TIMEOUT, Episode, LLMCall, Task
 
@@ -37,7 +40,21 @@ def test_group_of_one_and_constant_group_get_zero():
 
 
 def test_registry():
-    assert ADV_ESTIMATORS == {"grpo": grpo_advantages}
+    assert ADV_ESTIMATORS == {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
+
+
+def test_dr_grpo_never_divides_by_std():
+    # Group "a": 1, 0, 0, 1 -> mean 0.5 -> +-0.5 even though norm_by_std=True is passed; "b": 2, 4, 6 -> -2, 0, 2.
+    adv = dr_grpo_advantages(REWARDS, GROUPS, norm_by_std=True, epsilon=1e-6)
+    assert adv == pytest.approx([0.5, -2.0, -0.5, 0.0, -0.5, 2.0, 0.5])
+
+
+def test_rloo_leave_one_out_baseline():
+    # Group "a" (1, 0, 0, 1): for r=1 the others average 1/3 -> 2/3; for r=0 they average 2/3 -> -2/3.
+    # Group "b" (2, 4, 6): 2 - 5 = -3, 4 - 4 = 0, 6 - 3 = 3. Also n/(n-1) * (r - mean): 3/2 * (2 - 4) = -3.
+    adv = rloo_advantages(REWARDS, GROUPS)
+    assert adv == pytest.approx([2 / 3, -3.0, -2 / 3, 0.0, -2 / 3, 3.0, 2 / 3])
+    assert rloo_advantages([5.0, 1.0], ["solo", "other"]) == [0.0, 0.0]
     with pytest.raises(ValueError, match="unknown adv_estimator 'ppo'"):
         get_adv_estimator("ppo")
 

@@ -448,6 +448,15 @@ def test_inapplicable_keys_for_debug_with_hf(seed_file, elsewhere):
         ("astuner: {trainer_common: {optim: {min_lr_ratio: 0.1}}}", ["astuner.trainer_common.optim.min_lr_ratio"], []),
         ("astuner: {trainer_common: {optim: {lr_scheduler_type: cosine, min_lr_ratio: 0.1}}}", [],
          ["astuner.trainer_common.optim.min_lr_ratio"]),
+        ("astuner: {trainer_common: {optim: {lr_scheduler_type: linear, min_lr_ratio: 0.1}}}", [],
+         ["astuner.trainer_common.optim.min_lr_ratio"]),
+        ("astuner: {trainer_common: {algorithm: {adv_estimator: rloo, norm_adv_by_std_in_grpo: true, epsilon: 0.1}}}",
+         ["astuner.trainer_common.algorithm.epsilon", "astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo"], []),
+        ("astuner: {trainer_common: {algorithm: {filter_groups: {metric: acc, max_num_gen_batches: 3}}}}",
+         ["astuner.trainer_common.algorithm.filter_groups.max_num_gen_batches",
+          "astuner.trainer_common.algorithm.filter_groups.metric"], []),
+        ("astuner: {trainer_common: {policy_loss: {loss_mode: gspo}, clip_ratio_c: 5, clip_ratio_low: 0.0003, "
+         "clip_ratio_high: 0.0004}}", ["astuner.trainer_common.clip_ratio_c"], ["astuner.trainer_common.clip_ratio_low"]),
     ],
 )
 def test_keys_that_act_only_under_another_setting(tmp_path, elsewhere, yaml_text, inactive, active):
@@ -463,6 +472,19 @@ def test_num_repeat_one_warns_no_baseline(tmp_path, elsewhere):
     loaded = load_config(write(tmp_path / "c.yaml", "astuner: {rollout: {num_repeat: 1}}\n"))
     assert any("no baseline" in w for w in config_warnings(loaded, "debug"))
     assert config_warnings(load_config(write(tmp_path / "d.yaml", "astuner: {seed: 1}\n")), "debug") == []
+
+
+def test_grpo_family_settings_that_defeat_their_purpose_warn(tmp_path, elsewhere):
+    from astuner.config import config_warnings
+
+    def warnings(text):
+        return config_warnings(load_config(write(tmp_path / "c.yaml", text + "\n")), "debug")
+
+    assert any("seq-mean-token-sum-norm" in w for w in warnings(
+        "astuner: {trainer_common: {algorithm: {adv_estimator: dr_grpo}}}"))
+    assert warnings("astuner: {trainer_common: {algorithm: {adv_estimator: dr_grpo}, "
+                    "loss_agg_mode: seq-mean-token-sum-norm}}") == []
+    assert any("3e-4" in w for w in warnings("astuner: {trainer_common: {policy_loss: {loss_mode: gspo}}}"))
 
 
 def test_inapplicable_keys_follow_engine_and_backbone(seed_file, elsewhere):

@@ -159,3 +159,55 @@ def test_run_state_is_the_resume_cursor():
     assert [e for e in resumed.events if e[0] == "rollout"] == [("rollout", 1), ("rollout", 2)]
     assert ("val", 1) not in resumed.events[:1]  # no validation "before training" on a resumed run
     assert summary.steps == 4
+
+
+def test_informative_groups_by_hand():
+    from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
+
+    a, b, c, d = (Task(x, "q") for x in "abcd")
+    eps = [Episode(a, 0, "a0", calls=[call(1)], reward=1.0), Episode(a, 1, "a1", calls=[call(1)], reward=1.0),
+           Episode(b, 0, "b0", calls=[call(1)], reward=0.0, is_success=False),
+           Episode(b, 1, "b1", calls=[call(1)], reward=0.5, is_success=False),
+           Episode(c, 0, "c0", calls=[call(1)], reward=1.0, is_success=True),
+           Episode(c, 1, "c1", calls=[], flags=["failed"]),  # one trainable episode left: no signal
+           Episode(d, 0, "d0", calls=[call(1)], reward=0.0), Episode(d, 1, "d1", calls=[call(1)], reward=1.0,
+                                                                     is_success=True)]
+    assert informative_groups(eps, "score") == ["b", "d"]
+    assert informative_groups(eps, "acc") == ["d"]  # b's rewards differ but neither succeeded
+    assert [e.episode_uid for e in keep_groups(eps, ["d", "b"])] == ["b0", "b1", "d0", "d1"]
+
+
+def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
+    # Tasks t0, t2, t4 give equal rewards (no signal); t1, t3 differ. Batch 2, no shuffle.
+    stages = FakeStages(rewards=lambda step, i: 0.0)
+    informative = {"t1", "t3"}
+    base_rollout = stages.rollout
+
+    def rollout(tasks, validation, step=0):
+        eps = base_rollout(tasks, validation, step)
+        for e in eps:
+            e.reward = float(e.repeat_index) if e.task.task_id in informative else 1.0
+        return eps
+
+    stages.rollout = rollout
+    monitor = FakeMonitor()
+    s = settings(total_epochs=1, shuffle=False, val_before_train=False, filter_groups=True, max_num_gen_batches=0)
+    summary = run_loop(s, stages, TASKS, [], monitor)
+    # Step 1: [t0, t1] -> 1 kept; [t2, t3] -> 2 kept: trains on t1 and t3 (4 samples). Step 2: [t4] -> 0 kept,
+    # and the data is out: an idle step, trained on nothing.
+    assert [e for e in stages.events if e[0] in ("rollout", "train")] == [
+        ("rollout", 2), ("rollout", 2), ("train", 4), ("rollout", 1)]
+    assert summary.steps == 2
+    first = monitor.logged[0][1]
+    assert (first["train/dynamic_sampling/gen_batches"], first["train/dynamic_sampling/kept_groups"],
+            first["train/dynamic_sampling/dropped_groups"]) == (2.0, 2.0, 2.0)
+    assert first["train/zero_adv_group_fraction"] == 0.5  # over everything rolled out
+    assert stages.run_state["position"] == 5
+    # A cap of 1 batch: step 1 trains on t1 alone, step 2 on t3 alone.
+    capped = FakeStages()
+    capped.rollout = lambda tasks, validation, step=0: [
+        Episode(t, i, f"{t.task_id}#{i}", calls=[call(2)], reward=float(i) if t.task_id in informative else 1.0)
+        for t in tasks for i in range(2)]
+    run_loop(settings(total_epochs=1, shuffle=False, val_before_train=False, filter_groups=True,
+                      max_num_gen_batches=1, max_idle_steps=5), capped, TASKS, [], FakeMonitor())
+    assert [e for e in capped.events if e[0] == "train"] == [("train", 2), ("train", 2)]

@@ -161,3 +161,51 @@ def test_log_ratio_is_clamped():
     loss, stats = policy_loss(torch.tensor([100.0]), torch.tensor([0.0]), torch.tensor([-1.0]), torch.ones(1),
                               0.2, 0.28, clip_c=1e12)
     assert math.isfinite(loss.item()) and stats["ratio_mean"].item() == pytest.approx(math.exp(20), rel=1e-5)
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    # Sequence 0: token log-ratios ln 2 and 0 -> s_0 = exp(ln 2 / 2) = sqrt 2 = 1.41421; A = +1.
+    # Sequence 1: one token, log-ratio ln 0.5 -> s_1 = 0.5; A = -1.
+    # Clip range [0.8, 1.3]:
+    #   seq 0: max(-1.41421, -1.3) = -1.3 for both tokens (clipped, no gradient)
+    #   seq 1: max(0.5, 0.8) = 0.8 (clipped, no gradient)
+    # weights 0.25, 0.25, 0.5: loss = 0.25 * -1.3 * 2 + 0.5 * 0.8 = -0.25
+    old = torch.tensor([-1.0, -2.0, -1.0])
+    logp = (old + torch.tensor([math.log(2.0), 0.0, math.log(0.5)])).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    w = torch.tensor([0.25, 0.25, 0.5])
+    seq = torch.tensor([0, 0, 1])
+    loss, stats = policy_loss(logp, old, adv, w, 0.2, 0.3, loss_mode="gspo", seq_index_R=seq)
+    assert loss.item() == pytest.approx(-0.25, abs=1e-6)
+    assert stats["ratio_mean"].item() == pytest.approx(2 * math.sqrt(2) + 0.5, abs=1e-5)
+    # Token-level vanilla on the same numbers clips only token 0: -1.3*0.25 - 1*0.25 + 0.8*0.5 = -0.175.
+    vanilla, _ = policy_loss(logp.detach(), old, adv, w, 0.2, 0.3)
+    assert vanilla.item() == pytest.approx(-0.175, abs=1e-6)
+    # Inside the clip range the gradient of each token is -A * w * s_s (the sequence ratio, not its own).
+    wide, _ = policy_loss(logp, old, adv, w, 0.9, 0.9, loss_mode="gspo", seq_index_R=seq)
+    wide.backward()
+    assert logp.grad.tolist() == pytest.approx([-0.25 * math.sqrt(2), -0.25 * math.sqrt(2), 0.5 * 0.5], abs=1e-5)
+
+
+def test_gspo_masked_tokens_do_not_enter_the_sequence_ratio():
+    # Token 1 is a tool result (mask 0): s_0 = exp(ln 2 / 1) = 2, not sqrt 2. Clip range wide open.
+    old = torch.tensor([-1.0, -2.0])
+    logp = (old + torch.tensor([math.log(2.0), 5.0])).requires_grad_(True)
+    mask = torch.tensor([1.0, 0.0])
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0]), 0.99, 9.0,
+                          mask_R=mask, loss_mode="gspo", seq_index_R=torch.tensor([0, 0]))
+    assert loss.item() == pytest.approx(-2.0, abs=1e-5)
+
+
+def test_entropy_bonus_is_subtracted_with_its_gradient():
+    # A = 0: the loss is -coeff * sum(w * H) = -0.1 * (0.5 * 1.2 + 0.5 * 0.4) = -0.08; dL/dH = -coeff * w.
+    logp = torch.tensor([-1.0, -2.0])
+    entropy = torch.tensor([1.2, 0.4], requires_grad=True)
+    loss, _ = policy_loss(logp, logp.clone(), torch.zeros(2), torch.tensor([0.5, 0.5]), 0.2, 0.28,
+                          entropy_R=entropy, entropy_coeff=0.1)
+    assert loss.item() == pytest.approx(-0.08, abs=1e-7)
+    loss.backward()
+    assert entropy.grad.tolist() == pytest.approx([-0.05, -0.05])
+    with pytest.raises(ValueError, match="entropy_R with its gradient"):
+        policy_loss(logp, logp.clone(), torch.zeros(2), torch.ones(2), 0.2, 0.28, entropy_R=entropy.detach(),
+                    entropy_coeff=0.1)

@@ -124,7 +124,8 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     # Run A: jsonl reader, KL off, constant LR, std normalisation on.
     reads_a, inactive_a = keys_read_by_a_run(write_run(tmp_path / "a", tiny_model_dir), one_step)
     assert leaves - reads_a - inactive_a - READ_WHILE_LOADING == set()
-    # Run B flips every condition: huggingface reader (a local folder), KL on, cosine LR, no std normalisation.
+    # Run B flips every condition: huggingface reader (a local folder), KL on, cosine LR, no std normalisation,
+    # dynamic sampling, GSPO.
     folder = tmp_path / "b"
     yaml = write_run(folder, tiny_model_dir)
     (folder / "ds").mkdir()
@@ -135,6 +136,9 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.trainer_common.use_kl_loss=true",
         "astuner.trainer_common.optim.lr_scheduler_type=cosine",
         "astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo=false",
+        "astuner.trainer_common.algorithm.filter_groups.enable=true",
+        "astuner.trainer_common.algorithm.filter_groups.max_num_gen_batches=2",
+        "astuner.trainer_common.policy_loss.loss_mode=gspo",
     ])
     assert leaves - reads_b - inactive_b - READ_WHILE_LOADING == set()
     # Run C: the environment-service reader and judge (the tutorial's service), merged samples.

@@ -179,6 +179,47 @@ def test_lr_schedule_by_hand():
     # p = 3.5 / 7 = 0.5: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
     assert lr_at(5.5, 1.0, 2, 10, "cosine", 0.1) == pytest.approx(0.55)
     assert lr_at(50, 1.0, 0, 10, "constant", 0.1) == 1.0
+    # Linear: same progress p; lr = 1 - (1 - 0.1) * p: 1.0 right after warmup, 0.55 halfway, 0.1 at the end.
+    assert [lr_at(s, 1.0, 2, 10, "linear", 0.1) for s in (0, 1, 2, 9)] == pytest.approx([0.5, 1.0, 1.0, 0.1])
+    assert lr_at(5.5, 1.0, 2, 10, "linear", 0.1) == pytest.approx(0.55)
+    assert lr_at(5.5, 1.0, 2, 10, "linear", 0.0) == pytest.approx(0.5)
+
+
+def test_ppo_epochs_repeat_the_batch_against_the_same_old_logprobs(tiny_model_dir, demo_tokenizer):
+    one = _trainer(tiny_model_dir, mini_batch_num=2)
+    two = _trainer(tiny_model_dir, mini_batch_num=2, ppo_epochs=2)
+    samples = [_sample(one, demo_tokenizer, "Hello", " there", 1.0, "a"),
+               _sample(one, demo_tokenizer, "Bye", " now", -1.0, "c")]
+    m1, m2 = one.train_step(samples), two.train_step(samples)
+    assert (m1["num_optimizer_steps"], m2["num_optimizer_steps"]) == (2, 4)
+    # The second epoch sees the policy moved away from the old logprobs: the ratio is no longer exactly 1.
+    assert m1["approx_kl_old"] < m2["approx_kl_old"]
+    moved_one = one.compute_logprobs(samples[0].prompt_ids, samples[0].response_ids, 1.0)
+    moved_two = two.compute_logprobs(samples[0].prompt_ids, samples[0].response_ids, 1.0)
+    assert sum(moved_two) > sum(moved_one) > sum(samples[0].old_logprobs)  # A > 0: pushed up, further with 2
+
+
+def test_entropy_coeff_trains_zero_advantage_samples_toward_higher_entropy(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, entropy_coeff=1.0, lr=1e-4)
+    samples = [_sample(trainer, demo_tokenizer, "Hello", " there friend", 0.0, "a")]
+    first = trainer.train_step(samples)
+    assert first["num_optimizer_steps"] == 1 and first["num_samples_skipped_zero_adv"] == 0
+    second = trainer.train_step(samples)
+    assert second["entropy"] > first["entropy"]
+    without = _trainer(tiny_model_dir).train_step(samples)
+    assert without["num_optimizer_steps"] == 0
+
+
+def test_gspo_trains_through_the_trainer(tiny_model_dir, demo_tokenizer):
+    trainer = _trainer(tiny_model_dir, loss_mode="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4, mini_batch_num=2)
+    samples = [_sample(trainer, demo_tokenizer, "Hello", " there friend", 1.0, "a"),
+               _sample(trainer, demo_tokenizer, "Bye", " go away now", -1.0, "b")]
+    metrics = trainer.train_step(samples)
+    assert metrics["num_optimizer_steps"] == 2
+    # After the first optimizer step the second mini-batch's sequence ratio leaves [1 - 3e-4, 1 + 4e-4].
+    assert metrics["clip_fraction"] > 0
+    with pytest.raises(ValueError, match="loss_mode"):
+        _trainer(tiny_model_dir, loss_mode="sapo")
 
 
 def test_metrics_say_which_tokens_they_cover(tiny_model_dir, demo_tokenizer):

@@ -10,7 +10,10 @@ Per response token t of sample s (logp = log pi_theta, old = the engine's sampli
     pg_t        = min(pg_t, -A * clip_c)            if A < 0       (dual clip, verl's clip_ratio_c)
     kl_t        = logp_t - ref_t                                   (k1)
                 = clamp(exp(d) - d - 1, -10, 10), d = clamp(ref_t - logp_t, -20, 20)   (k3, as verl)
-    l_t         = pg_t + kl_coef * kl_t                            (KL term only when a reference is given)
+    l_t         = pg_t + kl_coef * kl_t - entropy_coeff * H_t      (KL term only when a reference is given;
+                                                                    H_t = entropy of pi_theta at t, with gradient)
+
+With `loss_mode="gspo"` the ratio is the sequence-level one of `gspo.py` (no dual clip); the rest is unchanged.
 
     L = sum over tokens of  w_s * l_t
 
@@ -36,9 +39,9 @@ the full-batch loss and gradient.
 Statistics (token sums over the tokens given, detached; the trainer divides by the tokens they cover):
     clip_fraction        tokens where pg2 > pg1 (the PPO clip is active)
     clip_fraction_lower  tokens with A < 0 where the dual clip is active (pg > -A * clip_c before capping)
-    approx_kl_old        ratio - 1 - log(ratio): the k3 estimate of KL(pi_old || pi_theta)
+    approx_kl_old        ratio - 1 - log(ratio) of the token ratio: the k3 estimate of KL(pi_old || pi_theta)
     kl_ref               kl_t (only with a reference)
-    ratio_mean           ratio_t
+    ratio_mean           ratio_t (with gspo: the sequence ratio, once per token)
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from astuner.algorithm.gspo import gspo_log_ratio
 
 # --- aggregation (token weights) ---------------------------------------------------------------------------
 
@@ -110,6 +115,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
 
 # --- policy loss -------------------------------------------------------------------------------------------
 
+POLICY_LOSS_MODES = ("vanilla", "gspo")
+
 
 def policy_loss(
     logprobs_R: Tensor,
@@ -123,36 +130,52 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     mask_R: Tensor | None = None,
+    loss_mode: str = "vanilla",
+    seq_index_R: Tensor | None = None,
+    entropy_R: Tensor | None = None,
+    entropy_coeff: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-sum stats).
 
     mask_R (1 = trained, 0 = a token the model did not sample, e.g. a tool result inside a merged sample) is
-    already folded into weights_R by the caller; here it only keeps masked tokens out of the stats."""
-    log_ratio_R = torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
+    already folded into weights_R by the caller; here it only keeps masked tokens out of the stats.
+    seq_index_R (the sample each token belongs to) is needed by gspo; entropy_R (with gradient) by entropy_coeff."""
+    m_R = torch.ones_like(logprobs_R) if mask_R is None else mask_R
+    if loss_mode == "gspo":
+        if seq_index_R is None:
+            raise ValueError("loss_mode gspo needs seq_index_R")
+        log_ratio_R = gspo_log_ratio(logprobs_R, old_logprobs_R, seq_index_R, m_R)
+    elif loss_mode == "vanilla":
+        log_ratio_R = torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
+    else:
+        raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
     ratio_R = torch.exp(log_ratio_R)
     pg1_R = -advantages_R * ratio_R
     pg2_R = -advantages_R * torch.clamp(ratio_R, 1.0 - clip_low, 1.0 + clip_high)
     clipped_R = torch.maximum(pg1_R, pg2_R)
     pg3_R = -advantages_R * clip_c
-    negative_R = advantages_R < 0
+    negative_R = (advantages_R < 0) if loss_mode == "vanilla" else torch.zeros_like(advantages_R, dtype=torch.bool)
     token_loss_R = torch.where(negative_R, torch.minimum(clipped_R, pg3_R), clipped_R)
 
     stats: dict[str, Tensor] = {}
     if ref_logprobs_R is not None:
         kl_R = kl_penalty(logprobs_R, ref_logprobs_R, kl_kind)
         token_loss_R = token_loss_R + kl_coef * kl_R
-        stats["kl_ref"] = kl_R.detach().sum()
+    if entropy_coeff:
+        if entropy_R is None or not entropy_R.requires_grad:
+            raise ValueError("entropy_coeff > 0 needs entropy_R with its gradient")
+        token_loss_R = token_loss_R - entropy_coeff * entropy_R
 
     loss = (weights_R * token_loss_R).sum()
     with torch.no_grad():
-        m_R = torch.ones_like(ratio_R) if mask_R is None else mask_R
         if ref_logprobs_R is not None:
             stats["kl_ref"] = (kl_R.detach() * m_R).sum()
         stats["clip_fraction"] = ((pg2_R > pg1_R).float() * m_R).sum()
         stats["clip_fraction_lower"] = (((clipped_R > pg3_R) & negative_R).float() * m_R).sum()
-        stats["approx_kl_old"] = ((ratio_R - 1.0 - log_ratio_R) * m_R).sum()
+        token_log_ratio_R = torch.clamp(logprobs_R.detach() - old_logprobs_R, -20.0, 20.0)
+        stats["approx_kl_old"] = ((torch.exp(token_log_ratio_R) - 1.0 - token_log_ratio_R) * m_R).sum()
         stats["ratio_mean"] = (ratio_R * m_R).sum()
-        # Engine vs trainer: before the first update old_logprobs are the engine's sampling logprobs and
+        # Engine vs trainer (token level, whatever the loss mode): before the first update old_logprobs are the engine's sampling logprobs and
         # logprobs_R the trainer's, so this is the train-inference mismatch (the trainer reports it from there).
         diff_R = (logprobs_R.detach() - old_logprobs_R).abs() * m_R
         stats["logprob_abs_diff"] = diff_R.sum()

@@ -4,7 +4,7 @@ Rules:
   * Only `episode.trainable` episodes take part (failed / timed-out episodes have no trustworthy reward): they
     are left out of the advantage groups as well as of the samples.
   * Advantages are computed per episode within its group (`episode.group_id`) by the named estimator
-    (`advantage.ADV_ESTIMATORS`) and broadcast to every sample of the episode.
+    (`registry.ADV_ESTIMATORS`) and broadcast to every sample of the episode.
   * Calls with an empty response are dropped (no token to train on); they do not use up a slot below.
   * Subset rule, when an episode has n > k = `max_sample_per_task` remaining calls: keep the calls at indices
         i_j = floor(j * (n - 1) / (k - 1))   for j = 0 .. k-1        (k >= 2)
@@ -28,7 +28,7 @@ Rules:
 
 from __future__ import annotations
 
-from astuner.algorithm.advantage import get_adv_estimator
+from astuner.algorithm.registry import get_adv_estimator
 from astuner.types import Episode, LLMCall, Sample
 
 

@@ -34,10 +34,26 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.trainer_common.kl_loss_coef": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
     "astuner.trainer_common.kl_loss_type": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
     "astuner.trainer_common.algorithm.epsilon": (
-        "with norm_adv_by_std_in_grpo true", lambda c, b: c.astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo
+        "with adv_estimator grpo and norm_adv_by_std_in_grpo true",
+        lambda c, b: c.astuner.trainer_common.algorithm.adv_estimator == "grpo"
+        and c.astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo,
+    ),
+    "astuner.trainer_common.algorithm.norm_adv_by_std_in_grpo": (
+        "with adv_estimator grpo", lambda c, b: c.astuner.trainer_common.algorithm.adv_estimator == "grpo"
+    ),
+    "astuner.trainer_common.algorithm.filter_groups.metric": (
+        "with filter_groups.enable true", lambda c, b: c.astuner.trainer_common.algorithm.filter_groups.enable
+    ),
+    "astuner.trainer_common.algorithm.filter_groups.max_num_gen_batches": (
+        "with filter_groups.enable true", lambda c, b: c.astuner.trainer_common.algorithm.filter_groups.enable
+    ),
+    "astuner.trainer_common.clip_ratio_c": (
+        "with policy_loss.loss_mode vanilla",
+        lambda c, b: c.astuner.trainer_common.policy_loss.loss_mode == "vanilla",
     ),
     "astuner.trainer_common.optim.min_lr_ratio": (
-        "with lr_scheduler_type cosine", lambda c, b: c.astuner.trainer_common.optim.lr_scheduler_type == "cosine"
+        "with lr_scheduler_type cosine or linear",
+        lambda c, b: c.astuner.trainer_common.optim.lr_scheduler_type in ("cosine", "linear"),
     ),
 }
 
@@ -89,5 +105,17 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
             "astuner.rollout.num_repeat is 1: GRPO compares the episodes of a task with each other, so with one "
             "episode per task there is no baseline, every advantage is 0 and nothing is learned; use 2 or more "
             "(4-16 is common)."
+        )
+    tc = typed.astuner.trainer_common
+    if tc.algorithm.adv_estimator == "dr_grpo" and tc.loss_agg_mode != "seq-mean-token-sum-norm":
+        out.append(
+            f"adv_estimator dr_grpo runs with loss_agg_mode {tc.loss_agg_mode}: Dr. GRPO's second half is the "
+            "length-unbiased aggregation; set astuner.trainer_common.loss_agg_mode: seq-mean-token-sum-norm."
+        )
+    if tc.policy_loss.loss_mode == "gspo" and max(tc.clip_ratio_low, tc.clip_ratio_high) > 0.01:
+        out.append(
+            f"policy_loss.loss_mode gspo with clip ratios {tc.clip_ratio_low:g} / {tc.clip_ratio_high:g}: the GSPO "
+            "ratio is a per-sequence geometric mean and stays close to 1, so token-level ranges barely ever clip; "
+            "the GSPO paper uses clip_ratio_low 3e-4 and clip_ratio_high 4e-4."
         )
     return out

@@ -212,18 +212,47 @@ class OptimSection(Section):
     lr: float = key(1.0e-6, "AdamW learning rate (peak, after warmup).", ge=0)
     weight_decay: float = key(0.01, "AdamW weight decay.", ge=0)
     lr_warmup_steps: int = key(0, "Linear warmup from 0 to lr over this many optimizer steps.", ge=0)
-    lr_scheduler_type: Literal["constant", "cosine"] = key(
+    lr_scheduler_type: Literal["constant", "cosine", "linear"] = key(
         "constant",
-        "After warmup: constant | cosine (decays to min_lr_ratio * lr at the last optimizer step of the run).",
+        "After warmup: constant | cosine | linear (both decay to min_lr_ratio * lr at the last optimizer step of "
+        "the run).",
     )
-    min_lr_ratio: float = key(0.0, "Final learning rate of the cosine schedule, as a fraction of lr.", ge=0, le=1)
+    min_lr_ratio: float = key(0.0, "Final learning rate of the cosine or linear schedule, as a fraction of lr.",
+                              ge=0, le=1)
     grad_clip: Optional[float] = key(1.0, "Clip the global gradient norm to this value; null: no clipping.", gt=0)
 
 
+class FilterGroups(Section):
+    enable: bool = key(
+        False,
+        "DAPO dynamic sampling: drop task groups whose episodes all got the same reward (no GRPO signal) and roll "
+        "out further tasks until train_batch_size groups remain (extra groups are cut).",
+    )
+    metric: Literal["score", "acc"] = key("score", "What must differ within a group: score (reward) | acc (is_success).")
+    max_num_gen_batches: int = key(
+        5, "Most rollout batches one step may take to fill up; then it trains on the groups it has (0: no cap).", ge=0
+    )
+
+
 class AlgorithmSection(Section):
-    adv_estimator: Literal["grpo"] = key("grpo", "Advantage estimator: grpo.")
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = key(
+        "grpo",
+        "Advantage estimator: grpo | dr_grpo (r - mean, pair with loss_agg_mode seq-mean-token-sum-norm) | rloo "
+        "(leave-one-out baseline). Formulas in astuner/algorithm/.",
+    )
     norm_adv_by_std_in_grpo: bool = key(True, "GRPO: divide (r - mean) by (std + epsilon) within each group.")
     epsilon: float = key(1.0e-6, "Added to the group std before dividing (> 0).", gt=0)
+    filter_groups: FilterGroups = section(
+        FilterGroups, "DAPO dynamic sampling (formulas in astuner/algorithm/dynamic_sampling.py)."
+    )
+
+
+class PolicyLossSection(Section):
+    loss_mode: Literal["vanilla", "gspo"] = key(
+        "vanilla",
+        "vanilla: token-level PPO-clip ratio | gspo: one ratio per sequence, exp(mean token log-ratio), clipped "
+        "(GSPO; use small clip ratios, e.g. 3e-4 / 4e-4). Formulas in astuner/algorithm/loss.py and gspo.py.",
+    )
 
 
 class TrainerCommonSection(Section):
@@ -253,8 +282,13 @@ class TrainerCommonSection(Section):
     mini_batch_num: int = key(
         1, "Optimizer steps per training step: the step's episodes are split into this many mini-batches.", ge=1
     )
+    ppo_epochs: int = key(1, "Passes over each step's samples (each pass: mini_batch_num optimizer steps).", ge=1)
     optim: OptimSection = section(OptimSection)
     algorithm: AlgorithmSection = section(AlgorithmSection)
+    policy_loss: PolicyLossSection = section(PolicyLossSection, "The policy-gradient loss (verl's actor.policy_loss).")
+    entropy_coeff: float = key(
+        0.0, "Subtract entropy_coeff * (token entropy, aggregated like the loss) from the loss; 0: off.", ge=0
+    )
     clip_ratio_low: float = key(0.2, "PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high].",
                                 ge=0, lt=1)
     clip_ratio_high: float = key(0.28, "Upper side of the PPO clip range.", ge=0)

@@ -146,6 +146,57 @@ def logview(
         viewer.stop()
 
 
+eval_app = typer.Typer(add_completion=False, rich_markup_mode=None,
+                       context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@eval_app.command()
+def evaluate(
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The YAML config (its workflow, judge and data).",
+                                      show_default=False)],
+    overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides.",
+                                                          show_default=False)] = None,
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="A checkpoint (launcher_record/<run>/global_step_N) or model folder; repeat to "
+        "compare (the first is the baseline); 'base' is the config's model. Default: the config's model.",
+        show_default=False)] = None,
+    num_repeat: Annotated[int | None, typer.Option(
+        "--num-repeat", "-k", help="Sampled episodes per task for pass@k (0: greedy only). Default: "
+        "astuner.rollout.num_repeat.", show_default=False)] = None,
+    split: Annotated[str, typer.Option(help="Which tasks: val | train.")] = "val",
+    out: Annotated[str | None, typer.Option(help="Folder for eval_tasks.csv and eval_summary.json. Default: "
+                                            "<experiment_dir>/eval.", show_default=False)] = None,
+) -> None:
+    """Evaluate models on a config's tasks: greedy accuracy, pass@1..k, tokens, failures; side by side.
+
+    Example: astuner eval --conf tutorial/quickstart/quickstart.yaml --model base
+    --model launcher_record/quickstart/global_step_20 --num-repeat 4
+    """
+    from pathlib import Path
+
+    from astuner.config import load_config
+    from astuner.evaluation.runner import evaluate as run_eval, table
+
+    loaded = load_config(conf, list(overrides or []))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    folder = Path(out) if out else Path(loaded.experiment_dir) / "eval"
+    models = [None if m == "base" else m for m in (model or ["base"])]
+
+    def progress(desc: str, total: int):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="episode", file=sys.stderr, dynamic_ncols=True)
+
+    reports = run_eval(loaded, models, split=split, num_repeat=num_repeat, out_dir=folder, progress=progress)
+    print(table(reports))
+    print(f"astuner: per-task results in {folder / 'eval_tasks.csv'}, summary in {folder / 'eval_summary.json'}",
+          file=sys.stderr)
+
+
+SUBCOMMANDS = {"logview": logview_app, "eval": eval_app}
+
+
 def _fail(message: str) -> int:
     print(f"astuner: error: {' '.join(str(message).split())}", file=sys.stderr)
     return USAGE_EXIT
@@ -154,11 +205,13 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `astuner` console script and of launcher.py. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    # `astuner logview PATH` is a second command; `astuner --conf ...` stays the command line of a run.
-    command = typer.main.get_command(logview_app if args[:1] == ["logview"] else app)
+    # `astuner logview PATH` and `astuner eval ...` are further commands; `astuner --conf ...` stays the command
+    # line of a run.
+    sub = args[0] if args and args[0] in SUBCOMMANDS else None
+    command = typer.main.get_command(SUBCOMMANDS[sub] if sub else app)
     prog = "astuner"
-    if args[:1] == ["logview"]:
-        argv, prog = args[1:], "astuner logview"
+    if sub:
+        argv, prog = args[1:], f"astuner {sub}"
     try:
         # Not standalone: click would print its own usage errors and Typer would render tracebacks.
         code = command.main(args=argv, prog_name=prog, standalone_mode=False)

@@ -28,6 +28,7 @@ from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.registry import STD_NORMALISED
 from astuner.algorithm.samples import episodes_to_samples, merge_ratio
 from astuner.errors import TrainingStalled
+from astuner.evaluation.metrics import ks_for, summarize, task_results
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 
 class Stages(Protocol):
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]: ...
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
+                sampled_repeats: int | None = None) -> list[Episode]: ...
 
     def train(self, samples: list[Sample]) -> dict[str, float]: ...
 
@@ -81,6 +83,7 @@ class LoopSettings:
     filter_groups: bool = False
     filter_metric: str = "score"
     max_num_gen_batches: int = 0
+    val_num_repeat: int = 1
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
@@ -107,6 +110,7 @@ class LoopSettings:
             filter_groups=fg.enable,
             filter_metric=fg.metric if fg.enable else "score",
             max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
+            val_num_repeat=tc.val_num_repeat,
         )
 
 
@@ -275,12 +279,19 @@ def run_loop(
         episodes = stages.rollout(val_tasks, validation=True, step=step)
         metrics = episode_metrics(episodes, "val")
         metrics["val/accuracy"] = metrics["val/success_rate"]
+        if settings.val_num_repeat > 1:
+            sampled = stages.rollout(val_tasks, validation=True, step=step, sampled_repeats=settings.val_num_repeat)
+            ks = ks_for(settings.val_num_repeat)
+            report = summarize(task_results(episodes, sampled, ks), sampled, ks)
+            metrics.update({f"val/{k.removeprefix('sampled/')}": v for k, v in report.items()
+                            if k.startswith("sampled/")})
+            episodes = episodes + sampled
         metrics["time/validation_s"] = time.perf_counter() - t0
         summary.val_scores[step] = metrics["val/accuracy"]
         state.val_scores[str(step)] = metrics["val/accuracy"]
         monitor.log_metrics(step, metrics)
         monitor.save_episodes(step, episodes, "val")
-        log.info("step %d validation accuracy %.3f over %d tasks", step, metrics["val/accuracy"], len(episodes))
+        log.info("step %d validation accuracy %.3f over %d tasks", step, metrics["val/accuracy"], len(val_tasks))
 
     if settings.val_before_train and state.step == 0:
         validate(0)

@@ -132,19 +132,26 @@ class RolloutRunner:
         validation: bool = False,
         on_episode_done: Callable[[Episode], None] | None = None,
         step: int = 0,
+        sampled_repeats: int | None = None,
     ) -> list[Episode]:
-        """Training: `num_repeat` sampled episodes per task. Validation: one greedy episode per task."""
+        """Training: `num_repeat` sampled episodes per task. Validation: one greedy episode per task, or, with
+        `sampled_repeats` (pass@k), that many episodes per task sampled at the training temperature."""
         loop = asyncio.new_event_loop()
         try:
             return loop.run_until_complete(
-                self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step)
+                self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step,
+                               sampled_repeats=sampled_repeats)
             )
         finally:
             _close_loop(loop)
 
-    async def run_async(self, tasks, *, validation=False, on_episode_done=None, step: int = 0) -> list[Episode]:
-        repeats = 1 if validation else self.settings.num_repeat
-        temperature = 0.0 if validation else self.settings.temperature
+    async def run_async(self, tasks, *, validation=False, on_episode_done=None, step: int = 0,
+                        sampled_repeats: int | None = None) -> list[Episode]:
+        if validation and sampled_repeats is not None:
+            repeats, temperature = sampled_repeats, self.settings.temperature
+        else:
+            repeats = 1 if validation else self.settings.num_repeat
+            temperature = 0.0 if validation else self.settings.temperature
         gate = asyncio.Semaphore(self.settings.max_env_worker)
 
         async def one(task: Task, index: int) -> Episode:
@@ -160,7 +167,7 @@ class RolloutRunner:
     async def _episode(
         self, task: Task, repeat_index: int, temperature: float, validation: bool, step: int = 0
     ) -> Episode:
-        tag = "val" if validation else "train"
+        tag = ("val" if temperature == 0 else "val-sampled") if validation else "train"
         episode = Episode(task=task, repeat_index=repeat_index, episode_uid=f"{tag}:{task.task_id}#{repeat_index}")
         timeout = self.settings.episode_timeout
         tuner = ModelTuner(

@@ -174,23 +174,9 @@ def build_engine(typed, model_path: str, tokenizer):
     return ENGINES[name](typed, model_path, tokenizer)
 
 
-def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
-    """Every piece of a run, in the order that fails fastest: user code, data, the model's config and memory
-    estimate, and only then the weights. `total_steps_of(n_train_tasks)` gives the run's step count."""
-    import torch
-
-    from astuner import preflight
-    from astuner.monitor import announce
-    from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.task_reader import build_task_reader
-
-    typed, cfg = loaded.typed, loaded.cfg
-    _quiet_library_progress()
-    seed = typed.astuner.seed
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-    # Fail on user input (classes, data) before spending time on model loading.
+def load_workflow(loaded):
+    """The workflow class named by astuner.rollout.agentscope_workflow (a function is wrapped into one)."""
+    typed = loaded.typed
     workflow_cls = load_user_class(
         typed.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
         Workflow,
@@ -209,6 +195,27 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
             f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__}.execute must be 'async def execute("
             "self, workflow_task, model_tuner)' (it awaits the model); it is a plain function."
         )
+    return workflow_cls
+
+
+def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
+    """Every piece of a run, in the order that fails fastest: user code, data, the model's config and memory
+    estimate, and only then the weights. `total_steps_of(n_train_tasks)` gives the run's step count."""
+    import torch
+
+    from astuner import preflight
+    from astuner.monitor import announce
+    from astuner.rollout import RolloutRunner, RolloutSettings
+    from astuner.task_reader import build_task_reader
+
+    typed, cfg = loaded.typed, loaded.cfg
+    _quiet_library_progress()
+    seed = typed.astuner.seed
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+    # Fail on user input (classes, data) before spending time on model loading.
+    workflow_cls = load_workflow(loaded)
     judge = build_judge(typed, cfg, loaded.config_dir)
     reader = build_task_reader(typed, loaded.config_dir)
     train_tasks, val_tasks = reader.training_tasks(), reader.validation_tasks()

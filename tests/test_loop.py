@@ -211,3 +211,24 @@ def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
     run_loop(settings(total_epochs=1, shuffle=False, val_before_train=False, filter_groups=True,
                       max_num_gen_batches=1, max_idle_steps=5), capped, TASKS, [], FakeMonitor())
     assert [e for e in capped.events if e[0] == "train"] == [("train", 2), ("train", 2)]
+
+
+def test_validation_reports_pass_at_k_with_val_num_repeat():
+    class Sampled(FakeStages):
+        def rollout(self, tasks, validation, step=0, sampled_repeats=None):
+            if sampled_repeats is None:
+                return super().rollout(tasks, validation, step)
+            self.events.append(("val-sampled", len(tasks) * sampled_repeats))
+            # Task t0 succeeds on 1 of 4 samples, t1 on none.
+            return [Episode(t, i, f"s:{t.task_id}#{i}", calls=[call(2)], reward=0.0,
+                            is_success=t.task_id == "t0" and i == 0) for t in tasks for i in range(sampled_repeats)]
+
+    stages, monitor = Sampled(), FakeMonitor()
+    run_loop(settings(total_training_steps=1, val_num_repeat=4), stages, TASKS, TASKS[:2], monitor)
+    assert ("val-sampled", 8) in stages.events
+    val = next(m for _, m in monitor.logged if "val/accuracy" in m)
+    # t0: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1; t1: 0. Means over the 2 tasks.
+    assert (val["val/pass@1"], val["val/pass@2"], val["val/pass@4"]) == pytest.approx((0.125, 0.25, 0.5))
+    greedy_only = FakeMonitor()
+    run_loop(settings(total_training_steps=1), FakeStages(), TASKS, TASKS[:2], greedy_only)
+    assert "val/pass@1" not in next(m for _, m in greedy_only.logged if "val/accuracy" in m)

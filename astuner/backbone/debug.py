@@ -21,13 +21,14 @@ class InProcessStages:
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.progress = progress  # (description, total) -> a bar with update(), or None
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
+                sampled_repeats: int | None = None) -> list[Episode]:
         try:
             if self.progress is None:
-                return self.runner.run(tasks, validation=validation, step=step)
-            total = len(tasks) * (1 if validation else self.runner.settings.num_repeat)
+                return self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
+            total = len(tasks) * ((sampled_repeats or 1) if validation else self.runner.settings.num_repeat)
             with self.progress("validation" if validation else "rollout", total) as bar:
-                return self.runner.run(tasks, validation=validation, step=step,
+                return self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats,
                                        on_episode_done=lambda _: bar.update(1))
         finally:
             release_freed_memory()

@@ -262,6 +262,12 @@ class TrainerCommonSection(Section):
     )
     test_freq: int = key(99999, "Validate every this many steps; validation also runs at the end.", ge=1)
     val_before_train: bool = key(True, 'Validate before the first step (gives the "start" score in the summary).')
+    val_num_repeat: int = key(
+        1,
+        "Validation runs one greedy episode per task (val/accuracy); above 1 it also samples this many per task at "
+        "rollout.temperature and logs val/pass@1 ... val/pass@k (unbiased).",
+        ge=1,
+    )
     total_epochs: int = key(1, "Passes over the training tasks.", ge=1)
     total_training_steps: Optional[int] = key(
         None, "Stop after this many steps even if epochs remain; null: no cap.", ge=1

@@ -1,0 +1,164 @@
+"""`astuner eval`: the workflow and judge of a config, run on a split with one or more models.
+
+Per model: one greedy episode per task (accuracy) and, with K > 0, K episodes per task sampled at
+`rollout.temperature` (pass@1 ... pass@K, `metrics.py`). Writes `eval_tasks.csv` (one row per model and task) and
+`eval_summary.json`; prints the models side by side, each later one with its difference from the first and a
+95% interval over tasks. Same rollout code as training (`RolloutRunner`), so an eval number means what the
+validation number of a run means.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from astuner.errors import UserError
+from astuner.evaluation.metrics import TaskResult, ks_for, paired_difference, summarize, task_results
+
+log = logging.getLogger(__name__)
+SPLITS = ("val", "train")
+
+
+@dataclass
+class ModelReport:
+    label: str
+    path: str
+    tasks: list[TaskResult]
+    summary: dict[str, float]
+
+
+def model_label(spec: str | None, taken: set[str]) -> str:
+    if spec is None:
+        return "base"
+    path = Path(spec)
+    label = path.name if not path.name.startswith("global_step_") else f"{path.parent.name}/{path.name}"
+    while label in taken:
+        label += "'"
+    return label
+
+
+def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: int | None = None,
+             out_dir: Path | None = None, progress=None) -> list[ModelReport]:
+    """Run the evaluation of every model in `models` (None: the config's model); write and return the reports."""
+    from astuner import preflight
+    from astuner.model_cache import ModelPathError, resolve_model_path
+    from astuner.rollout import RolloutRunner, RolloutSettings
+    from astuner.runtime import (_auxiliary_pool, _quiet_library_progress, build_engine, build_judge, load_tokenizer,
+                                 load_workflow, stop_token_ids)
+    from astuner.task_reader import build_task_reader
+
+    if split not in SPLITS:
+        raise UserError(f"eval --split {split!r}: choose one of {', '.join(SPLITS)}")
+    typed = loaded.typed
+    k_samples = typed.astuner.rollout.num_repeat if num_repeat is None else num_repeat
+    if k_samples < 0:
+        raise UserError(f"eval --num-repeat {k_samples}: give 0 (greedy only) or more")
+    workflow_cls = load_workflow(loaded)
+    judge = build_judge(typed, loaded.cfg, loaded.config_dir)
+    reader = build_task_reader(typed, loaded.config_dir)
+    tasks = reader.validation_tasks() if split == "val" else reader.training_tasks()
+    if not tasks:
+        raise UserError(f"eval: the config has no {'validation' if split == 'val' else 'training'} tasks; set the "
+                        "task reader's validation file or split, or pass --split train")
+    _quiet_library_progress()
+    ks = ks_for(k_samples) if k_samples > 0 else []
+    reports: list[ModelReport] = []
+    for spec in models:
+        label = model_label(spec, {r.label for r in reports})
+        try:
+            path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
+        except ModelPathError as exc:
+            raise UserError(f"eval --model {spec}: {exc}") from None
+        if spec is not None and not (Path(path) / "config.json").is_file():
+            raise UserError(f"eval --model {spec}: not a model folder (no config.json); give a checkpoint "
+                            "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
+        facts = preflight.read_model_facts(path)
+        max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
+                                                  typed.astuner.rollout.max_response_length_in_one_turn)
+        tokenizer = load_tokenizer(path)
+        engine = build_engine(typed, path, tokenizer)
+        runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
+                               stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=_auxiliary_pool(typed))
+        start = time.perf_counter()
+        try:
+            total = len(tasks) * (1 + k_samples)
+            bar = progress(f"eval {label}", total) if progress else None
+            done = (lambda _: bar.update(1)) if bar is not None else None
+            greedy = runner.run(tasks, validation=True, on_episode_done=done)
+            sampled = runner.run(tasks, validation=True, sampled_repeats=k_samples, on_episode_done=done,
+                                 step=1) if k_samples else []
+            if bar is not None:
+                bar.close()
+        finally:
+            runner.close()
+            engine.shutdown()
+        results = task_results(greedy, sampled, ks)
+        summary = summarize(results, greedy + sampled, ks)
+        summary["seconds"] = time.perf_counter() - start
+        reports.append(ModelReport(label, str(path), results, summary))
+        log.info("eval %s: %s", label, json.dumps(summary))
+    if out_dir is not None:
+        write_reports(reports, out_dir, split, k_samples)
+    return reports
+
+
+def comparisons(reports: list[ModelReport]) -> dict[str, dict[str, list[float]]]:
+    """For every model after the first: {metric: [mean difference, low, high]} over tasks, paired."""
+    out: dict[str, dict[str, list[float]]] = {}
+    if len(reports) < 2:
+        return out
+    base = reports[0]
+    per_task = {"greedy/success_rate": lambda r: float(r.greedy_success),
+                "greedy/reward_mean": lambda r: r.greedy_reward}
+    if any(r.samples for r in base.tasks):
+        per_task["sampled/pass@1"] = lambda r: r.pass_at.get(1, 0.0)
+    for other in reports[1:]:
+        if [r.task_id for r in other.tasks] != [r.task_id for r in base.tasks]:
+            raise RuntimeError("models were evaluated on different tasks")
+        out[other.label] = {name: list(paired_difference([fn(r) for r in base.tasks], [fn(r) for r in other.tasks]))
+                            for name, fn in per_task.items()}
+    return out
+
+
+def table(reports: list[ModelReport]) -> str:
+    """The models side by side; a column per later model's difference from the first, with its 95% interval."""
+    names = list(dict.fromkeys(k for r in reports for k in r.summary))
+    diffs = comparisons(reports)
+    header = ["metric", *[r.label for r in reports], *[f"{label} - {reports[0].label} [95% CI]" for label in diffs]]
+    rows = [header]
+    for name in names:
+        row = [name, *[_fmt(r.summary.get(name)) for r in reports]]
+        for d in diffs.values():
+            row.append(f"{d[name][0]:+.3f} [{d[name][1]:+.3f}, {d[name][2]:+.3f}]" if name in d else "")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def write_reports(reports: list[ModelReport], out_dir: Path, split: str, k_samples: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ks = sorted({k for r in reports for t in r.tasks for k in t.pass_at})
+    with open(out_dir / "eval_tasks.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "task_id", "greedy_reward", "greedy_success", "samples", "successes",
+                         "sampled_reward_mean", "tokens_per_episode", *[f"pass@{k}" for k in ks]])
+        for r in reports:
+            for t in r.tasks:
+                writer.writerow([r.label, t.task_id, t.greedy_reward, int(t.greedy_success), t.samples, t.successes,
+                                 round(t.sampled_reward_mean, 6), round(t.tokens_per_episode, 2),
+                                 *[round(t.pass_at[k], 6) if k in t.pass_at else "" for k in ks]])
+    summary = {"split": split, "num_repeat": k_samples,
+               "models": [{"label": r.label, "path": r.path, **r.summary} for r in reports],
+               "differences_from_first": comparisons(reports)}
+    (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.1f}" if abs(value) >= 100 or float(value).is_integer() and value > 1 else f"{value:.3f}"
+

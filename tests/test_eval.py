@@ -1,0 +1,96 @@
+"""`astuner eval`: pass@k and the paired interval by hand, and the command end to end on the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from astuner.evaluation.metrics import ks_for, paired_difference, pass_at_k, summarize, task_results
+from astuner.types import Episode, LLMCall, Task
+
+
+def test_pass_at_k_by_hand():
+    # n = 4 samples, c = 1 success: pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5; pass@4 = 1.
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == 1.0
+    # n = 5, c = 2: pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7; pass@3 = 1 - C(3,3)/C(5,3) = 0.9.
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(10, 3, 4) == pytest.approx(1 - math.comb(7, 4) / math.comb(10, 4))
+    with pytest.raises(ValueError, match="at least 5 samples"):
+        pass_at_k(4, 1, 5)
+    assert ks_for(8) == [1, 2, 4, 8] and ks_for(6) == [1, 2, 4, 6] and ks_for(1) == [1]
+
+
+def test_paired_difference_and_its_interval():
+    x = [0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    y = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # better on 3 tasks, never worse: mean +3/8
+    mean, low, high = paired_difference(x, y)
+    assert mean == pytest.approx(0.375)
+    assert 0.0 <= low < 0.375 < high <= 0.75  # every resampled mean lies in [0, 6/8]
+    assert paired_difference(x, x) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_difference(x, y[:3])
+
+
+def _episode(task_id, i, success, tokens=3, tag="val"):
+    call = LLMCall(prompt_ids=[1], response_ids=[2] * tokens, response_logprobs=[-0.1] * tokens,
+                   finish_reason="stop", temperature=1.0)
+    return Episode(Task(task_id, "q"), i, f"{tag}:{task_id}#{i}", calls=[call], reward=float(success),
+                   is_success=success)
+
+
+def test_task_results_and_summary_by_hand():
+    greedy = [_episode("a", 0, True), _episode("b", 0, False)]
+    sampled = [_episode("a", i, s) for i, s in enumerate([True, False, True, True])]
+    sampled += [_episode("b", i, s, tokens=5) for i, s in enumerate([False, False, False, True])]
+    results = task_results(greedy, sampled, [1, 2, 4])
+    assert [(r.task_id, r.samples, r.successes) for r in results] == [("a", 4, 3), ("b", 4, 1)]
+    # a: pass@2 = 1 - C(1,2)/C(4,2) = 1; b: 0.5 (above).
+    assert results[0].pass_at == pytest.approx({1: 0.75, 2: 1.0, 4: 1.0})
+    assert results[1].pass_at == pytest.approx({1: 0.25, 2: 0.5, 4: 1.0})
+    summary = summarize(results, greedy + sampled, [1, 2, 4])
+    assert summary["greedy/success_rate"] == 0.5
+    assert summary["sampled/pass@1"] == pytest.approx(0.5) and summary["sampled/pass@2"] == pytest.approx(0.75)
+    assert summary["tokens_per_episode"] == pytest.approx((3 * 2 + 3 * 4 + 5 * 4) / 10)
+    assert summary["failure_rate"] == 0.0
+
+
+def test_eval_command_compares_two_models(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from tests.test_run_contract import write_run
+    from astuner.cli import main
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval_out"
+    code = main(["eval", "--conf", str(yaml), "--model", str(tiny_model_dir), "--model", str(tiny_model_dir),
+                 "--num-repeat", "2", "--out", str(out), "astuner.rollout.max_response_length_in_one_turn=4"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "sampled/pass@2" in printed and "[95% CI]" in printed
+    summary = json.loads((out / "eval_summary.json").read_text())
+    first, second = summary["models"]
+    assert first["label"] != second["label"]
+    # The same weights, greedy: identical per-task outcomes, so the paired difference is exactly 0.
+    assert summary["differences_from_first"][second["label"]]["greedy/success_rate"] == [0.0, 0.0, 0.0]
+    rows = list(csv.DictReader(open(out / "eval_tasks.csv")))
+    n_tasks = int(first["tasks"])
+    assert len(rows) == 2 * n_tasks and all(r["samples"] == "2" for r in rows)
+    assert set(rows[0]) >= {"greedy_success", "pass@1", "pass@2", "tokens_per_episode"}
+
+
+def test_eval_command_bad_input(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from tests.test_run_contract import write_run
+    from astuner.cli import main
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--conf", str(yaml), "--model", str(tmp_path)]) == 2
+    assert "not a model folder" in capsys.readouterr().err
+    assert main(["eval", "--conf", str(yaml), "--split", "test"]) == 2
+    assert "val, train" in capsys.readouterr().err

@@ -47,7 +47,7 @@ class Stages(Protocol):
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
                 sampled_repeats: int | None = None) -> list[Episode]: ...
 
-    def train(self, samples: list[Sample]) -> dict[str, float]: ...
+    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]: ...
 
     def sync_weights(self) -> None: ...
 
@@ -84,6 +84,8 @@ class LoopSettings:
     filter_metric: str = "score"
     max_num_gen_batches: int = 0
     val_num_repeat: int = 1
+    algorithm: str = "grpo"  # or "rft": SFT on the calls of episodes with reward >= rft_threshold
+    rft_threshold: float = 1.0
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
@@ -111,6 +113,8 @@ class LoopSettings:
             filter_metric=fg.metric if fg.enable else "score",
             max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
             val_num_repeat=tc.val_num_repeat,
+            algorithm=tc.algorithm.type,
+            rft_threshold=tc.algorithm.rft_reward_threshold if tc.algorithm.type == "rft" else 1.0,
         )
 
 
@@ -314,6 +318,9 @@ def run_loop(
                 f"First error: {state.first_error or 'none recorded'}. Fix the workflow (run with --backbone debug "
                 f"and a breakpoint in it), or raise astuner.rollout.episode_timeout if the episodes are just slow."
             )
+        rft = settings.algorithm == "rft"
+        if rft:  # rejection sampling: only episodes that pass the threshold, learnt by SFT on their exact ids
+            trained = [e for e in episodes if e.trainable and e.reward >= settings.rft_threshold]
         samples = episodes_to_samples(
             trained,
             adv_estimator=settings.adv_estimator,
@@ -321,8 +328,12 @@ def run_loop(
             epsilon=settings.adv_epsilon,
             max_sample_per_task=settings.max_sample_per_task,
             sample_mode=settings.sample_mode,
+            constant_advantage=1.0 if rft else None,
         )
-        train_metrics = stages.train(samples) if samples else {}
+        if not samples:
+            train_metrics = {}
+        else:
+            train_metrics = stages.train(samples, objective="sft") if rft else stages.train(samples)
         t2 = time.perf_counter()
         stages.sync_weights()
         t3 = time.perf_counter()
@@ -342,6 +353,8 @@ def run_loop(
         })
         if settings.filter_groups:
             metrics.update({f"train/dynamic_sampling/{k}": float(v) for k, v in fill.items()})
+        if rft:
+            metrics["train/rft_kept_episode_fraction"] = len(trained) / max(len(episodes), 1)
         monitor.log_metrics(step, metrics)
         monitor.save_episodes(step, episodes, "train", samples)
         summary.steps = step
@@ -397,6 +410,8 @@ def _check_idle(state: ResumeState, settings: LoopSettings, samples: list[Sample
         return
     state.idle_steps += 1
     why = (
+        f"no episode reached algorithm.rft_reward_threshold = {settings.rft_threshold:g}"
+        if settings.algorithm == "rft" else
         "every task's episodes got the same reward (train/zero_adv_group_fraction = 1.0), so every GRPO advantage "
         "is 0" if zero_frac == 1.0 else "no episode produced a trainable sample"
     )

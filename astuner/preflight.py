@@ -165,6 +165,7 @@ def available_memory(device: str) -> int | None:
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
     import torch
 
+    from astuner.runtime import optimizer_steps_per_step
     from astuner.tools.python_exec import describe_sandbox
 
     a, tc = typed.astuner, typed.astuner.trainer_common
@@ -175,13 +176,13 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         engine=a.rollout.engine,
         tasks_per_step=a.data.train_batch_size,
         episodes_per_step=a.data.train_batch_size * a.rollout.num_repeat,
-        optimizer_steps_per_step=tc.mini_batch_num,
+        optimizer_steps_per_step=optimizer_steps_per_step(typed),
         micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
         total_steps=total_steps,
         max_model_len=max_model_len,
         trainer_bytes=16 * P,
         engine_bytes=4 * P,
-        ref_bytes=4 * P if tc.use_kl_loss else 0,
+        ref_bytes=4 * P if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),

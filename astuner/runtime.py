@@ -122,6 +122,16 @@ def load_tokenizer(model_path: str):
     return tokenizer
 
 
+def optimizer_steps_per_step(typed) -> int:
+    """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
+    RFT, one for the preference losses."""
+    tc = typed.astuner.trainer_common
+    kind = tc.algorithm.type
+    if kind in ("dpo", "orpo"):
+        return 1
+    return tc.mini_batch_num * (tc.ppo_epochs if kind == "grpo" else 1)
+
+
 def build_trainer(typed, model_path: str, total_steps: int):
     from astuner.trainer import Trainer
 
@@ -134,8 +144,9 @@ def build_trainer(typed, model_path: str, total_steps: int):
         lr_scheduler_type=tc.optim.lr_scheduler_type,
         # Read only where it acts (the start-up warning names it otherwise).
         min_lr_ratio=tc.optim.min_lr_ratio if tc.optim.lr_scheduler_type in ("cosine", "linear") else 0.0,
-        total_optimizer_steps=total_steps * tc.mini_batch_num * tc.ppo_epochs,
+        total_optimizer_steps=total_steps * optimizer_steps_per_step(typed),
         ppo_epochs=tc.ppo_epochs,
+        reference_model=tc.algorithm.type == "dpo",
         loss_mode=tc.policy_loss.loss_mode,
         entropy_coeff=tc.entropy_coeff,
         grad_clip=tc.optim.grad_clip,

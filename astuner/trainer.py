@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from astuner.resume import RESUME_DIR
-from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, token_weights
+from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
+                                    token_weights)
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class Trainer:
         ppo_epochs: int = 1,
         loss_mode: str = "vanilla",
         entropy_coeff: float = 0.0,
+        reference_model: bool = False,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -181,8 +183,8 @@ class Trainer:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model = model.to(self.device).eval()
-        self.ref_model = None
-        if use_kl_loss:
+        self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
+        if use_kl_loss or reference_model:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -285,8 +287,10 @@ class Trainer:
 
     # --- training --------------------------------------------------------------------------------------------
 
-    def accumulate_gradients(self, samples: list[Sample], record_logprobs: bool = False) -> dict[str, float]:
+    def accumulate_gradients(self, samples: list[Sample], record_logprobs: bool = False,
+                             objective: str = "policy") -> dict[str, float]:
         """Backward the loss of one mini-batch, micro-batch by micro-batch, into `.grad` (no optimizer step).
+        objective "policy": `policy_loss`; "sft": `sft_loss` (advantages and old logprobs unused).
 
         Returns sums over the mini-batch: loss, response tokens, token-summed stats, tokens processed, counts.
         """
@@ -303,7 +307,7 @@ class Trainer:
         )
         # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the KL or the entropy
         # term is on.
-        every_token_counts = self.ref_model is not None or self.entropy_coeff > 0
+        every_token_counts = self.use_kl_loss or self.entropy_coeff > 0 or objective == "sft"
         keep = [
             i for i, s in enumerate(samples)
             if weights_B[i] > 0 and (every_token_counts or s.advantage != 0.0)
@@ -312,7 +316,7 @@ class Trainer:
         dev = self.device
         sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "clip_fraction_lower",
                                                          "approx_kl_old", "ratio_mean", "kl_ref", "entropy",
-                                                         "logprob_abs_diff", "logprob_abs_diff_max")}
+                                                         "logprob_abs_diff", "logprob_abs_diff_max", "nll")}
         n_tokens_R = 0
         micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
         for idx in micro_batches:
@@ -326,7 +330,7 @@ class Trainer:
             w_R = torch.tensor([w for w, n in zip(mb_weights, lengths) for _ in range(n)], device=dev) * mask_R
 
             ref_R = None
-            if self.ref_model is not None:
+            if self.use_kl_loss and objective == "policy":
                 with torch.no_grad():
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True,
@@ -336,12 +340,15 @@ class Trainer:
                 flat = logprobs_R.detach().cpu().tolist()
                 for s, start, n in zip(mb, _offsets(lengths), lengths):
                     s.trainer_logprobs = flat[start : start + n]
-            loss, stats = policy_loss(
-                logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
-                ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
-                loss_mode=self.loss_mode, seq_index_R=seq_index_R, entropy_R=entropy_R,
-                entropy_coeff=self.entropy_coeff,
-            )
+            if objective == "sft":
+                loss, stats = sft_loss(logprobs_R, w_R, mask_R)
+            else:
+                loss, stats = policy_loss(
+                    logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
+                    ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
+                    loss_mode=self.loss_mode, seq_index_R=seq_index_R, entropy_R=entropy_R,
+                    entropy_coeff=self.entropy_coeff,
+                )
             loss.backward()
 
             n_tokens_R += int(mask_R.sum().item())
@@ -382,26 +389,32 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
         """One training step: `ppo_epochs` passes over `samples`, each `mini_batch_num` optimizer steps (see the
         module docstring). Every pass uses the same old logprobs (the engine's), so from the second optimizer
-        step on the ratio moves away from 1 and the clip acts."""
+        step on the ratio moves away from 1 and the clip acts. objective "sft": one pass of the SFT loss (the
+        samples' assistant tokens, `loss_mask`), aggregated by `loss_agg_mode` like the policy loss."""
+        if objective not in ("policy", "sft"):
+            raise ValueError(f"unknown objective {objective!r}; available: policy, sft")
         start = time.perf_counter()
         self.model.eval()  # no dropout: ratio is exactly 1 before the first update
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
-        totals = {k: 0.0 for k in ("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref",
-                                   "entropy")}
+        reported = (("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref", "entropy")
+                    if objective == "policy" else ("nll", "entropy"))
+        totals = {k: 0.0 for k in reported}
         losses, grad_norms = [], []
         n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
-        passes = [mb for _ in range(self.ppo_epochs) for mb in split_mini_batches(samples, self.mini_batch_num)]
+        epochs = self.ppo_epochs if objective == "policy" else 1
+        passes = [mb for _ in range(epochs) for mb in split_mini_batches(samples, self.mini_batch_num)]
         for mini_batch in passes:
-            sums = self.accumulate_gradients(mini_batch, record_logprobs=not losses)
+            sums = self.accumulate_gradients(mini_batch, record_logprobs=not losses and objective == "policy",
+                                             objective=objective)
             n_micro += sums["num_micro_batches"]
             n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
             if sums["response_tokens"] == 0:
                 self.optimizer.zero_grad(set_to_none=True)
                 continue  # nothing carries a gradient: no step (weight decay alone is not a reason to move)
-            if not losses:
+            if not losses and objective == "policy":
                 # Only the first mini-batch is forwarded before any update: there trainer and engine logprobs
                 # of the sampled tokens should agree (fp32 on CPU: ~1e-6); a gap means a broken sync or pipeline.
                 metrics["logprob_abs_diff_mean"] = sums["logprob_abs_diff"] / sums["response_tokens"]
@@ -418,10 +431,10 @@ class Trainer:
         seconds = time.perf_counter() - start
 
         if losses:
-            metrics["policy_loss"] = sum(losses) / len(losses)
+            metrics["policy_loss" if objective == "policy" else "sft_loss"] = sum(losses) / len(losses)
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
             for k, v in totals.items():
-                if k != "kl_ref" or self.ref_model is not None:
+                if k != "kl_ref" or self.use_kl_loss:
                     # Clip counts cover every weighted token (see the module docstring); the rest, those forwarded.
                     metrics[k] = v / (n_weighted if k.startswith("clip_fraction") else n_tokens_R)
             metrics["forwarded_token_fraction"] = n_tokens_R / max(n_weighted, 1)
@@ -430,7 +443,7 @@ class Trainer:
             train_tokens_per_s=train_tokens / seconds if seconds > 0 else 0.0,
             num_micro_batches=float(n_micro),
             num_optimizer_steps=float(len(losses)),
-            num_samples_skipped_zero_adv=float(n_skipped / self.ppo_epochs),
+            num_samples_skipped_zero_adv=float(n_skipped / epochs),
         )
         return metrics
 

@@ -140,8 +140,8 @@ def test_rollout_progress_counts_every_episode():
     class Runner:
         settings = SimpleNamespace(num_repeat=3)
 
-        def run(self, tasks, validation, on_episode_done=None, step=0):
-            for _ in range(len(tasks) * (1 if validation else 3)):
+        def run(self, tasks, validation, on_episode_done=None, step=0, sampled_repeats=None):
+            for _ in range(len(tasks) * ((sampled_repeats or 1) if validation else 3)):
                 on_episode_done(None)
             return []
 
@@ -164,4 +164,6 @@ def test_rollout_progress_counts_every_episode():
     stages = InProcessStages(Runner(), None, None, Path("."), None, progress=Bar)
     stages.rollout([object()] * 4, validation=False)
     stages.rollout([object()] * 4, validation=True)
-    assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4)]
+    stages.rollout([object()] * 4, validation=True, sampled_repeats=5)  # pass@k validation
+    assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4),
+                                                      ("validation", 20, 20)]

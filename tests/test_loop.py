@@ -232,3 +232,19 @@ def test_validation_reports_pass_at_k_with_val_num_repeat():
     greedy_only = FakeMonitor()
     run_loop(settings(total_training_steps=1), FakeStages(), TASKS, TASKS[:2], greedy_only)
     assert "val/pass@1" not in next(m for _, m in greedy_only.logged if "val/accuracy" in m)
+
+
+def test_rft_trains_sft_on_episodes_that_pass_the_threshold():
+    class Recording(FakeStages):
+        def train(self, samples, objective="policy"):
+            self.events.append(("train", len(samples), objective, sorted({s.advantage for s in samples})))
+            return {}
+
+    stages, monitor = Recording(), FakeMonitor()  # rewards 0 and 1 per task (repeat index)
+    run_loop(settings(total_training_steps=2, algorithm="rft", rft_threshold=1.0), stages, TASKS, [], monitor)
+    # 2 tasks x 2 episodes per step; the reward-1 episode of each task is kept: 2 samples, advantage 1, SFT.
+    assert [e for e in stages.events if e[0] == "train"] == [("train", 2, "sft", [1.0])] * 2
+    assert monitor.logged[0][1]["train/rft_kept_episode_fraction"] == 0.5
+    with pytest.raises(TrainingStalled, match="no episode reached algorithm.rft_reward_threshold = 2"):
+        run_loop(settings(total_training_steps=4, algorithm="rft", rft_threshold=2.0, max_idle_steps=2),
+                 Recording(), TASKS, [], FakeMonitor())

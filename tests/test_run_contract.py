@@ -150,6 +150,8 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         f"astuner.rollout.agentscope_workflow='{workflow}->EnvServiceWorkflow'",
         "astuner.task_judge.judge_protocol='astuner.task_judge.env_service_judge->EnvServiceJudge'",
         "astuner.rollout.multi_turn.sample_mode=merge",
+        "astuner.trainer_common.algorithm.type=rft",
+        "astuner.trainer_common.algorithm.rft_reward_threshold=0.0",
     ])
     assert leaves - reads_c - inactive_c - READ_WHILE_LOADING == set()
     assert not env_server[1].instances  # the judge released every instance
@@ -157,7 +159,18 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     later = {k for k in leaves if k.startswith(("astuner.rollout.tensor_model_parallel_size",
                                                 "astuner.rollout.max_num_seqs", "astuner.rollout.gpu_memory",
                                                 "astuner.trainer_common.trinity_only"))}
-    assert leaves - reads_a - reads_b - reads_c - READ_WHILE_LOADING == later
+    # Run D: DPO on offline pairs (no rollouts).
+    folder = tmp_path / "d"
+    yaml = write_run(folder, tiny_model_dir)
+    pair = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello!"}],
+            "rejected": [{"role": "assistant", "content": "Go away."}]}
+    for name in ("pairs.jsonl", "val_pairs.jsonl"):
+        (folder / name).write_text(json.dumps(pair) + "\n")
+    reads_d, inactive_d = keys_read_by_a_run(yaml, one_step + [
+        "astuner.trainer_common.algorithm.type=dpo", "astuner.offline_data.train_file=pairs.jsonl",
+        "astuner.offline_data.val_file=val_pairs.jsonl"])
+    assert {"astuner.trainer_common.algorithm.beta", "astuner.offline_data.train_file"} <= reads_d
+    assert leaves - reads_a - reads_b - reads_c - reads_d - READ_WHILE_LOADING == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

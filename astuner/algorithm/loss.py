@@ -181,3 +181,10 @@ def policy_loss(
         stats["logprob_abs_diff"] = diff_R.sum()
         stats["logprob_abs_diff_max"] = diff_R.max() if diff_R.numel() else diff_R.sum()
     return loss, stats
+
+
+def sft_loss(logprobs_R: Tensor, weights_R: Tensor, mask_R: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised loss L = -sum_t w_t * logp_t over the trained tokens (mask folded into the weights by the caller,
+    as for the policy loss); stats: `nll`, the token sum of -logp over the trained tokens."""
+    loss = -(weights_R * logprobs_R).sum()
+    return loss, {"nll": -(logprobs_R.detach() * mask_R).sum()}

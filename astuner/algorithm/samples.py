@@ -51,15 +51,20 @@ def episodes_to_samples(
     epsilon: float,
     max_sample_per_task: int,
     sample_mode: str = "per_call",
+    constant_advantage: float | None = None,
 ) -> list[Sample]:
     """Samples of all trainable episodes, episode by episode, calls in order (rules in the module docstring)."""
     if sample_mode not in SAMPLE_MODES:
         raise ValueError(f"sample_mode must be one of {', '.join(SAMPLE_MODES)}, got {sample_mode!r}")
     estimator = get_adv_estimator(adv_estimator)
     trainable = [ep for ep in episodes if ep.trainable]
-    advantages_E = estimator(
-        [ep.reward for ep in trainable], [ep.group_id for ep in trainable], norm_by_std=norm_by_std, epsilon=epsilon
-    )
+    if constant_advantage is not None:  # rejection-sampling fine-tuning: every kept episode weighs the same
+        advantages_E = [constant_advantage] * len(trainable)
+    else:
+        advantages_E = estimator(
+            [ep.reward for ep in trainable], [ep.group_id for ep in trainable], norm_by_std=norm_by_std,
+            epsilon=epsilon,
+        )
 
     samples: list[Sample] = []
     for ep, adv in zip(trainable, advantages_E):

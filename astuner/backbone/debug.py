@@ -33,9 +33,9 @@ class InProcessStages:
         finally:
             release_freed_memory()
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
         try:
-            return self.trainer.train_step(samples)
+            return self.trainer.train_step(samples, objective=objective)
         finally:
             release_freed_memory()
 
@@ -67,7 +67,13 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     from astuner.monitor import Monitor, announce, setup_logging
     from astuner.runtime import build_runtime
 
+    from astuner.config.applicability import OFFLINE_TYPES
+
     typed = loaded.typed
+    if typed.astuner.trainer_common.algorithm.type in OFFLINE_TYPES:
+        from astuner.offline.run import run_offline
+
+        return run_offline(loaded, checkpoint=checkpoint)
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))

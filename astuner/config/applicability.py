@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from astuner.config.compose import LoadedConfig
 
+OFFLINE_TYPES = ("sft", "dpo", "orpo")  # trained on astuner.offline_data, no rollouts
+
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
 Rule = tuple[str, Callable[[Any, str], bool]]
 APPLIES_ONLY_WITH: dict[str, Rule] = {
@@ -29,6 +31,15 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.task_reader.huggingface_dat_repo": (
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",
+    ),
+    "astuner.offline_data": (
+        "with algorithm.type sft, dpo or orpo", lambda c, b: c.astuner.trainer_common.algorithm.type in OFFLINE_TYPES
+    ),
+    "astuner.trainer_common.algorithm.beta": (
+        "with algorithm.type dpo or orpo", lambda c, b: c.astuner.trainer_common.algorithm.type in ("dpo", "orpo")
+    ),
+    "astuner.trainer_common.algorithm.rft_reward_threshold": (
+        "with algorithm.type rft", lambda c, b: c.astuner.trainer_common.algorithm.type == "rft"
     ),
     "astuner.task_judge.judge_protocol": ("with task_judge.combine empty", lambda c, b: not c.astuner.task_judge.combine),
     "astuner.trainer_common.kl_loss_coef": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),

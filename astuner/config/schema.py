@@ -235,6 +235,14 @@ class FilterGroups(Section):
 
 
 class AlgorithmSection(Section):
+    type: Literal["grpo", "rft", "sft", "dpo", "orpo"] = key(
+        "grpo",
+        "grpo: RL on rollouts (adv_estimator picks the GRPO-family variant) | rft: rejection-sampling fine-tuning "
+        "on rollouts (keep episodes with reward >= rft_reward_threshold, SFT on their calls) | sft | dpo | orpo: "
+        "on astuner.offline_data (chat jsonl; no rollouts).",
+    )
+    beta: float = key(0.1, "dpo: the KL temperature beta | orpo: the weight (lambda) of the odds-ratio term.", gt=0)
+    rft_reward_threshold: float = key(1.0, "rft: episodes whose reward is at least this are trained on.")
     adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = key(
         "grpo",
         "Advantage estimator: grpo | dr_grpo (r - mean, pair with loss_agg_mode seq-mean-token-sum-norm) | rloo "
@@ -323,6 +331,16 @@ class AuxiliaryModelSection(Section):
     timeout: float = key(120.0, "Seconds one endpoint call may take (with retries inside it).", gt=0)
 
 
+class OfflineDataSection(Section):
+    train_file: Optional[str] = key(
+        None,
+        'For algorithm.type sft, dpo, orpo: a .jsonl of conversations. sft: {"messages": [...], "tools": [...]} '
+        '(OpenAI chat messages, tool calls and tool results included; loss on assistant tokens only). dpo, orpo: '
+        '{"prompt": [...], "chosen": [...], "rejected": [...]} (message lists, as in TRL).',
+    )
+    val_file: Optional[str] = key(None, "Same format; its loss is logged every test_freq steps (val/loss).")
+
+
 class LogviewSection(Section):
     port: int = key(
         0, "Port of the log viewer that --with-logview starts on 127.0.0.1; 0: any free port (the URL is printed).",
@@ -349,6 +367,9 @@ class AstunerSection(Section):
         "or {judge: {base_url: ..., api_key_env: OPENAI_API_KEY, model_name: ...}}. Function workflows and judges "
         "get them as `auxiliary_models`, class workflows as `model_tuner.auxiliary_models`; never trained, their "
         "calls are logged as aux/<name>/... metrics.",
+    )
+    offline_data: OfflineDataSection = section(
+        OfflineDataSection, "Demonstrations or preference pairs for algorithm.type sft, dpo, orpo (no rollouts)."
     )
     logview: LogviewSection = section(
         LogviewSection, "The trajectory and metrics viewer (--with-logview; `astuner logview PATH` for a finished run)."

@@ -1,0 +1,133 @@
+"""Chat jsonl -> token ids with a mask on the assistant tokens, through the same renderer as the rollouts.
+
+A conversation is rendered once, as the chat template writes it, and tokenized with character offsets. Assistant
+message i owns the characters between
+    A = render(messages[:i], generation prompt)    and    B = render(messages[:i + 1]),
+cut after the end-of-turn marker (the model learns to stop; template glue after the marker is not trained).
+The template must render the conversation turn by turn (A a prefix of B, B a prefix of the whole); one that
+rewrites earlier turns (e.g. drops old reasoning) is refused with the message index.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from astuner.errors import UserError
+from astuner.types import Sample
+
+
+@dataclass
+class Example:
+    """One conversation: ids, and 1 where the token belongs to an assistant turn."""
+
+    ids: list[int]
+    mask: list[int]
+
+    def as_sample(self, uid: str) -> Sample:
+        """A Sample whose prompt is everything before the first assistant token (the trainer predicts the rest)."""
+        first = self.mask.index(1)
+        last = len(self.mask) - self.mask[::-1].index(1)
+        response = self.ids[first:last]
+        return Sample(self.ids[:first], response, [0.0] * len(response), 1.0, 1.0, uid,
+                      loss_mask=self.mask[first:last])
+
+
+def tokenize_conversation(renderer, messages: list[dict], tools: list[dict] | None,
+                          end_texts: tuple[str, ...]) -> Example:
+    """Ids and assistant mask of one conversation (rules in the module docstring)."""
+    if not messages or messages[0].get("role") == "assistant":
+        raise ValueError("a conversation must start with a system or user message")
+    full = renderer.render_text(messages, tools, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        a = renderer.render_text(messages[:i], tools)
+        b = renderer.render_text(messages[: i + 1], tools, add_generation_prompt=False)
+        if not (b.startswith(a) and full.startswith(b)):
+            raise ValueError(f"the chat template does not render message {i} as an extension of the earlier turns, "
+                             "so its tokens cannot be told apart")
+        turn = b[len(a):]
+        ends = [turn.rfind(t) + len(t) for t in end_texts if t and t in turn]
+        spans.append((len(a), len(a) + (max(ends) if ends else len(turn))))
+    if not spans:
+        raise ValueError("no assistant message to learn from")
+    encoded = renderer.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoded["offset_mapping"]]
+    if not any(mask):
+        raise ValueError("the assistant turns rendered to no tokens")
+    return Example(ids, mask)
+
+
+@dataclass
+class Pair:
+    chosen: Example
+    rejected: Example
+
+
+def _read_jsonl(path: Path, key: str) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"{key}: {path} is not a file")
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{key}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{key}: {path} line {n} is not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{key}: {path} line {n} is not a JSON object")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{key}: {path} has no rows")
+    return rows
+
+
+def _messages(row: dict, field: str, where: str) -> list[dict]:
+    value = row.get(field)
+    if isinstance(value, str):  # TRL also accepts a plain-text prompt / completion
+        value = [{"role": "user" if field == "prompt" else "assistant", "content": value}]
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
+        raise UserError(f"{where}: field {field!r} must be a list of chat messages ({{'role': ..., 'content': ...}})")
+    return value
+
+
+def load_examples(path: Path, kind: str, renderer, end_texts: tuple[str, ...], max_len: int,
+                  key: str) -> tuple[list, dict[str, int]]:
+    """Examples (sft) or Pairs (dpo, orpo) of a jsonl file, and counts of rows dropped for being too long.
+
+    A row whose template cannot be split into turns, or that has no assistant message, is an error naming the
+    line: training silently on part of a dataset is worse than stopping."""
+    rows = _read_jsonl(path, key)
+    out: list = []
+    dropped = {"too_long": 0}
+    for n, row in enumerate(rows, start=1):
+        where = f"{key}: {path} line {n}"
+        tools = row.get("tools")
+        try:
+            if kind == "sft":
+                items = [tokenize_conversation(renderer, _messages(row, "messages", where), tools, end_texts)]
+                item = items[0]
+            else:
+                prompt = _messages(row, "prompt", where)
+                items = [tokenize_conversation(renderer, prompt + _messages(row, side, where), tools, end_texts)
+                         for side in ("chosen", "rejected")]
+                item = Pair(*items)
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+        if max(len(x.ids) for x in items) > max_len:
+            dropped["too_long"] += 1
+            continue
+        out.append(item)
+    if not out:
+        raise UserError(f"{key}: every row of {path} is longer than max_model_len={max_len} tokens; raise "
+                        "astuner.rollout.max_model_len or shorten the conversations")
+    return out, dropped

@@ -142,3 +142,19 @@ def test_bad_offline_data_names_the_line(tmp_path, tiny_model_dir, monkeypatch, 
     _write(tmp_path, "train.jsonl", [{"prompt": "hi", "chosen": "a"}])
     assert main(["--conf", str(_config(tmp_path, tiny_model_dir, "dpo"))]) == 2
     assert "field 'rejected' must be a list of chat messages" in capsys.readouterr().err
+
+
+def test_sft_resumes_at_the_exact_batch(tmp_path, tiny_model_dir, monkeypatch):
+    from astuner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "train.jsonl", _rows(6))
+    _write(tmp_path, "val.jsonl", _rows(2))
+    yaml = _config(tmp_path, tiny_model_dir, "sft")
+    every_step = "astuner.trainer_common.save_freq=1"
+    assert main(["--conf", str(yaml), every_step, "astuner.trainer_common.total_training_steps=2"]) == 0
+    assert main(["--conf", str(yaml), every_step, "astuner.trainer_common.total_training_steps=5"]) == 0
+    steps = [m["step"] for m in _metrics(tmp_path / "out_sft") if "actor/sft_loss" in m]
+    assert steps == [1, 2, 3, 4, 5]  # each step once, continuing at step 3
+    state = json.loads((tmp_path / "out_sft" / "global_step_5" / "astuner_resume" / "state.json").read_text())
+    assert (state["epoch"], state["position"]) == (1, 4)  # 6 rows, 2 per step: step 5 ends at row 4 of epoch 1

@@ -63,6 +63,9 @@ def launch(
     Example: astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug astuner.data.train_batch_size=4
 
     Open a run in the log viewer: astuner logview launcher_record/quickstart
+
+    Evaluate checkpoints (accuracy, pass@k, side by side): astuner eval --conf x.yaml --model base
+    --model launcher_record/quickstart/global_step_20
     """
     try:
         run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)

@@ -485,6 +485,10 @@ def test_grpo_family_settings_that_defeat_their_purpose_warn(tmp_path, elsewhere
     assert warnings("astuner: {trainer_common: {algorithm: {adv_estimator: dr_grpo}, "
                     "loss_agg_mode: seq-mean-token-sum-norm}}") == []
     assert any("3e-4" in w for w in warnings("astuner: {trainer_common: {policy_loss: {loss_mode: gspo}}}"))
+    offline = warnings("astuner: {trainer_common: {algorithm: {type: sft}, clip_ratio_low: 0.1}, "
+                       "rollout: {num_repeat: 4, max_model_len: 512}, offline_data: {train_file: a.jsonl}}")
+    assert any("without rollouts" in w and "astuner.rollout.num_repeat" in w and "clip_ratio_low" in w
+               and "max_model_len" not in w for w in offline)
 
 
 def test_inapplicable_keys_follow_engine_and_backbone(seed_file, elsewhere):

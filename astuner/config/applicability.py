@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from astuner.config.compose import LoadedConfig
 
 OFFLINE_TYPES = ("sft", "dpo", "orpo")  # trained on astuner.offline_data, no rollouts
+# What only rollouts and the policy-gradient loss read, and what an offline run still reads among them.
+ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.", "astuner.auxiliary_models",
+                "astuner.trainer_common.algorithm.adv_estimator", "astuner.trainer_common.algorithm.norm_adv",
+                "astuner.trainer_common.algorithm.epsilon", "astuner.trainer_common.algorithm.filter_groups",
+                "astuner.trainer_common.algorithm.rft_reward_threshold", "astuner.trainer_common.clip_ratio",
+                "astuner.trainer_common.policy_loss", "astuner.trainer_common.ppo_epochs",
+                "astuner.trainer_common.entropy_coeff", "astuner.trainer_common.val_num_repeat",
+                "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss")
+OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
 Rule = tuple[str, Callable[[Any, str], bool]]
@@ -118,6 +127,14 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
             "(4-16 is common)."
         )
     tc = typed.astuner.trainer_common
+    if tc.algorithm.type in OFFLINE_TYPES:
+        unused = [k for k in sorted(loaded.user_keys)
+                  if k.startswith(ROLLOUT_ONLY) and not k.startswith(OFFLINE_READS)]
+        if unused:
+            out.append(
+                f"algorithm.type {tc.algorithm.type} trains on astuner.offline_data without rollouts, so these keys "
+                f"have no effect: {', '.join(unused)}."
+            )
     if tc.algorithm.adv_estimator == "dr_grpo" and tc.loss_agg_mode != "seq-mean-token-sum-norm":
         out.append(
             f"adv_estimator dr_grpo runs with loss_agg_mode {tc.loss_agg_mode}: Dr. GRPO's second half is the "

@@ -19,9 +19,9 @@ advantage 0 is never clipped, so the skipped ones count as unclipped, exactly); 
 `forwarded_token_fraction` says what share of the weighted tokens that is.
 
 Not computed, on purpose: logits at prompt positions, an old-logprob pass (old logprobs are the engine's sampling
-logprobs), a reference forward unless the KL loss is on. Without the KL loss, samples whose advantage is exactly 0
-are not forwarded at all (unless entropy_coeff > 0): their loss and gradient are exactly 0, yet they still count in the token weights, so
-the result is unchanged.
+logprobs), a reference forward unless the KL loss is on. Without the KL loss and the entropy term, samples whose
+advantage is exactly 0 are not forwarded at all: their loss and gradient are exactly 0, yet they still count in
+the token weights, so the result is unchanged.
 
 Precision: fp32 master weights; on CUDA the forward runs under bf16 autocast, on CPU in plain fp32.
 The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
@@ -334,7 +334,8 @@ class Trainer:
                 with torch.no_grad():
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True,
-                                                           entropy_grad=self.entropy_coeff > 0)
+                                                           entropy_grad=self.entropy_coeff > 0
+                                                           and objective == "policy")
             seq_index_R = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev)
             if record_logprobs:  # before any update: the trainer's view of what the engine sampled (log viewer)
                 flat = logprobs_R.detach().cpu().tolist()

@@ -223,7 +223,7 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
         "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
         "rollout/merge_ratio": merge_ratio(episodes),
     }
-    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max"):
+    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:
             out[f"rollout/{name}"] = train_metrics[name]
     agents = sorted({c.agent for c in calls if c.agent})

@@ -147,6 +147,9 @@ def build_trainer(typed, model_path: str, total_steps: int):
         total_optimizer_steps=total_steps * optimizer_steps_per_step(typed),
         ppo_epochs=tc.ppo_epochs,
         reference_model=tc.algorithm.type == "dpo",
+        old_logprobs=tc.old_logprobs,
+        # Read only where it acts (the start-up warning names it otherwise).
+        rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,
         entropy_coeff=tc.entropy_coeff,
         grad_clip=tc.optim.grad_clip,

@@ -30,6 +30,7 @@ The model stays in eval mode (no dropout), so that before any update the trainer
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -46,6 +47,7 @@ from torch import Tensor
 from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
                                     token_weights)
+from astuner.algorithm.mismatch import mismatch_sums, truncated_is_weights
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,8 @@ class Trainer:
         loss_mode: str = "vanilla",
         entropy_coeff: float = 0.0,
         reference_model: bool = False,
+        old_logprobs: str = "engine",
+        rollout_is_cap: float | None = None,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -151,6 +155,10 @@ class Trainer:
             raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; available: {', '.join(KL_ESTIMATORS)}")
         if max_token_len_per_micro_batch < 1 or mini_batch_num < 1 or ppo_epochs < 1:
             raise ValueError("max_token_len_per_micro_batch, mini_batch_num and ppo_epochs must be >= 1")
+        if old_logprobs not in ("engine", "trainer"):
+            raise ValueError(f"old_logprobs must be engine or trainer, got {old_logprobs!r}")
+        if rollout_is_cap is not None and old_logprobs != "trainer":
+            raise ValueError("rollout_is_cap needs old_logprobs='trainer' (the weight is trainer/engine)")
         if loss_mode not in POLICY_LOSS_MODES:
             raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
 
@@ -174,6 +182,8 @@ class Trainer:
         self.ppo_epochs = ppo_epochs
         self.loss_mode = loss_mode
         self.entropy_coeff = entropy_coeff
+        self.old_logprobs = old_logprobs
+        self.rollout_is_cap = rollout_is_cap
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.optimizer_steps = 0
 
@@ -316,7 +326,8 @@ class Trainer:
         dev = self.device
         sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "clip_fraction_lower",
                                                          "approx_kl_old", "ratio_mean", "kl_ref", "entropy",
-                                                         "logprob_abs_diff", "logprob_abs_diff_max", "nll")}
+                                                         "logprob_abs_diff", "logprob_abs_diff_max", "nll",
+                                                         "kl_engine_trainer_k3", "is_weight_mean")}
         n_tokens_R = 0
         micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
         for idx in micro_batches:
@@ -333,6 +344,10 @@ class Trainer:
             if self.use_kl_loss and objective == "policy":
                 with torch.no_grad():
                     ref_R, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
+            is_w_R = None
+            if self.rollout_is_cap is not None and objective == "policy":
+                engine_R = torch.tensor([x for s in mb for x in s.engine_logprobs], device=dev, dtype=torch.float32)
+                is_w_R = truncated_is_weights(old_R, engine_R, self.rollout_is_cap)
             logprobs_R, entropy_R = self._forward_logprobs(self.model, mb, with_entropy=True,
                                                            entropy_grad=self.entropy_coeff > 0
                                                            and objective == "policy")
@@ -348,7 +363,7 @@ class Trainer:
                     logprobs_R, old_R, adv_R, w_R, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c,
                     ref_logprobs_R=ref_R, kl_coef=self.kl_loss_coef, kl_kind=self.kl_loss_type, mask_R=mask_R,
                     loss_mode=self.loss_mode, seq_index_R=seq_index_R, entropy_R=entropy_R,
-                    entropy_coeff=self.entropy_coeff,
+                    entropy_coeff=self.entropy_coeff, is_weights_R=is_w_R,
                 )
             loss.backward()
 
@@ -392,34 +407,43 @@ class Trainer:
 
     def train_step(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
         """One training step: `ppo_epochs` passes over `samples`, each `mini_batch_num` optimizer steps (see the
-        module docstring). Every pass uses the same old logprobs (the engine's), so from the second optimizer
-        step on the ratio moves away from 1 and the clip acts. objective "sft": one pass of the SFT loss (the
+        module docstring). Every pass uses the same old logprobs (the engine's, or with old_logprobs "trainer"
+        the trainer's recomputed before the first update), so from the second optimizer step on the ratio moves
+        away from 1 and the clip acts. objective "sft": one pass of the SFT loss (the
         samples' assistant tokens, `loss_mask`), aggregated by `loss_agg_mode` like the policy loss."""
         if objective not in ("policy", "sft"):
             raise ValueError(f"unknown objective {objective!r}; available: policy, sft")
         start = time.perf_counter()
         self.model.eval()  # no dropout: ratio is exactly 1 before the first update
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
+        recompute = objective == "policy" and self.old_logprobs == "trainer"
+        if recompute:
+            samples, mismatch = self.recompute_old_logprobs(samples)
+            metrics.update(mismatch)
         reported = (("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref", "entropy")
                     if objective == "policy" else ("nll", "entropy"))
+        if self.rollout_is_cap is not None and objective == "policy":
+            reported += ("is_weight_mean",)
         totals = {k: 0.0 for k in reported}
         losses, grad_norms = [], []
         n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
         epochs = self.ppo_epochs if objective == "policy" else 1
         passes = [mb for _ in range(epochs) for mb in split_mini_batches(samples, self.mini_batch_num)]
         for mini_batch in passes:
-            sums = self.accumulate_gradients(mini_batch, record_logprobs=not losses and objective == "policy",
-                                             objective=objective)
+            first = not losses and objective == "policy" and not recompute
+            sums = self.accumulate_gradients(mini_batch, record_logprobs=first, objective=objective)
             n_micro += sums["num_micro_batches"]
             n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
             if sums["response_tokens"] == 0:
                 self.optimizer.zero_grad(set_to_none=True)
                 continue  # nothing carries a gradient: no step (weight decay alone is not a reason to move)
-            if not losses and objective == "policy":
+            if first:
                 # Only the first mini-batch is forwarded before any update: there trainer and engine logprobs
                 # of the sampled tokens should agree (fp32 on CPU: ~1e-6); a gap means a broken sync or pipeline.
+                # (old_logprobs: trainer measures every sample, in recompute_old_logprobs.)
                 metrics["logprob_abs_diff_mean"] = sums["logprob_abs_diff"] / sums["response_tokens"]
                 metrics["logprob_abs_diff_max"] = sums["logprob_abs_diff_max"]
+                metrics["kl_engine_trainer_k3"] = sums["kl_engine_trainer_k3"] / sums["response_tokens"]
             grad_norm, lr = self._optimizer_step()
             losses.append(sums["loss"])
             grad_norms.append(grad_norm)
@@ -447,6 +471,36 @@ class Trainer:
             num_samples_skipped_zero_adv=float(n_skipped / epochs),
         )
         return metrics
+
+    @torch.no_grad()
+    def recompute_old_logprobs(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """old_logprobs: trainer. Copies of `samples` whose old logprobs are the trainer's (before any update)
+        and whose engine_logprobs keep the engine's, and the mismatch metrics over every trained token
+        (algorithm/mismatch.py). The originals get `trainer_logprobs` (log viewer)."""
+        out = list(samples)
+        sums = {"logprob_abs_diff": 0.0, "logprob_abs_diff_max": 0.0, "kl_engine_trainer_k3": 0.0}
+        tokens = 0.0
+        todo = [i for i, s in enumerate(samples) if s.response_ids]
+        for idx in split_micro_batches([samples[i].num_tokens for i in todo], self.max_token_len_per_micro_batch):
+            mb = [samples[todo[i]] for i in idx]
+            lengths = [len(s.response_ids) for s in mb]
+            logprobs_R, _ = self._forward_logprobs(self.model, mb, with_entropy=False)
+            engine_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=self.device)
+            mask_R = torch.tensor([m for s in mb for m in (s.loss_mask or [1] * len(s.response_ids))],
+                                  device=self.device, dtype=torch.float32)
+            for k, v in mismatch_sums(logprobs_R, engine_R, mask_R).items():
+                sums[k] = max(sums[k], v.item()) if k.endswith("_max") else sums[k] + v.item()
+            tokens += mask_R.sum().item()
+            flat = logprobs_R.cpu().tolist()
+            for i, start, n in zip(idx, _offsets(lengths), lengths):
+                original = samples[todo[i]]
+                original.trainer_logprobs = flat[start : start + n]
+                out[todo[i]] = dataclasses.replace(original, old_logprobs=original.trainer_logprobs,
+                                                   engine_logprobs=list(original.old_logprobs))
+        tokens = max(tokens, 1.0)
+        return out, {"logprob_abs_diff_mean": sums["logprob_abs_diff"] / tokens,
+                     "logprob_abs_diff_max": sums["logprob_abs_diff_max"],
+                     "kl_engine_trainer_k3": sums["kl_engine_trainer_k3"] / tokens}
 
     # --- weights out -----------------------------------------------------------------------------------------
 

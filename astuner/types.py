@@ -114,6 +114,8 @@ class Sample:
     loss_mask: list[int] | None = None
     call_indices: list[int] = field(default_factory=list)  # the episode's calls this sample holds, in order
     trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the trainer)
+    # The engine's sampling logprobs when old_logprobs were recomputed by the trainer (old_logprobs: trainer).
+    engine_logprobs: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -457,6 +457,9 @@ def test_inapplicable_keys_for_debug_with_hf(seed_file, elsewhere):
           "astuner.trainer_common.algorithm.filter_groups.metric"], []),
         ("astuner: {trainer_common: {policy_loss: {loss_mode: gspo}, clip_ratio_c: 5, clip_ratio_low: 0.0003, "
          "clip_ratio_high: 0.0004}}", ["astuner.trainer_common.clip_ratio_c"], ["astuner.trainer_common.clip_ratio_low"]),
+        ("astuner: {trainer_common: {rollout_is_cap: 2.0}}", ["astuner.trainer_common.rollout_is_cap"], []),
+        ("astuner: {trainer_common: {old_logprobs: trainer, rollout_is_cap: 2.0}}", [],
+         ["astuner.trainer_common.rollout_is_cap"]),
     ],
 )
 def test_keys_that_act_only_under_another_setting(tmp_path, elsewhere, yaml_text, inactive, active):

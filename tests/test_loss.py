@@ -209,3 +209,24 @@ def test_entropy_bonus_is_subtracted_with_its_gradient():
     with pytest.raises(ValueError, match="entropy_R with its gradient"):
         policy_loss(logp, logp.clone(), torch.zeros(2), torch.ones(2), 0.2, 0.28, entropy_R=entropy.detach(),
                     entropy_coeff=0.1)
+
+
+def test_mismatch_metrics_and_truncated_is_by_hand():
+    from astuner.algorithm.mismatch import mismatch_sums, truncated_is_weights
+
+    # d = trainer - engine = [0.1, -0.5, (masked) 3.0]: |d| sums to 0.6, max 0.5;
+    # k3 = (e^0.1 - 1 - 0.1) + (e^-0.5 - 1 + 0.5) = 0.0051709 + 0.1065307 = 0.1117016.
+    trainer = torch.tensor([-1.0, -2.0, -0.5])
+    engine = torch.tensor([-1.1, -1.5, -3.5])
+    sums = mismatch_sums(trainer, engine, torch.tensor([1.0, 1.0, 0.0]))
+    assert sums["logprob_abs_diff"].item() == pytest.approx(0.6, abs=1e-6)
+    assert sums["logprob_abs_diff_max"].item() == pytest.approx(0.5, abs=1e-6)
+    assert sums["kl_engine_trainer_k3"].item() == pytest.approx(0.1117016, abs=1e-6)
+    # w = min(exp(d), 1.05): exp(0.1) = 1.105 -> 1.05; exp(-0.5) = 0.6065307.
+    assert truncated_is_weights(trainer[:2], engine[:2], 1.05).tolist() == pytest.approx([1.05, 0.6065307], abs=1e-6)
+    # The weight multiplies the policy-gradient term: A = 1, ratio 1, weights 0.5 -> -0.5 * (1.05 + 0.6065307).
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, stats = policy_loss(logp, logp.detach().clone(), torch.ones(2), torch.full((2,), 0.5), 0.2, 0.28,
+                              is_weights_R=torch.tensor([1.05, 0.6065307]))
+    assert loss.item() == pytest.approx(-0.5 * 1.6565307, abs=1e-6)
+    assert stats["is_weight_mean"].item() == pytest.approx(1.6565307, abs=1e-6)

@@ -57,6 +57,7 @@ def test_client_and_endpoint_through_the_debug_backbone(tmp_path, tiny_model_dir
     assert metrics["rollout/prefix_reuse_rate"] == pytest.approx(0.5)
     assert metrics["rollout/merge_ratio"] == pytest.approx(0.5)
     assert metrics["rollout/logprob_abs_diff_mean"] < 1e-3
+    assert 0 <= metrics["rollout/kl_engine_trainer_k3"] < 1e-5  # fp32 engine and trainer on CPU agree
 
 
 @pytest.mark.parametrize("workflow", [

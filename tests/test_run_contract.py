@@ -125,7 +125,7 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     reads_a, inactive_a = keys_read_by_a_run(write_run(tmp_path / "a", tiny_model_dir), one_step)
     assert leaves - reads_a - inactive_a - READ_WHILE_LOADING == set()
     # Run B flips every condition: huggingface reader (a local folder), KL on, cosine LR, no std normalisation,
-    # dynamic sampling, GSPO.
+    # dynamic sampling, GSPO, trainer-recomputed old logprobs with truncated IS.
     folder = tmp_path / "b"
     yaml = write_run(folder, tiny_model_dir)
     (folder / "ds").mkdir()
@@ -139,6 +139,8 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.trainer_common.algorithm.filter_groups.enable=true",
         "astuner.trainer_common.algorithm.filter_groups.max_num_gen_batches=2",
         "astuner.trainer_common.policy_loss.loss_mode=gspo",
+        "astuner.trainer_common.old_logprobs=trainer",
+        "astuner.trainer_common.rollout_is_cap=2.0",
     ])
     assert leaves - reads_b - inactive_b - READ_WHILE_LOADING == set()
     # Run C: the environment-service reader and judge (the tutorial's service), merged samples.

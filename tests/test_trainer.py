@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -236,3 +238,29 @@ def test_metrics_say_which_tokens_they_cover(tiny_model_dir, demo_tokenizer):
     assert metrics["clip_fraction"] == pytest.approx(n_moving / (n_moving + n_still))
     assert metrics["forwarded_token_fraction"] == pytest.approx(n_moving / (n_moving + n_still))
     assert metrics["ratio_mean"] > 100  # over the forwarded tokens only
+
+
+def test_old_logprobs_from_the_trainer_and_truncated_is(tiny_model_dir, demo_tokenizer):
+    import math
+
+    engine_view = _trainer(tiny_model_dir)
+    samples = [_sample(engine_view, demo_tokenizer, "Hello", " there friend", 1.0, "a"),
+               _sample(engine_view, demo_tokenizer, "Bye", " now", -1.0, "b")]
+    for s in samples:  # an engine 0.3 nats more confident than the trainer on every token: d = -0.3
+        s.old_logprobs = [x + 0.3 for x in s.old_logprobs]
+    k3 = math.exp(-0.3) - 1 + 0.3  # 0.0408182
+
+    engine = _trainer(tiny_model_dir).train_step([dataclasses.replace(s) for s in samples])
+    assert engine["logprob_abs_diff_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert engine["kl_engine_trainer_k3"] == pytest.approx(k3, abs=1e-4)
+    assert engine["clip_fraction"] > 0  # ratio exp(-0.3) = 0.74 is outside [0.8, 1.28]
+
+    trainer = _trainer(tiny_model_dir, old_logprobs="trainer", rollout_is_cap=2.0)
+    metrics = trainer.train_step(samples)
+    assert metrics["logprob_abs_diff_mean"] == pytest.approx(0.3, abs=1e-4)  # measured on every sample
+    assert metrics["kl_engine_trainer_k3"] == pytest.approx(k3, abs=1e-4)
+    assert metrics["clip_fraction"] == 0.0 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["is_weight_mean"] == pytest.approx(math.exp(-0.3), abs=1e-4)
+    assert samples[0].trainer_logprobs is not None and samples[0].engine_logprobs is None  # originals untouched
+    with pytest.raises(ValueError, match="rollout_is_cap needs old_logprobs='trainer'"):
+        _trainer(tiny_model_dir, rollout_is_cap=2.0)

@@ -10,6 +10,7 @@ Per response token t of sample s (logp = log pi_theta, old = the engine's sampli
     pg_t        = min(pg_t, -A * clip_c)            if A < 0       (dual clip, verl's clip_ratio_c)
     kl_t        = logp_t - ref_t                                   (k1)
                 = clamp(exp(d) - d - 1, -10, 10), d = clamp(ref_t - logp_t, -20, 20)   (k3, as verl)
+    pg_t        = w_t * pg_t                                       (only with is_weights: truncated IS, mismatch.py)
     l_t         = pg_t + kl_coef * kl_t - entropy_coeff * H_t      (KL term only when a reference is given;
                                                                     H_t = entropy of pi_theta at t, with gradient)
 
@@ -52,6 +53,7 @@ import torch
 from torch import Tensor
 
 from astuner.algorithm.gspo import gspo_log_ratio
+from astuner.algorithm.mismatch import mismatch_sums
 
 # --- aggregation (token weights) ---------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ def policy_loss(
     seq_index_R: Tensor | None = None,
     entropy_R: Tensor | None = None,
     entropy_coeff: float = 0.0,
+    is_weights_R: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted PPO-clip loss over flattened response tokens R; returns (scalar loss, detached token-sum stats).
 
@@ -156,6 +159,8 @@ def policy_loss(
     pg3_R = -advantages_R * clip_c
     negative_R = (advantages_R < 0) if loss_mode == "vanilla" else torch.zeros_like(advantages_R, dtype=torch.bool)
     token_loss_R = torch.where(negative_R, torch.minimum(clipped_R, pg3_R), clipped_R)
+    if is_weights_R is not None:  # truncated importance sampling on the engine/trainer ratio (mismatch.py)
+        token_loss_R = is_weights_R * token_loss_R
 
     stats: dict[str, Tensor] = {}
     if ref_logprobs_R is not None:
@@ -175,11 +180,11 @@ def policy_loss(
         token_log_ratio_R = torch.clamp(logprobs_R.detach() - old_logprobs_R, -20.0, 20.0)
         stats["approx_kl_old"] = ((torch.exp(token_log_ratio_R) - 1.0 - token_log_ratio_R) * m_R).sum()
         stats["ratio_mean"] = (ratio_R * m_R).sum()
-        # Engine vs trainer (token level, whatever the loss mode): before the first update old_logprobs are the engine's sampling logprobs and
-        # logprobs_R the trainer's, so this is the train-inference mismatch (the trainer reports it from there).
-        diff_R = (logprobs_R.detach() - old_logprobs_R).abs() * m_R
-        stats["logprob_abs_diff"] = diff_R.sum()
-        stats["logprob_abs_diff_max"] = diff_R.max() if diff_R.numel() else diff_R.sum()
+        # Engine vs trainer (token level, whatever the loss mode): with old_logprobs = the engine's, before the
+        # first update this is the train-inference mismatch (the trainer reports it from there).
+        stats.update(mismatch_sums(logprobs_R, old_logprobs_R, m_R))
+        if is_weights_R is not None:
+            stats["is_weight_mean"] = (is_weights_R * m_R).sum()
     return loss, stats
 
 

@@ -21,7 +21,8 @@ ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.
                 "astuner.trainer_common.algorithm.rft_reward_threshold", "astuner.trainer_common.clip_ratio",
                 "astuner.trainer_common.policy_loss", "astuner.trainer_common.ppo_epochs",
                 "astuner.trainer_common.entropy_coeff", "astuner.trainer_common.val_num_repeat",
-                "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss")
+                "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss",
+                "astuner.trainer_common.old_logprobs", "astuner.trainer_common.rollout_is_cap")
 OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
@@ -66,6 +67,9 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     ),
     "astuner.trainer_common.algorithm.filter_groups.max_num_gen_batches": (
         "with filter_groups.enable true", lambda c, b: c.astuner.trainer_common.algorithm.filter_groups.enable
+    ),
+    "astuner.trainer_common.rollout_is_cap": (
+        "with old_logprobs trainer", lambda c, b: c.astuner.trainer_common.old_logprobs == "trainer"
     ),
     "astuner.trainer_common.clip_ratio_c": (
         "with policy_loss.loss_mode vanilla",

@@ -300,6 +300,19 @@ class TrainerCommonSection(Section):
     optim: OptimSection = section(OptimSection)
     algorithm: AlgorithmSection = section(AlgorithmSection)
     policy_loss: PolicyLossSection = section(PolicyLossSection, "The policy-gradient loss (verl's actor.policy_loss).")
+    old_logprobs: Literal["engine", "trainer"] = key(
+        "engine",
+        "The PPO ratio's denominator: engine (the sampling logprobs the rollout recorded; no extra pass) | trainer "
+        "(recomputed by the trainer before the first update, one more forward pass; the engine's stay for "
+        "rollout_is_cap). Formulas in astuner/algorithm/mismatch.py.",
+    )
+    rollout_is_cap: Optional[float] = key(
+        None,
+        "Truncated importance sampling on the engine/trainer ratio: each token's policy-gradient term is "
+        "multiplied by min(exp(trainer - engine logprob), cap). null: off (on CPU in fp32 the two agree to ~1e-6; "
+        "use it when rollout/kl_engine_trainer_k3 is large, e.g. bf16 vLLM; 2 is common).",
+        ge=1,
+    )
     entropy_coeff: float = key(
         0.0, "Subtract entropy_coeff * (token entropy, aggregated like the loss) from the loss; 0: off.", ge=0
     )

@@ -148,6 +148,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
         ppo_epochs=tc.ppo_epochs,
         reference_model=tc.algorithm.type == "dpo",
         old_logprobs=tc.old_logprobs,
+        gradient_checkpointing=tc.gradient_checkpointing,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,

@@ -79,6 +79,15 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, kind: 
     return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def _active_dropout(model) -> list[str]:
+    """Dropout that train mode would switch on: config probabilities and nn.Dropout modules above 0."""
+    found = [f"{k}={v}" for k, v in model.config.to_dict().items()
+             if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+    found += [f"{name} (p={m.p})" for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Dropout) and m.p > 0][:3]
+    return found
+
+
 def _offsets(lengths: list[int]) -> list[int]:
     out, total = [], 0
     for n in lengths:
@@ -144,6 +153,7 @@ class Trainer:
         reference_model: bool = False,
         old_logprobs: str = "engine",
         rollout_is_cap: float | None = None,
+        gradient_checkpointing: bool = False,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -193,6 +203,15 @@ class Trainer:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model = model.to(self.device).eval()
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            # Hugging Face recomputes activations only in train mode; that mode must then compute what eval mode
+            # does (no dropout), or the PPO ratio would not start at 1.
+            active = _active_dropout(self.model)
+            if active:
+                raise ValueError(f"gradient_checkpointing needs a model without dropout; {self.model_path} has "
+                                 f"{', '.join(active)}: set them to 0 in its config.json")
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
         if use_kl_loss or reference_model:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -414,7 +433,9 @@ class Trainer:
         if objective not in ("policy", "sft"):
             raise ValueError(f"unknown objective {objective!r}; available: policy, sft")
         start = time.perf_counter()
-        self.model.eval()  # no dropout: ratio is exactly 1 before the first update
+        # No dropout: the ratio is exactly 1 before the first update (train mode only to let HF recompute
+        # activations, on a model checked to have no dropout).
+        self.model.train(self.gradient_checkpointing)
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
         recompute = objective == "policy" and self.old_logprobs == "trainer"
         if recompute:

@@ -34,6 +34,7 @@ def preference_step(trainer: Trainer, pairs: list[Pair], kind: str, beta: float,
     if needs_ref and trainer.ref_model is None:
         raise ValueError(f"{kind} needs the trainer's reference model (Trainer(reference_model=True))")
     start = time.perf_counter()
+    trainer.model.train(train and trainer.gradient_checkpointing)  # train mode only to recompute activations
     chosen = [p.chosen.as_sample(f"pair{i}/chosen") for i, p in enumerate(pairs)]
     rejected = [p.rejected.as_sample(f"pair{i}/rejected") for i, p in enumerate(pairs)]
     chosen_total = float(sum(s.num_trained_tokens for s in chosen))

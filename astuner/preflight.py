@@ -162,10 +162,19 @@ def available_memory(device: str) -> int | None:
     return available
 
 
+def optimizer_steps_per_step(typed) -> int:
+    """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
+    RFT, one for the preference losses."""
+    tc = typed.astuner.trainer_common
+    kind = tc.algorithm.type
+    if kind in ("dpo", "orpo"):
+        return 1
+    return tc.mini_batch_num * (tc.ppo_epochs if kind == "grpo" else 1)
+
+
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
     import torch
 
-    from astuner.runtime import optimizer_steps_per_step
     from astuner.tools.python_exec import describe_sandbox
 
     a, tc = typed.astuner, typed.astuner.trainer_common

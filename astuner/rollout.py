@@ -119,10 +119,11 @@ class RolloutRunner:
         texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in self.stop_token_ids]
         return tuple(dict.fromkeys(texts + [getattr(self.tokenizer, "eos_token", None) or ""]))
 
-    def close(self) -> None:
-        """Stop the loopback endpoint, if an agent started it, and the auxiliary models' engines."""
+    def close(self, auxiliary: bool = True) -> None:
+        """Stop the loopback endpoint, if an agent started it, and (unless `auxiliary` is False: a caller that
+        shares the pool between runners) the auxiliary models' engines."""
         self.gateway.close()
-        if self.auxiliary is not None:
+        if auxiliary and self.auxiliary is not None:
             self.auxiliary.shutdown()
 
     def run(

@@ -122,17 +122,8 @@ def load_tokenizer(model_path: str):
     return tokenizer
 
 
-def optimizer_steps_per_step(typed) -> int:
-    """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
-    RFT, one for the preference losses."""
-    tc = typed.astuner.trainer_common
-    kind = tc.algorithm.type
-    if kind in ("dpo", "orpo"):
-        return 1
-    return tc.mini_batch_num * (tc.ppo_epochs if kind == "grpo" else 1)
-
-
 def build_trainer(typed, model_path: str, total_steps: int):
+    from astuner import preflight
     from astuner.trainer import Trainer
 
     tc = typed.astuner.trainer_common
@@ -144,7 +135,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
         lr_scheduler_type=tc.optim.lr_scheduler_type,
         # Read only where it acts (the start-up warning names it otherwise).
         min_lr_ratio=tc.optim.min_lr_ratio if tc.optim.lr_scheduler_type in ("cosine", "linear") else 0.0,
-        total_optimizer_steps=total_steps * optimizer_steps_per_step(typed),
+        total_optimizer_steps=total_steps * preflight.optimizer_steps_per_step(typed),
         ppo_epochs=tc.ppo_epochs,
         reference_model=tc.algorithm.type == "dpo",
         old_logprobs=tc.old_logprobs,

@@ -12,6 +12,7 @@ One `train_step(samples)`, repeated `ppo_epochs` times over the same samples and
      logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
      calls), loss = `algorithm.loss.policy_loss`, backward;
   5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant, cosine or linear).
+The splitting (steps 1 and 3) and the schedule are pure functions in `astuner/step_plan.py`.
 
 Metrics cover these tokens: `clip_fraction`, `clip_fraction_lower` every loss-weighted response token (a token with
 advantage 0 is never clipped, so the skipped ones count as unclipped, exactly); `entropy`, `ratio_mean`,
@@ -33,7 +34,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -48,6 +48,7 @@ from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
                                     token_weights)
 from astuner.algorithm.mismatch import mismatch_sums, truncated_is_weights
+from astuner.step_plan import lr_at, offsets, split_micro_batches, split_mini_batches
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
@@ -58,27 +59,6 @@ def _greedy_as_one(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, kind: str, min_lr_ratio: float) -> float:
-    """Learning rate of optimizer step `step` (0-based):
-
-        warmup  (step < W):  lr = base * (step + 1) / W
-        constant:            lr = base
-        cosine:              p = (step - W) / max(1, total - W - 1), clipped to [0, 1]
-                             lr = base * (m + (1 - m) * (1 + cos(pi * p)) / 2),   m = min_lr_ratio
-        linear:              lr = base * (1 - (1 - m) * p)       (same p: base right after warmup, m * base last)
-    """
-    if warmup_steps > 0 and step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    if kind == "constant":
-        return base_lr
-    if kind not in ("cosine", "linear"):
-        raise ValueError(f"unknown lr_scheduler_type {kind!r}; available: constant, cosine, linear")
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)))
-    if kind == "linear":
-        return base_lr * (1.0 - (1.0 - min_lr_ratio) * progress)
-    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
 def _active_dropout(model) -> list[str]:
     """Dropout that train mode would switch on: config probabilities and nn.Dropout modules above 0."""
     found = [f"{k}={v}" for k, v in model.config.to_dict().items()
@@ -86,43 +66,6 @@ def _active_dropout(model) -> list[str]:
     found += [f"{name} (p={m.p})" for name, m in model.named_modules()
               if isinstance(m, torch.nn.Dropout) and m.p > 0][:3]
     return found
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in lengths:
-        out.append(total)
-        total += n
-    return out
-
-
-def split_mini_batches(samples: list[Sample], mini_batch_num: int) -> list[list[Sample]]:
-    """Contiguous runs of episodes (order of first appearance), as even in episode count as possible."""
-    order: dict[str, list[Sample]] = {}
-    for s in samples:
-        order.setdefault(s.episode_uid, []).append(s)
-    episodes = list(order.values())
-    n = min(max(1, mini_batch_num), len(episodes))
-    size, extra = divmod(len(episodes), n) if n else (0, 0)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + size + (1 if i < extra else 0)
-        out.append([s for ep in episodes[start:stop] for s in ep])
-        start = stop
-    return out
-
-
-def split_micro_batches(lengths_B: list[int], budget: int) -> list[list[int]]:
-    """Indices per micro-batch: longest first, greedy while max_len * n_samples <= budget (rule in module doc)."""
-    order = sorted(range(len(lengths_B)), key=lambda i: (-lengths_B[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        # Longest first: the first sample of a micro-batch is its longest, so max_len is fixed once it opens.
-        if batches and lengths_B[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 class Trainer:
@@ -373,7 +316,7 @@ class Trainer:
             seq_index_R = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev)
             if record_logprobs:  # before any update: the trainer's view of what the engine sampled (log viewer)
                 flat = logprobs_R.detach().cpu().tolist()
-                for s, start, n in zip(mb, _offsets(lengths), lengths):
+                for s, start, n in zip(mb, offsets(lengths), lengths):
                     s.trainer_logprobs = flat[start : start + n]
             if objective == "sft":
                 loss, stats = sft_loss(logprobs_R, w_R, mask_R)
@@ -513,7 +456,7 @@ class Trainer:
                 sums[k] = max(sums[k], v.item()) if k.endswith("_max") else sums[k] + v.item()
             tokens += mask_R.sum().item()
             flat = logprobs_R.cpu().tolist()
-            for i, start, n in zip(idx, _offsets(lengths), lengths):
+            for i, start, n in zip(idx, offsets(lengths), lengths):
                 original = samples[todo[i]]
                 original.trainer_logprobs = flat[start : start + n]
                 out[todo[i]] = dataclasses.replace(original, old_logprobs=original.trainer_logprobs,

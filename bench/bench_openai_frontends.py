@@ -27,17 +27,9 @@ from pathlib import Path
 
 import torch
 
+from timing import best_of
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def make_tuner(engine, tokenizer, gateway, seed, max_tokens):

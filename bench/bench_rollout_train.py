@@ -24,19 +24,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from timing import best_of
 
 
 def bench_rollout(model_path, tokenizer, prompts_text, max_tokens, repeats):

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from astuner.trainer import Trainer, split_micro_batches, split_mini_batches
+from astuner.step_plan import split_micro_batches, split_mini_batches
+from astuner.trainer import Trainer
 from astuner.types import Sample
 
 
@@ -172,7 +173,7 @@ def test_checkpoint_roundtrip(tiny_model_dir, demo_tokenizer, tmp_path):
 
 
 def test_lr_schedule_by_hand():
-    from astuner.trainer import lr_at
+    from astuner.step_plan import lr_at
 
     # Warmup 2 steps to 1.0, then cosine over the remaining 8 (progress p = (step - 2) / 7) down to 0.1.
     assert [lr_at(s, 1.0, 2, 10, "cosine", 0.1) for s in (0, 1)] == [0.5, 1.0]

@@ -44,11 +44,7 @@ def model_label(spec: str | None, taken: set[str]) -> str:
 def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: int | None = None,
              out_dir: Path | None = None, progress=None) -> list[ModelReport]:
     """Run the evaluation of every model in `models` (None: the config's model); write and return the reports."""
-    from astuner import preflight
-    from astuner.model_cache import ModelPathError, resolve_model_path
-    from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import (_auxiliary_pool, _quiet_library_progress, build_engine, build_judge, load_tokenizer,
-                                 load_workflow, stop_token_ids)
+    from astuner.runtime import _auxiliary_pool, _quiet_library_progress, build_judge, load_workflow
     from astuner.task_reader import build_task_reader
 
     if split not in SPLITS:
@@ -66,44 +62,61 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
                         "task reader's validation file or split, or pass --split train")
     _quiet_library_progress()
     ks = ks_for(k_samples) if k_samples > 0 else []
+    auxiliary = _auxiliary_pool(typed)  # frozen helpers (an LLM judge...): loaded once for every model
     reports: list[ModelReport] = []
-    for spec in models:
-        label = model_label(spec, {r.label for r in reports})
-        try:
-            path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
-        except ModelPathError as exc:
-            raise UserError(f"eval --model {spec}: {exc}") from None
-        if spec is not None and not (Path(path) / "config.json").is_file():
-            raise UserError(f"eval --model {spec}: not a model folder (no config.json); give a checkpoint "
-                            "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
-        facts = preflight.read_model_facts(path)
-        max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
-                                                  typed.astuner.rollout.max_response_length_in_one_turn)
-        tokenizer = load_tokenizer(path)
-        engine = build_engine(typed, path, tokenizer)
-        runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
-                               stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=_auxiliary_pool(typed))
-        start = time.perf_counter()
-        try:
-            total = len(tasks) * (1 + k_samples)
-            bar = progress(f"eval {label}", total) if progress else None
-            done = (lambda _: bar.update(1)) if bar is not None else None
-            greedy = runner.run(tasks, validation=True, on_episode_done=done)
-            sampled = runner.run(tasks, validation=True, sampled_repeats=k_samples, on_episode_done=done,
-                                 step=1) if k_samples else []
-            if bar is not None:
-                bar.close()
-        finally:
-            runner.close()
-            engine.shutdown()
-        results = task_results(greedy, sampled, ks)
-        summary = summarize(results, greedy + sampled, ks)
-        summary["seconds"] = time.perf_counter() - start
-        reports.append(ModelReport(label, str(path), results, summary))
-        log.info("eval %s: %s", label, json.dumps(summary))
+    try:
+        for spec in models:
+            reports.append(_evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, judge,
+                                           auxiliary, progress))
+    finally:
+        if auxiliary is not None:
+            auxiliary.shutdown()
     if out_dir is not None:
         write_reports(reports, out_dir, split, k_samples)
     return reports
+
+
+def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, judge, auxiliary,
+                    progress) -> ModelReport:
+    """One model: its engine, the greedy and sampled episodes, its report."""
+    from astuner import preflight
+    from astuner.model_cache import ModelPathError, resolve_model_path
+    from astuner.rollout import RolloutRunner, RolloutSettings
+    from astuner.runtime import build_engine, load_tokenizer, stop_token_ids
+
+    typed = loaded.typed
+    label = model_label(spec, {r.label for r in reports})
+    try:
+        path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
+    except ModelPathError as exc:
+        raise UserError(f"eval --model {spec}: {exc}") from None
+    if spec is not None and not (Path(path) / "config.json").is_file():
+        raise UserError(f"eval --model {spec}: not a model folder (no config.json); give a checkpoint "
+                        "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
+    facts = preflight.read_model_facts(path)
+    max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
+                                              typed.astuner.rollout.max_response_length_in_one_turn)
+    tokenizer = load_tokenizer(path)
+    engine = build_engine(typed, path, tokenizer)
+    runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
+                           stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary)
+    start = time.perf_counter()
+    try:
+        bar = progress(f"eval {label}", len(tasks) * (1 + k_samples)) if progress else None
+        done = (lambda _: bar.update(1)) if bar is not None else None
+        greedy = runner.run(tasks, validation=True, on_episode_done=done)
+        sampled = runner.run(tasks, validation=True, sampled_repeats=k_samples, on_episode_done=done,
+                             step=1) if k_samples else []
+        if bar is not None:
+            bar.close()
+    finally:
+        runner.close(auxiliary=False)  # the pool serves the next model too
+        engine.shutdown()
+    results = task_results(greedy, sampled, ks)
+    summary = summarize(results, greedy + sampled, ks)
+    summary["seconds"] = time.perf_counter() - start
+    log.info("eval %s: %s", label, json.dumps(summary))
+    return ModelReport(label, str(path), results, summary)
 
 
 def comparisons(reports: list[ModelReport]) -> dict[str, dict[str, list[float]]]:

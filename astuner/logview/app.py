@@ -75,9 +75,16 @@ def build_app(root: Path):
     def missing(what: str):
         return JSONResponse({"error": f"{what} not found"}, 404)
 
-    def open_store(folder: Path):
+    def query_store(folder: Path, query, empty):
+        """query(connection) on the run's store, read-only and closed after; `empty` when it has none yet."""
         path = folder / store.FILE_NAME
-        return store.connect(path, readonly=True) if path.is_file() else None
+        if not path.is_file():
+            return empty
+        conn = store.connect(path, readonly=True)
+        try:
+            return query(conn)
+        finally:
+            conn.close()
 
     async def index(request):
         return FileResponse(STATIC / "index.html")
@@ -101,13 +108,7 @@ def build_app(root: Path):
         folder = run_folder(request)
         if folder is None:
             return missing("run")
-        conn = open_store(folder)
-        if conn is None:
-            return JSONResponse({"steps": []})
-        try:
-            return JSONResponse({"steps": store.steps(conn)})
-        finally:
-            conn.close()
+        return JSONResponse({"steps": query_store(folder, store.steps, [])})
 
     async def episodes(request):
         folder = run_folder(request)
@@ -125,27 +126,18 @@ def build_app(root: Path):
         sort = q.get("sort", "idx")
         if sort not in store.SORTS:
             return JSONResponse({"error": f"sort must be one of {', '.join(store.SORTS)}"}, 400)
-        conn = open_store(folder)
-        if conn is None:
-            return JSONResponse({"total": 0, "page": 0, "page_size": page_size, "items": [], "flags": []})
-        try:
-            return JSONResponse(store.episodes(conn, q.get("split", "train"), step, flag=q.get("flag") or None,
-                                               min_reward=min_reward, max_reward=max_reward, sort=sort, page=page,
-                                               page_size=page_size))
-        finally:
-            conn.close()
+        return JSONResponse(query_store(
+            folder,
+            lambda conn: store.episodes(conn, q.get("split", "train"), step, flag=q.get("flag") or None,
+                                        min_reward=min_reward, max_reward=max_reward, sort=sort, page=page,
+                                        page_size=page_size),
+            {"total": 0, "page": 0, "page_size": page_size, "items": [], "flags": []}))
 
     async def episode(request):
         folder = run_folder(request)
         if folder is None:
             return missing("run")
-        conn = open_store(folder)
-        if conn is None:
-            return missing("episode")
-        try:
-            found = store.episode(conn, int(request.path_params["episode_id"]))
-        finally:
-            conn.close()
+        found = query_store(folder, lambda conn: store.episode(conn, int(request.path_params["episode_id"])), None)
         return missing("episode") if found is None else JSONResponse(found)
 
     return Starlette(routes=[

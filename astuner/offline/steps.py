@@ -13,7 +13,8 @@ from torch import Tensor
 
 from astuner.algorithm.preference import PREFERENCE_LOSSES
 from astuner.offline.data import Pair
-from astuner.trainer import Trainer, split_micro_batches
+from astuner.step_plan import split_micro_batches
+from astuner.trainer import Trainer
 from astuner.types import Sample
 
 

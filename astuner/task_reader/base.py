@@ -83,6 +83,25 @@ class TaskReader:
         return Task(task_id=task_id, main_query=query, init_messages=_init_messages(row), metadata=row)
 
 
+
+class SplitTaskReader(TaskReader):
+    """A reader whose source is addressed by split names (a dataset, an environment service): subclasses set
+    `training_split` / `validation_split` (None: no validation) and implement `_read(split)`."""
+
+    training_split: str
+    validation_split: str | None = None
+
+    def training_tasks(self) -> list[Task]:
+        return self._cached("train", lambda: self._read(self.training_split))
+
+    def validation_tasks(self) -> list[Task]:
+        if self.validation_split is None:
+            return []
+        return self._cached("validation", lambda: self._read(self.validation_split))
+
+    def _read(self, split: str) -> list[Task]:
+        raise NotImplementedError
+
 def _init_messages(row: dict) -> list[dict[str, Any]]:
     messages = row.get("messages")
     if isinstance(messages, list) and messages and all(

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_reader.base import KEY, TaskReader
+from astuner.task_reader.base import KEY, SplitTaskReader
 from astuner.types import Task
 
 SECTION = f"{KEY}.env_service"
 
 
-class EnvServiceTaskReader(TaskReader):
+class EnvServiceTaskReader(SplitTaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
         from astuner.env_service import EnvServiceClient
@@ -31,14 +31,6 @@ class EnvServiceTaskReader(TaskReader):
         self.validation_split = section.validation_split
         # The protocol's field names, whatever query_field/task_id_field say for file readers.
         self.query_field, self.task_id_field = "query", "task_id"
-
-    def training_tasks(self) -> list[Task]:
-        return self._cached("train", lambda: self._read(self.training_split))
-
-    def validation_tasks(self) -> list[Task]:
-        if self.validation_split is None:
-            return []
-        return self._cached("validation", lambda: self._read(self.validation_split))
 
     def _read(self, split: str) -> list[Task]:
         from astuner.env_service import EnvServiceError

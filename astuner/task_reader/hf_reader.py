@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_reader.base import KEY, TaskReader
+from astuner.task_reader.base import KEY, SplitTaskReader
 from astuner.types import Task
 
 SECTION = f"{KEY}.huggingface_dat_repo"
 
 
-class HuggingFaceTaskReader(TaskReader):
+class HuggingFaceTaskReader(SplitTaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
         section = reader_cfg.huggingface_dat_repo
@@ -37,14 +37,6 @@ class HuggingFaceTaskReader(TaskReader):
         self.training_split = str(train_split)
         val_split = section.validation_split
         self.validation_split = None if val_split is None else str(val_split)
-
-    def training_tasks(self) -> list[Task]:
-        return self._cached("train", lambda: self._read(self.training_split))
-
-    def validation_tasks(self) -> list[Task]:
-        if self.validation_split is None:
-            return []
-        return self._cached("validation", lambda: self._read(self.validation_split))
 
     def _read(self, split: str) -> list[Task]:
         dataset = self._load(split)

@@ -3,7 +3,9 @@ count, a trainer memory estimate against this machine's memory, and the effectiv
 
 Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
     trainer  = 16 * P          weights 4 + gradients 4 + Adam first and second moments 4 + 4
-    engine   =  4 * P          the hf engine's own fp32 copy (same machine in the debug backbone)
+    engine   =  4 * P          the engine's own fp32 copy on CPU (hf, or vLLM's weights; its KV cache on top)
+             =  u * M          vLLM on a GPU of M bytes: it reserves gpu_memory_utilization u for weights and KV
+                               cache, and keeps it while the trainer's states stay resident
     ref      =  4 * P          the frozen reference model, only with the KL loss
 Activations and the KV cache come on top (they scale with trinity.trainer.max_token_len_per_gpu and the batch).
 """
@@ -177,12 +179,18 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
 
     from astuner.tools.python_exec import describe_sandbox
 
+    from astuner.engine.select import resolve_engine_name
+
     a, tc = typed.astuner, typed.astuner.trainer_common
     device = "cuda" if torch.cuda.is_available() else "cpu"
     P = facts.num_params
+    engine = resolve_engine_name(a.rollout.engine)
+    engine_bytes = 4 * P
+    if engine == "vllm" and device == "cuda":
+        engine_bytes = int(a.rollout.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
     return RunPlan(
         backbone=backbone,
-        engine=a.rollout.engine,
+        engine=engine,
         tasks_per_step=a.data.train_batch_size,
         episodes_per_step=a.data.train_batch_size * a.rollout.num_repeat,
         optimizer_steps_per_step=optimizer_steps_per_step(typed),
@@ -190,7 +198,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         total_steps=total_steps,
         max_model_len=max_model_len,
         trainer_bytes=16 * P,
-        engine_bytes=4 * P,
+        engine_bytes=engine_bytes,
         ref_bytes=4 * P if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),
         device=device,

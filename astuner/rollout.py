@@ -59,6 +59,8 @@ class RolloutSettings:
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
 
     @classmethod
     def from_config(cls, typed, max_model_len: int) -> "RolloutSettings":
@@ -81,6 +83,8 @@ class RolloutSettings:
             tool_call_parser=r.tool_call_parser,
             reasoning_parser=r.reasoning_parser,
             seed=typed.astuner.seed,
+            top_p=r.top_p,
+            top_k=r.top_k,
         )
 
 
@@ -187,6 +191,8 @@ class RolloutRunner:
             episode_uid=episode.episode_uid,
             reasoning_parser=self.reasoning_parser,
             gateway=self.gateway,
+            top_p=self.settings.top_p,
+            top_k=self.settings.top_k,
         )
         aux_models, aux_usage = ({}, {}) if self.auxiliary is None else self.auxiliary.for_episode(
             episode.episode_uid, tuner.deadline)

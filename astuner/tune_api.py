@@ -65,7 +65,7 @@ class TunerModelConfig:
     max_model_len: int | None = None
     temperature: float = 1.0
     max_tokens: int = 1024  # new tokens per call (rollout.max_response_length_in_one_turn)
-    engine: str = "hf"
+    engine: str = "auto"  # rollout.engine: auto | vllm | hf
 
 
 @dataclass

@@ -40,6 +40,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_p: float = 1.0  # nucleus sampling; 1.0: off (greedy calls ignore both)
+    top_k: int = 0  # 0: off
 
 
 @dataclass

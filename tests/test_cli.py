@@ -123,7 +123,8 @@ def fake_backbone(monkeypatch):
 
 def test_run_loads_saves_warns_and_calls_backbone(conf, tmp_path, monkeypatch, capsys, fake_backbone):
     monkeypatch.chdir(tmp_path)
-    rc = main(["--conf", str(conf), "--backbone", "debug", "astuner.rollout.temperature=0.5", "astuner.seed=3"])
+    rc = main(["--conf", str(conf), "--backbone", "debug", "astuner.rollout.temperature=0.5", "astuner.seed=3",
+               "astuner.rollout.engine=hf"])
     assert rc == 0
     [(name, loaded)] = fake_backbone.calls
     assert name == "debug"

@@ -88,7 +88,7 @@ def test_seed_yaml_composes_verbatim_from_another_cwd(seed_file, elsewhere):
     assert cfg.astuner.task_reader.huggingface_dat_repo.dataset_path == "gsm8k/main"
     assert cfg.trinity.trainer.max_token_len_per_gpu == 13000
     assert cfg.astuner.trainer_common.optim.lr == pytest.approx(1e-6)  # from the packaged defaults only
-    assert cfg.astuner.rollout.engine == "hf"
+    assert cfg.astuner.rollout.engine == "auto"
     assert "hydra" not in cfg and "defaults" not in cfg
     assert loaded.yaml_path == seed_file and loaded.yaml_path.is_absolute()
     assert loaded.config_dir == seed_file.parent
@@ -132,7 +132,7 @@ def test_astuner_only_yaml_composes(tmp_path, elsewhere):
 def test_partial_defaults_list_is_completed(tmp_path, elsewhere):
     path = write(tmp_path / "c.yaml", "defaults: [_self_]\nastuner: {seed: 3}\n")
     cfg = load_config(path).cfg
-    assert cfg.astuner.seed == 3 and cfg.astuner.rollout.engine == "hf"
+    assert cfg.astuner.seed == 3 and cfg.astuner.rollout.engine == "auto"
 
 
 def test_extra_defaults_file_next_to_the_yaml(tmp_path, elsewhere):
@@ -160,7 +160,7 @@ def test_interpolation_is_resolved(tmp_path, elsewhere):
 )
 def test_every_packaged_default_yaml_composes(name, elsewhere):
     loaded = load_config(DEFAULT_CONFIG_DIR / name)
-    assert loaded.cfg.astuner.rollout.engine == "hf"
+    assert loaded.cfg.astuner.rollout.engine == "auto"
 
 
 def test_packaged_defaults_are_found():
@@ -297,7 +297,7 @@ def test_accepted_values(tmp_path, elsewhere, yaml_text):
 @pytest.mark.parametrize(
     "yaml_text, needle",
     [
-        ("astuner: {rollout: {engine: tgi}}", "hf, vllm"),
+        ("astuner: {rollout: {engine: tgi}}", "auto, vllm, hf"),
         ("astuner: {rollout: {compute_madness_checklist: [nonsense, bogus]}}", "'bogus'"),
         ("astuner: {task_reader: {type: csv}}", "jsonl_dataset_file"),
         ("astuner: {trainer_common: {kl_loss_type: k2}}", "k1, k3"),
@@ -422,7 +422,7 @@ def test_hydra_global_state_is_left_clean(seed_file, elsewhere):
 
 
 def test_inapplicable_keys_for_debug_with_hf(seed_file, elsewhere):
-    loaded = load_config(seed_file)
+    loaded = load_config(seed_file, ["astuner.rollout.engine=hf"])
     keys = inapplicable_keys(loaded, "debug")
     assert "astuner.rollout.max_num_seqs" in keys
     assert "astuner.rollout.tensor_model_parallel_size" in keys
@@ -500,6 +500,8 @@ def test_inapplicable_keys_follow_engine_and_backbone(seed_file, elsewhere):
     assert "astuner.rollout.max_num_seqs" not in keys
     assert keys == ["astuner.trainer_common.trinity_only__n_vllm_engine"]
     assert inapplicable_keys(loaded, "trinity") == []
+    hf = inapplicable_keys(load_config(seed_file, ["astuner.rollout.engine=hf"]), "debug")
+    assert "astuner.rollout.max_num_seqs" in hf
 
 
 def test_default_values_are_never_reported(tmp_path, elsewhere):

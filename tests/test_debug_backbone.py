@@ -45,7 +45,7 @@ astuner:
     type: jsonl_dataset_file
     jsonl_dataset_file: {{training: {{file_path: train.jsonl}}, validation: {{file_path: val.jsonl}}}}
   data: {{train_batch_size: 2, max_response_length: 64}}
-  rollout: {{agentscope_workflow: wf.py->EchoWorkflow, num_repeat: 3, temperature: 1.0,
+  rollout: {{engine: hf, agentscope_workflow: wf.py->EchoWorkflow, num_repeat: 3, temperature: 1.0,
             max_response_length_in_one_turn: 16, max_model_len: 256, compute_madness_checklist: []}}
   task_judge: {{judge_protocol: judge.py->LengthJudge}}
   trainer_common: {{total_training_steps: 2, test_freq: 1, save_freq: 1, optim: {{lr: 1.0e-3}}}}

@@ -68,7 +68,7 @@ def test_client_and_endpoint_through_the_debug_backbone(tmp_path, tiny_model_dir
 ])
 def test_openai_tutorials_run_one_step(tmp_path, tiny_model_dir, workflow):
     code = main(["--conf", str(REPO / "tutorial/openai_agents/openai_agents.yaml"),
-                 f"astuner.experiment_dir={tmp_path}", f"astuner.model.path={tiny_model_dir}",
+                 f"astuner.experiment_dir={tmp_path}", f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=hf",
                  f"astuner.rollout.agentscope_workflow='{workflow}'", "astuner.data.train_batch_size=2",
                  "astuner.rollout.num_repeat=2", "astuner.rollout.max_response_length_in_one_turn=16",
                  "astuner.rollout.max_model_len=2048",

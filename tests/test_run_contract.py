@@ -61,7 +61,7 @@ astuner:
     type: jsonl_dataset_file
     jsonl_dataset_file: {{training: {{file_path: train.jsonl}}, validation: {{file_path: val.jsonl}}}}
   data: {{train_batch_size: 2, max_response_length: 64}}
-  rollout: {{agentscope_workflow: wf.py->EchoWorkflow, num_repeat: 3, max_env_worker: 1,
+  rollout: {{engine: hf, agentscope_workflow: wf.py->EchoWorkflow, num_repeat: 3, max_env_worker: 1,
             max_response_length_in_one_turn: 12, max_model_len: 256, compute_madness_checklist: []}}
   task_judge: {{judge_protocol: judge.py->LengthJudge}}
   trainer_common: {{total_training_steps: 4, total_epochs: 2, test_freq: 99999, save_freq: 2, val_before_train: false,

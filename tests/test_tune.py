@@ -47,7 +47,7 @@ def test_the_agentscope_tuner_example_runs_one_step(tmp_path, tiny_model_dir):
     example = _import(TUNE_DIR / "react_tune.py", "react_tune")
     code = tune(
         workflow_func=example.run_react_agent, judge_func=example.judge_function,
-        model=TunerModelConfig(model_path=str(tiny_model_dir), max_model_len=2048, max_tokens=16),
+        model=TunerModelConfig(model_path=str(tiny_model_dir), max_model_len=2048, max_tokens=16, engine="hf"),
         train_dataset=DatasetConfig(path=str(TUNE_DIR / "my_dataset"), split="train"),
         algorithm=AlgorithmConfig(algorithm_type="multi_step_grpo", group_size=2, batch_size=2,
                                   learning_rate=1e-6, total_steps=1),
@@ -73,7 +73,7 @@ def test_preview_prints_the_first_rows(capsys):
         DatasetConfig(path=str(TUNE_DIR / "my_dataset"), query_field="reply").preview()
 
 
-QUICK = ["astuner.trainer_common.total_training_steps=1", "astuner.data.train_batch_size=2",
+QUICK = ["astuner.rollout.engine=hf", "astuner.trainer_common.total_training_steps=1", "astuner.data.train_batch_size=2",
          "astuner.rollout.num_repeat=2", "astuner.trainer_common.val_before_train=false"]
 
 

@@ -29,7 +29,7 @@ def test_math_agent_two_steps_on_cpu(tmp_path, demo_model_dir, capsys):
     code = main([
         "--conf", str(REPO / "tutorial/example_math_agent/math_agent.yaml"), "--backbone", "debug",
         f"astuner.experiment_dir={tmp_path}",
-        "astuner.model.path=demo:smollm2-135m-instruct",
+        "astuner.model.path=demo:smollm2-135m-instruct", "astuner.rollout.engine=hf",
         f"astuner.task_reader.huggingface_dat_repo.dataset_path={REPO / 'tutorial/example_math_agent/gsm8k_sample'}",
         "astuner.data.train_batch_size=2", "astuner.rollout.num_repeat=2",
         "astuner.rollout.max_response_length_in_one_turn=192", "astuner.rollout.max_model_len=4096",

@@ -34,6 +34,7 @@ class InProcessStages:
             release_freed_memory()
 
     def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+        self.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
         try:
             return self.trainer.train_step(samples, objective=objective)
         finally:

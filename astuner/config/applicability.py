@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from astuner.engine.select import resolve_engine_name
+
 if TYPE_CHECKING:
     from astuner.config.compose import LoadedConfig
 
@@ -27,10 +29,16 @@ OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
 Rule = tuple[str, Callable[[Any, str], bool]]
+
+
+def _vllm(typed) -> bool:
+    return resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
+
+
 APPLIES_ONLY_WITH: dict[str, Rule] = {
-    "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
-    "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
-    "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: c.astuner.rollout.engine == "vllm"),
+    "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: _vllm(c)),
+    "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
+    "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.trainer_common.trinity_only__n_vllm_engine": ("with backbone trinity", lambda c, b: b == "trinity"),
     "astuner.task_reader.jsonl_dataset_file": (
         "with task_reader.type jsonl_dataset_file", lambda c, b: c.astuner.task_reader.type == "jsonl_dataset_file"
@@ -121,7 +129,8 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
     """Every start-up warning about the config: keys with no effect, and settings that defeat training."""
     typed = loaded.typed
     out = []
-    inapplicable = format_inapplicable_warning(inapplicable_keys(loaded, backbone), backbone, typed.astuner.rollout.engine)
+    inapplicable = format_inapplicable_warning(inapplicable_keys(loaded, backbone), backbone,
+                                               resolve_engine_name(typed.astuner.rollout.engine))
     if inapplicable:
         out.append(inapplicable)
     if typed.astuner.rollout.num_repeat == 1:

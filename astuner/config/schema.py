@@ -125,8 +125,21 @@ class RolloutSection(Section):
         "the working directory), a Workflow subclass, or a function 'async def f(task: dict, model, "
         "auxiliary_models) -> WorkflowOutput'. Any framework works; the name is kept from the AgentScope-first API.",
     )
-    engine: Literal["hf", "vllm"] = key("hf", "Inference engine: hf (in-process transformers) | vllm (next release).")
+    engine: Literal["auto", "vllm", "hf"] = key(
+        "auto",
+        "Inference engine: auto (vllm when it can be imported, else hf; the log says which) | vllm (vLLM's async "
+        "engine in its own process: continuous batching, prefix caching, in-place weight sync) | hf (in-process "
+        "transformers, the reference implementation).",
+    )
     temperature: float = key(1.0, "Sampling temperature for training rollouts (> 0). Validation is always greedy.", gt=0)
+    top_p: float = key(
+        1.0,
+        "Nucleus sampling for training rollouts (1.0: off). The recorded logprobs are those of the filtered "
+        "distribution actually sampled from, and the trainer computes the same one.",
+        gt=0,
+        le=1,
+    )
+    top_k: int = key(0, "Top-k sampling for training rollouts (0: off); filtered as top_p is.", ge=0)
     max_env_worker: int = key(
         64, "Episodes run concurrently (asyncio); also the most requests the hf engine batches together.", ge=1
     )

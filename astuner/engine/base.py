@@ -1,4 +1,4 @@
-"""The inference engine interface: every rollout goes through it (HF in-process now, vLLM next)."""
+"""The inference engine interface: every rollout goes through it (in-process HF, or vLLM in its own process)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class InferenceEngine(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         """Replace the policy weights (names as in the trainer's `named_parameters()`)."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory before a train step (the next load_weights takes it back); may do nothing."""
 
     def shutdown(self) -> None:
         """Release threads and memory."""

@@ -5,8 +5,9 @@ milliseconds for stragglers, and decodes them together with a KV cache: left-pad
 step for every live row. Finished rows are dropped from the batch (and the cache) so that one long answer does
 not keep paying for the short ones.
 
-Logprobs are log_softmax(logits / temperature) at the sampled token, the same quantity the trainer computes,
-so the importance ratio starts at exactly 1 after a weight sync.
+Logprobs are log_softmax(logits / temperature) at the sampled token (over the top-k / top-p filtered
+distribution when those are set), the same quantity the trainer computes, so the importance ratio starts at
+exactly 1 after a weight sync.
 
 Prefill computes logits at the last prompt position only (a full-prompt logits tensor is
 batch x prompt x vocab floats: for 64 prompts of 3,000 tokens and a 150k vocab, over 100 GB). A request with a
@@ -27,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from astuner.algorithm.sampling_filter import filter_logits, is_filtered
 from astuner.types import GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ class HFEngine:
                     raise KeyError(f"engine model has no parameter {name!r}")
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
+    def sleep(self) -> None:
+        """Nothing to release: the weights are needed for the next rollout and no cache outlives a batch."""
+
     def shutdown(self) -> None:
         self._closed = True
         if self._worker is not None:
@@ -201,7 +206,8 @@ class HFEngine:
         next_pos = positions[:, -1] + 1
 
         for _ in range(max(max_new)):
-            tokens, token_lp = self._sample(logits / scale, greedy, [generators[r] for r in alive])
+            z = _filtered(logits / scale, [samplings[r] for r in alive])
+            tokens, token_lp = self._sample(z, greedy, [generators[r] for r in alive])
             tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
 
             keep: list[int] = []
@@ -260,6 +266,19 @@ class HFEngine:
             picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
             tokens[index] = picked.clamp_(max=z.shape[-1] - 1)
         return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
+def _filtered(z, samplings: list[SamplingParams]):
+    """Tempered logits with each sampled row's top-k / top-p applied (the logprobs are then the filtered
+    distribution's, as the trainer and vLLM compute them)."""
+    groups: dict[tuple[int, float], list[int]] = {}
+    for row, s in enumerate(samplings):
+        if s.temperature > 0 and is_filtered(s.top_k, s.top_p):
+            groups.setdefault((s.top_k, s.top_p), []).append(row)
+    for (top_k, top_p), rows in groups.items():
+        index = torch.tensor(rows, device=z.device)
+        z[index] = filter_logits(z[index], top_k, top_p)
+    return z
 
 
 def _deliver(request: _Request, result, exc) -> None:

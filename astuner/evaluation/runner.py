@@ -97,7 +97,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
                                               typed.astuner.rollout.max_response_length_in_one_turn)
     tokenizer = load_tokenizer(path)
-    engine = build_engine(typed, path, tokenizer)
+    engine = build_engine(typed, path, tokenizer, max_len)
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
                            stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary)
     start = time.perf_counter()

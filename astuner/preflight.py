@@ -2,7 +2,8 @@
 count, a trainer memory estimate against this machine's memory, and the effective-config block printed at start.
 
 Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
-    trainer  = 16 * P          weights 4 + gradients 4 + Adam first and second moments 4 + 4
+    trainer  = 16 * P          fp32: weights 4 + gradients 4 + Adam first and second moments 4 + 4
+             = 18 * P          bf16 (CUDA default): weights 2 + fp32 master 4 + fp32 gradients 4 + Adam 8
     engine   =  4 * P          the engine's own fp32 copy on CPU (hf, or vLLM's weights; its KV cache on top)
              =  u * M          vLLM on a GPU of M bytes: it reserves gpu_memory_utilization u for weights and KV
                                cache, and keeps it while the trainer's states stay resident
@@ -180,6 +181,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.engine.select import resolve_engine_name
+    from astuner.precision import resolve_precision
 
     a, tc = typed.astuner, typed.astuner.trainer_common
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,7 +199,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
         total_steps=total_steps,
         max_model_len=max_model_len,
-        trainer_bytes=16 * P,
+        trainer_bytes=(18 if resolve_precision(tc.precision, device) == "bf16" else 16) * P,
         engine_bytes=engine_bytes,
         ref_bytes=4 * P if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),

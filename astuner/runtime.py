@@ -138,6 +138,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
         reference_model=tc.algorithm.type == "dpo",
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
+        precision=tc.precision,
         top_k=typed.astuner.rollout.top_k,
         top_p=typed.astuner.rollout.top_p,
         # Read only where it acts (the start-up warning names it otherwise).

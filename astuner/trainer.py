@@ -24,12 +24,14 @@ logprobs), a reference forward unless the KL loss is on. Without the KL loss and
 advantage is exactly 0 are not forwarded at all: their loss and gradient are exactly 0, yet they still count in
 the token weights, so the result is unchanged.
 
-Precision: fp32 master weights; on CUDA the forward runs under bf16 autocast, on CPU in plain fp32.
+Precision (`astuner/precision.py`): fp32 on CPU; on CUDA bf16 weights and compute with fp32 master weights and
+fp32 AdamW state.
 The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -44,6 +46,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from astuner.precision import MasterWeights, resolve_precision
 from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
                                     token_weights)
@@ -100,6 +103,7 @@ class Trainer:
         gradient_checkpointing: bool = False,
         top_k: int = 0,
         top_p: float = 1.0,
+        precision: str = "auto",
         device: str | None = None,
         seed: int = 0,
     ):
@@ -151,6 +155,8 @@ class Trainer:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model = model.to(self.device).eval()
+        self.precision = resolve_precision(precision, self.device.type)
+        self._master = MasterWeights(self.model, self.precision)  # casts the model to bf16 under "bf16"
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
             # Hugging Face recomputes activations only in train mode; that mode must then compute what eval mode
@@ -164,7 +170,7 @@ class Trainer:
         if use_kl_loss or reference_model:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._params = self._master.masters  # what AdamW steps: fp32 always
         self.optimizer = torch.optim.AdamW(
             self._params, lr=lr, weight_decay=weight_decay, fused=self.device.type == "cuda"
         )
@@ -174,7 +180,8 @@ class Trainer:
     # --- forward ---------------------------------------------------------------------------------------------
 
     def _autocast(self):
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        # Precision is the parameters' dtype (astuner/precision.py): no per-op casts.
+        return contextlib.nullcontext()
 
     def _head_logits(self, model, hidden_N_H: Tensor) -> Tensor:
         """LM head on selected hidden states, plus the output transforms some families apply after it."""
@@ -242,7 +249,8 @@ class Trainer:
                 logits_R_V = self._head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
             else:
                 logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
-        logits_R_V = logits_R_V / temps_R[:, None]
+        if any(t != 1.0 for t in temps):  # a full pass over R x V floats (and its backward) saved when all are 1
+            logits_R_V = logits_R_V / temps_R[:, None]
         if is_filtered(self.top_k, self.top_p) and any(sampled):
             # Greedy calls were not filtered by the engine (and are never trained); sampled ones were.
             sampled_R = torch.tensor(sampled, device=dev)
@@ -371,14 +379,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+        self._master.grads_to_masters()
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()
+            self._master.masters_to_model()
             self.optimizer_steps += 1
         else:
             # A non-finite gradient would poison the Adam moments for good: drop this update.
             log.warning("non-finite grad norm (%s): optimizer step skipped", grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._master.zero_grad()
         return grad_norm, lr
 
     def train_step(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
@@ -413,7 +423,7 @@ class Trainer:
             n_micro += sums["num_micro_batches"]
             n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
             if sums["response_tokens"] == 0:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._master.zero_grad()
                 continue  # nothing carries a gradient: no step (weight decay alone is not a reason to move)
             if first:
                 # Only the first mini-batch is forwarded before any update: there trainer and engine logprobs
@@ -504,7 +514,8 @@ class Trainer:
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp = path.parent / f".{path.name}.tmp-{tag}"
         try:
-            self.model.save_pretrained(tmp)
+            # bf16: the fp32 master weights, so a resumed run continues from the same numbers.
+            self.model.save_pretrained(tmp, state_dict=self._master.state_dict(self.model))
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
@@ -553,6 +564,7 @@ class Trainer:
         for f in files:
             state.update(load_file(str(f)))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
+        self._master.load_masters(self.model, state)
         # Tied weights are saved once; anything else missing means another architecture.
         tied = {n for n in missing if "lm_head" in n and getattr(self.model.config, "tie_word_embeddings", False)}
         if set(missing) - tied or unexpected:

@@ -24,18 +24,25 @@ import torch
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsity
 
 
-def qwen25_05b_shape(path: Path) -> None:
+SHAPES = {  # Qwen2.5 shapes: hidden, intermediate, layers, heads, kv heads, tied embeddings
+    "0.5b": (896, 4864, 24, 14, 2, True),
+    "1.5b": (1536, 8960, 28, 12, 2, True),
+}
+
+
+def qwen25_05b_shape(path: Path, shape: str = "0.5b") -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, attention_dropout=0.0)
+    hidden, inter, layers, heads, kv, tied = SHAPES[shape]
+    config = Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
+                         tie_word_embeddings=tied, rope_theta=1e6, rms_norm_eps=1e-6, attention_dropout=0.0)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
 
 
 def main() -> None:
-    from astuner.engine.vllm_engine import SharedWeightFile
+    from astuner.engine.vllm_engine import SharedWeightFile, pin_host_memory
     from astuner.trainer import Trainer
     from astuner.types import Sample
 
@@ -44,14 +51,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=512)
     ap.add_argument("--budget", type=int, default=16384, help="max_token_len_per_micro_batch")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    ap.add_argument("--gc", choices=["both", "on", "off"], default="both", help="gradient checkpointing")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    out = {"device": name}
+    out = {"device": name, "shape": args.shape}
     with tempfile.TemporaryDirectory() as tmp:
-        qwen25_05b_shape(Path(tmp))
+        qwen25_05b_shape(Path(tmp), args.shape)
         rng = random.Random(0)
-        for gc in (False, True):
+        for gc in {"both": (False, True), "on": (True,), "off": (False,)}[args.gc]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             t = Trainer(tmp, lr=1e-6, weight_decay=0.0, lr_warmup_steps=0, grad_clip=1.0, clip_ratio_low=0.2,
@@ -104,13 +113,16 @@ def main() -> None:
                     writes.append(time.perf_counter() - t0)
                     # What the worker does with it: map, view, copy onto the GPU.
                     buf = torch.from_file(path, shared=True, size=manifest[-1][4] + manifest[-1][3], dtype=torch.uint8)
+                    pinned = pin_host_memory(buf)
                     dst = {n: torch.empty(s, dtype=torch.bfloat16, device="cuda") for n, _, s, _, _ in manifest}
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for n, _, shape, nb, off in manifest:
-                        dst[n].copy_(buf[off:off + nb].view(torch.bfloat16).view(shape))
+                        dst[n].copy_(buf[off:off + nb].view(torch.bfloat16).view(shape), non_blocking=pinned)
                     torch.cuda.synchronize()
                     reads.append(time.perf_counter() - t0)
+                    if pinned:
+                        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
                 shared.close()
                 out["sync_via_shm"] = {"gib": round(sum(m[3] for m in manifest) / 2**30, 3),
                                        "trainer_write_s": round(min(writes), 3),

@@ -319,6 +319,11 @@ class TrainerCommonSection(Section):
         "micro-batch token (demo model: 5.0 -> 0.9 GiB kept for 2400 tokens, +10% step time; bench/). Needs a model "
         "without dropout.",
     )
+    precision: Literal["auto", "fp32", "bf16"] = key(
+        "auto",
+        "Trainer precision: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 (bf16 weights and compute, fp32 master "
+        "weights and AdamW state; checkpoints hold the fp32 masters).",
+    )
     old_logprobs: Literal["engine", "trainer"] = key(
         "engine",
         "The PPO ratio's denominator: engine (the sampling logprobs the rollout recorded; no extra pass) | trainer "

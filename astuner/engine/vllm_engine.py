@@ -264,6 +264,7 @@ class SharedWeightFile:
         self.path: str | None = None
         self._buf = None
         self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
+        self._pinned = False
 
     def write(self, named_tensors: Iterable[tuple[str, object]]) -> tuple[str, list]:
         import torch
@@ -279,16 +280,45 @@ class SharedWeightFile:
         if self._manifest != manifest:  # first write (or the tensors changed): size the file
             if self.path is None:
                 self.path = os.path.join(_shm_dir(), f"astuner-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._unpin()
             self._buf = torch.from_file(self.path, shared=True, size=offset, dtype=torch.uint8)
+            self._pinned = pin_host_memory(self._buf)
             self._manifest = manifest
+        on_gpu = False
         for (_, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
-            self._buf[off : off + nbytes].view(target).view(shape).copy_(t)
+            if t.is_cuda:  # cast on the GPU, then one DMA copy into the pinned file pages
+                on_gpu = True
+                t = t.to(target)
+            self._buf[off : off + nbytes].view(target).view(shape).copy_(t, non_blocking=self._pinned)
+        if on_gpu:
+            torch.cuda.synchronize()
         return self.path, manifest
 
+    def _unpin(self) -> None:
+        if getattr(self, "_pinned", False):
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+            self._pinned = False
+
     def close(self) -> None:
+        self._unpin()
         self._buf = None
         if self.path:
             Path(self.path).unlink(missing_ok=True)
+
+
+def pin_host_memory(buf) -> bool:
+    """Page-lock `buf` (a file mapping) for the GPU, so copies to and from it are DMA (several times faster than
+    from pageable memory). False without CUDA or when the driver refuses."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
+    except Exception:  # an old driver or a mapping CUDA cannot register: pageable copies still work
+        return False
 
 
 def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:

@@ -66,6 +66,8 @@ def launch(
 
     Evaluate checkpoints (accuracy, pass@k, side by side): astuner eval --conf x.yaml --model base
     --model launcher_record/quickstart/global_step_20
+
+    Merge a LoRA checkpoint into a model folder: astuner export CHECKPOINT --out DIR
     """
     try:
         run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
@@ -197,7 +199,41 @@ def evaluate(
           file=sys.stderr)
 
 
-SUBCOMMANDS = {"logview": logview_app, "eval": eval_app}
+export_app = typer.Typer(add_completion=False, rich_markup_mode=None,
+                         context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@export_app.command()
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder (launcher_record/<run>/global_step_N).",
+                                              show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", help="The folder to write.", show_default=False)],
+    base_model: Annotated[str | None, typer.Option(
+        "--base-model", help="The base model folder of a LoRA checkpoint. Default: the one its adapter_config.json "
+        "names.", show_default=False)] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+) -> None:
+    """Write a merged Hugging Face model folder from a checkpoint (LoRA adapters merged into their base model).
+
+    Example: astuner export launcher_record/quickstart/global_step_20 --out exported/quickstart
+    """
+    from pathlib import Path
+
+    from astuner.lora import export_merged
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"export --dtype {dtype}: use float32, bfloat16 or float16")
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise UserError(f"export --out {out}: the folder exists and is not empty; choose a new one")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        folder = export_merged(Path(checkpoint), Path(out), base_model=base_model, dtype=dtype)
+    except FileNotFoundError as exc:
+        raise UserError(f"export: {exc}") from None
+    print(f"astuner: merged model written to {folder}", file=sys.stderr)
+
+
+SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app}
 
 
 def _fail(message: str) -> int:

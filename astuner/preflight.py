@@ -4,6 +4,7 @@ count, a trainer memory estimate against this machine's memory, and the effectiv
 Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
     trainer  = 16 * P          fp32: weights 4 + gradients 4 + Adam first and second moments 4 + 4
              = 18 * P          bf16 (CUDA default): weights 2 + fp32 master 4 + fp32 gradients 4 + Adam 8
+             = 2 or 4 * P      LoRA: the frozen base in bf16 or fp32 (+5% for adapters and their states)
     engine   =  4 * P          the engine's own fp32 copy on CPU (hf, or vLLM's weights; its KV cache on top)
              =  u * M          vLLM on a GPU of M bytes: it reserves gpu_memory_utilization u for weights and KV
                                cache, and keeps it while the trainer's states stay resident
@@ -175,6 +176,12 @@ def optimizer_steps_per_step(typed) -> int:
     return tc.mini_batch_num * (tc.ppo_epochs if kind == "grpo" else 1)
 
 
+def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
+    if lora:  # frozen base weights only; adapters, their gradients and Adam states are a few % of them
+        return int((2 if precision == "bf16" else 4) * P * 1.05)
+    return (18 if precision == "bf16" else 16) * P
+
+
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
     import torch
 
@@ -199,7 +206,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
         total_steps=total_steps,
         max_model_len=max_model_len,
-        trainer_bytes=(18 if resolve_precision(tc.precision, device) == "bf16" else 16) * P,
+        trainer_bytes=_trainer_bytes(P, resolve_precision(tc.precision, device), tc.lora.rank > 0),
         engine_bytes=engine_bytes,
         ref_bytes=4 * P if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),

@@ -139,6 +139,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
         precision=tc.precision,
+        lora=_lora_settings(tc.lora),
         top_k=typed.astuner.rollout.top_k,
         top_p=typed.astuner.rollout.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
@@ -159,6 +160,15 @@ def build_trainer(typed, model_path: str, total_steps: int):
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
     )
+
+
+def _lora_settings(section):
+    if section.rank == 0:
+        return None
+    from astuner.lora import LoraSettings
+
+    targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
+    return LoraSettings(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
 
 
 def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int):

@@ -46,6 +46,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from astuner.lora import (ADAPTER_NAME, LoraSettings, adapter_state_for_save, adapter_state_from_file, apply_lora,
+                          is_lora_param, merged_named_tensors, set_adapter_dropout)
 from astuner.precision import MasterWeights, resolve_precision
 from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
@@ -104,6 +106,7 @@ class Trainer:
         top_k: int = 0,
         top_p: float = 1.0,
         precision: str = "auto",
+        lora: LoraSettings | None = None,
         device: str | None = None,
         seed: int = 0,
     ):
@@ -156,7 +159,6 @@ class Trainer:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model = model.to(self.device).eval()
         self.precision = resolve_precision(precision, self.device.type)
-        self._master = MasterWeights(self.model, self.precision)  # casts the model to bf16 under "bf16"
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
             # Hugging Face recomputes activations only in train mode; that mode must then compute what eval mode
@@ -166,6 +168,11 @@ class Trainer:
                 raise ValueError(f"gradient_checkpointing needs a model without dropout; {self.model_path} has "
                                  f"{', '.join(active)}: set them to 0 in its config.json")
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._peft = None  # the PEFT wrapper when LoRA is on (astuner/lora.py); self.model is its inner HF model
+        if lora is not None and lora.enabled:
+            self._peft = apply_lora(self.model, lora)
+            self.model = self._peft.get_base_model()
+        self._master = MasterWeights(self.model, self.precision)  # trainable params only; casts to bf16 under bf16
         self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
         if use_kl_loss or reference_model:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -403,11 +410,15 @@ class Trainer:
         # No dropout: the ratio is exactly 1 before the first update (train mode only to let HF recompute
         # activations, on a model checked to have no dropout).
         self.model.train(self.gradient_checkpointing)
+        if self._peft is not None:
+            set_adapter_dropout(self.model, False)  # no dropout while old logprobs are recomputed
         metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": self._current_lr()}
         recompute = objective == "policy" and self.old_logprobs == "trainer"
         if recompute:
             samples, mismatch = self.recompute_old_logprobs(samples)
             metrics.update(mismatch)
+        if self._peft is not None:
+            set_adapter_dropout(self.model, True)  # trainer_common.lora.dropout acts in the update passes only
         reported = (("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref", "entropy")
                     if objective == "policy" else ("nll", "entropy"))
         if self.rollout_is_cap is not None and objective == "policy":
@@ -498,6 +509,9 @@ class Trainer:
         With tied embeddings the LM head is the input embedding and appears once (under the embedding's name);
         an engine holding the same architecture ties it the same way.
         """
+        if self._peft is not None:
+            yield from merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
+            return
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
@@ -515,7 +529,16 @@ class Trainer:
         tmp = path.parent / f".{path.name}.tmp-{tag}"
         try:
             # bf16: the fp32 master weights, so a resumed run continues from the same numbers.
-            self.model.save_pretrained(tmp, state_dict=self._master.state_dict(self.model))
+            if self._peft is not None:  # the adapter only; `astuner export` merges it into a model folder
+                from safetensors.torch import save_file
+
+                state = self._master.state_dict(self.model) or dict(self.model.named_parameters())
+                tmp.mkdir(parents=True)
+                save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_for_save(state).items()},
+                          str(tmp / "adapter_model.safetensors"))
+                self._peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
+            else:
+                self.model.save_pretrained(tmp, state_dict=self._master.state_dict(self.model))
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
@@ -563,10 +586,14 @@ class Trainer:
         state: dict[str, Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        if self._peft is not None:
+            state = adapter_state_from_file(state)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         self._master.load_masters(self.model, state)
         # Tied weights are saved once; anything else missing means another architecture.
         tied = {n for n in missing if "lm_head" in n and getattr(self.model.config, "tie_word_embeddings", False)}
+        if self._peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
+            tied |= {n for n in missing if not is_lora_param(n)}
         if set(missing) - tied or unexpected:
             raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]})")

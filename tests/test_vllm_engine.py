@@ -93,6 +93,20 @@ def test_sync_after_a_train_step_makes_engine_equal_trainer(engine, trainer):
     assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < 1e-3
 
 
+def test_lora_sync_gives_the_same_equality(engine, trainer):
+    from astuner.lora import LoraSettings
+
+    t = trainer(lora=LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear"), lr=1e-2)
+    engine.load_weights(t.named_parameters_for_sync())  # B = 0: the base model
+    res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=16))[0]
+    t.train_step([Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")])
+    engine.load_weights(t.named_parameters_for_sync())  # merged: W + (alpha/r) B A
+    sequence = PROMPT + res.token_ids
+    after = engine.sequence_logprobs(sequence, len(PROMPT))
+    assert _mean_abs(after, t.compute_logprobs(PROMPT, res.token_ids, 1.0)) < 1e-3
+    assert _mean_abs(after, res.logprobs) > 1e-2  # the adapters moved the policy
+
+
 def test_cancelling_the_caller_stops_the_request(engine):
     async def run():
         task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=400),

@@ -40,6 +40,10 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.trainer_common.trinity_only__n_vllm_engine": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.trainer_common.lora.alpha": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
+    "astuner.trainer_common.lora.dropout": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
+    "astuner.trainer_common.lora.target_modules": (
+        "with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
     "astuner.task_reader.jsonl_dataset_file": (
         "with task_reader.type jsonl_dataset_file", lambda c, b: c.astuner.task_reader.type == "jsonl_dataset_file"
     ),

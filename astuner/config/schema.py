@@ -11,7 +11,7 @@ Imports only pydantic, so `astuner --help` stays fast.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -276,6 +276,17 @@ class PolicyLossSection(Section):
     )
 
 
+class LoraSection(Section):
+    rank: int = key(0, "LoRA rank r (0: off, full fine-tuning). Only the adapters train and sit in the optimizer.",
+                    ge=0)
+    alpha: float = key(16.0, "LoRA alpha: the update is (alpha / r) * B A.", gt=0)
+    dropout: float = key(0.0, "Dropout on the adapters' input during the update passes (never while sampling or "
+                         "recomputing old logprobs).", ge=0, lt=1)
+    target_modules: Union[str, list[str]] = key(
+        "all-linear", 'Modules that get adapters: "all-linear" (every linear but the LM head) or names such as '
+        "[q_proj, k_proj, v_proj, o_proj].")
+
+
 class TrainerCommonSection(Section):
     save_freq: int = key(
         99999, "Save a checkpoint (global_step_N/, resumable) every this many steps; one is always saved at the end.",
@@ -313,6 +324,9 @@ class TrainerCommonSection(Section):
     optim: OptimSection = section(OptimSection)
     algorithm: AlgorithmSection = section(AlgorithmSection)
     policy_loss: PolicyLossSection = section(PolicyLossSection, "The policy-gradient loss (verl's actor.policy_loss).")
+    lora: LoraSection = section(
+        LoraSection, "LoRA adapters (PEFT). The engine gets merged weights W + (alpha/r) B A each sync; checkpoints "
+        "hold the adapter; astuner export CHECKPOINT --out DIR writes a merged model folder.")
     gradient_checkpointing: bool = key(
         False,
         "Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory per "

@@ -27,6 +27,7 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsi
 SHAPES = {  # Qwen2.5 shapes: hidden, intermediate, layers, heads, kv heads, tied embeddings
     "0.5b": (896, 4864, 24, 14, 2, True),
     "1.5b": (1536, 8960, 28, 12, 2, True),
+    "7b": (3584, 18944, 28, 28, 4, False),
 }
 
 
@@ -38,11 +39,17 @@ def qwen25_05b_shape(path: Path, shape: str = "0.5b") -> None:
                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
                          tie_word_embeddings=tied, rope_theta=1e6, rms_norm_eps=1e-6, attention_dropout=0.0)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    # Built on the GPU in bf16 (a 7B model initialised on the CPU takes minutes); the trainer loads it as usual.
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
     from astuner.engine.vllm_engine import SharedWeightFile, pin_host_memory
+    from astuner.lora import LoraSettings
     from astuner.trainer import Trainer
     from astuner.types import Sample
 
@@ -53,10 +60,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384, help="max_token_len_per_micro_batch")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     ap.add_argument("--gc", choices=["both", "on", "off"], default="both", help="gradient checkpointing")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    out = {"device": name, "shape": args.shape}
+    out = {"device": name, "shape": args.shape, "lora_rank": args.lora_rank}
     with tempfile.TemporaryDirectory() as tmp:
         qwen25_05b_shape(Path(tmp), args.shape)
         rng = random.Random(0)
@@ -66,8 +74,10 @@ def main() -> None:
             t = Trainer(tmp, lr=1e-6, weight_decay=0.0, lr_warmup_steps=0, grad_clip=1.0, clip_ratio_low=0.2,
                         clip_ratio_high=0.28, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k3",
                         loss_agg_mode="token-mean", norm_length=args.response,
-                        max_token_len_per_micro_batch=args.budget, gradient_checkpointing=gc)
-            n_all = sum(p.numel() for p in t.model.parameters())
+                        max_token_len_per_micro_batch=args.budget, gradient_checkpointing=gc,
+                        lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank, 0.0, "all-linear")
+                        if args.lora_rank else None)
+            n_all = sum(p.numel() for n, p in t.model.named_parameters() if ".lora_" not in n)
             n_emb = t.model.get_input_embeddings().weight.numel()
             cfg = t.model.config
             samples = []
@@ -102,7 +112,10 @@ def main() -> None:
             torch.cuda.synchronize()
             row["logprob_pass_tokens_per_s"] = round(fed / (time.perf_counter() - t0))
             out[f"gradient_checkpointing={gc}"] = row
-            if not gc:
+            if args.lora_rank:
+                row["trainable_params"] = sum(p.numel() for p in t._master.masters)
+                row["note"] = "model_tflops counts the base model's 6N per token; LoRA skips weight gradients of W"
+            if not gc and not args.lora_rank:
                 shared = SharedWeightFile("bfloat16")
                 shared.write(t.named_parameters_for_sync())  # sizes the file
                 writes, reads = [], []

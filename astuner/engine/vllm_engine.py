@@ -68,6 +68,7 @@ class VLLMEngine:
         sleep_mode: bool | None = None,
         start_timeout_s: float = 600.0,
         sync_timeout_s: float = 300.0,
+        **engine_args,
     ) -> None:
         import torch
 
@@ -110,6 +111,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 disable_log_stats=True,
+                **engine_args,  # further vLLM engine arguments (benchmarks: enable_lora)
             ), start_timeout_s, "the vLLM engine to start (model load, KV cache allocation)")
         except BaseException:
             self._stop_loop()

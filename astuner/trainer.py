@@ -46,6 +46,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from astuner.fused_head import head_logprobs, plain_linear_head
 from astuner.lora import (ADAPTER_NAME, LoraSettings, adapter_state_for_save, adapter_state_from_file, apply_lora,
                           is_lora_param, merged_named_tensors, set_adapter_dropout)
 from astuner.precision import MasterWeights, resolve_precision
@@ -183,6 +184,9 @@ class Trainer:
         )
         self._pad_id = 0  # right padding after every real token: causal attention never lets a real token see it
         self._fast_head = self._check_fast_head()
+        # On CUDA the LM head's log-softmax runs in row chunks (memory-bound there); on CPU, where the extra head
+        # matmul of the chunked backward costs more than the memory traffic it saves, the plain path.
+        self.chunked_head = self.device.type == "cuda"
 
     # --- forward ---------------------------------------------------------------------------------------------
 
@@ -253,6 +257,12 @@ class Trainer:
         with self._autocast():
             if self._fast_head:
                 hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
+                weight = plain_linear_head(model) if self.chunked_head else None
+                if weight is not None and not entropy_grad and not (is_filtered(self.top_k, self.top_p)
+                                                                    and any(sampled)):
+                    # Never holds R x V logits (astuner/fused_head.py); the same numbers as below.
+                    return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R,
+                                         with_entropy)
                 logits_R_V = self._head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
             else:
                 logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()

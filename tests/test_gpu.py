@@ -73,3 +73,21 @@ def test_pinned_shared_memory_transfer_roundtrip(qwen_dir):
         assert torch.equal(got, params[name])
     torch.cuda.cudart().cudaHostUnregister(other.data_ptr())
     shared.close()
+
+
+def test_chunked_head_matches_the_plain_path_on_cuda(qwen_dir):
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(torch.randint(10, 4000, (24,), generator=g).tolist(),
+                      torch.randint(10, 4000, (40,), generator=g).tolist(), [0.0] * 40, 1.0, 0.8, f"e{i}")
+               for i in range(3)]
+    out = []
+    for chunked in (False, True):
+        t = _trainer(qwen_dir)
+        assert t.chunked_head  # the CUDA default
+        t.chunked_head = chunked
+        logprobs, _ = t._forward_logprobs(t.model, samples, with_entropy=False)
+        logprobs.sum().backward()
+        out.append((logprobs.detach(), t.model.get_input_embeddings().weight.grad.float()))
+    (lp_a, g_a), (lp_b, g_b) = out
+    assert (lp_a - lp_b).abs().max() < 2e-2  # bf16 matmuls, fp32 softmax: both paths
+    assert torch.allclose(g_a, g_b, atol=1e-3, rtol=5e-2)

@@ -305,3 +305,31 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, demo_tokeniz
     config.save_pretrained(dropout_dir)
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         _trainer(dropout_dir, gradient_checkpointing=True)
+
+
+def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_model_dir, demo_tokenizer):
+    """astuner/fused_head.py (the CUDA default) against the plain R x V path, fp32, temperatures != 1, small chunks
+    so that several chunks run; the tied head's gradient reaches the embedding through both."""
+    from astuner import fused_head
+
+    results = []
+    for chunked in (False, True):
+        t = _trainer(tiny_model_dir)
+        t.chunked_head = chunked
+        samples = [_sample(t, demo_tokenizer, "Hi there", " general kenobi, you are a bold one", 1.0, "a", 0.7),
+                   _sample(t, demo_tokenizer, "Hello", " there friend", -1.0, "b", 1.3)]
+        old = fused_head.CHUNK_ROWS
+        fused_head.CHUNK_ROWS = 3
+        try:
+            t.model.zero_grad()
+            logprobs, entropy = t._forward_logprobs(t.model, samples, with_entropy=True)
+            (logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+        finally:
+            fused_head.CHUNK_ROWS = old
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        results.append((logprobs.detach(), entropy.detach(), grads))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(ent_a, ent_b, atol=1e-5)
+    assert set(g_a) == set(g_b) and "model.embed_tokens.weight" in g_b
+    for name in g_a:
+        assert torch.allclose(g_a[name], g_b[name], atol=1e-6, rtol=1e-4), name

@@ -222,9 +222,10 @@ def check_fits(plan: RunPlan, facts: ModelFacts) -> None:
     if plan.total_bytes > plan.available_bytes:
         need = math.ceil(plan.total_bytes / GIB)
         raise UserError(
-            f"{facts.path} has {facts.num_params / 1e9:.2f}B parameters: training it in fp32 with AdamW on one "
+            f"{facts.path} has {facts.num_params / 1e9:.2f}B parameters: training it with AdamW on one "
             f"{plan.device} needs about {need} GiB for weights, gradients, optimizer states and the engine's copy "
             f"(before activations), but {plan.available_bytes / GIB:.1f} GiB is available. Use a smaller model "
-            "(e.g. demo:smollm2-135m-instruct or a 0.5B model) on this machine, or a GPU cluster backbone; set "
+            "(e.g. demo:smollm2-135m-instruct or a 0.5B model) or trainer_common.lora (the frozen base is all it "
+            "holds in full) on this machine, or a GPU cluster backbone; set "
             "ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway."
         )

@@ -10,7 +10,8 @@ One `train_step(samples)`, repeated `ppo_epochs` times over the same samples and
   4. per micro-batch: forward the decoder to hidden states, keep only the positions that predict response tokens
      (response token i of a sample is predicted at index len(prompt) + i - 1), apply the LM head to those alone,
      logprobs = log_softmax(logits / temperature)[token] (temperature 0 -> 1.0, as the engine logs greedy
-     calls; sampled calls over the rollouts' top-k / top-p filtered distribution, `algorithm/sampling_filter.py`), loss = `algorithm.loss.policy_loss`, backward;
+     calls; sampled calls over the rollouts' top-k / top-p filtered distribution, `algorithm/sampling_filter.py`;
+     on CUDA in row chunks, `fused_head.py`), loss = `algorithm.loss.policy_loss`, backward;
   5. grad-norm clip, AdamW step, learning rate from `lr_at` (linear warmup, then constant, cosine or linear).
 The splitting (steps 1 and 3) and the schedule are pure functions in `astuner/step_plan.py`.
 

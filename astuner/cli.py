@@ -120,8 +120,12 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
                   file=sys.stderr)
 
 
-logview_app = typer.Typer(add_completion=False, rich_markup_mode=None,
-                          context_settings={"help_option_names": ["-h", "--help"]})
+def _subcommand_app() -> typer.Typer:
+    return typer.Typer(add_completion=False, rich_markup_mode=None,
+                       context_settings={"help_option_names": ["-h", "--help"]})
+
+
+logview_app = _subcommand_app()
 
 
 @logview_app.command()
@@ -151,8 +155,7 @@ def logview(
         viewer.stop()
 
 
-eval_app = typer.Typer(add_completion=False, rich_markup_mode=None,
-                       context_settings={"help_option_names": ["-h", "--help"]})
+eval_app = _subcommand_app()
 
 
 @eval_app.command()
@@ -199,8 +202,7 @@ def evaluate(
           file=sys.stderr)
 
 
-export_app = typer.Typer(add_completion=False, rich_markup_mode=None,
-                         context_settings={"help_option_names": ["-h", "--help"]})
+export_app = _subcommand_app()
 
 
 @export_app.command()

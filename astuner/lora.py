@@ -50,16 +50,15 @@ def apply_lora(model, settings: LoraSettings):
                         target_modules=list(targets) if not isinstance(targets, str) else targets,
                         bias="none", task_type="CAUSAL_LM")
     try:
-        peft_model = get_peft_model(model, config)
+        return get_peft_model(model, config)
     except ValueError as exc:  # no module matched target_modules
         raise ValueError(f"trainer_common.lora.target_modules {targets}: {exc}") from None
-    # Dropout only on the adapters' input, only while training (the base model stays in eval mode).
-    return peft_model
 
 
 def set_adapter_dropout(model, training: bool) -> None:
+    """Dropout on the adapters' input on or off; the base model's modes are left as they are."""
     for name, module in model.named_modules():
-        if ".lora_dropout." in f".{name}." or name.endswith("lora_dropout"):
+        if ".lora_dropout." in f"{name}.":
             module.train(training)
 
 

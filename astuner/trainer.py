@@ -32,15 +32,10 @@ The model stays in eval mode (no dropout), so that before any update the trainer
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -48,10 +43,9 @@ import torch
 from torch import Tensor
 
 from astuner.fused_head import head_logprobs, plain_linear_head
-from astuner.lora import (ADAPTER_NAME, LoraSettings, adapter_state_for_save, adapter_state_from_file, apply_lora,
-                          is_lora_param, merged_named_tensors, set_adapter_dropout)
+from astuner import trainer_checkpoint
+from astuner.lora import LoraSettings, apply_lora, merged_named_tensors, set_adapter_dropout
 from astuner.precision import MasterWeights, resolve_precision
-from astuner.resume import RESUME_DIR
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
                                     token_weights)
 from astuner.algorithm.sampling_filter import filter_logits, is_filtered
@@ -191,10 +185,6 @@ class Trainer:
 
     # --- forward ---------------------------------------------------------------------------------------------
 
-    def _autocast(self):
-        # Precision is the parameters' dtype (astuner/precision.py): no per-op casts.
-        return contextlib.nullcontext()
-
     def _head_logits(self, model, hidden_N_H: Tensor) -> Tensor:
         """LM head on selected hidden states, plus the output transforms some families apply after it."""
         logits = model.get_output_embeddings()(hidden_N_H).float()
@@ -255,21 +245,20 @@ class Trainer:
 
         # No attention mask: with right padding, causal attention already hides the pads from real tokens,
         # and leaving it out keeps SDPA on its fused causal path.
-        with self._autocast():
-            if self._fast_head:
-                hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
-                weight = plain_linear_head(model) if self.chunked_head else None
-                if weight is not None and not entropy_grad and not (is_filtered(self.top_k, self.top_p)
-                                                                    and any(sampled)):
-                    # Never holds R x V logits (astuner/fused_head.py); the same numbers as below.
-                    return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R,
-                                         with_entropy)
-                logits_R_V = self._head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
-            else:
-                logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
+        # Precision is the parameters' dtype (astuner/precision.py): no autocast.
+        filtered = is_filtered(self.top_k, self.top_p) and any(sampled)
+        if self._fast_head:
+            hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
+            weight = plain_linear_head(model) if self.chunked_head else None
+            if weight is not None and not entropy_grad and not filtered:
+                # Never holds R x V logits (astuner/fused_head.py); the same numbers as below.
+                return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy)
+            logits_R_V = self._head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
+        else:
+            logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
         if any(t != 1.0 for t in temps):  # a full pass over R x V floats (and its backward) saved when all are 1
             logits_R_V = logits_R_V / temps_R[:, None]
-        if is_filtered(self.top_k, self.top_p) and any(sampled):
+        if filtered:
             # Greedy calls were not filtered by the engine (and are never trained); sampled ones were.
             sampled_R = torch.tensor(sampled, device=dev)
             logits_R_V = torch.where(sampled_R[:, None], filter_logits(logits_R_V, self.top_k, self.top_p),
@@ -527,91 +516,9 @@ class Trainer:
             yield name, param.detach()
 
     def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None) -> None:
-        """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
-
-        A run killed mid-save leaves at most a hidden `.NAME.tmp-*` folder, never a half-written `path`.
-        The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
-        With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
-        exactly: optimizer state, optimizer step count, torch RNG states and the run state.
-        """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp = path.parent / f".{path.name}.tmp-{tag}"
-        try:
-            # bf16: the fp32 master weights, so a resumed run continues from the same numbers.
-            if self._peft is not None:  # the adapter only; `astuner export` merges it into a model folder
-                from safetensors.torch import save_file
-
-                state = self._master.state_dict(self.model) or dict(self.model.named_parameters())
-                tmp.mkdir(parents=True)
-                save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_for_save(state).items()},
-                          str(tmp / "adapter_model.safetensors"))
-                self._peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
-            else:
-                self.model.save_pretrained(tmp, state_dict=self._master.state_dict(self.model))
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                try:
-                    tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-                except Exception as exc:
-                    log.warning("checkpoint %s saved without tokenizer: %s", path, exc)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            if run_state is not None:
-                resume = tmp / RESUME_DIR
-                resume.mkdir()
-                torch.save(
-                    {
-                        "optimizer": self.optimizer.state_dict(),
-                        "optimizer_steps": self.optimizer_steps,
-                        "torch_rng": torch.get_rng_state(),
-                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    },
-                    resume / "trainer.pt",
-                )
-                # Written last: its presence marks a complete, resumable checkpoint.
-                (resume / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
-            if path.exists():
-                # A directory cannot be renamed over a non-empty one: move the old one aside first.
-                old = path.parent / f".{path.name}.old-{tag}"
-                path.rename(old)
-                tmp.rename(path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""
+        trainer_checkpoint.save(self, Path(path), tokenizer, run_state)
 
     def load_checkpoint(self, path: Path) -> dict:
-        """Restore weights, optimizer, step count and RNG from a checkpoint `save_checkpoint` wrote with a run
-        state; returns that run state. The KL reference model stays the initial policy."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} holds no .safetensors weights")
-        state: dict[str, Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        if self._peft is not None:
-            state = adapter_state_from_file(state)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        self._master.load_masters(self.model, state)
-        # Tied weights are saved once; anything else missing means another architecture.
-        tied = {n for n in missing if "lm_head" in n and getattr(self.model.config, "tie_word_embeddings", False)}
-        if self._peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
-            tied |= {n for n in missing if not is_lora_param(n)}
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]})")
-        saved = torch.load(path / RESUME_DIR / "trainer.pt", map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.optimizer_steps = int(saved["optimizer_steps"])
-        torch.set_rng_state(saved["torch_rng"])
-        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["cuda_rng"])
-        return json.loads((path / RESUME_DIR / "state.json").read_text(encoding="utf-8"))
+        """Weights, optimizer, step count and RNG from `path`; returns the run state (`trainer_checkpoint.load`)."""
+        return trainer_checkpoint.load(self, Path(path))

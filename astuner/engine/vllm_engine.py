@@ -43,6 +43,7 @@ from astuner.types import GenerateResult, SamplingParams
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "astuner.engine.vllm_worker.WeightSyncExtension"
+BATCH_TIMEOUT_S = 3600.0  # generate_batch (benchmarks, tests): a whole batch, however long its answers
 
 
 class EngineTimeout(RuntimeError):
@@ -184,7 +185,7 @@ class VLLMEngine:
         async def run():
             return await asyncio.gather(*[self._generate(list(p), sampling, uuid.uuid4().hex) for p in prompts])
 
-        return self._call(run(), None, "a batch generation")
+        return self._call(run(), BATCH_TIMEOUT_S, "a batch generation")
 
     def sequence_logprobs(self, token_ids: list[int], start: int) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= start, from vLLM's prompt logprobs (the model's own,

@@ -44,10 +44,6 @@ class WeightSyncExtension:
         _repack_tied_head(self.model_runner.get_model())
         return time.perf_counter() - started
 
-    def astuner_release_shared(self, path: str) -> None:
-        if self._astuner_buffers:
-            self._astuner_buffers.pop(path, None)
-
 
 def _repack_tied_head(model) -> None:
     """A tied LM head shares the embedding's weight but, on backends that pre-pack linear weights (vLLM's CPU

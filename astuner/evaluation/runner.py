@@ -90,7 +90,9 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
         path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
     except ModelPathError as exc:
         raise UserError(f"eval --model {spec}: {exc}") from None
-    if spec is not None and (Path(path) / "adapter_config.json").is_file():
+    from astuner.lora import is_adapter_checkpoint
+
+    if spec is not None and is_adapter_checkpoint(Path(path)):
         raise UserError(f"eval --model {spec}: a LoRA adapter checkpoint; merge it first with 'astuner export {spec} "
                         "--out DIR' and evaluate DIR")
     if spec is not None and not (Path(path) / "config.json").is_file():

@@ -1,0 +1,113 @@
+"""Trainer checkpoints: an atomic Hugging Face folder (or, with LoRA, the adapter alone) plus the state an exact
+resume needs (`RESUME_DIR/`: optimizer, optimizer step count, RNG states, the loop's run state).
+
+Functions of the trainer rather than methods, to keep `trainer.py` about the update itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from astuner.lora import ADAPTER_NAME, adapter_state_for_save, adapter_state_from_file, is_lora_param
+from astuner.resume import RESUME_DIR
+
+log = logging.getLogger("astuner.trainer")
+
+
+def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None) -> None:
+    """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
+
+    A run killed mid-save leaves at most a hidden `.NAME.tmp-*` folder, never a half-written `path`.
+    The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
+    With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
+    exactly: optimizer state, optimizer step count, torch RNG states and the run state.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".{path.name}.tmp-{tag}"
+    try:
+        # bf16: the fp32 master weights, so a resumed run continues from the same numbers.
+        if trainer._peft is not None:  # the adapter only; `astuner export` merges it into a model folder
+            from safetensors.torch import save_file
+
+            state = trainer._master.state_dict(trainer.model) or dict(trainer.model.named_parameters())
+            tmp.mkdir(parents=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_for_save(state).items()},
+                      str(tmp / "adapter_model.safetensors"))
+            trainer._peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
+        else:
+            trainer.model.save_pretrained(tmp, state_dict=trainer._master.state_dict(trainer.model))
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(trainer.model_path)
+            except Exception as exc:
+                log.warning("checkpoint %s saved without tokenizer: %s", path, exc)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if run_state is not None:
+            resume = tmp / RESUME_DIR
+            resume.mkdir()
+            torch.save(
+                {
+                    "optimizer": trainer.optimizer.state_dict(),
+                    "optimizer_steps": trainer.optimizer_steps,
+                    "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                },
+                resume / "trainer.pt",
+            )
+            # Written last: its presence marks a complete, resumable checkpoint.
+            (resume / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
+        if path.exists():
+            # A directory cannot be renamed over a non-empty one: move the old one aside first.
+            old = path.parent / f".{path.name}.old-{tag}"
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+def load(trainer, path: Path) -> dict:
+    """Restore weights, optimizer, step count and RNG from a checkpoint `save_checkpoint` wrote with a run
+    state; returns that run state. The KL reference model stays the initial policy."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .safetensors weights")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if trainer._peft is not None:
+        state = adapter_state_from_file(state)
+    missing, unexpected = trainer.model.load_state_dict(state, strict=False)
+    trainer._master.load_masters(trainer.model, state)
+    # Tied weights are saved once; anything else missing means another architecture.
+    tied = {n for n in missing if "lm_head" in n and getattr(trainer.model.config, "tie_word_embeddings", False)}
+    if trainer._peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
+        tied |= {n for n in missing if not is_lora_param(n)}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+    saved = torch.load(path / RESUME_DIR / "trainer.pt", map_location="cpu", weights_only=False)
+    trainer.optimizer.load_state_dict(saved["optimizer"])
+    trainer.optimizer_steps = int(saved["optimizer_steps"])
+    torch.set_rng_state(saved["torch_rng"])
+    if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
+    return json.loads((path / RESUME_DIR / "state.json").read_text(encoding="utf-8"))

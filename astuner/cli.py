@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from astuner.errors import TrainingStalled, UserError
+from astuner.errors import TrainingStalled, UserError, WorkerLost
 
 # Older Typer raises the click package's exceptions; newer Typer vendors click and raises its own types.
 _CLI_ERRORS: tuple = tuple(t for t in (getattr(typer, "TyperException", None),) if t)
@@ -51,7 +51,8 @@ def launch(
     ] = None,
     backbone: Annotated[str, typer.Option(help="Where training runs: debug | verl | trinity.")] = "debug",
     with_ray: Annotated[
-        bool, typer.Option("--with-ray", help="Run the debug backbone inside Ray (later release).")
+        bool, typer.Option("--with-ray", help="verl / trinity: join the Ray cluster at RAY_ADDRESS or a running "
+                           "local one (ray start --head), else start one for this run (they always run on Ray).")
     ] = False,
     with_logview: Annotated[
         bool, typer.Option("--with-logview", help="Serve the trajectory and metrics viewer on 127.0.0.1 beside "
@@ -80,11 +81,9 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     """The command's work, without argument parsing. Raises UserError for bad input."""
     if backbone not in BACKBONES:
         raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
-    later = "comes in a later release; --backbone debug (one process, no Ray) works now"
-    if backbone != "debug":
-        raise UserError(f"the {backbone} backbone {later}.")
-    if with_ray:
-        raise UserError(f"--with-ray {later}.")
+    if with_ray and backbone == "debug":
+        raise UserError("--with-ray places the verl or trinity backbone on a Ray cluster; the debug backbone runs in "
+                        "this one process. Drop --with-ray, or add --backbone verl (or trinity).")
 
     from astuner.config import config_warnings, load_config, save_config
     from astuner.resume import plan_start
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.details:
             print(exc.details, file=sys.stderr)
         return code
-    except TrainingStalled as exc:
+    except (TrainingStalled, WorkerLost) as exc:
         _fail(str(exc))
         return STALLED_EXIT
     except (KeyboardInterrupt, *_ABORTS):

@@ -2,6 +2,7 @@
 
 UserError: bad input (config, data, user code paths); exit code 2.
 TrainingStalled: the run stopped because it would otherwise train on nothing; exit code 1.
+WorkerLost: a process of a Ray backbone died or did not answer in time; exit code 1.
 """
 
 
@@ -18,6 +19,15 @@ class UserError(Exception):
 
 class TrainingStalled(RuntimeError):
     """The run stopped instead of training on nothing; the message quotes the first error seen."""
+
+
+class WorkerLost(RuntimeError):
+    """A Ray actor died or did not answer within its deadline; the message names who waited for whom.
+    `trainer_ok`: the trainer still holds the last completed step, so a checkpoint of it is consistent."""
+
+    def __init__(self, message: str, trainer_ok: bool = False) -> None:
+        super().__init__(message)
+        self.trainer_ok = trainer_ok
 
 
 def user_code_error(what: str, path: str, exc: BaseException) -> UserError:

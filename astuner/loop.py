@@ -9,6 +9,12 @@
         stages.sync_weights()                            # the engine samples from the new policy
         log, validate every test_freq, checkpoint (resumable) every save_freq
 
+A backbone that rolls out ahead (trinity) is handed the next `stages.lookahead` batches early; every episode
+carries the policy version that generated it, and the step logs its staleness.
+
+A Ray worker lost mid-run (WorkerLost) stops the run; if the trainer still holds the last completed step, that
+step is checkpointed first, so a resume continues from it.
+
 Never silently idle: a step whose episodes all failed or timed out stops the run, and so do `max_idle_steps`
 steps in a row without a sample that carries a gradient (no episode trained, or every group's rewards equal),
 with a message quoting the first error seen.
@@ -16,6 +22,7 @@ with a message quoting the first error seen.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import random
@@ -27,7 +34,7 @@ from typing import Iterator, Protocol
 from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.registry import STD_NORMALISED
 from astuner.algorithm.samples import episodes_to_samples, merge_ratio
-from astuner.errors import TrainingStalled
+from astuner.errors import TrainingStalled, WorkerLost
 from astuner.evaluation.metrics import ks_for, summarize, task_results
 from astuner.types import (
     FLAG_FAILED,
@@ -52,6 +59,10 @@ class Stages(Protocol):
     def sync_weights(self) -> None: ...
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path: ...
+
+    # Optional, for stages that roll out ahead (the trinity backbone): `lookahead` batches after the current
+    # one are handed to `prefetch(step, tasks)` before it is rolled out, and `step_metrics()` adds to a step's
+    # log.
 
 
 class MonitorLike(Protocol):
@@ -234,8 +245,18 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
     return out
 
 
+def staleness_metrics(episodes: list[Episode], step: int) -> dict[str, float]:
+    """Trainer steps between the weights that generated a step's episodes and the weights they train:
+    (step - 1) - policy_version; 0 everywhere for the debug and verl backbones."""
+    stale = [(step - 1) - e.policy_version for e in episodes] or [0]
+    return {"rollout/staleness_mean": sum(stale) / len(stale), "rollout/staleness_max": float(max(stale)),
+            "rollout/policy_version_min": float(min(e.policy_version for e in episodes) if episodes else 0)}
+
+
 def warn_pipeline(step: int, metrics: dict[str, float]) -> None:
     for name, limit in PIPELINE_WARN.items():
+        if name.startswith("rollout/logprob") and metrics.get("rollout/staleness_max", 0) > 0:
+            continue  # stale samples: the gap includes the policy's own change (the trinity backbone corrects it)
         value = metrics.get(name)
         if value is not None and value > limit:
             log.warning("step %d: %s = %.3g is above %.3g: the token pipeline may be broken (a tool-call parser "
@@ -300,10 +321,53 @@ def run_loop(
     if settings.val_before_train and state.step == 0:
         validate(0)
 
-    batches = task_batches(train_tasks, settings, state.epoch, state.position)
+    batches = _Peekable(task_batches(train_tasks, settings, state.epoch, state.position))
+    saved = {"step": state.step}  # the last step with a checkpoint (or the resumed one)
+    try:
+        _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved)
+    except WorkerLost as exc:
+        # Checkpoint the last completed step if the trainer still holds exactly it, so a resume continues there.
+        if exc.trainer_ok and state.step > saved["step"] and not getattr(exc, "trained_past_state", False):
+            log.error("%s", exc)
+            try:
+                summary.last_checkpoint = stages.save_checkpoint(state.step, asdict(state))
+                log.error("saved the last completed step as %s before stopping", summary.last_checkpoint)
+            except Exception as save_exc:  # the trainer went too: the previous checkpoint stays the last one
+                log.error("could not save step %d as well (%s)", state.step, save_exc)
+        raise
+
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+class _Peekable:
+    """An iterator whose next items can be looked at without taking them."""
+
+    def __init__(self, it) -> None:
+        self._it, self._ahead = it, collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._ahead.popleft() if self._ahead else next(self._it)
+
+    def peek(self, n: int) -> list:
+        while len(self._ahead) < n:
+            try:
+                self._ahead.append(next(self._it))
+            except StopIteration:
+                break
+        return list(self._ahead)[:n]
+
+
+def _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved: dict) -> None:
     for step, (tasks, epoch, position) in enumerate(batches, start=state.step + 1):
         if step > total_steps:
             break
+        for i, (upcoming, _, _) in enumerate(batches.peek(getattr(stages, "lookahead", 0)), start=1):
+            if step + i <= total_steps:
+                stages.prefetch(step + i, upcoming)
         t0 = time.perf_counter()
         episodes = stages.rollout(tasks, validation=False, step=step)
         trained = episodes
@@ -335,12 +399,17 @@ def run_loop(
         else:
             train_metrics = stages.train(samples, objective="sft") if rft else stages.train(samples)
         t2 = time.perf_counter()
-        stages.sync_weights()
+        try:
+            stages.sync_weights()
+        except WorkerLost as exc:
+            exc.trained_past_state = True  # the trainer holds step `step`; `state` still says step - 1
+            raise
         t3 = time.perf_counter()
 
         metrics = episode_metrics(episodes, "train")
         metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
         metrics.update(pipeline_metrics(episodes, train_metrics))
+        metrics.update(staleness_metrics(episodes, step))
         warn_pipeline(step, metrics)
         zero_frac = zero_adv_group_fraction(episodes)
         metrics.update({
@@ -351,6 +420,8 @@ def run_loop(
             "train/num_samples": float(len(samples)),
             "train/zero_adv_group_fraction": zero_frac,
         })
+        if hasattr(stages, "step_metrics"):
+            metrics.update(stages.step_metrics())
         if settings.filter_groups:
             metrics.update({f"train/dynamic_sampling/{k}": float(v) for k, v in fill.items()})
         if rft:
@@ -365,10 +436,8 @@ def run_loop(
             validate(step)
         if step % settings.save_freq == 0 or step == total_steps:
             summary.last_checkpoint = stages.save_checkpoint(step, asdict(state))
+            saved["step"] = step
         monitor.step_done(step, metrics)
-
-    summary.seconds = time.perf_counter() - started
-    return summary
 
 
 def fill_with_informative_groups(episodes, tasks, batches, stages, settings, step, epoch, position):

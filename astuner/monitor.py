@@ -171,6 +171,7 @@ class Monitor:
             "flags": episode.flags,
             "error": episode.error,
             "seconds": round(episode.seconds, 3),
+            "policy_version": episode.policy_version,
             "output_metadata": episode.output_metadata,
             "calls": [
                 {

@@ -237,23 +237,31 @@ def load_workflow(loaded):
     return workflow_cls
 
 
-def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
-    """Every piece of a run, in the order that fails fastest: user code, data, the model's config and memory
-    estimate, and only then the weights. `total_steps_of(n_train_tasks)` gives the run's step count."""
-    import torch
+@dataclass
+class Prepared:
+    """What every backbone's driver knows before any weights load: user code checked, data read, the model's
+    limits and the memory plan announced."""
 
+    workflow_cls: type
+    judge: object
+    train_tasks: list[Task]
+    val_tasks: list[Task]
+    model_path: str
+    max_model_len: int
+    tokenizer: object
+    total_steps: int
+    plan: object  # preflight.RunPlan
+
+
+def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
+    """In the order that fails fastest: user code, data, the model's config and memory estimate; no weights.
+    `total_steps_of(n_train_tasks)` gives the run's step count."""
     from astuner import preflight
     from astuner.monitor import announce
-    from astuner.rollout import RolloutRunner, RolloutSettings
     from astuner.task_reader import build_task_reader
 
     typed, cfg = loaded.typed, loaded.cfg
-    _quiet_library_progress()
-    seed = typed.astuner.seed
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-    # Fail on user input (classes, data) before spending time on model loading.
+    quiet_library_progress()
     workflow_cls = load_workflow(loaded)
     judge = build_judge(typed, cfg, loaded.config_dir)
     reader = build_task_reader(typed, loaded.config_dir)
@@ -270,27 +278,56 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps)
     announce(plan.block(facts))
     preflight.check_fits(plan, facts)
+    return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,
+                    total_steps, plan)
 
-    engine = build_engine(typed, model_path, tokenizer, max_model_len)
-    trainer = build_trainer(typed, model_path, total_steps)
-    runner = RolloutRunner(
+
+def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str, max_model_len: int):
+    """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check)."""
+    from astuner.rollout import RolloutRunner, RolloutSettings
+
+    typed = loaded.typed
+    return RolloutRunner(
         RolloutSettings.from_config(typed, max_model_len),
         engine,
         tokenizer,
         workflow_cls,
         judge,
         stop_token_ids(model_path, tokenizer),
-        config=cfg,
-        auxiliary=_auxiliary_pool(typed),
+        config=loaded.cfg,
+        auxiliary=_auxiliary_pool(typed) if engine is not None else None,
     )
-    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check, run_preflight
 
-    run_preflight(
-        typed.astuner.rollout.preflight, runner.renderer, runner.chat_format, runner.parser, runner.reasoning_parser,
-        runner.stop_texts(),
-        engine_trainer_logprob_check(engine, trainer, tokenizer, runner.renderer, runner.stop_token_ids),
-    )
-    return Runtime(tokenizer, train_tasks, val_tasks, engine, trainer, runner, plan)
+
+def check_token_pipeline(typed, runner, logprob_check) -> None:
+    """The preflight table (template, parsers, engine/trainer logprobs); raises UserError when strict and broken."""
+    from astuner.model_tuner.pipeline_check import run_preflight
+
+    run_preflight(typed.astuner.rollout.preflight, runner.renderer, runner.chat_format, runner.parser,
+                  runner.reasoning_parser, runner.stop_texts(), logprob_check)
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
+    """Every piece of a run in this process (the debug backbone): `prepare`, then the weights."""
+    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check
+
+    typed = loaded.typed
+    seed_everything(typed.astuner.seed)
+    prep = prepare(loaded, backbone, total_steps_of)
+    engine = build_engine(typed, prep.model_path, prep.tokenizer, prep.max_model_len)
+    trainer = build_trainer(typed, prep.model_path, prep.total_steps)
+    runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
+                          prep.max_model_len)
+    check_token_pipeline(typed, runner, engine_trainer_logprob_check(
+        engine, trainer, prep.tokenizer, runner.renderer, runner.stop_token_ids))
+    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan)
 
 
 def _auxiliary_pool(typed):
@@ -304,7 +341,7 @@ def _auxiliary_pool(typed):
         typed, lambda path: preflight.resolve_max_model_len(None, preflight.read_model_facts(path, "auxiliary model")))
 
 
-def _quiet_library_progress() -> None:
+def quiet_library_progress() -> None:
     """Weight loading and dataset caching draw their own bars; the run has one progress bar of its own."""
     from transformers.utils import logging as hf_logging
 

@@ -147,6 +147,7 @@ class Trainer:
         self.rollout_is_cap = rollout_is_cap
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.optimizer_steps = 0
+        self.dp = None  # a data_parallel.DataParallel when this is one worker of a trainer group
 
         # The seed only matters if the checkpoint lacks some weights (they are then initialised at random);
         # fork_rng keeps the caller's global RNG untouched.
@@ -313,6 +314,8 @@ class Trainer:
             i for i, s in enumerate(samples)
             if weights_B[i] > 0 and (every_token_counts or s.advantage != 0.0)
         ]
+        if self.dp is not None:  # a worker of a group backwards the episodes it owns (data_parallel.py)
+            keep = [i for i in keep if self.dp.mine(samples[i])]
         kept = [samples[i] for i in keep]
         dev = self.device
         sums = {k: torch.zeros((), device=dev) for k in ("loss", "clip_fraction", "clip_fraction_lower",
@@ -370,11 +373,13 @@ class Trainer:
         out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
         out.update(
             response_tokens=n_tokens_R,
-            weighted_tokens=sum(s.num_trained_tokens for s, w in zip(samples, weights_B) if w > 0),
             train_tokens=sum(s.num_tokens for s in kept),
             num_micro_batches=len(micro_batches),
             num_forwarded_samples=len(kept),
         )
+        if self.dp is not None:
+            out = self.dp.reduce_sums(out, max_keys=("logprob_abs_diff_max",))
+        out["weighted_tokens"] = sum(s.num_trained_tokens for s, w in zip(samples, weights_B) if w > 0)
         return out
 
     def _current_lr(self) -> float:
@@ -386,6 +391,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+        if self.dp is not None:
+            self.dp.all_reduce_grads(self._master.model_params)
         self._master.grads_to_masters()
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
         if torch.isfinite(torch.tensor(grad_norm)):
@@ -407,6 +414,8 @@ class Trainer:
         if objective not in ("policy", "sft"):
             raise ValueError(f"unknown objective {objective!r}; available: policy, sft")
         start = time.perf_counter()
+        if self.dp is not None:
+            self.dp.assign(samples, self.mini_batch_num)
         # No dropout: the ratio is exactly 1 before the first update (train mode only to let HF recompute
         # activations, on a model checked to have no dropout).
         self.model.train(self.gradient_checkpointing)
@@ -479,7 +488,7 @@ class Trainer:
         out = list(samples)
         sums = {"logprob_abs_diff": 0.0, "logprob_abs_diff_max": 0.0, "kl_engine_trainer_k3": 0.0}
         tokens = 0.0
-        todo = [i for i, s in enumerate(samples) if s.response_ids]
+        todo = [i for i, s in enumerate(samples) if s.response_ids and (self.dp is None or self.dp.mine(s))]
         for idx in split_micro_batches([samples[i].num_tokens for i in todo], self.max_token_len_per_micro_batch):
             mb = [samples[todo[i]] for i in idx]
             lengths = [len(s.response_ids) for s in mb]
@@ -496,6 +505,9 @@ class Trainer:
                 original.trainer_logprobs = flat[start : start + n]
                 out[todo[i]] = dataclasses.replace(original, old_logprobs=original.trainer_logprobs,
                                                    engine_logprobs=list(original.old_logprobs))
+        if self.dp is not None:
+            sums = self.dp.reduce_sums({**sums, "tokens": tokens}, max_keys=("logprob_abs_diff_max",))
+            tokens = sums["tokens"]
         tokens = max(tokens, 1.0)
         return out, {"logprob_abs_diff_mean": sums["logprob_abs_diff"] / tokens,
                      "logprob_abs_diff_max": sums["logprob_abs_diff_max"],

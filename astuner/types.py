@@ -90,6 +90,9 @@ class Episode:
     error: str | None = None  # traceback text when the workflow raised or timed out
     seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # the workflow's and the judge's, logged per step
+    # Trainer steps behind the weights that generated it (0: the initial model); the trinity backbone's explorers
+    # may run on older weights than the trainer's, and the step's staleness is trainer step - 1 - this.
+    policy_version: int = 0
 
     @property
     def group_id(self) -> str:
@@ -118,6 +121,7 @@ class Sample:
     trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the trainer)
     # The engine's sampling logprobs when old_logprobs were recomputed by the trainer (old_logprobs: trainer).
     engine_logprobs: list[float] | None = None
+    policy_version: int = 0  # its episode's (see Episode.policy_version)
 
     @property
     def num_tokens(self) -> int:

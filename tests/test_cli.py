@@ -80,9 +80,9 @@ def test_directory_as_config(tmp_path):
     assert "directory" in assert_user_error(cli("--conf", str(tmp_path), cwd=tmp_path))
 
 
-def test_trinity_backbone_comes_later(conf, tmp_path):
-    stderr = assert_user_error(cli("--conf", str(conf), "--backbone", "trinity", cwd=tmp_path))
-    assert "later release" in stderr and "--backbone debug" in stderr
+def test_with_ray_needs_a_ray_backbone(conf, tmp_path):
+    stderr = assert_user_error(cli("--conf", str(conf), "--with-ray", cwd=tmp_path))
+    assert "debug backbone runs in this one process" in stderr and "--backbone verl" in stderr
 
 
 def test_unknown_key_exits_2(conf, tmp_path):
@@ -146,9 +146,8 @@ def test_no_warning_when_every_key_applies(conf, tmp_path, monkeypatch, capsys, 
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--backbone", "verl"], "later release"),
         (["--backbone", "nope"], "unknown backbone"),
-        (["--with-ray"], "later release"),
+        (["--with-ray"], "--backbone verl"),
         (["--with-logview", "astuner.logview.port=70000"], "logview.port"),
         (["astuner.rollout.temperature"], "malformed"),
         (["--no-such-flag"], "--no-such-flag"),

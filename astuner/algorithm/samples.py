@@ -75,6 +75,9 @@ def episodes_to_samples(
             units = merge_samples(units, [c.agent for c in calls])
         for i in subset_indices(len(units), max_sample_per_task):
             samples.append(units[i])
+    version = {e.episode_uid: e.policy_version for e in episodes}
+    for s in samples:
+        s.policy_version = version.get(s.episode_uid, 0)
     return samples
 
 

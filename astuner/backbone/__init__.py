@@ -8,13 +8,12 @@ from astuner.errors import UserError
 
 BACKBONES = {
     "debug": "astuner.backbone.debug:run",
+    "verl": "astuner.backbone.verl:run",
+    "trinity": "astuner.backbone.trinity:run",
 }
-LATER = {"verl", "trinity"}
 
 
 def run_backbone(name: str, loaded, checkpoint=None) -> None:
-    if name in LATER:
-        raise UserError(f"the {name!r} backbone comes in a later release; use --backbone debug for now")
     if name not in BACKBONES:
         raise UserError(f"unknown backbone {name!r}; choose one of: {', '.join(sorted(BACKBONES))}")
     module_name, func = BACKBONES[name].split(":")

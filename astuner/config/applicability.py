@@ -25,6 +25,7 @@ ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.
                 "astuner.trainer_common.entropy_coeff", "astuner.trainer_common.val_num_repeat",
                 "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss",
                 "astuner.trainer_common.old_logprobs", "astuner.trainer_common.rollout_is_cap")
+RAY_BACKBONES = ("verl", "trinity")
 OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
@@ -35,11 +36,23 @@ def _vllm(typed) -> bool:
     return resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
 
 
+def _stale(typed) -> bool:
+    from astuner.backbone.sync_schedule import staleness_bound
+
+    sync = typed.trinity.synchronizer
+    return staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness) > 0
+
+
 APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.trainer_common.trinity_only__n_vllm_engine": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "trinity.synchronizer": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.trainer_common.nnodes": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
+    "astuner.trainer_common.n_gpus_per_node": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
+    "astuner.trainer_common.cpus_per_worker": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
+    "astuner.trainer_common.actor_timeout_s": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.lora.alpha": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
     "astuner.trainer_common.lora.dropout": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
     "astuner.trainer_common.lora.target_modules": (
@@ -81,7 +94,8 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
         "with filter_groups.enable true", lambda c, b: c.astuner.trainer_common.algorithm.filter_groups.enable
     ),
     "astuner.trainer_common.rollout_is_cap": (
-        "with old_logprobs trainer", lambda c, b: c.astuner.trainer_common.old_logprobs == "trainer"
+        "with old_logprobs trainer, or backbone trinity with a staleness bound above 0",
+        lambda c, b: c.astuner.trainer_common.old_logprobs == "trainer" or (b == "trinity" and _stale(c)),
     ),
     "astuner.trainer_common.clip_ratio_c": (
         "with policy_loss.loss_mode vanilla",

@@ -316,7 +316,20 @@ class TrainerCommonSection(Section):
         "group's rewards were equal); the message quotes the first error.",
         ge=1,
     )
-    trinity_only__n_vllm_engine: int = key(1, "Number of vLLM explorer engines.", ge=1)
+    trinity_only__n_vllm_engine: int = key(
+        1, "Explorer actors of the trinity backbone, each with its own engine (tensor_model_parallel_size GPUs on a "
+        "GPU cluster, cpus_per_worker CPUs otherwise) and rollout workers.", ge=1)
+    nnodes: int = key(1, "Nodes the trainer workers of the verl and trinity backbones spread over (as in verl).", ge=1)
+    n_gpus_per_node: int = key(
+        1, "Trainer workers per node for the verl and trinity backbones (as in verl): one per GPU on a GPU cluster; "
+        "on a CPU-only cluster, processes of cpus_per_worker CPUs each. Above 1 in all they train data-parallel "
+        "(torch.distributed: NCCL on GPU, gloo on CPU), each on its share of a step's episodes.", ge=1)
+    cpus_per_worker: float = key(
+        1.0, "CPUs Ray reserves for each trainer worker and explorer of the verl and trinity backbones (fractions "
+        "allowed).", gt=0)
+    actor_timeout_s: float = key(
+        3600.0, "Deadline of each wait on a Ray actor in the verl and trinity backbones (a rollout batch, a train "
+        "step, a checkpoint, placing the actors): on expiry the run stops and says who waited for whom.", gt=0)
     mini_batch_num: int = key(
         1, "Optimizer steps per training step: the step's episodes are split into this many mini-batches.", ge=1
     )
@@ -440,8 +453,28 @@ class TrinityTrainer(Section):
     )
 
 
+class TrinitySynchronizer(Section):
+    sync_interval: int = key(
+        1, "Trainer steps between weight syncs to the explorers (fixed style). 1 with sync_offset 0: on-policy, "
+        "the same steps as the debug and verl backbones.", ge=1)
+    sync_offset: int = key(
+        0, "Extra batches the explorers may roll out ahead of the trainer, on older weights (1 with sync_interval "
+        "1: one-step off-policy; rollout of step s+1 overlaps training of step s).", ge=0)
+    sync_style: Literal["fixed", "dynamic_by_explorer"] = key(
+        "fixed", "fixed: sync after every sync_interval-th trainer step | dynamic_by_explorer: sync only when an "
+        "explorer's next batch would be staler than max_staleness.")
+    sync_timeout: float = key(1200.0, "Deadline (seconds) of one weight sync to an explorer.", gt=0)
+    max_staleness: Optional[int] = key(
+        None, "Bound on a sample's staleness (trainer step - 1 - the policy version that generated it); an "
+        "explorer waits for new weights rather than exceed it. null: sync_interval - 1 + sync_offset.", ge=0)
+
+
 class TrinitySection(Section):
     trainer: TrinityTrainer = section(TrinityTrainer)
+    synchronizer: TrinitySynchronizer = section(
+        TrinitySynchronizer, "When the trinity backbone's explorers get new weights. Samples rolled out on older "
+        "weights than the trainer's are corrected: old logprobs recomputed by the trainer, each token weighted by "
+        "min(pi_old / pi_behaviour, rollout_is_cap).")
 
 
 class VerlSection(Section):
@@ -468,7 +501,8 @@ HEADERS = {
     ),
     "verl": (
         "Defaults for keys named after the verl backbone. Generated from astuner/config/schema.py. The verl backbone "
-        "is not in this release, so this section holds no keys yet; any key set under `verl:` is reported as unknown."
+        "reads its placement from astuner.trainer_common (nnodes, n_gpus_per_node, cpus_per_worker), so this section "
+        "holds no keys; any key set under `verl:` is reported as unknown."
     ),
 }
 DEFAULT_FILE_OF = {"verl": "verl/verl_default.yaml", "trinity": "trinity/trinity_default.yaml",

@@ -44,7 +44,7 @@ def model_label(spec: str | None, taken: set[str]) -> str:
 def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: int | None = None,
              out_dir: Path | None = None, progress=None) -> list[ModelReport]:
     """Run the evaluation of every model in `models` (None: the config's model); write and return the reports."""
-    from astuner.runtime import _auxiliary_pool, _quiet_library_progress, build_judge, load_workflow
+    from astuner.runtime import _auxiliary_pool, quiet_library_progress, build_judge, load_workflow
     from astuner.task_reader import build_task_reader
 
     if split not in SPLITS:
@@ -60,7 +60,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
     if not tasks:
         raise UserError(f"eval: the config has no {'validation' if split == 'val' else 'training'} tasks; set the "
                         "task reader's validation file or split, or pass --split train")
-    _quiet_library_progress()
+    quiet_library_progress()
     ks = ks_for(k_samples) if k_samples > 0 else []
     auxiliary = _auxiliary_pool(typed)  # frozen helpers (an LLM judge...): loaded once for every model
     reports: list[ModelReport] = []

@@ -1,0 +1,139 @@
+"""Ray for the verl and trinity backbones: joining or starting a cluster, checking that it can hold the
+placement before asking for it, and waiting on actors with a deadline that names who waited for whom.
+
+Ray is imported here and in the backbone modules only (never by the config or the CLI's help).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from astuner.errors import UserError, WorkerLost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What one actor needs: CPUs, GPUs, and bytes of host memory (for the check only)."""
+
+    name: str
+    cpus: float
+    gpus: float = 0.0
+    memory: float = 0.0
+
+
+def connect(log_to_driver: bool = True) -> bool:
+    """Join the cluster at RAY_ADDRESS or a running local one (`ray start --head`); start a private local cluster
+    when none is reachable. Returns True when this process started it (it stops with `ray.shutdown()`)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 writes an auth token otherwise
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    quiet = dict(include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+    try:
+        ray.init(address=address or "auto", **quiet)
+        log.info("joined the Ray cluster at %s", address or "auto (a running local cluster)")
+        return False
+    except ConnectionError as exc:
+        if address:
+            raise UserError(
+                f"RAY_ADDRESS={address}: no Ray cluster answers there ({exc}). Start one with `ray start --head` "
+                "on the head node, or unset RAY_ADDRESS to run on a local cluster started for this run."
+            ) from None
+    ray.init(**quiet)
+    log.info("started a local Ray cluster for this run (%s CPUs, %s GPUs); it stops when the run ends",
+             ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
+    return True
+
+
+def check_resources(bundles: list[Bundle], what_for: str) -> None:
+    """Exit 2 (UserError) naming what is missing when the cluster cannot hold `bundles` at all: in total, or
+    one bundle on any single node. Ray would otherwise wait forever for the placement."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    total = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU", "memory")}
+    need = {"CPU": sum(b.cpus for b in bundles), "GPU": sum(b.gpus for b in bundles),
+            "memory": sum(b.memory for b in bundles)}
+    missing = []
+    for k, unit in (("CPU", ""), ("GPU", ""), ("memory", " GiB")):
+        scale = 2**30 if k == "memory" else 1
+        if need[k] > total[k] + 1e-9:
+            missing.append(f"{need[k] / scale:.3g}{unit} {k} (the cluster has {total[k] / scale:.3g}{unit})")
+    for b in bundles:
+        if not any(n.get("CPU", 0) >= b.cpus and n.get("GPU", 0) >= b.gpus for n in nodes):
+            missing.append(f"one node with {b.cpus:g} CPU and {b.gpus:g} GPU for {b.name}")
+            break
+    if missing:
+        layout = ", ".join(f"{b.name}: {b.cpus:g} CPU {b.gpus:g} GPU" for b in bundles)
+        raise UserError(
+            f"{what_for} needs {'; '.join(missing)}. Placement asked for: {layout}. Add nodes (ray start "
+            "--address=<head>:6379 on each), or lower astuner.trainer_common.n_gpus_per_node / nnodes / "
+            "cpus_per_worker / trinity_only__n_vllm_engine."
+        )
+
+
+def place(bundles: list[Bundle], timeout_s: float, what_for: str):
+    """A placement group holding `bundles` (PACK: as few nodes as possible), ready within `timeout_s`."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    check_resources(bundles, what_for)
+    free = ray.available_resources()
+    if sum(b.cpus for b in bundles) > free.get("CPU", 0) + 1e-9 or sum(b.gpus for b in bundles) > free.get("GPU", 0):
+        log.warning("%s: the cluster's free CPUs/GPUs (%s) do not hold the placement now; waiting up to %g s for "
+                    "other jobs to release them (`ray status` shows who holds them)", what_for,
+                    {k: free.get(k, 0) for k in ("CPU", "GPU")}, timeout_s)
+    spec = [{"CPU": b.cpus, **({"GPU": b.gpus} if b.gpus else {})} for b in bundles]
+    group = placement_group(spec, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise UserError(
+            f"{what_for}: the cluster has the resources in total, but they were not free within {timeout_s:g} s "
+            f"(astuner.trainer_common.actor_timeout_s); other jobs hold them. `ray status` shows who."
+        )
+    return group
+
+
+def get(refs, timeout_s: float, waiter: str, who: list[str], what: str, trainer_ok: bool):
+    """ray.get with a deadline: a dead actor or an expired wait becomes WorkerLost naming both sides."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    single = not isinstance(refs, list)
+    refs_list = [refs] if single else refs
+    try:
+        out = ray.get(refs_list, timeout=timeout_s)
+    except GetTimeoutError:
+        raise WorkerLost(f"{waiter} waited {timeout_s:g} s for {', '.join(who)} to {what}, in vain "
+                         "(astuner.trainer_common.actor_timeout_s); the actor is stuck or far too slow",
+                         trainer_ok) from None
+    except RayActorError as exc:
+        raise WorkerLost(f"{waiter} lost {_name_of(exc, refs_list, who)} while waiting for it to {what}: the "
+                         f"actor died. {_cause(exc)}", trainer_ok) from None
+    except RayTaskError as exc:
+        raise WorkerLost(f"{_name_of(exc, refs_list, who)} failed to {what}: {_cause(exc)}", trainer_ok) from None
+    return out[0] if single else out
+
+
+def _name_of(exc, refs, who) -> str:
+    return who[0] if len(who) == 1 else "one of " + ", ".join(who)
+
+
+def _cause(exc) -> str:
+    text = str(getattr(exc, "cause", None) or exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[-12:])
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for actors (a joined cluster's workers do not inherit this process's)."""
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
+            "TOKENIZERS_PARALLELISM", "ASTUNER_MODEL_CACHE", "PYTHONPATH")
+    return {k: os.environ[k] for k in keys if k in os.environ}

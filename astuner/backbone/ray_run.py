@@ -1,0 +1,235 @@
+"""What the verl and trinity backbones share: the driver's run (the same loop as the debug backbone), placing
+`Worker` actors, the trainer group (data-parallel ranks), checkpoints, the token-pipeline check, and shutdown.
+
+The driver holds no weights: it reads the data, runs `astuner.loop.run_loop`, and calls the actors through
+`ray_cluster.get`, so every wait has a deadline (astuner.trainer_common.actor_timeout_s) and a lost actor stops
+the run with its error (after checkpointing the last completed step when the trainer still holds it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from astuner.backbone import ray_cluster
+from astuner.backbone.ray_cluster import Bundle
+from astuner.errors import WorkerLost
+from astuner.loop import LoopSettings, ResumeState, RunSummary, count_steps, run_loop
+from astuner.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+def split_evenly(items: list, n: int) -> list[list]:
+    """`items` in `n` contiguous parts whose sizes differ by at most one (empty parts when n > len)."""
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(items[start:stop])
+        start = stop
+    return out
+
+
+class RayStages:
+    """Base of the backbones' stages: trainer workers (rank 0 saves checkpoints) and the driver-side waits."""
+
+    backbone = "ray"
+
+    def __init__(self, loaded, prep, settings: LoopSettings) -> None:
+        self.loaded, self.prep, self.settings = loaded, prep, settings
+        tc = loaded.typed.astuner.trainer_common
+        self.timeout_s = tc.actor_timeout_s
+        self.world = tc.nnodes * tc.n_gpus_per_node
+        self.cpus = tc.cpus_per_worker
+        self.progress = None  # (description, total) -> a bar with update(), or None
+        self.trainers: list = []
+        self.group = None  # the placement group: released at shutdown, or its CPUs/GPUs stay reserved
+        self.trainer_names: list[str] = []
+        self._extra: dict[str, float] = {}
+        self.trainer_version = 0  # loop steps the trainer has completed (its weights' policy version)
+
+    # --- placement -------------------------------------------------------------------------------------------
+
+    def gpus_per_process(self) -> float:
+        import ray
+
+        return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+    def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from astuner.backbone.ray_worker import Worker
+
+        actor = ray.remote(Worker).options(
+            num_cpus=bundle.cpus, num_gpus=bundle.gpus, name=None, max_restarts=0,
+            runtime_env={"env_vars": ray_cluster.worker_env()},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                 placement_group_bundle_index=index),
+        ).remote(self.loaded, roles, rank, world, self.prep.model_path, self.prep.max_model_len,
+                 self.prep.total_steps, bundle.name)
+        return actor
+
+    def wait_ready(self, actors: list, names: list[str]) -> None:
+        ray_cluster.get([a.ready.remote() for a in actors], self.timeout_s, "the driver", names,
+                        "load the model", trainer_ok=False)
+
+    def init_data_parallel(self) -> None:
+        if self.world == 1:
+            return
+        addr, port = self.get(self.trainers[0].free_address.remote(), [self.trainer_names[0]], "report its address")
+        self.get([t.init_data_parallel.remote(addr, port, self.timeout_s) for t in self.trainers],
+                 self.trainer_names, "join the data-parallel group")
+
+    def get(self, refs, who: list[str], what: str, trainer_ok: bool = True, timeout_s: float | None = None):
+        return ray_cluster.get(refs, timeout_s or self.timeout_s, "the driver", who, what, trainer_ok)
+
+    # --- stages ----------------------------------------------------------------------------------------------
+
+    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+        self.before_train()
+        results = self.get([t.train.remote(samples, objective) for t in self.trainers], self.trainer_names,
+                           "train a step", trainer_ok=False)
+        for _, seen in results:  # the trainer's logprobs before the update, for the log viewer
+            for i, logprobs in seen.items():
+                samples[i].trainer_logprobs = logprobs
+        return results[0][0]
+
+    def before_train(self) -> None:
+        pass
+
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        path = self.loaded.experiment_dir / f"global_step_{step}"
+        self.get(self.trainers[0].save_checkpoint.remote(str(path), run_state), self.trainer_names[:1],
+                 f"save checkpoint {path}")
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        states = self.get([t.load_checkpoint.remote(str(path)) for t in self.trainers], self.trainer_names,
+                          f"load checkpoint {path}", trainer_ok=False)
+        return states[0]
+
+    def step_metrics(self) -> dict[str, float]:
+        out, self._extra = self._extra, {}
+        return out
+
+    def gather_rollouts(self, refs: list, names: list[str], sizes: list[int], description: str, step: int):
+        """Episodes of every part, in part order, updating the progress bar as parts finish."""
+        import ray
+
+        start = time.perf_counter()
+        results: dict[int, list] = {}
+        pending = dict(enumerate(refs))
+        bar_cm = self.progress(description, sum(sizes)) if self.progress else None
+        bar = bar_cm.__enter__() if bar_cm else None
+        try:
+            while pending:
+                left = self.timeout_s - (time.perf_counter() - start)
+                done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(left, 0))
+                if not done:
+                    raise WorkerLost(
+                        f"the driver waited {self.timeout_s:g} s for {', '.join(names[i] for i in pending)} to roll "
+                        f"out step {step}, in vain (astuner.trainer_common.actor_timeout_s; episodes have their own "
+                        "astuner.rollout.episode_timeout, so the actor is stuck)", trainer_ok=True)
+                for i, ref in list(pending.items()):
+                    if ref in done:
+                        results[i] = self.get(ref, [names[i]], f"roll out step {step}")
+                        del pending[i]
+                        if bar:
+                            bar.update(sizes[i])
+        finally:
+            if bar_cm:
+                bar_cm.__exit__(None, None, None)
+        return [results[i] for i in range(len(refs))]
+
+    # --- preflight and shutdown ------------------------------------------------------------------------------
+
+    def check_pipeline(self, engine_actor, engine_name: str) -> None:
+        """The token-pipeline table of the debug backbone, with the logprob check across the two actors."""
+        from astuner import runtime
+        from astuner.model_tuner.pipeline_check import BF16_LOGPROB_TOLERANCE, LOGPROB_TOLERANCE
+
+        prep, typed = self.prep, self.loaded.typed
+        runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
+                                      prep.model_path, prep.max_model_len)
+
+        def check() -> tuple[float, int]:
+            prompt = runner.renderer.render([{"role": "user", "content": "Count from one to ten."}])
+            ids, engine_lp = self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
+                                      [engine_name], "sample the preflight answer")
+            if not ids:
+                return 0.0, 0
+            mine = self.get(self.trainers[0].compute_logprobs.remote(prompt, ids, 1.0), self.trainer_names[:1],
+                            "score the preflight answer")
+            return max(abs(a - b) for a, b in zip(mine, engine_lp)), len(mine)
+
+        precision = self.get(self.trainers[0].precision.remote(), self.trainer_names[:1], "report its precision")
+        check.tolerance = BF16_LOGPROB_TOLERANCE if precision == "bf16" else LOGPROB_TOLERANCE
+        runtime.check_token_pipeline(typed, runner, check)
+
+    def all_actors(self) -> list:
+        return list(self.trainers)
+
+    def shutdown(self) -> None:
+        import ray
+
+        actors = self.all_actors()
+        try:  # a clean stop (engines' own processes, the process group); a dead actor is skipped
+            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=60)
+        except Exception as exc:
+            log.warning("shutting the actors down: %s", exc)
+        for a in actors:
+            ray.kill(a)
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+
+
+def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None) -> RunSummary:
+    """The driver of a Ray backbone: `make_stages(loaded, prep, settings)` places the actors; `note` is announced
+    once logging is set up."""
+    import ray
+
+    from astuner import runtime
+    from astuner.config.applicability import OFFLINE_TYPES
+    from astuner.errors import UserError
+    from astuner.monitor import Monitor, announce, setup_logging
+
+    typed = loaded.typed
+    if typed.astuner.trainer_common.algorithm.type in OFFLINE_TYPES:
+        raise UserError(f"algorithm.type {typed.astuner.trainer_common.algorithm.type} trains on offline data in "
+                        f"one process: run it with --backbone debug (the {backbone} backbone places rollouts).")
+    setup_logging(loaded.experiment_dir)
+    if note:
+        announce(note)
+    settings = LoopSettings.from_config(typed)
+    runtime.seed_everything(typed.astuner.seed)
+    prep = runtime.prepare(loaded, backbone, total_steps_of=lambda n: count_steps(n, settings))
+    started_cluster = ray_cluster.connect()
+    stages = monitor = None
+    try:
+        stages = make_stages(loaded, prep, settings)
+        resume = None
+        if checkpoint is not None:
+            resume = ResumeState(**stages.load_checkpoint(checkpoint))
+            stages.resumed(resume.step)
+            announce(f"resumed at step {resume.step} of {prep.total_steps} from {checkpoint}")
+        monitor = Monitor(loaded.experiment_dir, prep.total_steps, tokenizer=prep.tokenizer,
+                          resume_step=None if resume is None else resume.step)
+        stages.progress = monitor.episode_bar
+        summary = run_loop(settings, stages, prep.train_tasks, prep.val_tasks, monitor, resume=resume)
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if stages is not None:
+            stages.shutdown()
+        if started_cluster:
+            ray.shutdown()
+    line = summary.line(typed.astuner.project_name)
+    log.info(line)
+    print(line, flush=True)
+    return summary

@@ -1,0 +1,164 @@
+"""The one actor class of the Ray backbones: a process that holds the existing pieces, by role.
+
+    "trainer": a `Trainer` replica (rank `rank` of `world`: data-parallel through astuner/data_parallel.py)
+    "engine":  an inference engine and a rollout runner (the user's workflow and judge run here)
+
+verl places both roles in each worker (colocated: rollout and training take turns on the same device);
+trinity places "engine" in its explorers and "trainer" in its trainer workers. The class is plain Python: the
+backbones wrap it with `ray.remote`, and tests may call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_path: str,
+                 max_model_len: int, total_steps: int, name: str) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from astuner import runtime
+        from astuner.monitor import setup_logging
+
+        setup_logging(loaded.experiment_dir)  # the run's log file, as in the driver (workflows' loguru lines too)
+        runtime.quiet_library_progress()
+
+        self.name, self.rank, self.world = name, rank, world
+        self.loaded, self.model_path = loaded, model_path
+        typed = loaded.typed
+        runtime.seed_everything(typed.astuner.seed)
+        self.tokenizer = runtime.load_tokenizer(model_path)
+        self.trainer = self.engine = self.runner = None
+        self.version = 0  # trainer steps behind the engine's weights (see sync_schedule.py)
+        if "engine" in roles:
+            workflow_cls = runtime.load_workflow(loaded)
+            judge = runtime.build_judge(typed, loaded.cfg, loaded.config_dir)
+            self.engine = runtime.build_engine(typed, model_path, self.tokenizer, max_model_len)
+            self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
+                                               max_model_len)
+        if "trainer" in roles:
+            self.trainer = runtime.build_trainer(typed, model_path, total_steps)
+
+    def ready(self) -> str:
+        return self.name
+
+    # --- data parallel ---------------------------------------------------------------------------------------
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group's store."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_data_parallel(self, addr: str, port: int, timeout_s: float) -> None:
+        from astuner.data_parallel import DataParallel
+
+        self.trainer.dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
+
+    # --- rollout ---------------------------------------------------------------------------------------------
+
+    def rollout(self, tasks, validation: bool, step: int, sampled_repeats: int | None = None):
+        """(episodes stamped with this engine's policy version, seconds, wall-clock start)."""
+        wall, start = time.time(), time.perf_counter()
+        episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
+        for e in episodes:
+            e.policy_version = self.version
+        return episodes, time.perf_counter() - start, wall
+
+    def sample_for_check(self, prompt_ids: list[int], stop_token_ids: tuple[int, ...], n_tokens: int = 16):
+        """(token ids, logprobs) the engine samples after `prompt_ids`: one side of the preflight logprob check."""
+        import asyncio
+
+        from astuner.types import SamplingParams
+
+        sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
+        loop = asyncio.new_event_loop()
+        try:
+            result = loop.run_until_complete(self.engine.generate(prompt_ids, sampling, request_id="preflight"))
+        finally:
+            loop.close()
+        return list(result.token_ids), list(result.logprobs)
+
+    # --- training --------------------------------------------------------------------------------------------
+
+    def train(self, samples, objective: str = "policy"):
+        """(metrics, {index: trainer logprobs} of the samples this rank forwarded before any update)."""
+        if self.engine is not None:
+            self.engine.sleep()  # colocated vLLM frees its GPU memory for the step; the sync wakes it
+        metrics = self.trainer.train_step(samples, objective=objective)
+        seen = {i: s.trainer_logprobs for i, s in enumerate(samples) if s.trainer_logprobs is not None}
+        return metrics, seen
+
+    def compute_logprobs(self, prompt_ids, response_ids, temperature: float) -> list[float]:
+        return self.trainer.compute_logprobs(prompt_ids, response_ids, temperature)
+
+    def precision(self) -> str:
+        return self.trainer.precision
+
+    # --- weights ---------------------------------------------------------------------------------------------
+
+    def sync_local(self, version: int) -> float:
+        """verl: this worker's engine takes this worker's trainer weights (same process, no transfer)."""
+        start = time.perf_counter()
+        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        self.version = version
+        return time.perf_counter() - start
+
+    def export_weights(self) -> dict:
+        """The trainer's weights for the object store: name -> (numpy array, torch dtype name). bf16 travels as
+        its raw 16 bits (numpy has no bf16), so nothing is converted."""
+        import torch
+
+        out = {}
+        for name, tensor in self.trainer.named_parameters_for_sync():
+            t = tensor.detach().to("cpu").contiguous()
+            if t.dtype == torch.bfloat16:
+                out[name] = (t.view(torch.int16).numpy(), "bfloat16")
+            else:
+                out[name] = (t.numpy(), str(t.dtype).removeprefix("torch."))
+        return out
+
+    def load_weights(self, weights: dict, version: int) -> float:
+        """trinity: new weights from the trainer (through the object store), as policy `version`."""
+        import warnings
+
+        import torch
+
+        start = time.perf_counter()
+
+        def tensors():
+            for name, (array, dtype) in weights.items():
+                with warnings.catch_warnings():  # read-only object-store memory: the engine copies, never writes
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.from_numpy(array)
+                yield name, t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+        self.engine.load_weights(tensors())
+        self.version = version
+        return time.perf_counter() - start
+
+    # --- checkpoints -----------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, run_state: dict) -> str:
+        self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state)
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.trainer.load_checkpoint(Path(path))
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.trainer is not None and self.trainer.dp is not None:
+            self.trainer.dp.close()

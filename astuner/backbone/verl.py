@@ -1,0 +1,70 @@
+"""The verl backbone: colocated and synchronous, on Ray.
+
+`nnodes * n_gpus_per_node` workers, each holding a trainer replica and an engine with its rollout runner (one GPU
+each on a GPU cluster; on GPU the engine sleeps while the trainer steps). Each step:
+    rollout  tasks split into contiguous parts, one per worker (a task's episodes stay on one engine)
+    train    every worker gets the step's samples and backwards the episodes it owns; gradients are summed
+             over the workers (astuner/data_parallel.py), so every replica takes the same step
+    sync     each worker's engine loads its own trainer's weights (same process: no transfer)
+The loop is astuner.loop.run_loop, as in the debug backbone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from astuner.backbone import ray_cluster
+from astuner.backbone.ray_cluster import Bundle
+from astuner.backbone.ray_run import RayStages, run_on_ray, split_evenly
+from astuner.types import Episode, Task
+
+log = logging.getLogger(__name__)
+
+
+class VerlStages(RayStages):
+    backbone = "verl"
+
+    def __init__(self, loaded, prep, settings) -> None:
+        super().__init__(loaded, prep, settings)
+        gpus = self.gpus_per_process()
+        bundles = [Bundle(f"worker {r}", self.cpus, gpus) for r in range(self.world)]
+        self.group = group = ray_cluster.place(bundles, self.timeout_s, f"the verl backbone ({self.world} workers)")
+        try:
+            self.trainers = [self.spawn(group, r, b, ("trainer", "engine"), r, self.world)
+                             for r, b in enumerate(bundles)]
+            self.trainer_names = [b.name for b in bundles]
+            self.wait_ready(self.trainers, self.trainer_names)
+            self.init_data_parallel()
+            self.check_pipeline(self.trainers[0], self.trainer_names[0])
+        except BaseException:
+            self.shutdown()  # nothing placed outlives a failed start
+            raise
+
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
+                sampled_repeats: int | None = None) -> list[Episode]:
+        parts = split_evenly(tasks, self.world)
+        used = [i for i, p in enumerate(parts) if p]
+        refs = [self.trainers[i].rollout.remote(parts[i], validation, step, sampled_repeats) for i in used]
+        per_task = (sampled_repeats or 1) if validation else self.settings_num_repeat()
+        results = self.gather_rollouts(refs, [self.trainer_names[i] for i in used],
+                                       [len(parts[i]) * per_task for i in used],
+                                       "validation" if validation else "rollout", step)
+        return [e for episodes, *_ in results for e in episodes]
+
+    def settings_num_repeat(self) -> int:
+        return self.loaded.typed.astuner.rollout.num_repeat
+
+    def sync_weights(self) -> None:
+        self.trainer_version += 1
+        seconds = self.get([t.sync_local.remote(self.trainer_version) for t in self.trainers], self.trainer_names,
+                           "load the new weights into its engine", trainer_ok=False)
+        self._extra["time/engine_load_s"] = max(seconds)
+
+    def resumed(self, step: int) -> None:
+        self.trainer_version = step
+        self.get([t.sync_local.remote(step) for t in self.trainers], self.trainer_names,
+                 "load the checkpoint's weights into its engine", trainer_ok=False)
+
+
+def run(loaded, checkpoint=None):
+    return run_on_ray(loaded, checkpoint, "verl", VerlStages)

@@ -1,0 +1,122 @@
+"""The Ray backbones' pure parts, with hand-computed numbers: the trinity sync schedule and staleness bound,
+data-parallel ownership, how a batch is split over actors, and the loop's prefetch hand-off and staleness log."""
+
+from __future__ import annotations
+
+import pytest
+
+from astuner.backbone.ray_run import split_evenly
+from astuner.backbone.sync_schedule import SyncSchedule, needed_version, staleness_bound
+from astuner.data_parallel import owners
+from astuner.loop import LoopSettings, run_loop, staleness_metrics
+from astuner.types import Episode, LLMCall, Sample, Task
+
+
+def test_staleness_bound_and_needed_version():
+    assert staleness_bound(1, 0, None) == 0  # on-policy
+    assert staleness_bound(2, 0, None) == 1
+    assert staleness_bound(1, 1, None) == 1  # one-step off-policy
+    assert staleness_bound(4, 1, 2) == 2  # an explicit bound wins
+    # step 5 trains at version 4; with bound 1 it may be rolled out at version 3 or later
+    assert needed_version(5, 1) == 3
+    assert needed_version(1, 3) == 0
+
+
+def test_fixed_schedule_syncs_every_interval():
+    s = SyncSchedule(sync_interval=2, bound=1)
+    assert [t for t in range(1, 7) if s.scheduled_sync(t)] == [2, 4, 6]
+    assert s.lookahead == 1
+    assert s.may_start(2, explorer_version=0) and not s.may_start(3, explorer_version=0)
+    assert s.sync_needed_for(3, explorer_version=0, trainer_version=2)
+    assert not s.sync_needed_for(3, explorer_version=0, trainer_version=0)  # nothing newer to send
+    assert not SyncSchedule(2, 1, "dynamic_by_explorer").scheduled_sync(2)  # syncs only on demand
+    with pytest.raises(ValueError, match="sync_style"):
+        SyncSchedule(1, 0, "sometimes")
+
+
+def _sample(uid: str, n_tokens: int) -> Sample:
+    return Sample([1] * (n_tokens - 1), [2], [0.0], 1.0, 1.0, uid)
+
+
+def test_owners_balance_tokens_inside_each_mini_batch():
+    # episodes a (10 tokens, two calls of 5), b 8, c 3, d 2; one mini-batch; longest first to the lightest rank:
+    # a -> 0 (10), b -> 1 (8), c -> 1 (11), d -> 0 (12)
+    samples = [_sample("a", 5), _sample("b", 8), _sample("a", 5), _sample("c", 3), _sample("d", 2)]
+    assert owners(samples, 1, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    # two mini-batches (a, b | c, d) are balanced separately
+    assert owners(samples, 2, 2) == {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert set(owners(samples, 1, 1).values()) == {0}
+
+
+def test_split_evenly():
+    assert split_evenly([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert split_evenly([1], 3) == [[1], [], []]
+
+
+def _episode(task: Task, version: int) -> Episode:
+    call = LLMCall(prompt_ids=[1, 2], response_ids=[3], response_logprobs=[-1.0], finish_reason="stop",
+                   temperature=1.0)
+    e = Episode(task=task, repeat_index=0, episode_uid=f"{task.task_id}#0", calls=[call], reward=1.0)
+    e.policy_version = version
+    return e
+
+
+def test_staleness_metrics():
+    task = Task(task_id="t", main_query="q")
+    m = staleness_metrics([_episode(task, 2), _episode(task, 3)], step=5)  # trains at version 4
+    assert m == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0, "rollout/policy_version_min": 2.0}
+
+
+class _AheadStages:
+    """Records what the loop hands early; rolls out on the spot."""
+
+    lookahead = 2
+
+    def __init__(self) -> None:
+        self.prefetched: list[tuple[int, list[str]]] = []
+
+    def prefetch(self, step, tasks):
+        self.prefetched.append((step, [t.task_id for t in tasks]))
+
+    def rollout(self, tasks, validation, step=0, sampled_repeats=None):
+        return [_episode(t, max(step - 1, 0)) for t in tasks]
+
+    def train(self, samples, objective="policy"):
+        return {}
+
+    def sync_weights(self):
+        pass
+
+    def save_checkpoint(self, step, run_state):
+        return None
+
+    def step_metrics(self):
+        return {"extra/metric": 1.0}
+
+
+class _Monitor:
+    def __init__(self) -> None:
+        self.logged = []
+
+    def log_metrics(self, step, metrics):
+        self.logged.append((step, metrics))
+
+    def save_episodes(self, *args, **kwargs):
+        pass
+
+    def step_done(self, step, metrics):
+        pass
+
+
+def test_the_loop_hands_the_next_batches_early():
+    tasks = [Task(task_id=str(i), main_query="q") for i in range(4)]
+    settings = LoopSettings(train_batch_size=1, total_epochs=1, total_training_steps=3, save_freq=99, test_freq=99,
+                            val_before_train=False, shuffle=False, seed=0, adv_estimator="grpo",
+                            norm_adv_by_std=False, adv_epsilon=1e-6, max_sample_per_task=4, max_idle_steps=99)
+    stages, monitor = _AheadStages(), _Monitor()
+    run_loop(settings, stages, tasks, [], monitor)
+    # before step s: steps s+1 and s+2, never past total_training_steps = 3
+    assert stages.prefetched == [(2, ["1"]), (3, ["2"]), (3, ["2"])]
+    train_logs = [m for _, m in monitor.logged if "train/reward_mean" in m]
+    assert [m["rollout/staleness_max"] for m in train_logs] == [0.0, 0.0, 0.0]
+    assert all(m["extra/metric"] == 1.0 for m in train_logs)

@@ -32,7 +32,7 @@ def cluster():
 
 
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, trainer_extra: str = SMALL,
-        steps: int = 2) -> int:
+        steps: int = 4) -> int:
     yaml = write_run(folder, model_dir, trainer_extra=trainer_extra)
     args = ["--conf", str(yaml), "--backbone", backbone, f"astuner.trainer_common.total_training_steps={steps}",
             *overrides]
@@ -70,22 +70,22 @@ def test_verl_two_data_parallel_workers_equal_debug(cluster, debug_run, tmp_path
     # Same episodes (seeds follow the episode, not the worker) ...
     assert [m["train/reward_mean"] for m in ours] == [m["train/reward_mean"] for m in theirs]
     # ... and the gradients summed over the two gloo workers give the one-process step.
-    assert_same_params(params(tmp_path, 2), params(debug_run, 2), atol=2e-5)
-    assert params(tmp_path, 2)["model.norm.weight"].ne(1.0).any()  # it did train
-    assert all(m["rollout/staleness_max"] == 0 for m in ours)
+    assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)
+    assert params(tmp_path, 4)["model.norm.weight"].ne(1.0).any()  # it did train
+    assert all(m["rollout/staleness_max"] == 0 for m in ours + theirs)
 
 
 def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model_dir):
     assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=1") == 0
     ours = metrics(tmp_path)
     assert [m["train/reward_mean"] for m in ours] == [m["train/reward_mean"] for m in metrics(debug_run)]
-    assert_same_params(params(tmp_path, 2), params(debug_run, 2), atol=2e-5)
-    assert [m["trinity/num_syncs"] for m in ours] == [1, 2]
+    assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)
+    assert [m["trinity/num_syncs"] for m in ours] == [1, 2, 3, 4]
     assert all(m["rollout/staleness_max"] == 0 for m in ours)
 
 
 def test_trinity_sync_interval_2_versions_and_bound(cluster, tmp_path, tiny_model_dir):
-    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=2", steps=4) == 0
+    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=2") == 0
     ours = metrics(tmp_path)
     assert len(ours) == 4
     # bound = sync_interval - 1 = 1: some batches ran on the previous weights, none on older ones.
@@ -100,8 +100,10 @@ def test_trinity_sync_interval_2_versions_and_bound(cluster, tmp_path, tiny_mode
     assert any(m["perf/rollout_overlap_fraction"] > 0 for m in ours)
 
 
-def test_a_killed_explorer_stops_the_run_cleanly(cluster, tmp_path, tiny_model_dir, capsys):
+def test_a_killed_explorer_stops_cleanly_and_the_run_resumes_exactly(cluster, debug_run, tmp_path, tiny_model_dir,
+                                                                     capsys):
     yaml = write_run(tmp_path, tiny_model_dir, trainer_extra=SMALL)
+    workflow = (tmp_path / "wf.py").read_text()
     (tmp_path / "wf.py").write_text('''
 import os
 from astuner import Workflow, WorkflowOutput
@@ -124,6 +126,12 @@ class EchoWorkflow(Workflow):
     # The trainer still held step 2, so it was checkpointed before the stop (save_freq alone would not have).
     state = json.loads((tmp_path / "out" / "global_step_2" / "astuner_resume" / "state.json").read_text())
     assert state["step"] == 2
+    # Resumed from that checkpoint, the run ends where an uninterrupted one does.
+    (tmp_path / "wf.py").write_text(workflow)
+    assert main(["--conf", str(yaml), "--backbone", "trinity", "astuner.trainer_common.total_training_steps=4",
+                 "astuner.trainer_common.save_freq=99"]) == 0
+    assert [m["train/reward_mean"] for m in metrics(tmp_path)] == [m["train/reward_mean"] for m in metrics(debug_run)]
+    assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)
 
 
 def test_a_placement_the_cluster_cannot_hold_exits_2(cluster, tmp_path, tiny_model_dir, capsys):

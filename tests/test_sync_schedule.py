@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 
 from astuner.backbone.ray_run import split_evenly
+from astuner.backbone.trinity import trinity_config
+from astuner.config import load_config
+from astuner.errors import UserError
 from astuner.backbone.sync_schedule import SyncSchedule, needed_version, staleness_bound
 from astuner.data_parallel import owners
 from astuner.loop import LoopSettings, run_loop, staleness_metrics
@@ -120,3 +123,22 @@ def test_the_loop_hands_the_next_batches_early():
     train_logs = [m for _, m in monitor.logged if "train/reward_mean" in m]
     assert [m["rollout/staleness_max"] for m in train_logs] == [0.0, 0.0, 0.0]
     assert all(m["extra/metric"] == 1.0 for m in train_logs)
+
+
+def test_trinity_corrects_stale_samples_or_refuses(tmp_path, tiny_model_dir):
+    from test_run_contract import write_run
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    on_policy = load_config(yaml)
+    assert trinity_config(on_policy) == (on_policy, None)  # bound 0: nothing to correct
+    loaded, note = trinity_config(load_config(yaml, ["trinity.synchronizer.sync_offset=1"]))
+    tc = loaded.typed.astuner.trainer_common
+    assert (tc.old_logprobs, tc.rollout_is_cap) == ("trainer", 2.0) and "1 policy versions stale" in note
+    loaded, _ = trinity_config(load_config(yaml, ["trinity.synchronizer.sync_interval=3",
+                                                  "astuner.trainer_common.rollout_is_cap=1.5"]))
+    assert loaded.typed.astuner.trainer_common.rollout_is_cap == 1.5
+    with pytest.raises(UserError, match="old_logprobs: engine would trust"):
+        trinity_config(load_config(yaml, ["trinity.synchronizer.sync_interval=2",
+                                          "astuner.trainer_common.old_logprobs=engine"]))
+    with pytest.raises(UserError, match="filter_groups"):
+        trinity_config(load_config(yaml, ["astuner.trainer_common.algorithm.filter_groups.enable=true"]))

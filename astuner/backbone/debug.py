@@ -20,18 +20,23 @@ class InProcessStages:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.progress = progress  # (description, total) -> a bar with update(), or None
+        self.version = 0  # trainer steps behind the engine's weights: always the last one here
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
                 sampled_repeats: int | None = None) -> list[Episode]:
         try:
             if self.progress is None:
-                return self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
-            total = len(tasks) * ((sampled_repeats or 1) if validation else self.runner.settings.num_repeat)
-            with self.progress("validation" if validation else "rollout", total) as bar:
-                return self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats,
-                                       on_episode_done=lambda _: bar.update(1))
+                episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
+            else:
+                total = len(tasks) * ((sampled_repeats or 1) if validation else self.runner.settings.num_repeat)
+                with self.progress("validation" if validation else "rollout", total) as bar:
+                    episodes = self.runner.run(tasks, validation=validation, step=step,
+                                               sampled_repeats=sampled_repeats, on_episode_done=lambda _: bar.update(1))
         finally:
             release_freed_memory()
+        for e in episodes:
+            e.policy_version = self.version
+        return episodes
 
     def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
         self.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
@@ -42,6 +47,7 @@ class InProcessStages:
 
     def sync_weights(self) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        self.version += 1
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.experiment_dir / f"global_step_{step}"
@@ -89,6 +95,7 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     stages = InProcessStages(
         rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, progress=monitor.episode_bar
     )
+    stages.version = 0 if resume is None else resume.step
     try:
         summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor, resume=resume)
     finally:

@@ -63,8 +63,10 @@ def check_resources(bundles: list[Bundle], what_for: str) -> None:
     missing = []
     for k, unit in (("CPU", ""), ("GPU", ""), ("memory", " GiB")):
         scale = 2**30 if k == "memory" else 1
-        if need[k] > total[k] + 1e-9:
+        if need[k] > total[k] + 1e-9:  # memory: the preflight estimate against what Ray offers to its workers
             missing.append(f"{need[k] / scale:.3g}{unit} {k} (the cluster has {total[k] / scale:.3g}{unit})")
+    if need["memory"] > total["memory"]:
+        missing[-1] += " (lower the model size, or add trainer_common.lora, or add nodes)"
     for b in bundles:
         if not any(n.get("CPU", 0) >= b.cpus and n.get("GPU", 0) >= b.gpus for n in nodes):
             missing.append(f"one node with {b.cpus:g} CPU and {b.gpus:g} GPU for {b.name}")

@@ -57,6 +57,15 @@ class RayStages:
 
         return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
+    def host_bytes(self, roles: tuple[str, ...]) -> float:
+        """The preflight estimate of a process's host memory, for the placement check (GPU runs: 0, the
+        estimate is device memory there)."""
+        plan = self.prep.plan
+        if plan.device != "cpu":
+            return 0.0
+        return float(("trainer" in roles) * (plan.trainer_bytes + plan.ref_bytes)
+                     + ("engine" in roles) * plan.engine_bytes)
+
     def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -89,16 +98,15 @@ class RayStages:
     # --- stages ----------------------------------------------------------------------------------------------
 
     def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
-        self.before_train()
-        results = self.get([t.train.remote(samples, objective) for t in self.trainers], self.trainer_names,
+        import ray
+
+        shared = ray.put(samples)  # serialised once for every worker
+        results = self.get([t.train.remote(shared, objective) for t in self.trainers], self.trainer_names,
                            "train a step", trainer_ok=False)
         for _, seen in results:  # the trainer's logprobs before the update, for the log viewer
             for i, logprobs in seen.items():
                 samples[i].trainer_logprobs = logprobs
         return results[0][0]
-
-    def before_train(self) -> None:
-        pass
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.loaded.experiment_dir / f"global_step_{step}"

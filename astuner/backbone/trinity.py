@@ -48,8 +48,10 @@ class TrinityStages(RayStages):
         gpus = self.gpus_per_process()
         n_explorers = typed.astuner.trainer_common.trinity_only__n_vllm_engine
         tp = typed.astuner.rollout.tensor_model_parallel_size
-        explorer_bundles = [Bundle(f"explorer {i}", self.cpus, gpus * tp) for i in range(n_explorers)]
-        trainer_bundles = [Bundle(f"trainer {r}", self.cpus, gpus) for r in range(self.world)]
+        explorer_bundles = [Bundle(f"explorer {i}", self.cpus, gpus * tp, self.host_bytes(("engine",)))
+                            for i in range(n_explorers)]
+        trainer_bundles = [Bundle(f"trainer {r}", self.cpus, gpus, self.host_bytes(("trainer",)))
+                           for r in range(self.world)]
         self.group = group = ray_cluster.place(explorer_bundles + trainer_bundles, self.timeout_s,
                                   f"the trinity backbone ({n_explorers} explorers, {self.world} trainer workers)")
         self.explorers: list = []

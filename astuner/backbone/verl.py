@@ -27,7 +27,8 @@ class VerlStages(RayStages):
     def __init__(self, loaded, prep, settings) -> None:
         super().__init__(loaded, prep, settings)
         gpus = self.gpus_per_process()
-        bundles = [Bundle(f"worker {r}", self.cpus, gpus) for r in range(self.world)]
+        memory = self.host_bytes(("trainer", "engine"))
+        bundles = [Bundle(f"worker {r}", self.cpus, gpus, memory) for r in range(self.world)]
         self.group = group = ray_cluster.place(bundles, self.timeout_s, f"the verl backbone ({self.world} workers)")
         try:
             self.trainers = [self.spawn(group, r, b, ("trainer", "engine"), r, self.world)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,9 @@ def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model
 
 
 def test_trinity_sync_interval_2_versions_and_bound(cluster, tmp_path, tiny_model_dir):
-    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=2") == 0
+    # Two explorers share each batch; one trainer (1.5 of the cluster's 2 CPUs).
+    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=2",
+               "astuner.trainer_common.trinity_only__n_vllm_engine=2") == 0
     ours = metrics(tmp_path)
     assert len(ours) == 4
     # bound = sync_interval - 1 = 1: some batches ran on the previous weights, none on older ones.
@@ -140,3 +144,33 @@ def test_a_placement_the_cluster_cannot_hold_exits_2(cluster, tmp_path, tiny_mod
     err = capsys.readouterr().err
     assert code == 2
     assert "8 CPU (the cluster has 2)" in err and "n_gpus_per_node" in err
+
+
+def test_with_ray_joins_the_cluster_at_ray_address_or_says_nothing_answers(cluster):
+    script = ("from astuner.backbone.ray_cluster import connect; import ray; started = connect(); "
+              "print(started, ray.cluster_resources()['CPU'])")
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ADDRESS": address}
+    joined = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert joined.stdout.split() == ["False", "2.0"], joined.stderr[-2000:]  # joined (not started) the 2-CPU one
+    env["RAY_ADDRESS"] = "127.0.0.1:9"
+    script = ("from astuner.backbone.ray_cluster import connect\nfrom astuner.errors import UserError\n"
+              "try:\n    connect()\nexcept UserError as e:\n    print(e)")
+    refused = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert "RAY_ADDRESS=127.0.0.1:9: nothing answers there" in refused.stdout
+
+
+def test_a_stuck_actor_stops_the_run_at_its_deadline(cluster, tmp_path, tiny_model_dir, capsys):
+    # 20 s: loading the model fits (it has the same deadline); the workflow does not.
+    yaml = write_run(tmp_path, tiny_model_dir, trainer_extra=SMALL + ", actor_timeout_s: 20")
+    (tmp_path / "wf.py").write_text('''
+import time
+from astuner import Workflow
+
+class EchoWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        time.sleep(300)  # blocks the explorer's event loop: no episode deadline can fire
+''')
+    assert main(["--conf", str(yaml), "--backbone", "trinity"]) == 1
+    err = capsys.readouterr().err
+    assert "the driver waited 20 s for explorer 0 to roll out step 1, in vain" in err

@@ -142,3 +142,13 @@ def test_trinity_corrects_stale_samples_or_refuses(tmp_path, tiny_model_dir):
                                           "astuner.trainer_common.old_logprobs=engine"]))
     with pytest.raises(UserError, match="filter_groups"):
         trinity_config(load_config(yaml, ["astuner.trainer_common.algorithm.filter_groups.enable=true"]))
+
+
+def test_a_trinity_sync_method_that_acts_as_object_store_is_named(tmp_path, tiny_model_dir):
+    from astuner.config.applicability import config_warnings
+    from test_run_contract import write_run
+
+    loaded = load_config(write_run(tmp_path, tiny_model_dir), ["trinity.synchronizer.sync_method=nccl"])
+    assert any("sync_method nccl is not implemented" in w for w in config_warnings(loaded, "trinity"))
+    assert not any("sync_method" in w for w in config_warnings(load_config(write_run(tmp_path, tiny_model_dir)),
+                                                                "trinity"))

@@ -34,6 +34,12 @@ def connect(log_to_driver: bool = True) -> bool:
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
+    if address and address != "auto" and not _answers(address):
+        # Ray itself retries an unreachable address for minutes before it gives up.
+        raise UserError(
+            f"RAY_ADDRESS={address}: nothing answers there. Start the cluster with `ray start --head` on the head "
+            "node (it prints the address to use), or unset RAY_ADDRESS to run on a local cluster started for this run."
+        )
     quiet = dict(include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING)
     try:
         ray.init(address=address or "auto", **quiet)
@@ -49,6 +55,20 @@ def connect(log_to_driver: bool = True) -> bool:
     log.info("started a local Ray cluster for this run (%s CPUs, %s GPUs); it stops when the run ends",
              ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
     return True
+
+
+def _answers(address: str, timeout_s: float = 5.0) -> bool:
+    """A TCP connection to host:port opens within `timeout_s` (Ray client addresses, ray://, are left to Ray)."""
+    import socket
+
+    if "://" in address:
+        return True
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def check_resources(bundles: list[Bundle], what_for: str) -> None:

@@ -20,6 +20,8 @@ from astuner.types import Sample
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_WAIT_S = 20.0  # for the actors to stop their engines before they are killed
+
 
 def split_evenly(items: list, n: int) -> list[list]:
     """`items` in `n` contiguous parts whose sizes differ by at most one (empty parts when n > len)."""
@@ -48,6 +50,7 @@ class RayStages:
         self.group = None  # the placement group: released at shutdown, or its CPUs/GPUs stay reserved
         self.trainer_names: list[str] = []
         self._extra: dict[str, float] = {}
+        self.stuck: set[str] = set()  # actors that died or missed a deadline: killed at shutdown without waiting
         self.trainer_version = 0  # loop steps the trainer has completed (its weights' policy version)
 
     # --- placement -------------------------------------------------------------------------------------------
@@ -93,7 +96,11 @@ class RayStages:
                  self.trainer_names, "join the data-parallel group")
 
     def get(self, refs, who: list[str], what: str, trainer_ok: bool = True, timeout_s: float | None = None):
-        return ray_cluster.get(refs, timeout_s or self.timeout_s, "the driver", who, what, trainer_ok)
+        try:
+            return ray_cluster.get(refs, timeout_s or self.timeout_s, "the driver", who, what, trainer_ok)
+        except WorkerLost:
+            self.stuck.update(who)
+            raise
 
     # --- stages ----------------------------------------------------------------------------------------------
 
@@ -138,6 +145,7 @@ class RayStages:
                 left = self.timeout_s - (time.perf_counter() - start)
                 done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(left, 0))
                 if not done:
+                    self.stuck.update(names[i] for i in pending)
                     raise WorkerLost(
                         f"the driver waited {self.timeout_s:g} s for {', '.join(names[i] for i in pending)} to roll "
                         f"out step {step}, in vain (astuner.trainer_common.actor_timeout_s; episodes have their own "
@@ -178,15 +186,17 @@ class RayStages:
         check.tolerance = BF16_LOGPROB_TOLERANCE if precision == "bf16" else LOGPROB_TOLERANCE
         runtime.check_token_pipeline(typed, runner, check)
 
-    def all_actors(self) -> list:
-        return list(self.trainers)
+    def all_actors(self) -> list[tuple[str, object]]:
+        return list(zip(self.trainer_names, self.trainers))
 
     def shutdown(self) -> None:
         import ray
 
-        actors = self.all_actors()
-        try:  # a clean stop (engines' own processes, the process group); a dead actor is skipped
-            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=60)
+        named = self.all_actors()
+        actors = [a for _, a in named]
+        healthy = [a for name, a in named if name not in self.stuck]
+        try:  # a clean stop (engines' own processes, the process group); a dead or stuck actor is then killed
+            ray.wait([a.shutdown.remote() for a in healthy], num_returns=len(healthy), timeout=SHUTDOWN_WAIT_S)
         except Exception as exc:
             log.warning("shutting the actors down: %s", exc)
         for a in actors:

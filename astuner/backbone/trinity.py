@@ -55,6 +55,7 @@ class TrinityStages(RayStages):
         self.group = group = ray_cluster.place(explorer_bundles + trainer_bundles, self.timeout_s,
                                   f"the trinity backbone ({n_explorers} explorers, {self.world} trainer workers)")
         self.explorers: list = []
+        self.explorer_names: list[str] = []
         try:
             self.explorers = [self.spawn(group, i, b, ("engine",), 0, 1) for i, b in enumerate(explorer_bundles)]
             self.explorer_names = [b.name for b in explorer_bundles]
@@ -75,8 +76,8 @@ class TrinityStages(RayStages):
         self.train_window: tuple[float, float] | None = None
         self.num_syncs = 0
 
-    def all_actors(self) -> list:
-        return self.explorers + self.trainers
+    def all_actors(self) -> list[tuple[str, object]]:
+        return list(zip(self.explorer_names, self.explorers)) + super().all_actors()
 
     # --- the buffer of batches rolled out ahead --------------------------------------------------------------
 

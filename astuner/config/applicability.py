@@ -158,6 +158,11 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
             "(4-16 is common)."
         )
     tc = typed.astuner.trainer_common
+    if backbone == "trinity" and typed.trinity.synchronizer.sync_method != "object_store":
+        out.append(
+            f"trinity.synchronizer.sync_method {typed.trinity.synchronizer.sync_method} is not implemented in this "
+            "release: weights go to the explorers through Ray's object store (sync_method: object_store)."
+        )
     if tc.algorithm.type in OFFLINE_TYPES:
         unused = [k for k in sorted(loaded.user_keys)
                   if k.startswith(ROLLOUT_ONLY) and not k.startswith(OFFLINE_READS)]

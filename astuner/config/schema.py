@@ -464,6 +464,10 @@ class TrinitySynchronizer(Section):
         "fixed", "fixed: sync after every sync_interval-th trainer step | dynamic_by_explorer: sync only when an "
         "explorer's next batch would be staler than max_staleness.")
     sync_timeout: float = key(1200.0, "Deadline (seconds) of one weight sync to an explorer.", gt=0)
+    sync_method: Literal["object_store", "nccl", "checkpoint", "memory"] = key(
+        "object_store", "How weights reach the explorers. This release sends them through Ray's object store "
+        "(shared memory on a node, Ray's transfer between nodes); nccl, checkpoint and memory are accepted from "
+        "Trinity-RFT configs and named in the start-up warning, since they act as object_store.")
     max_staleness: Optional[int] = key(
         None, "Bound on a sample's staleness (trainer step - 1 - the policy version that generated it); an "
         "explorer waits for new weights rather than exceed it. null: sync_interval - 1 + sync_offset.", ge=0)

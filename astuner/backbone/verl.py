@@ -46,14 +46,11 @@ class VerlStages(RayStages):
         parts = split_evenly(tasks, self.world)
         used = [i for i, p in enumerate(parts) if p]
         refs = [self.trainers[i].rollout.remote(parts[i], validation, step, sampled_repeats) for i in used]
-        per_task = (sampled_repeats or 1) if validation else self.settings_num_repeat()
+        per_task = (sampled_repeats or 1) if validation else self.loaded.typed.astuner.rollout.num_repeat
         results = self.gather_rollouts(refs, [self.trainer_names[i] for i in used],
                                        [len(parts[i]) * per_task for i in used],
                                        "validation" if validation else "rollout", step)
         return [e for episodes, *_ in results for e in episodes]
-
-    def settings_num_repeat(self) -> int:
-        return self.loaded.typed.astuner.rollout.num_repeat
 
     def sync_weights(self) -> None:
         self.trainer_version += 1

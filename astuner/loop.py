@@ -327,7 +327,7 @@ def run_loop(
         _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved)
     except WorkerLost as exc:
         # Checkpoint the last completed step if the trainer still holds exactly it, so a resume continues there.
-        if exc.trainer_ok and state.step > saved["step"] and not getattr(exc, "trained_past_state", False):
+        if exc.trainer_ok and state.step > saved["step"] and not exc.trained_past_state:
             log.error("%s", exc)
             try:
                 summary.last_checkpoint = stages.save_checkpoint(state.step, asdict(state))

@@ -326,7 +326,7 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
                           prep.max_model_len)
     check_token_pipeline(typed, runner, engine_trainer_logprob_check(
-        engine, trainer, prep.tokenizer, runner.renderer, runner.stop_token_ids))
+        engine, trainer, runner.renderer, runner.stop_token_ids))
     return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan)
 
 

@@ -25,7 +25,13 @@ class Bundle:
     memory: float = 0.0
 
 
-def connect(log_to_driver: bool = True) -> bool:
+def _unreachable(address: str, why: str = "") -> UserError:
+    return UserError(
+        f"RAY_ADDRESS={address}: nothing answers there{why}. Start the cluster with `ray start --head` on the head "
+        "node (it prints the address to use), or unset RAY_ADDRESS to run on a local cluster started for this run.")
+
+
+def connect() -> bool:
     """Join the cluster at RAY_ADDRESS or a running local one (`ray start --head`); start a private local cluster
     when none is reachable. Returns True when this process started it (it stops with `ray.shutdown()`)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 writes an auth token otherwise
@@ -35,22 +41,15 @@ def connect(log_to_driver: bool = True) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS")
     if address and address != "auto" and not _answers(address):
-        # Ray itself retries an unreachable address for minutes before it gives up.
-        raise UserError(
-            f"RAY_ADDRESS={address}: nothing answers there. Start the cluster with `ray start --head` on the head "
-            "node (it prints the address to use), or unset RAY_ADDRESS to run on a local cluster started for this run."
-        )
-    quiet = dict(include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        raise _unreachable(address)  # Ray itself retries an unreachable address for minutes before it gives up
+    quiet = dict(include_dashboard=False, logging_level=logging.WARNING)
     try:
         ray.init(address=address or "auto", **quiet)
         log.info("joined the Ray cluster at %s", address or "auto (a running local cluster)")
         return False
     except ConnectionError as exc:
         if address:
-            raise UserError(
-                f"RAY_ADDRESS={address}: no Ray cluster answers there ({exc}). Start one with `ray start --head` "
-                "on the head node, or unset RAY_ADDRESS to run on a local cluster started for this run."
-            ) from None
+            raise _unreachable(address, f" as a Ray cluster ({exc})") from None
     ray.init(**quiet)
     log.info("started a local Ray cluster for this run (%s CPUs, %s GPUs); it stops when the run ends",
              ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
@@ -137,14 +136,14 @@ def get(refs, timeout_s: float, waiter: str, who: list[str], what: str, trainer_
                          "(astuner.trainer_common.actor_timeout_s); the actor is stuck or far too slow",
                          trainer_ok) from None
     except RayActorError as exc:
-        raise WorkerLost(f"{waiter} lost {_name_of(exc, refs_list, who)} while waiting for it to {what}: the "
+        raise WorkerLost(f"{waiter} lost {_name_of(who)} while waiting for it to {what}: the "
                          f"actor died. {_cause(exc)}", trainer_ok) from None
     except RayTaskError as exc:
-        raise WorkerLost(f"{_name_of(exc, refs_list, who)} failed to {what}: {_cause(exc)}", trainer_ok) from None
+        raise WorkerLost(f"{_name_of(who)} failed to {what}: {_cause(exc)}", trainer_ok) from None
     return out[0] if single else out
 
 
-def _name_of(exc, refs, who) -> str:
+def _name_of(who: list[str]) -> str:
     return who[0] if len(who) == 1 else "one of " + ", ".join(who)
 
 
@@ -157,5 +156,5 @@ def _cause(exc) -> str:
 def worker_env() -> dict[str, str]:
     """Environment for actors (a joined cluster's workers do not inherit this process's)."""
     keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
-            "TOKENIZERS_PARALLELISM", "ASTUNER_MODEL_CACHE", "PYTHONPATH")
+            "TOKENIZERS_PARALLELISM", "ASTUNER_CACHE", "PYTHONPATH")
     return {k: os.environ[k] for k in keys if k in os.environ}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.errors import WorkerLost
 from astuner.loop import LoopSettings, ResumeState, RunSummary, count_steps, run_loop
-from astuner.types import Sample
+from astuner.types import Episode, Sample, Task
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,26 @@ def split_evenly(items: list, n: int) -> list[list]:
     return out
 
 
+@dataclass
+class Sent:
+    """A rollout sent to actors, one part each: the pending results, who holds them, episodes per part, and the
+    policy version the actors will run it on."""
+
+    refs: list
+    names: list[str]
+    sizes: list[int]
+    version: int = 0
+
+
+def episodes_of(results) -> list[Episode]:
+    return [e for episodes, _, _ in results for e in episodes]
+
+
 class RayStages:
     """Base of the backbones' stages: trainer workers (rank 0 saves checkpoints) and the driver-side waits."""
 
-    backbone = "ray"
-
-    def __init__(self, loaded, prep, settings: LoopSettings) -> None:
-        self.loaded, self.prep, self.settings = loaded, prep, settings
+    def __init__(self, loaded, prep) -> None:
+        self.loaded, self.prep = loaded, prep
         tc = loaded.typed.astuner.trainer_common
         self.timeout_s = tc.actor_timeout_s
         self.world = tc.nnodes * tc.n_gpus_per_node
@@ -131,16 +145,27 @@ class RayStages:
         out, self._extra = self._extra, {}
         return out
 
-    def gather_rollouts(self, refs: list, names: list[str], sizes: list[int], description: str, step: int):
-        """Episodes of every part, in part order, updating the progress bar as parts finish."""
+    def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
+                     sampled_repeats: int | None = None) -> Sent:
+        """Split `tasks` into contiguous parts, one per actor (a task's episodes stay on one engine)."""
+        per_task = (sampled_repeats or 1) if validation else self.loaded.typed.astuner.rollout.num_repeat
+        parts = split_evenly(tasks, len(actors))
+        used = [i for i, p in enumerate(parts) if p]
+        return Sent([actors[i].rollout.remote(parts[i], validation, step, sampled_repeats) for i in used],
+                     [names[i] for i in used], [len(parts[i]) * per_task for i in used])
+
+    def gather_rollouts(self, sent: Sent, description: str, step: int) -> list[tuple[list[Episode], float, float]]:
+        """(episodes, seconds, wall-clock start) of every part, in part order, updating the progress bar as parts
+        finish."""
+        import contextlib
+
         import ray
 
+        refs, names, sizes = sent.refs, sent.names, sent.sizes
         start = time.perf_counter()
         results: dict[int, list] = {}
         pending = dict(enumerate(refs))
-        bar_cm = self.progress(description, sum(sizes)) if self.progress else None
-        bar = bar_cm.__enter__() if bar_cm else None
-        try:
+        with self.progress(description, sum(sizes)) if self.progress else contextlib.nullcontext() as bar:
             while pending:
                 left = self.timeout_s - (time.perf_counter() - start)
                 done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(left, 0))
@@ -156,9 +181,6 @@ class RayStages:
                         del pending[i]
                         if bar:
                             bar.update(sizes[i])
-        finally:
-            if bar_cm:
-                bar_cm.__exit__(None, None, None)
         return [results[i] for i in range(len(refs))]
 
     # --- preflight and shutdown ------------------------------------------------------------------------------
@@ -166,25 +188,19 @@ class RayStages:
     def check_pipeline(self, engine_actor, engine_name: str) -> None:
         """The token-pipeline table of the debug backbone, with the logprob check across the two actors."""
         from astuner import runtime
-        from astuner.model_tuner.pipeline_check import BF16_LOGPROB_TOLERANCE, LOGPROB_TOLERANCE
+        from astuner.model_tuner.pipeline_check import logprob_check
 
-        prep, typed = self.prep, self.loaded.typed
+        prep, trainer, trainer_name = self.prep, self.trainers[0], self.trainer_names[:1]
         runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
                                       prep.model_path, prep.max_model_len)
-
-        def check() -> tuple[float, int]:
-            prompt = runner.renderer.render([{"role": "user", "content": "Count from one to ten."}])
-            ids, engine_lp = self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
-                                      [engine_name], "sample the preflight answer")
-            if not ids:
-                return 0.0, 0
-            mine = self.get(self.trainers[0].compute_logprobs.remote(prompt, ids, 1.0), self.trainer_names[:1],
-                            "score the preflight answer")
-            return max(abs(a - b) for a, b in zip(mine, engine_lp)), len(mine)
-
-        precision = self.get(self.trainers[0].precision.remote(), self.trainer_names[:1], "report its precision")
-        check.tolerance = BF16_LOGPROB_TOLERANCE if precision == "bf16" else LOGPROB_TOLERANCE
-        runtime.check_token_pipeline(typed, runner, check)
+        check = logprob_check(
+            runner.renderer,
+            lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
+                                    [engine_name], "sample the preflight answer"),
+            lambda prompt, ids: self.get(trainer.compute_logprobs.remote(prompt, ids, 1.0), trainer_name,
+                                         "score the preflight answer"),
+            self.get(trainer.precision.remote(), trainer_name, "report its precision"))
+        runtime.check_token_pipeline(self.loaded.typed, runner, check)
 
     def all_actors(self) -> list[tuple[str, object]]:
         return list(zip(self.trainer_names, self.trainers))
@@ -208,7 +224,7 @@ class RayStages:
 
 
 def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None) -> RunSummary:
-    """The driver of a Ray backbone: `make_stages(loaded, prep, settings)` places the actors; `note` is announced
+    """The driver of a Ray backbone: `make_stages(loaded, prep)` places the actors; `note` is announced
     once logging is set up."""
     import ray
 
@@ -230,7 +246,7 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
     started_cluster = ray_cluster.connect()
     stages = monitor = None
     try:
-        stages = make_stages(loaded, prep, settings)
+        stages = make_stages(loaded, prep)
         resume = None
         if checkpoint is not None:
             resume = ResumeState(**stages.load_checkpoint(checkpoint))

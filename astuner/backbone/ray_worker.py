@@ -74,19 +74,11 @@ class Worker:
             e.policy_version = self.version
         return episodes, time.perf_counter() - start, wall
 
-    def sample_for_check(self, prompt_ids: list[int], stop_token_ids: tuple[int, ...], n_tokens: int = 16):
+    def sample_for_check(self, prompt_ids: list[int], stop_token_ids: tuple[int, ...]):
         """(token ids, logprobs) the engine samples after `prompt_ids`: one side of the preflight logprob check."""
-        import asyncio
+        from astuner.model_tuner.pipeline_check import sample_check_answer
 
-        from astuner.types import SamplingParams
-
-        sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
-        loop = asyncio.new_event_loop()
-        try:
-            result = loop.run_until_complete(self.engine.generate(prompt_ids, sampling, request_id="preflight"))
-        finally:
-            loop.close()
-        return list(result.token_ids), list(result.logprobs)
+        return sample_check_answer(self.engine, prompt_ids, stop_token_ids)
 
     # --- training --------------------------------------------------------------------------------------------
 

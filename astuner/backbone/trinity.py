@@ -24,7 +24,7 @@ import time
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
-from astuner.backbone.ray_run import RayStages, run_on_ray, split_evenly
+from astuner.backbone.ray_run import RayStages, Sent, episodes_of, run_on_ray
 from astuner.backbone.sync_schedule import SyncSchedule, staleness_bound
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
@@ -35,10 +35,8 @@ DEFAULT_IS_CAP = 2.0
 
 
 class TrinityStages(RayStages):
-    backbone = "trinity"
-
-    def __init__(self, loaded, prep, settings) -> None:
-        super().__init__(loaded, prep, settings)
+    def __init__(self, loaded, prep) -> None:
+        super().__init__(loaded, prep)
         typed = loaded.typed
         sync = typed.trinity.synchronizer
         bound = staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness)
@@ -71,7 +69,7 @@ class TrinityStages(RayStages):
 
         self.explorer_version = 0  # the version of the last weights sent (explorers run calls in order)
         self.pending: dict[int, list[Task]] = {}  # step -> tasks handed early, not yet trained
-        self.inflight: dict[int, tuple[list, list[int], list[int], int]] = {}  # step -> refs, explorers, sizes, v
+        self.inflight: dict[int, Sent] = {}  # step -> the batch sent to the explorers
         self.syncs: list[tuple[list, float, int]] = []  # weight loads not yet confirmed: refs, sent at, version
         self.train_window: tuple[float, float] | None = None
         self.num_syncs = 0
@@ -100,11 +98,9 @@ class TrinityStages(RayStages):
             self._launch(step)
 
     def _launch(self, step: int) -> None:
-        parts = split_evenly(self.pending[step], len(self.explorers))
-        used = [i for i, p in enumerate(parts) if p]
-        refs = [self.explorers[i].rollout.remote(parts[i], False, step, None) for i in used]
-        sizes = [len(parts[i]) * self.loaded.typed.astuner.rollout.num_repeat for i in used]
-        self.inflight[step] = (refs, used, sizes, self.explorer_version)
+        sent = self.send_rollout(self.explorers, self.explorer_names, self.pending[step], False, step)
+        sent.version = self.explorer_version
+        self.inflight[step] = sent
 
     def _push(self, why: str) -> None:
         """Send the trainer's current weights to every explorer (behind the calls already sent to it)."""
@@ -140,26 +136,24 @@ class TrinityStages(RayStages):
         if validation:
             if self.explorer_version < self.trainer_version:
                 self._push("validation scores the trainer's current weights")
-            parts = split_evenly(tasks, len(self.explorers))
-            used = [i for i, p in enumerate(parts) if p]
-            refs = [self.explorers[i].rollout.remote(parts[i], True, step, sampled_repeats) for i in used]
-            results = self.gather_rollouts(refs, [self.explorer_names[i] for i in used],
-                                           [len(parts[i]) * (sampled_repeats or 1) for i in used], "validation", step)
+            sent = self.send_rollout(self.explorers, self.explorer_names, tasks, True, step, sampled_repeats)
+            results = self.gather_rollouts(sent, "validation", step)
             self._confirm_syncs()
-            return [e for episodes, _, _ in results for e in episodes]
+            return episodes_of(results)
 
         self.pending.setdefault(step, tasks)
         self._pump(due=step)
-        refs, used, sizes, version = self.inflight.pop(step)
+        sent = self.inflight.pop(step)
         del self.pending[step]
+        version = sent.version
         staleness = step - 1 - version
         if staleness > self.schedule.bound:  # the schedule guarantees this; a breach is a bug, not a warning
             raise RuntimeError(f"step {step} was rolled out at policy version {version}: staleness {staleness} "
                                f"exceeds the bound {self.schedule.bound}")
-        results = self.gather_rollouts(refs, [self.explorer_names[i] for i in used], sizes, "rollout", step)
+        results = self.gather_rollouts(sent, "rollout", step)
         self._confirm_syncs()
         self._record_overlap(results)
-        return [e for episodes, _, _ in results for e in episodes]
+        return episodes_of(results)
 
     def _record_overlap(self, results) -> None:
         """How much of this batch's rollout ran while the trainer trained the previous step."""

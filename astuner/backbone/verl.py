@@ -15,17 +15,15 @@ import logging
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
-from astuner.backbone.ray_run import RayStages, run_on_ray, split_evenly
+from astuner.backbone.ray_run import RayStages, episodes_of, run_on_ray
 from astuner.types import Episode, Task
 
 log = logging.getLogger(__name__)
 
 
 class VerlStages(RayStages):
-    backbone = "verl"
-
-    def __init__(self, loaded, prep, settings) -> None:
-        super().__init__(loaded, prep, settings)
+    def __init__(self, loaded, prep) -> None:
+        super().__init__(loaded, prep)
         gpus = self.gpus_per_process()
         memory = self.host_bytes(("trainer", "engine"))
         bundles = [Bundle(f"worker {r}", self.cpus, gpus, memory) for r in range(self.world)]
@@ -43,14 +41,8 @@ class VerlStages(RayStages):
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
                 sampled_repeats: int | None = None) -> list[Episode]:
-        parts = split_evenly(tasks, self.world)
-        used = [i for i, p in enumerate(parts) if p]
-        refs = [self.trainers[i].rollout.remote(parts[i], validation, step, sampled_repeats) for i in used]
-        per_task = (sampled_repeats or 1) if validation else self.loaded.typed.astuner.rollout.num_repeat
-        results = self.gather_rollouts(refs, [self.trainer_names[i] for i in used],
-                                       [len(parts[i]) * per_task for i in used],
-                                       "validation" if validation else "rollout", step)
-        return [e for episodes, *_ in results for e in episodes]
+        sent = self.send_rollout(self.trainers, self.trainer_names, tasks, validation, step, sampled_repeats)
+        return episodes_of(self.gather_rollouts(sent, "validation" if validation else "rollout", step))
 
     def sync_weights(self) -> None:
         self.trainer_version += 1

@@ -174,25 +174,39 @@ def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parse
     return rows
 
 
-def engine_trainer_logprob_check(engine, trainer, tokenizer, renderer, stop_token_ids, n_tokens: int = 16):
-    """A callable for `check_pipeline`: sample a short answer with the engine, score it with the trainer."""
+def sample_check_answer(engine, prompt_ids: list[int], stop_token_ids, n_tokens: int = 16):
+    """(token ids, logprobs) of a short answer the engine samples after `prompt_ids`."""
     import asyncio
 
     from astuner.types import SamplingParams
 
+    sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(engine.generate(prompt_ids, sampling, request_id="preflight"))
+    finally:
+        loop.close()
+    return list(result.token_ids), list(result.logprobs)
+
+
+def logprob_check(renderer, sample, score, precision: str):
+    """A callable for `check_pipeline`: `sample(prompt ids)` -> (answer ids, engine logprobs) and
+    `score(prompt ids, answer ids)` -> the trainer's logprobs; wherever engine and trainer live."""
+
     def check() -> tuple[float, int]:
         prompt = renderer.render([{"role": "user", "content": "Count from one to ten."}])
-        sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
-        loop = asyncio.new_event_loop()
-        try:
-            result = loop.run_until_complete(engine.generate(prompt, sampling, request_id="preflight"))
-        finally:
-            loop.close()
-        if not result.token_ids:
+        ids, engine_logprobs = sample(prompt)
+        if not ids:
             return 0.0, 0
-        mine = trainer.compute_logprobs(prompt, list(result.token_ids), 1.0)
-        diff = max(abs(a - b) for a, b in zip(mine, result.logprobs))
-        return diff, len(mine)
+        mine = score(prompt, ids)
+        return max(abs(a - b) for a, b in zip(mine, engine_logprobs)), len(mine)
 
-    check.tolerance = BF16_LOGPROB_TOLERANCE if getattr(trainer, "precision", "fp32") == "bf16" else LOGPROB_TOLERANCE
+    check.tolerance = BF16_LOGPROB_TOLERANCE if precision == "bf16" else LOGPROB_TOLERANCE
     return check
+
+
+def engine_trainer_logprob_check(engine, trainer, renderer, stop_token_ids):
+    """`logprob_check` for an engine and a trainer in this process."""
+    return logprob_check(renderer, lambda prompt: sample_check_answer(engine, prompt, stop_token_ids),
+                         lambda prompt, ids: trainer.compute_logprobs(prompt, ids, 1.0),
+                         getattr(trainer, "precision", "fp32"))

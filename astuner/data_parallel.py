@@ -9,6 +9,9 @@ in every worker, so the replicas stay equal without broadcasting weights.
 
 Ownership: per mini-batch, episodes (all calls of an episode stay together) go longest first to the worker
 with the fewest tokens so far (ties: lower rank), so every worker computes the same map.
+
+Strategy fsdp2 (astuner/fsdp.py) keeps this split and these reductions, and replaces the whole replica and the
+gradient all-reduce with shards and a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ class DataParallel:
             n = g.numel()
             p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
+
+    def max_int(self, n: int) -> int:
+        """The largest `n` over workers (every worker gets it)."""
+        t = torch.tensor([n], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def reduce_sums(self, sums: dict[str, float], max_keys: tuple[str, ...] = ()) -> dict[str, float]:
         """Sum (or max, for `max_keys`) each value over workers; every worker gets the result."""

@@ -60,6 +60,14 @@ class MasterWeights:
             for master, param in zip(self.masters, self.model_params):
                 param.copy_(master)
 
+    @torch.no_grad()
+    def unify(self, model: torch.nn.Module) -> None:
+        """Back to one fp32 copy: the model's parameters become fp32 and take the masters' values (FSDP2 then
+        keeps its shards in fp32 and computes in bf16 itself, astuner/fsdp.py)."""
+        if self.separate:
+            model.float()
+            self.masters_to_model()
+
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None

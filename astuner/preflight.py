@@ -193,7 +193,17 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     a, tc = typed.astuner, typed.astuner.trainer_common
     device = "cuda" if torch.cuda.is_available() else "cpu"
     P = facts.num_params
+    from astuner.config.applicability import RAY_BACKBONES
+    from astuner.fsdp import resolve_strategy
+
     engine = resolve_engine_name(a.rollout.engine)
+    shards = 1  # fsdp2 shards weights, gradients and AdamW state (and the reference model) over the trainer workers
+    if backbone in RAY_BACKBONES:
+        world = tc.nnodes * tc.n_gpus_per_node
+        try:
+            shards = world if resolve_strategy(tc.strategy, world, device, tc.lora.rank > 0) == "fsdp2" else 1
+        except ValueError as exc:
+            raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
     engine_bytes = 4 * P
     if engine == "vllm" and device == "cuda":
         engine_bytes = int(a.rollout.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
@@ -206,9 +216,9 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
         total_steps=total_steps,
         max_model_len=max_model_len,
-        trainer_bytes=_trainer_bytes(P, resolve_precision(tc.precision, device), tc.lora.rank > 0),
+        trainer_bytes=_trainer_bytes(P, resolve_precision(tc.precision, device), tc.lora.rank > 0) // shards,
         engine_bytes=engine_bytes,
-        ref_bytes=4 * P if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
+        ref_bytes=4 * P // shards if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),

@@ -26,7 +26,8 @@ advantage is exactly 0 are not forwarded at all: their loss and gradient are exa
 the token weights, so the result is unchanged.
 
 Precision (`astuner/precision.py`): fp32 on CPU; on CUDA bf16 weights and compute with fp32 master weights and
-fp32 AdamW state.
+fp32 AdamW state. A worker of a trainer group (`join_group`) trains data-parallel, with a whole replica (ddp,
+`data_parallel.py`) or sharded (fsdp2, `fsdp.py`).
 The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
 """
 
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor
 
 from astuner.fused_head import head_logprobs, plain_linear_head
-from astuner import trainer_checkpoint
+from astuner import fsdp, trainer_checkpoint
 from astuner.lora import LoraSettings, apply_lora, merged_named_tensors, set_adapter_dropout
 from astuner.precision import MasterWeights, resolve_precision
 from astuner.algorithm.loss import (KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, policy_loss, sft_loss,
@@ -175,14 +176,54 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
         self._params = self._master.masters  # what AdamW steps: fp32 always
-        self.optimizer = torch.optim.AdamW(
-            self._params, lr=lr, weight_decay=weight_decay, fused=self.device.type == "cuda"
-        )
+        self._adamw = dict(lr=lr, weight_decay=weight_decay, fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
+        self._root = self._ref_root = None  # fsdp.Root units when the group shards the model (join_group)
         self._pad_id = 0  # right padding after every real token: causal attention never lets a real token see it
         self._fast_head = self._check_fast_head()
         # On CUDA the LM head's log-softmax runs in row chunks (memory-bound there); on CPU, where the extra head
         # matmul of the chunked backward costs more than the memory traffic it saves, the plain path.
         self.chunked_head = self.device.type == "cuda"
+
+    # --- trainer group ---------------------------------------------------------------------------------------
+
+    def join_group(self, dp, strategy: str = "ddp") -> str:
+        """Become one worker of a data-parallel group (`data_parallel.DataParallel`, its process group up); with
+        strategy fsdp2 shard the model, the reference model and the optimizer over it (`fsdp.py`). Call before
+        any step or checkpoint load. Returns the strategy in force."""
+        self.dp = dp
+        if fsdp.resolve_strategy(strategy, dp.world, self.device.type, self._peft is not None) != "fsdp2" \
+                or dp.world == 1:
+            return "ddp"
+        compute = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self._master.unify(self.model)  # the fp32 shards are the master weights from here on
+        self._root = fsdp.shard(self.model, dp.world, self.device.type, compute)
+        if self.ref_model is not None:
+            self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, compute)
+        self._master = MasterWeights(self.model, "fp32")
+        self._params = self._master.masters
+        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
+        return "fsdp2"
+
+    @property
+    def sharded(self) -> bool:
+        return self._root is not None
+
+    def _lockstep(self, micro_batches: list) -> list:
+        """Sharded, every forward is collective: pad with None (a `_pad_pass`) to the busiest worker's count."""
+        if self._root is None:
+            return micro_batches
+        return micro_batches + [None] * (self.dp.max_int(len(micro_batches)) - len(micro_batches))
+
+    def _pad_pass(self, backward: bool, ref: bool) -> None:
+        """A one-token forward (and a backward of 0 x its logprob) that joins the other workers' collectives."""
+        dummy = Sample([self._pad_id], [self._pad_id], [0.0], 0.0, 1.0, "")
+        if ref:
+            with torch.no_grad():
+                self._forward_logprobs(self.ref_model, [dummy], with_entropy=False)
+        logprobs_R, _ = self._forward_logprobs(self.model, [dummy], with_entropy=False)
+        if backward:
+            (logprobs_R.sum() * 0.0).backward()
 
     # --- forward ---------------------------------------------------------------------------------------------
 
@@ -224,6 +265,13 @@ class Trainer:
                           entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
         `samples`, flattened to R."""
+        root = self._root if model is self.model else self._ref_root
+        if root is None:
+            return self._logprobs(model, samples, with_entropy, entropy_grad)
+        return root.run(self._logprobs, model, samples, with_entropy, entropy_grad)  # sharded: gathers the root
+
+    def _logprobs(self, model, samples: list[Sample], with_entropy: bool,
+                  entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
         # The last token of each sequence predicts nothing we train on, so it is not fed.
         inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
         T = max(len(x) for x in inputs)
@@ -324,7 +372,10 @@ class Trainer:
                                                          "kl_engine_trainer_k3", "is_weight_mean")}
         n_tokens_R = 0
         micro_batches = split_micro_batches([s.num_tokens for s in kept], self.max_token_len_per_micro_batch)
-        for idx in micro_batches:
+        for idx in self._lockstep(micro_batches):
+            if idx is None:
+                self._pad_pass(backward=True, ref=self.use_kl_loss and objective == "policy")
+                continue
             mb = [kept[i] for i in idx]
             mb_weights = [weights_B[keep[i]] for i in idx]
             lengths = [len(s.response_ids) for s in mb]
@@ -391,10 +442,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
-        if self.dp is not None:
+        if self.dp is not None and self._root is None:  # sharded: reduce-scattered in the backward already
             self.dp.all_reduce_grads(self._master.model_params)
         self._master.grads_to_masters()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
+        grad_norm = fsdp.full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()
             self._master.masters_to_model()
@@ -489,7 +540,11 @@ class Trainer:
         sums = {"logprob_abs_diff": 0.0, "logprob_abs_diff_max": 0.0, "kl_engine_trainer_k3": 0.0}
         tokens = 0.0
         todo = [i for i, s in enumerate(samples) if s.response_ids and (self.dp is None or self.dp.mine(s))]
-        for idx in split_micro_batches([samples[i].num_tokens for i in todo], self.max_token_len_per_micro_batch):
+        for idx in self._lockstep(split_micro_batches([samples[i].num_tokens for i in todo],
+                                                      self.max_token_len_per_micro_batch)):
+            if idx is None:
+                self._pad_pass(backward=False, ref=False)
+                continue
             mb = [samples[todo[i]] for i in idx]
             lengths = [len(s.response_ids) for s in mb]
             logprobs_R, _ = self._forward_logprobs(self.model, mb, with_entropy=False)
@@ -524,12 +579,14 @@ class Trainer:
         if self._peft is not None:
             yield from merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
             return
+        compute = torch.bfloat16 if self.precision == "bf16" else torch.float32
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            # Sharded: gathered one parameter at a time (every worker iterates with this one), in compute dtype.
+            yield name, param.detach() if self._root is None else fsdp.full(param.detach()).to(compute)
 
-    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None) -> None:
+    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
         """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""
-        trainer_checkpoint.save(self, Path(path), tokenizer, run_state)
+        trainer_checkpoint.save(self, Path(path), tokenizer, run_state, write)
 
     def load_checkpoint(self, path: Path) -> dict:
         """Weights, optimizer, step count and RNG from `path`; returns the run state (`trainer_checkpoint.load`)."""

@@ -16,36 +16,48 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from astuner import fsdp
 from astuner.lora import ADAPTER_NAME, adapter_state_for_save, adapter_state_from_file, is_lora_param
 from astuner.resume import RESUME_DIR
 
 log = logging.getLogger("astuner.trainer")
 
 
-def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None) -> None:
+def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
     """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
+
+    A sharded trainer (astuner/fsdp.py) gathers whole weights and optimizer state: every worker of the group calls
+    this at once, and only the one with `write` writes.
 
     A run killed mid-save leaves at most a hidden `.NAME.tmp-*` folder, never a half-written `path`.
     The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
     With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
     exactly: optimizer state, optimizer step count, torch RNG states and the run state.
     """
+    if trainer.sharded:
+        state = {name: fsdp.full(p.detach()).cpu() for name, p in trainer.model.named_parameters()}
+        optimizer = fsdp.full_optimizer_state(trainer.optimizer) if run_state is not None else None
+    else:
+        # bf16: the fp32 master weights, so a resumed run continues from the same numbers (None: the model's own).
+        state = trainer._master.state_dict(trainer.model)
+        optimizer = trainer.optimizer.state_dict() if run_state is not None and write else None
+    if not write:
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = path.parent / f".{path.name}.tmp-{tag}"
     try:
-        # bf16: the fp32 master weights, so a resumed run continues from the same numbers.
         if trainer._peft is not None:  # the adapter only; `astuner export` merges it into a model folder
             from safetensors.torch import save_file
 
-            state = trainer._master.state_dict(trainer.model) or dict(trainer.model.named_parameters())
+            state = state or dict(trainer.model.named_parameters())
             tmp.mkdir(parents=True)
             save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_for_save(state).items()},
                       str(tmp / "adapter_model.safetensors"))
             trainer._peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
         else:
-            trainer.model.save_pretrained(tmp, state_dict=trainer._master.state_dict(trainer.model))
+            trainer.model.save_pretrained(tmp, state_dict=state)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -60,7 +72,7 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None) -> 
             resume.mkdir()
             torch.save(
                 {
-                    "optimizer": trainer.optimizer.state_dict(),
+                    "optimizer": optimizer,
                     "optimizer_steps": trainer.optimizer_steps,
                     "torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -95,8 +107,11 @@ def load(trainer, path: Path) -> dict:
         state.update(load_file(str(f)))
     if trainer._peft is not None:
         state = adapter_state_from_file(state)
-    missing, unexpected = trainer.model.load_state_dict(state, strict=False)
-    trainer._master.load_masters(trainer.model, state)
+    if trainer.sharded:  # every worker reads the whole checkpoint and keeps its shards
+        missing, unexpected = fsdp.load_full_weights(trainer._root, state)
+    else:
+        missing, unexpected = trainer.model.load_state_dict(state, strict=False)
+        trainer._master.load_masters(trainer.model, state)
     # Tied weights are saved once; anything else missing means another architecture.
     tied = {n for n in missing if "lm_head" in n and getattr(trainer.model.config, "tie_word_embeddings", False)}
     if trainer._peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
@@ -105,7 +120,10 @@ def load(trainer, path: Path) -> dict:
         raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
     saved = torch.load(path / RESUME_DIR / "trainer.pt", map_location="cpu", weights_only=False)
-    trainer.optimizer.load_state_dict(saved["optimizer"])
+    optimizer = saved["optimizer"]
+    if trainer.sharded:
+        optimizer = fsdp.shard_optimizer_state(optimizer, trainer._params)
+    trainer.optimizer.load_state_dict(optimizer)
     trainer.optimizer_steps = int(saved["optimizer_steps"])
     torch.set_rng_state(saved["torch_rng"])
     if saved.get("cuda_rng") is not None and torch.cuda.is_available():

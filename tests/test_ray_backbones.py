@@ -77,6 +77,23 @@ def test_verl_two_data_parallel_workers_equal_debug(cluster, debug_run, tmp_path
     assert all(m["rollout/staleness_max"] == 0 for m in ours + theirs)
 
 
+def test_verl_fsdp2_equals_debug_and_resumes_exactly(cluster, debug_run, tmp_path, tiny_model_dir):
+    # Sharded: each worker holds half of every parameter, its gradient and its Adam moments (astuner/fsdp.py).
+    workers = ("astuner.trainer_common.n_gpus_per_node=2", "astuner.trainer_common.strategy=fsdp2")
+    assert run(tmp_path, tiny_model_dir, "verl", *workers) == 0
+    assert "2 trainer workers, strategy fsdp2" in (tmp_path / "out" / "astuner.log").read_text()
+    ours, theirs = metrics(tmp_path), metrics(debug_run)
+    assert [m["train/reward_mean"] for m in ours] == [m["train/reward_mean"] for m in theirs]
+    assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)
+    # The checkpoint is whole (gathered from the shards) and resumes into shards exactly: weights and moments.
+    first = tmp_path / "out" / "global_step_4"
+    first.rename(tmp_path / "first_run_step_4")
+    assert run(tmp_path, tiny_model_dir, "verl", *workers,
+               f"astuner.trainer_common.resume_mode={tmp_path / 'out' / 'global_step_2'}") == 0
+    assert_same_params(params(tmp_path, 4), load_file(tmp_path / "first_run_step_4" / "model.safetensors"), atol=1e-6)
+    assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)
+
+
 def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model_dir):
     assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=1") == 0
     ours = metrics(tmp_path)

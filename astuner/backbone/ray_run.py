@@ -66,6 +66,7 @@ class RayStages:
         self._extra: dict[str, float] = {}
         self.stuck: set[str] = set()  # actors that died or missed a deadline: killed at shutdown without waiting
         self.trainer_version = 0  # loop steps the trainer has completed (its weights' policy version)
+        self.sharded = False  # fsdp2: every trainer call that runs the model goes to all ranks at once
 
     # --- placement -------------------------------------------------------------------------------------------
 
@@ -106,8 +107,15 @@ class RayStages:
         if self.world == 1:
             return
         addr, port = self.get(self.trainers[0].free_address.remote(), [self.trainer_names[0]], "report its address")
-        self.get([t.init_data_parallel.remote(addr, port, self.timeout_s) for t in self.trainers],
-                 self.trainer_names, "join the data-parallel group")
+        strategies = self.get([t.init_data_parallel.remote(addr, port, self.timeout_s) for t in self.trainers],
+                               self.trainer_names, "join the data-parallel group")
+        self.sharded = strategies[0] == "fsdp2"
+        log.info("%d trainer workers, strategy %s", self.world, strategies[0])
+
+    def to_trainers(self, method: str, *args):
+        """Call `method` on trainer rank 0 (on every rank when sharded) and return rank 0's pending result."""
+        ranks = self.trainers if self.sharded else self.trainers[:1]
+        return [getattr(t, method).remote(*args) for t in ranks][0]
 
     def get(self, refs, who: list[str], what: str, trainer_ok: bool = True, timeout_s: float | None = None):
         try:
@@ -131,7 +139,8 @@ class RayStages:
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.loaded.experiment_dir / f"global_step_{step}"
-        self.get(self.trainers[0].save_checkpoint.remote(str(path), run_state), self.trainer_names[:1],
+        ranks = self.trainers if self.sharded else self.trainers[:1]
+        self.get([t.save_checkpoint.remote(str(path), run_state) for t in ranks], self.trainer_names[:len(ranks)],
                  f"save checkpoint {path}")
         log.info("saved checkpoint %s", path)
         return path
@@ -197,7 +206,7 @@ class RayStages:
             runner.renderer,
             lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
                                     [engine_name], "sample the preflight answer"),
-            lambda prompt, ids: self.get(trainer.compute_logprobs.remote(prompt, ids, 1.0), trainer_name,
+            lambda prompt, ids: self.get(self.to_trainers("compute_logprobs", prompt, ids, 1.0), trainer_name,
                                          "score the preflight answer"),
             self.get(trainer.precision.remote(), trainer_name, "report its precision"))
         runtime.check_token_pipeline(self.loaded.typed, runner, check)

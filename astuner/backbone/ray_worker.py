@@ -59,10 +59,12 @@ class Worker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_data_parallel(self, addr: str, port: int, timeout_s: float) -> None:
+    def init_data_parallel(self, addr: str, port: int, timeout_s: float) -> str:
+        """Join the trainer group; returns the strategy in force (ddp or fsdp2, astuner/fsdp.py)."""
         from astuner.data_parallel import DataParallel
 
-        self.trainer.dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
+        dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
+        return self.trainer.join_group(dp, self.loaded.typed.astuner.trainer_common.strategy)
 
     # --- rollout ---------------------------------------------------------------------------------------------
 
@@ -105,19 +107,22 @@ class Worker:
         self.version = version
         return time.perf_counter() - start
 
-    def export_weights(self) -> dict:
+    def export_weights(self) -> dict | None:
         """The trainer's weights for the object store: name -> (numpy array, torch dtype name). bf16 travels as
-        its raw 16 bits (numpy has no bf16), so nothing is converted."""
+        its raw 16 bits (numpy has no bf16), so nothing is converted. A sharded group: every rank gathers, rank 0
+        returns them (the others None)."""
         import torch
 
         out = {}
         for name, tensor in self.trainer.named_parameters_for_sync():
+            if self.rank != 0:
+                continue
             t = tensor.detach().to("cpu").contiguous()
             if t.dtype == torch.bfloat16:
                 out[name] = (t.view(torch.int16).numpy(), "bfloat16")
             else:
                 out[name] = (t.numpy(), str(t.dtype).removeprefix("torch."))
-        return out
+        return out if self.rank == 0 else None
 
     def load_weights(self, weights: dict, version: int) -> float:
         """trinity: new weights from the trainer (through the object store), as policy `version`."""
@@ -141,7 +146,9 @@ class Worker:
     # --- checkpoints -----------------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str, run_state: dict) -> str:
-        self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state)
+        """Rank 0 writes; the other ranks of a sharded group take part in the gather."""
+        self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state,
+                                     write=self.rank == 0)
         return path
 
     def load_checkpoint(self, path: str) -> dict:

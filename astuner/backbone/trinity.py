@@ -104,7 +104,7 @@ class TrinityStages(RayStages):
 
     def _push(self, why: str) -> None:
         """Send the trainer's current weights to every explorer (behind the calls already sent to it)."""
-        weights = self.trainers[0].export_weights.remote()
+        weights = self.to_trainers("export_weights")
         refs = [e.load_weights.remote(weights, self.trainer_version) for e in self.explorers]
         self.syncs.append((refs, time.perf_counter(), self.trainer_version))
         self.explorer_version = self.trainer_version

@@ -51,6 +51,7 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "trinity.synchronizer": ("with backbone trinity", lambda c, b: b == "trinity"),
     "astuner.trainer_common.nnodes": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.n_gpus_per_node": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
+    "astuner.trainer_common.strategy": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.cpus_per_worker": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.actor_timeout_s": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.lora.alpha": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),

@@ -324,6 +324,12 @@ class TrainerCommonSection(Section):
         1, "Trainer workers per node for the verl and trinity backbones (as in verl): one per GPU on a GPU cluster; "
         "on a CPU-only cluster, processes of cpus_per_worker CPUs each. Above 1 in all they train data-parallel "
         "(torch.distributed: NCCL on GPU, gloo on CPU), each on its share of a step's episodes.", ge=1)
+    strategy: Literal["auto", "ddp", "fsdp2"] = key(
+        "auto", "How trainer workers of the verl and trinity backbones share the model when there are several (as "
+        "verl's actor strategy): ddp (a whole replica each, gradients all-reduced) | fsdp2 (parameters, gradients "
+        "and AdamW state sharded over the workers with torch FSDP2: 16/world bytes per parameter each, plus one "
+        "gathered layer) | auto (fsdp2 for full fine-tuning on GPU, ddp on CPU and with LoRA). Both give the same "
+        "updates.")
     cpus_per_worker: float = key(
         1.0, "CPUs Ray reserves for each trainer worker and explorer of the verl and trinity backbones (fractions "
         "allowed).", gt=0)

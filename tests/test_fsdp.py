@@ -1,0 +1,88 @@
+"""FSDP2 sharding of the trainer (astuner/fsdp.py): two gloo workers on CPU, tiny model.
+
+The Ray test (test_ray_backbones.py) runs whole verl runs sharded and resumes them; here the trainer alone meets
+the case a run rarely shows: workers with different numbers of micro-batches (so one must pad to join the
+others' collectives), with the KL reference model and the recomputed old logprobs sharded too."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from astuner.fsdp import resolve_strategy
+from astuner.types import Sample
+
+SETTINGS = dict(
+    lr=1e-3, weight_decay=0.01, lr_warmup_steps=0, grad_clip=1.0, clip_ratio_low=0.2, clip_ratio_high=0.28,
+    use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", loss_agg_mode="token-mean", norm_length=16,
+    # 25 tokens a micro-batch: the long episode goes alone, the short ones two by two (step_plan.split_micro_batches)
+    max_token_len_per_micro_batch=25, mini_batch_num=1, old_logprobs="trainer", device="cpu",
+)
+
+
+def samples() -> list[Sample]:
+    """One 60-token episode and three of 10 tokens. Ownership balances tokens (data_parallel.owners): rank 0 gets
+    the long one (1 micro-batch), rank 1 the three short ones (2 micro-batches)."""
+    def sample(uid: str, n: int, adv: float) -> Sample:
+        prompt = [(7 * i + len(uid)) % 900 + 5 for i in range(n // 2)]
+        response = [(11 * i + 3) % 900 + 5 for i in range(n - n // 2)]
+        return Sample(prompt, response, [-1.0] * len(response), adv, 1.0, uid)
+
+    return [sample("long", 60, 1.0), sample("b", 10, -0.5), sample("c", 10, 0.7), sample("d", 10, -1.2)]
+
+
+def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy: str) -> None:
+    from astuner.data_parallel import DataParallel
+    from astuner.trainer import Trainer
+
+    trainer = Trainer(model_dir, **SETTINGS)
+    used = trainer.join_group(DataParallel.init(rank, world, "127.0.0.1", port, "cpu", 120.0), strategy)
+    metrics = [trainer.train_step(samples()) for _ in range(2)]
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
+    weights = {name: t.clone() for name, t in trainer.named_parameters_for_sync()}  # every rank gathers
+    if rank == 0:
+        torch.save({"strategy": used, "metrics": metrics, "weights": weights, "local": local}, out)
+    torch.save(local, f"{out}.{rank}")
+    DataParallel.close()
+
+
+def run_group(tmp_path, model_dir, strategy: str) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / f"{strategy}.pt")
+    mp.start_processes(worker, args=(2, port, str(model_dir), out, strategy), nprocs=2, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    result["locals"] = [torch.load(f"{out}.{r}") for r in range(2)]
+    return result
+
+
+def test_strategy_rule():
+    assert resolve_strategy("auto", 2, "cuda", lora=False) == "fsdp2"
+    assert resolve_strategy("auto", 2, "cpu", lora=False) == "ddp"
+    assert resolve_strategy("auto", 1, "cuda", lora=False) == "ddp"
+    assert resolve_strategy("auto", 2, "cuda", lora=True) == "ddp"
+    assert resolve_strategy("fsdp2", 2, "cpu", lora=False) == "fsdp2"
+    with pytest.raises(ValueError, match="strategy ddp"):
+        resolve_strategy("fsdp2", 2, "cuda", lora=True)
+
+
+def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir):
+    from astuner.trainer import Trainer
+
+    sharded = run_group(tmp_path, tiny_model_dir, "fsdp2")
+    assert sharded["strategy"] == "fsdp2"
+    one = Trainer(str(tiny_model_dir), **SETTINGS)
+    reference = [one.train_step(samples()) for _ in range(2)]
+    whole = sum(p.numel() for p in one.model.parameters())
+    # Each worker holds half of every parameter (dim 0 split; odd sizes differ by a row).
+    assert all(abs(local - whole / 2) < 0.01 * whole for local in sharded["locals"])
+    for name, tensor in one.named_parameters_for_sync():
+        torch.testing.assert_close(sharded["weights"][name], tensor, atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+    for theirs, ours in zip(reference, sharded["metrics"]):
+        for key in ("policy_loss", "grad_norm", "kl_ref", "logprob_abs_diff_mean", "entropy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+        assert ours["num_micro_batches"] == theirs["num_micro_batches"] == 3  # 1 on rank 0 (padded to 2) + 2

@@ -95,7 +95,10 @@ def test_verl_fsdp2_equals_debug_and_resumes_exactly(cluster, debug_run, tmp_pat
 
 
 def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model_dir):
-    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=1") == 0
+    # Two sharded trainer workers: the weights the explorer gets are gathered from both (every rank takes part).
+    assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=1",
+               "astuner.trainer_common.n_gpus_per_node=2", "astuner.trainer_common.strategy=fsdp2") == 0
+    assert "2 trainer workers, strategy fsdp2" in (tmp_path / "out" / "astuner.log").read_text()
     ours = metrics(tmp_path)
     assert [m["train/reward_mean"] for m in ours] == [m["train/reward_mean"] for m in metrics(debug_run)]
     assert_same_params(params(tmp_path, 4), params(debug_run, 4), atol=2e-5)

@@ -43,6 +43,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy:
     metrics = [trainer.train_step(samples()) for _ in range(2)]
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
     weights = {name: t.clone() for name, t in trainer.named_parameters_for_sync()}  # every rank gathers
+    trainer.save_checkpoint(f"{out}.checkpoint", run_state={"step": 2}, write=rank == 0)  # every rank gathers
     if rank == 0:
         torch.save({"strategy": used, "metrics": metrics, "weights": weights, "local": local}, out)
     torch.save(local, f"{out}.{rank}")
@@ -94,3 +95,11 @@ def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir
         for key in ("policy_loss", "grad_norm", "kl_ref", "logprob_abs_diff_mean", "entropy"):
             assert ours[key] == pytest.approx(theirs[key], rel=rel, abs=1e-6), key
         assert ours["num_micro_batches"] == theirs["num_micro_batches"] == 3  # 1 on rank 0 (padded to 2) + 2
+    # The sharded group's checkpoint is an ordinary one: an unsharded trainer resumes from it (weights and Adam
+    # moments) and takes the step the reference takes.
+    resumed = Trainer(str(tiny_model_dir), **SETTINGS, precision=precision)
+    assert resumed.load_checkpoint(tmp_path / "fsdp2.pt.checkpoint") == {"step": 2}
+    resumed.train_step(samples())
+    one.train_step(samples())
+    for (name, ours), (_, theirs) in zip(resumed.named_parameters_for_sync(), one.named_parameters_for_sync()):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")

@@ -88,6 +88,7 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes
         Path(out).write_text(json.dumps({"strategy": used, "held_mb": held_bytes(trainer) / 2**20,
                                          "peak_rss_mb": peak / 2**20, "step_s": sum(times) / len(times),
                                          "gather_s": gather_s}))
+    torch.distributed.barrier()  # no worker tears the group down while another still uses it
     DataParallel.close()
 
 

@@ -47,6 +47,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy:
     if rank == 0:
         torch.save({"strategy": used, "metrics": metrics, "weights": weights, "local": local}, out)
     torch.save(local, f"{out}.{rank}")
+    torch.distributed.barrier()  # no worker tears the group down while another still uses it
     DataParallel.close()
 
 

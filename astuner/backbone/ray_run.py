@@ -112,10 +112,11 @@ class RayStages:
         self.sharded = strategies[0] == "fsdp2"
         log.info("%d trainer workers, strategy %s", self.world, strategies[0])
 
-    def to_trainers(self, method: str, *args):
-        """Call `method` on trainer rank 0 (on every rank when sharded) and return rank 0's pending result."""
+    def to_trainers(self, method: str, *args) -> list:
+        """Call `method` on trainer rank 0, or on every rank when sharded (each must join the gathers); returns
+        the pending results, rank 0's first."""
         ranks = self.trainers if self.sharded else self.trainers[:1]
-        return [getattr(t, method).remote(*args) for t in ranks][0]
+        return [getattr(t, method).remote(*args) for t in ranks]
 
     def get(self, refs, who: list[str], what: str, trainer_ok: bool = True, timeout_s: float | None = None):
         try:
@@ -139,9 +140,8 @@ class RayStages:
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.loaded.experiment_dir / f"global_step_{step}"
-        ranks = self.trainers if self.sharded else self.trainers[:1]
-        self.get([t.save_checkpoint.remote(str(path), run_state) for t in ranks], self.trainer_names[:len(ranks)],
-                 f"save checkpoint {path}")
+        refs = self.to_trainers("save_checkpoint", str(path), run_state)
+        self.get(refs, self.trainer_names[:len(refs)], f"save checkpoint {path}")
         log.info("saved checkpoint %s", path)
         return path
 
@@ -206,8 +206,9 @@ class RayStages:
             runner.renderer,
             lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
                                     [engine_name], "sample the preflight answer"),
-            lambda prompt, ids: self.get(self.to_trainers("compute_logprobs", prompt, ids, 1.0), trainer_name,
-                                         "score the preflight answer"),
+            lambda prompt, ids: self.get(self.to_trainers("compute_logprobs", prompt, ids, 1.0),
+                                         self.trainer_names[:1 + (self.world - 1) * self.sharded],
+                                         "score the preflight answer")[0],
             self.get(trainer.precision.remote(), trainer_name, "report its precision"))
         runtime.check_token_pipeline(self.loaded.typed, runner, check)
 

@@ -70,7 +70,8 @@ class TrinityStages(RayStages):
         self.explorer_version = 0  # the version of the last weights sent (explorers run calls in order)
         self.pending: dict[int, list[Task]] = {}  # step -> tasks handed early, not yet trained
         self.inflight: dict[int, Sent] = {}  # step -> the batch sent to the explorers
-        self.syncs: list[tuple[list, float, int]] = []  # weight loads not yet confirmed: refs, sent at, version
+        # weight loads not yet confirmed: explorer refs, other trainer ranks' export refs, sent at, version
+        self.syncs: list[tuple[list, list, float, int]] = []
         self.train_window: tuple[float, float] | None = None
         self.num_syncs = 0
 
@@ -104,9 +105,9 @@ class TrinityStages(RayStages):
 
     def _push(self, why: str) -> None:
         """Send the trainer's current weights to every explorer (behind the calls already sent to it)."""
-        weights = self.to_trainers("export_weights")
+        weights, *gathering = self.to_trainers("export_weights")  # sharded: the other ranks join the gather
         refs = [e.load_weights.remote(weights, self.trainer_version) for e in self.explorers]
-        self.syncs.append((refs, time.perf_counter(), self.trainer_version))
+        self.syncs.append((refs, gathering, time.perf_counter(), self.trainer_version))
         self.explorer_version = self.trainer_version
         self.num_syncs += 1
         log.info("weights of step %d sent to the explorers (%s)", self.trainer_version, why)
@@ -116,9 +117,10 @@ class TrinityStages(RayStages):
         import ray
 
         left = []
-        for refs, sent, version in self.syncs:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(done) == len(refs):
+        for refs, gathering, sent, version in self.syncs:
+            done, _ = ray.wait(refs + gathering, num_returns=len(refs + gathering), timeout=0)
+            if len(done) == len(refs + gathering):
+                self.get(gathering, self.trainer_names[1:], f"gather the weights of step {version}", trainer_ok=False)
                 seconds = self.get(refs, self.explorer_names, f"load the weights of step {version}")
                 self._extra["time/engine_load_s"] = max(seconds)
             elif time.perf_counter() - sent > self.sync_timeout + self.timeout_s:
@@ -126,7 +128,7 @@ class TrinityStages(RayStages):
                                  f"{self.sync_timeout:g} s (after the batches queued before it) for the explorers "
                                  f"to load the weights of step {version}", trainer_ok=True)
             else:
-                left.append((refs, sent, version))
+                left.append((refs, gathering, sent, version))
         self.syncs = left
 
     # --- stages ----------------------------------------------------------------------------------------------

@@ -187,15 +187,14 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
 
     from astuner.tools.python_exec import describe_sandbox
 
+    from astuner.config.applicability import RAY_BACKBONES
     from astuner.engine.select import resolve_engine_name
+    from astuner.fsdp import resolve_strategy
     from astuner.precision import resolve_precision
 
     a, tc = typed.astuner, typed.astuner.trainer_common
     device = "cuda" if torch.cuda.is_available() else "cpu"
     P = facts.num_params
-    from astuner.config.applicability import RAY_BACKBONES
-    from astuner.fsdp import resolve_strategy
-
     engine = resolve_engine_name(a.rollout.engine)
     shards = 1  # fsdp2 shards weights, gradients and AdamW state (and the reference model) over the trainer workers
     if backbone in RAY_BACKBONES:

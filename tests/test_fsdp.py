@@ -104,3 +104,27 @@ def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir
     one.train_step(samples())
     for (name, ours), (_, theirs) in zip(resumed.named_parameters_for_sync(), one.named_parameters_for_sync()):
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_memory_estimate_divides_by_the_shards(tmp_path, tiny_model_dir):
+    from astuner.config.compose import load_config
+    from astuner.errors import UserError
+    from astuner.preflight import ModelFacts, make_plan
+    from test_run_contract import write_run
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    facts = ModelFacts("m", "LlamaForCausalLM", 1_000_000, 2048)
+
+    def plan(backbone: str, *overrides: str):
+        typed = load_config(yaml, ["astuner.trainer_common.n_gpus_per_node=4", "astuner.trainer_common.precision=fp32",
+                                   "astuner.trainer_common.use_kl_loss=true", *overrides]).typed
+        return make_plan(typed, backbone, facts, 256, 4)
+
+    # fp32 AdamW: 16 bytes a parameter, the reference model 4; fsdp2 over 4 workers holds a quarter of each.
+    whole = plan("verl", "astuner.trainer_common.strategy=ddp")
+    assert (whole.trainer_bytes, whole.ref_bytes) == (16_000_000, 4_000_000)
+    sharded = plan("verl", "astuner.trainer_common.strategy=fsdp2")
+    assert (sharded.trainer_bytes, sharded.ref_bytes) == (4_000_000, 1_000_000)
+    assert plan("debug", "astuner.trainer_common.strategy=fsdp2").trainer_bytes == 16_000_000  # one process
+    with pytest.raises(UserError, match="strategy ddp"):
+        plan("verl", "astuner.trainer_common.strategy=fsdp2", "astuner.trainer_common.lora.rank=8")

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
 from astuner.step_plan import split_mini_batches
 from astuner.types import Sample
+
+
+def free_port(host: str = "") -> int:
+    """A port free on this machine now, for rank 0 to host the process group's store."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def owners(samples: list[Sample], mini_batch_num: int, world: int) -> dict[str, int]:

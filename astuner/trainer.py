@@ -195,11 +195,10 @@ class Trainer:
         if fsdp.resolve_strategy(strategy, dp.world, self.device.type, self._peft is not None) != "fsdp2" \
                 or dp.world == 1:
             return "ddp"
-        compute = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self._master.unify(self.model)  # the fp32 shards are the master weights from here on
-        self._root = fsdp.shard(self.model, dp.world, self.device.type, compute)
+        self._root = fsdp.shard(self.model, dp.world, self.device.type, self.compute_dtype)
         if self.ref_model is not None:
-            self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, compute)
+            self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, self.compute_dtype)
         self._master = MasterWeights(self.model, "fp32")
         self._params = self._master.masters
         self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
@@ -208,6 +207,10 @@ class Trainer:
     @property
     def sharded(self) -> bool:
         return self._root is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     def _lockstep(self, micro_batches: list) -> list:
         """Sharded, every forward is collective: pad with None (a `_pad_pass`) to the busiest worker's count."""
@@ -579,10 +582,9 @@ class Trainer:
         if self._peft is not None:
             yield from merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
             return
-        compute = torch.bfloat16 if self.precision == "bf16" else torch.float32
         for name, param in self.model.named_parameters():
             # Sharded: gathered one parameter at a time (every worker iterates with this one), in compute dtype.
-            yield name, param.detach() if self._root is None else fsdp.full(param.detach()).to(compute)
+            yield name, param.detach() if self._root is None else fsdp.full(param.detach()).to(self.compute_dtype)
 
     def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
         """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""

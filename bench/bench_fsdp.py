@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -95,6 +94,7 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes
 def main() -> None:
     import torch.multiprocessing as mp
 
+    from astuner.data_parallel import free_port
     from astuner.model_cache import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -106,9 +106,7 @@ def main() -> None:
     print(f"model {model}, {args.workers} workers, {args.episodes} samples of 192 + 64 tokens a step")
     print(f"{'strategy':<9}{'held_mb':>10}{'peak_rss_mb':>13}{'step_s':>9}{'gather_s':>10}")
     for strategy in ("ddp", "fsdp2"):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port("127.0.0.1")
         out = os.path.join(tempfile.mkdtemp(), "result.json")
         mp.start_processes(worker, args=(args.workers, port, model, strategy, args.episodes, out),
                            nprocs=args.workers, start_method="spawn")

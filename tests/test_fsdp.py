@@ -6,8 +6,6 @@ others' collectives), with the KL reference model and the recomputed old logprob
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -52,9 +50,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy:
 
 
 def run_group(tmp_path, model_dir, strategy: str, precision: str = "fp32") -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from astuner.data_parallel import free_port
+
+    port = free_port("127.0.0.1")
     out = str(tmp_path / f"{strategy}.pt")
     mp.start_processes(worker, args=(2, port, str(model_dir), out, strategy, precision), nprocs=2, start_method="spawn")
     result = torch.load(out, weights_only=False)

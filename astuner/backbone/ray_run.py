@@ -200,15 +200,18 @@ class RayStages:
         from astuner.model_tuner.pipeline_check import logprob_check
 
         prep, trainer, trainer_name = self.prep, self.trainers[0], self.trainer_names[:1]
+
+        def score(prompt, ids):
+            refs = self.to_trainers("compute_logprobs", prompt, ids, 1.0)
+            return self.get(refs, self.trainer_names[:len(refs)], "score the preflight answer")[0]
+
         runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
                                       prep.model_path, prep.max_model_len)
         check = logprob_check(
             runner.renderer,
             lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
                                     [engine_name], "sample the preflight answer"),
-            lambda prompt, ids: self.get(self.to_trainers("compute_logprobs", prompt, ids, 1.0),
-                                         self.trainer_names[:1 + (self.world - 1) * self.sharded],
-                                         "score the preflight answer")[0],
+            score,
             self.get(trainer.precision.remote(), trainer_name, "report its precision"))
         runtime.check_token_pipeline(self.loaded.typed, runner, check)
 

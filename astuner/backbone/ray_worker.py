@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -54,10 +53,9 @@ class Worker:
         """This node's address and a free port, for rank 0 to host the process group's store."""
         import ray
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from astuner.data_parallel import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def init_data_parallel(self, addr: str, port: int, timeout_s: float) -> str:
         """Join the trainer group; returns the strategy in force (ddp or fsdp2, astuner/fsdp.py)."""

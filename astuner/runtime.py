@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from astuner.config.applicability import OFFLINE_TYPES
 from astuner.errors import UserError, user_code_error
 from astuner.types import Task
 from astuner.workflow import ClassSpecError, Workflow, load_class
@@ -125,6 +126,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
     from astuner.trainer import Trainer
 
     tc = typed.astuner.trainer_common
+    offline = tc.algorithm.type in OFFLINE_TYPES
     return Trainer(
         model_path,
         lr=tc.optim.lr,
@@ -140,8 +142,10 @@ def build_trainer(typed, model_path: str, total_steps: int):
         gradient_checkpointing=tc.gradient_checkpointing,
         precision=tc.precision,
         lora=_lora_settings(tc.lora),
-        top_k=typed.astuner.rollout.top_k,
-        top_p=typed.astuner.rollout.top_p,
+        # The sampling filter shapes the distribution rollouts were drawn from; offline data was never sampled
+        # by our engine, so its tokens are scored by the whole distribution.
+        top_k=0 if offline else typed.astuner.rollout.top_k,
+        top_p=1.0 if offline else typed.astuner.rollout.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,
@@ -299,6 +303,14 @@ def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str
     )
 
 
+def check_sampling(typed):
+    """The rollout's sampling settings, for the preflight logprob check."""
+    from astuner.model_tuner.pipeline_check import CheckSampling
+
+    r = typed.astuner.rollout
+    return CheckSampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
 def check_token_pipeline(typed, runner, logprob_check) -> None:
     """The preflight table (template, parsers, engine/trainer logprobs); raises UserError when strict and broken."""
     from astuner.model_tuner.pipeline_check import run_preflight
@@ -326,7 +338,7 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
                           prep.max_model_len)
     check_token_pipeline(typed, runner, engine_trainer_logprob_check(
-        engine, trainer, runner.renderer, runner.stop_token_ids))
+        engine, trainer, runner.renderer, runner.stop_token_ids, check_sampling(typed)))
     return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan)
 
 

@@ -126,15 +126,18 @@ def test_cancelling_the_caller_stops_the_request(engine):
     assert len(asyncio.run(run()).token_ids) == 4
 
 
-def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir):
-    """The whole loop with engine: vllm (its own engine process): metrics carry the mismatch and sync time."""
+@pytest.mark.parametrize("sampling", [[], ["astuner.rollout.top_p=0.8", "astuner.rollout.top_k=20",
+                                              "astuner.rollout.temperature=0.7"]], ids=["default", "top_p_top_k"])
+def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling):
+    """The whole loop with engine: vllm (its own engine process): metrics carry the mismatch and sync time; with
+    Qwen's recommended top_p/top_k the start-up check (strict) passes and engine and trainer still agree."""
     from tests.test_debug_backbone import write_run
 
     from astuner.cli import main
 
     yaml = write_run(tmp_path, tiny_model_dir)
     code = main(["--conf", str(yaml), "astuner.rollout.engine=vllm", f"astuner.experiment_dir={tmp_path / 'out'}",
-                 "astuner.trainer_common.total_training_steps=2", "astuner.rollout.max_num_seqs=8"])
+                 "astuner.trainer_common.total_training_steps=2", "astuner.rollout.max_num_seqs=8", *sampling])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]

@@ -201,18 +201,20 @@ class RayStages:
 
         prep, trainer, trainer_name = self.prep, self.trainers[0], self.trainer_names[:1]
 
-        def score(prompt, ids):
-            refs = self.to_trainers("compute_logprobs", prompt, ids, 1.0)
+        def score(prompt, ids, temperature):
+            refs = self.to_trainers("compute_logprobs", prompt, ids, temperature)
             return self.get(refs, self.trainer_names[:len(refs)], "score the preflight answer")[0]
 
         runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
                                       prep.model_path, prep.max_model_len)
+        sampling = runtime.check_sampling(self.loaded.typed)
         check = logprob_check(
             runner.renderer,
-            lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids),
+            lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids, sampling),
                                     [engine_name], "sample the preflight answer"),
             score,
-            self.get(trainer.precision.remote(), trainer_name, "report its precision"))
+            self.get(trainer.precision.remote(), trainer_name, "report its precision"),
+            sampling)
         runtime.check_token_pipeline(self.loaded.typed, runner, check)
 
     def all_actors(self) -> list[tuple[str, object]]:

@@ -74,11 +74,12 @@ class Worker:
             e.policy_version = self.version
         return episodes, time.perf_counter() - start, wall
 
-    def sample_for_check(self, prompt_ids: list[int], stop_token_ids: tuple[int, ...]):
-        """(token ids, logprobs) the engine samples after `prompt_ids`: one side of the preflight logprob check."""
+    def sample_for_check(self, prompt_ids: list[int], stop_token_ids: tuple[int, ...], sampling):
+        """(token ids, logprobs) the engine samples after `prompt_ids` with the rollout's `sampling`: one side of
+        the preflight logprob check."""
         from astuner.model_tuner.pipeline_check import sample_check_answer
 
-        return sample_check_answer(self.engine, prompt_ids, stop_token_ids)
+        return sample_check_answer(self.engine, prompt_ids, stop_token_ids, sampling)
 
     # --- training --------------------------------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ Three ways in:
 Request arguments are honoured within the rollout's limits: `temperature` > 0 is used for training rollouts
 (validation stays greedy), `max_tokens` / `max_completion_tokens` up to `rollout.max_response_length_in_one_turn`
 and the episode's budget, `stop` cuts the response after the token that completes a stop string (OpenAI
-semantics: the stop text is not returned), `tool_choice: "none"` hides the tools. `n` must be 1. `top_p` < 1
-and `top_k` are not applied by the engines yet; they are ignored with a warning, so the recorded logprobs stay
-those of the distribution actually sampled. The clients do not retry (`max_retries=0`): a retried call would be
+semantics: the stop text is not returned), `tool_choice: "none"` hides the tools. `n` must be 1. Sampling filters
+are the run's (`rollout.top_p` / `rollout.top_k`, applied by the engine and by the trainer alike); a request's own
+`top_p` / `top_k` is ignored with a warning, since the trainer must score every call with the filter it was
+sampled with. The clients do not retry (`max_retries=0`): a retried call would be
 a second sampled call in the record.
 """
 
@@ -272,8 +273,8 @@ def _read_request(body: Any, entry: _Entry, gateway: Gateway):
     for name in ("top_p", "top_k"):
         value = body.get(name)
         if value is not None and not (name == "top_p" and value == 1):
-            gateway.warn_once(name, f"gateway: {name}={value} is ignored: the engine samples the full distribution "
-                                    "so that the recorded logprobs are those of what was sampled")
+            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
+                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         raise ValueError(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding); "

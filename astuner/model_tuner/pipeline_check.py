@@ -8,7 +8,8 @@ when the reasoning parser is `think`) goes through the model's chat template and
   extension     each turn's prompt extends the previous prompt + assistant turn (else multi-turn prompts cannot
                 reuse the exact ids of earlier turns and `merge` joins nothing);
   reasoning     the reasoning parser recovers the reasoning the template wrote (only with `think`);
-  logprobs      engine and trainer agree on the logprobs of a short sampled sequence (max |difference|).
+  logprobs      engine and trainer agree on the logprobs of a short sequence sampled with the rollout's own
+                temperature, top_p and top_k (max |difference|), so the check sees what training will see.
 One table is printed; with `strict` any failed check stops the run (exit 2) with what to change.
 """
 
@@ -134,9 +135,31 @@ def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_te
     if logprob_check is not None:
         diff, n = logprob_check()
         tol = getattr(logprob_check, "tolerance", LOGPROB_TOLERANCE)
+        sampling = getattr(logprob_check, "sampling", None)
+        how = f"; sampled with {sampling.describe()}" if sampling is not None else ""
         rows.append(CheckRow("logprobs", diff <= tol,
-                             f"engine vs trainer max |diff| {diff:.2e} over {n} tokens (tolerance {tol})"))
+                             f"engine vs trainer max |diff| {diff:.2e} over {n} tokens (tolerance {tol}{how})"))
     return rows
+
+
+def _advice(fatal: list[CheckRow]) -> str:
+    """What to change, for the checks that failed: a parser advice only when a parser check failed."""
+    names = {r.name for r in fatal}
+    parts = []
+    if names - {"logprobs"}:
+        parts.append(
+            "The chat template or the parsers do not match the model, so training would run on calls the agent "
+            "cannot use. Set astuner.rollout.tool_call_parser (hermes | qwen3_coder | llama3_json | mistral) and "
+            "astuner.rollout.reasoning_parser to the model's format.")
+    if "logprobs" in names:
+        parts.append(
+            "The engine and the trainer give different logprobs for the same tokens, so the policy-gradient ratio "
+            "would be wrong from the first step. They load the same weights from astuner.model.path; check that "
+            "the engine and the trainer use the same dtype (trainer_common.precision), and that the engine applies "
+            "the same temperature, top_p and top_k as the trainer (an 'inf' means a sampled token lies outside the "
+            "trainer's top_p/top_k filter).")
+    parts.append("Set astuner.rollout.preflight: warn to train anyway.")
+    return " ".join(parts)
 
 
 def format_table(rows: list[CheckRow], chat_format, seconds: float) -> str:
@@ -159,12 +182,7 @@ def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parse
     # The extension check only costs efficiency (prompts are re-rendered, never wrong), so it never stops a run.
     fatal = [r for r in failed if r.name != "extension"]
     if fatal and mode == "strict":
-        raise UserError(
-            f"{table}\nThe token pipeline is broken, so training would run on calls the agent cannot use. Set "
-            "astuner.rollout.tool_call_parser (hermes | qwen3_coder | llama3_json | mistral) and "
-            "astuner.rollout.reasoning_parser to the model's format, or astuner.rollout.preflight: warn to train "
-            "anyway."
-        )
+        raise UserError(f"{table}\n{_advice(fatal)}")
     if failed:
         log.warning("%s", table)
     else:
@@ -174,13 +192,27 @@ def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parse
     return rows
 
 
-def sample_check_answer(engine, prompt_ids: list[int], stop_token_ids, n_tokens: int = 16):
-    """(token ids, logprobs) of a short answer the engine samples after `prompt_ids`."""
+@dataclass(frozen=True)
+class CheckSampling:
+    """The rollout's sampling settings, which the logprob check samples and scores with."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def describe(self) -> str:
+        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k}"
+
+
+def sample_check_answer(engine, prompt_ids: list[int], stop_token_ids, sampling: CheckSampling = CheckSampling(),
+                        n_tokens: int = 16):
+    """(token ids, logprobs) of a short answer the engine samples after `prompt_ids` with the rollout's sampling."""
     import asyncio
 
     from astuner.types import SamplingParams
 
-    sampling = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
+    sampling = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                              max_tokens=n_tokens, stop_token_ids=tuple(stop_token_ids), seed=0)
     loop = asyncio.new_event_loop()
     try:
         result = loop.run_until_complete(engine.generate(prompt_ids, sampling, request_id="preflight"))
@@ -189,24 +221,26 @@ def sample_check_answer(engine, prompt_ids: list[int], stop_token_ids, n_tokens:
     return list(result.token_ids), list(result.logprobs)
 
 
-def logprob_check(renderer, sample, score, precision: str):
+def logprob_check(renderer, sample, score, precision: str, sampling: CheckSampling = CheckSampling()):
     """A callable for `check_pipeline`: `sample(prompt ids)` -> (answer ids, engine logprobs) and
-    `score(prompt ids, answer ids)` -> the trainer's logprobs; wherever engine and trainer live."""
+    `score(prompt ids, answer ids, temperature)` -> the trainer's logprobs; wherever engine and trainer live.
+    Both sides use the rollout's `sampling` (the trainer applies the same top_p/top_k filter)."""
 
     def check() -> tuple[float, int]:
         prompt = renderer.render([{"role": "user", "content": "Count from one to ten."}])
         ids, engine_logprobs = sample(prompt)
         if not ids:
             return 0.0, 0
-        mine = score(prompt, ids)
+        mine = score(prompt, ids, sampling.temperature)
         return max(abs(a - b) for a, b in zip(mine, engine_logprobs)), len(mine)
 
     check.tolerance = BF16_LOGPROB_TOLERANCE if precision == "bf16" else LOGPROB_TOLERANCE
+    check.sampling = sampling
     return check
 
 
-def engine_trainer_logprob_check(engine, trainer, renderer, stop_token_ids):
+def engine_trainer_logprob_check(engine, trainer, renderer, stop_token_ids, sampling: CheckSampling = CheckSampling()):
     """`logprob_check` for an engine and a trainer in this process."""
-    return logprob_check(renderer, lambda prompt: sample_check_answer(engine, prompt, stop_token_ids),
-                         lambda prompt, ids: trainer.compute_logprobs(prompt, ids, 1.0),
-                         getattr(trainer, "precision", "fp32"))
+    return logprob_check(renderer, lambda prompt: sample_check_answer(engine, prompt, stop_token_ids, sampling),
+                         lambda prompt, ids, temperature: trainer.compute_logprobs(prompt, ids, temperature),
+                         getattr(trainer, "precision", "fp32"), sampling)

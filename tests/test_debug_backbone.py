@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from astuner.cli import main
+from tolerances import LOGPROB_ATOL
 
 WORKFLOW = '''
 from astuner import Workflow, WorkflowOutput
@@ -120,7 +121,7 @@ def test_engine_logprobs_equal_trainer_logprobs_after_sync(tmp_path, tiny_model_
     prompt = samples[0].prompt_ids
     res = rt.engine.generate_batch([prompt], SamplingParams(temperature=0.8, max_tokens=12))[0]
     trainer_lp = rt.trainer.compute_logprobs(prompt, res.token_ids, 0.8)
-    assert max(abs(a - b) for a, b in zip(res.logprobs, trainer_lp)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(res.logprobs, trainer_lp)) < LOGPROB_ATOL
     rt.engine.shutdown()
 
 

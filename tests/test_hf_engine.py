@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from astuner.engine.hf_engine import HFEngine, _Request
 from astuner.types import SamplingParams
+from tolerances import LOGPROB_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_logprobs_match_full_forward_with_left_padding(engine, tiny_model_dir):
     for prompt, res in zip(prompts, results):
         assert len(res.token_ids) == len(res.logprobs) == 12 and res.finish_reason == "length"
         expected = full_forward_logprobs(model, prompt, res.token_ids, 0.7)
-        assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4)
+        assert torch.allclose(torch.tensor(res.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_greedy_is_argmax_and_deterministic(engine):
@@ -76,7 +77,7 @@ def test_load_weights_changes_the_policy(engine, tiny_model_dir):
     after = engine.generate_batch([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert after.logprobs != before.logprobs
     expected = full_forward_logprobs(model.eval(), [3, 4, 5], after.token_ids, 0.0)
-    assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(after.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
     with pytest.raises(KeyError):
         engine.load_weights([("no.such.weight", torch.zeros(1))])
     engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())  # restore
@@ -96,7 +97,7 @@ def test_sampling_frequencies_match_the_tempered_softmax(engine):
     assert torch.allclose(counts[top], probs[top].double(), atol=0.015), (counts[top], probs[top])
     # The recorded logprob is that of the tempered distribution the token was drawn from.
     token = results[0].token_ids[0]
-    assert results[0].logprobs[0] == pytest.approx(torch.log(probs[token]).item(), abs=1e-4)
+    assert results[0].logprobs[0] == pytest.approx(torch.log(probs[token]).item(), abs=LOGPROB_ATOL)
 
 
 def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(engine):

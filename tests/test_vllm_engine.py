@@ -10,6 +10,7 @@ import os
 import pytest
 
 from astuner.types import Sample, SamplingParams
+from tolerances import LOGPROB_ATOL
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def test_generation_returns_tokens_and_the_sampling_logprobs(engine, trainer):
     results = engine.generate_batch([PROMPT, PROMPT[:5]], sampling)
     for prompt, res in zip([PROMPT, PROMPT[:5]], results):
         assert len(res.token_ids) == len(res.logprobs) == 12 and res.finish_reason == "length"
-        assert _mean_abs(res.logprobs, t.compute_logprobs(prompt, res.token_ids, 0.7)) < 1e-3
+        assert _mean_abs(res.logprobs, t.compute_logprobs(prompt, res.token_ids, 0.7)) < LOGPROB_ATOL
     # A stop id ends the answer, is returned as its last token, and the reason says stop; the model's own
     # eos does not stop it (stopping is the renderer's stop ids, as in the HF engine).
     greedy = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0]
@@ -71,7 +72,7 @@ def test_top_k_top_p_logprobs_are_the_filtered_distribution(engine, trainer):
     sampling = SamplingParams(temperature=0.9, max_tokens=16, top_k=20, top_p=0.5)
     res = engine.generate_batch([PROMPT], sampling)[0]
     want = filtered.compute_logprobs(PROMPT, res.token_ids, 0.9)
-    assert _mean_abs(res.logprobs, want) < 1e-3
+    assert _mean_abs(res.logprobs, want) < LOGPROB_ATOL
     unfiltered = plain.compute_logprobs(PROMPT, res.token_ids, 0.9)
     # Renormalised over the kept tokens: every sampled token is more likely than under the full distribution.
     assert all(f > u + 1e-6 for f, u in zip(want, unfiltered))
@@ -89,12 +90,12 @@ def test_sync_after_a_train_step_makes_engine_equal_trainer(engine, trainer):
     engine.load_weights(t.named_parameters_for_sync())
     after = engine.sequence_logprobs(sequence, len(PROMPT))
     trainer_after = t.compute_logprobs(PROMPT, res.token_ids, 1.0)
-    assert _mean_abs(after, trainer_after) < 1e-3
+    assert _mean_abs(after, trainer_after) < LOGPROB_ATOL
     assert _mean_abs(after, before) > 1e-2  # the update reached the engine
     assert engine.last_sync["total_s"] > 0
     # The prefix cache was reset: a cached prompt does not answer from the old weights' KV blocks.
     again = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))[0]
-    assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < 1e-3
+    assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < LOGPROB_ATOL
 
 
 def test_lora_sync_gives_the_same_equality(engine, trainer):
@@ -107,7 +108,7 @@ def test_lora_sync_gives_the_same_equality(engine, trainer):
     engine.load_weights(t.named_parameters_for_sync())  # merged: W + (alpha/r) B A
     sequence = PROMPT + res.token_ids
     after = engine.sequence_logprobs(sequence, len(PROMPT))
-    assert _mean_abs(after, t.compute_logprobs(PROMPT, res.token_ids, 1.0)) < 1e-3
+    assert _mean_abs(after, t.compute_logprobs(PROMPT, res.token_ids, 1.0)) < LOGPROB_ATOL
     assert _mean_abs(after, res.logprobs) > 1e-2  # the adapters moved the policy
 
 
@@ -143,5 +144,5 @@ def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling):
     train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for row in train:
-        assert row["rollout/logprob_abs_diff_mean"] < 1e-3  # fp32 engine and trainer agree
+        assert row["rollout/logprob_abs_diff_mean"] < LOGPROB_ATOL  # fp32 engine and trainer agree
         assert "rollout/kl_engine_trainer_k3" in row and row["time/sync_s"] > 0

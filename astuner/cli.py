@@ -51,8 +51,8 @@ def launch(
     ] = None,
     backbone: Annotated[str, typer.Option(help="Where training runs: debug | verl | trinity.")] = "debug",
     with_ray: Annotated[
-        bool, typer.Option("--with-ray", help="verl / trinity: join the Ray cluster at RAY_ADDRESS or a running "
-                           "local one (ray start --head), else start one for this run (they always run on Ray).")
+        bool, typer.Option("--with-ray", help="verl / trinity: start a local Ray cluster for this run when none "
+                           "answers (without it they only join RAY_ADDRESS or a running local cluster).")
     ] = False,
     with_logview: Annotated[
         bool, typer.Option("--with-logview", help="Serve the trajectory and metrics viewer on 127.0.0.1 beside "
@@ -111,7 +111,7 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
         print(f"astuner: log viewer at {viewer.start()} (this run's trajectories appear as its steps finish)",
               file=sys.stderr)
     try:
-        run_backbone(backbone, loaded, checkpoint=start.checkpoint)
+        run_backbone(backbone, loaded, checkpoint=start.checkpoint, with_ray=with_ray)
     finally:
         if viewer is not None:
             viewer.stop()

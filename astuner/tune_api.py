@@ -8,7 +8,11 @@
 
 The config objects become a YAML (written as `<project_name>.yaml` in the run folder), which goes through the
 same compose, validation, start-up checks and backbone as `astuner --conf`: no second loop. The functions are
-named in it as "module->function" (`__main__->run_agent` for a script), exactly as a YAML may name them.
+named in it as "module->function" (`__main__->run_agent` for a script), exactly as a YAML may name them. With a
+Ray backbone (verl, trinity) the workers are other processes, where a script's `__main__` is not the user's
+script: functions defined in the script are then shipped by value (pickled with Ray's cloudpickle, as Ray ships
+a `__main__` function to its workers) into `<project_name>.functions.pkl` beside the YAML, which names them as
+`<that file>->run_agent`. On a multi-node cluster that folder must be on storage every node reads.
 Outputs go where the CLI puts them: `launcher_record/<project_name>/` under the working directory (or
 `experiment_dir`): config.yaml, astuner.log, metrics.jsonl, tensorboard/, trajectories/, global_step_N/.
 """
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from astuner.config.applicability import RAY_BACKBONES
 from astuner.errors import UserError
 
 ALGORITHMS = ("multi_step_grpo", "grpo")
@@ -181,12 +186,22 @@ def function_spec(fn: Callable, what: str) -> str:
     return f"{fn.__module__}->{fn.__qualname__}"
 
 
+def ship_functions(functions: dict[str, Callable], path: Path) -> Path:
+    """Pickle `functions` by value (their code, and what of `__main__` they use) for Ray workers to load."""
+    from ray import cloudpickle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cloudpickle.dumps(functions))
+    return path.resolve()
+
+
 def tune(*, workflow_func: Callable, judge_func: Callable | None = None, model: TunerModelConfig | None = None,
          train_dataset: DatasetConfig | None = None, eval_dataset: DatasetConfig | None = None,
          algorithm: AlgorithmConfig | None = None, config_path: str | None = None, project_name: str | None = None,
          experiment_dir: str | None = None, overrides: list[str] | None = None, backbone: str = "debug",
-         auxiliary_models: dict[str, AuxiliaryModelConfig | dict] | None = None) -> int:
+         auxiliary_models: dict[str, AuxiliaryModelConfig | dict] | None = None, with_ray: bool = False) -> int:
     """Train `workflow_func` (judged by `judge_func`) and return the exit code astuner would (0 = trained).
+    `with_ray` is the CLI's --with-ray: with backbone verl or trinity, start a local Ray cluster if none answers.
 
     Bad input raises `UserError` with the same one-paragraph message the CLI prints."""
     import yaml
@@ -195,6 +210,19 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None, model: 
 
     workflow_spec = function_spec(workflow_func, "workflow_func")
     judge_spec = None if judge_func is None else function_spec(judge_func, "judge_func")
+    project_name = project_name or getattr(workflow_func, "__name__", "tune")
+    folder = Path(experiment_dir) if experiment_dir else Path.cwd() / "launcher_record" / project_name
+    # The YAML sits beside the run's other files; the launcher's resume logic decides the final folder.
+    spec_dir = folder.parent / ".tune"
+    if backbone in RAY_BACKBONES:
+        shipped = {fn.__qualname__: fn for fn in (workflow_func, judge_func) if fn is not None
+                   and fn.__module__ == "__main__"}
+        if shipped:
+            target = ship_functions(shipped, spec_dir / f"{project_name}.functions.pkl")
+            workflow_spec = f"{target}->{workflow_func.__qualname__}" if workflow_func.__qualname__ in shipped \
+                else workflow_spec
+            if judge_func is not None and judge_func.__module__ == "__main__":
+                judge_spec = f"{target}->{judge_func.__qualname__}"
     extra = [f"astuner.rollout.agentscope_workflow='{workflow_spec}'"]
     if judge_spec is not None:
         extra.append(f"astuner.task_judge.judge_protocol='{judge_spec}'")
@@ -202,21 +230,17 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None, model: 
         for name, m in (auxiliary_models or {}).items():
             fields = asdict(m) if isinstance(m, AuxiliaryModelConfig) else dict(m)
             extra += [f"+astuner.auxiliary_models.{name}.{k}={v}" for k, v in fields.items() if v is not None]
-        run(str(config_path), backbone, extra + list(overrides or []))
+        run(str(config_path), backbone, extra + list(overrides or []), with_ray=with_ray)
         return 0
-    project_name = project_name or getattr(workflow_func, "__name__", "tune")
     tree = build_yaml(workflow_spec=workflow_spec, judge_spec=judge_spec, model=model, train_dataset=train_dataset,
                       eval_dataset=eval_dataset, algorithm=algorithm, project_name=project_name,
                       experiment_dir=experiment_dir, auxiliary_models=auxiliary_models)
-    folder = Path(experiment_dir) if experiment_dir else Path.cwd() / "launcher_record" / project_name
-    # The YAML sits beside the run's other files; the launcher's resume logic decides the final folder.
-    spec_dir = folder.parent / ".tune"
     spec_dir.mkdir(parents=True, exist_ok=True)
     path = spec_dir / f"{project_name}.yaml"
     if experiment_dir is None:
         tree["astuner"]["experiment_dir"] = str(folder)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    run(str(path), backbone, list(overrides or []))
+    run(str(path), backbone, list(overrides or []), with_ray=with_ray)
     return 0
 
 

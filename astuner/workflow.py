@@ -94,12 +94,15 @@ def load_class(spec: str, search_dirs: list[Path] | None = None) -> type:
     """Resolve "pkg.module->Class" or "path/to/file.py->Class".
 
     Module names are imported with `search_dirs` (e.g. the YAML's folder) tried first on sys.path;
-    file paths are tried relative to each of `search_dirs`, then the working directory.
+    file paths are tried relative to each of `search_dirs`, then the working directory. A `.pkl` file holds
+    functions that `tune()` shipped by value from a script (a dict of name -> function).
     """
     if not isinstance(spec, str) or "->" not in spec:
         raise ClassSpecError(f"expected 'pkg.module->Class' or 'path/file.py->Class', got {spec!r}")
     target, class_name = (part.strip() for part in spec.rsplit("->", 1))
     dirs = [Path(d).resolve() for d in (search_dirs or [])] + [Path.cwd()]
+    if target.endswith(".pkl"):
+        return _load_shipped(target, class_name, dirs, spec)
     if target.endswith(".py") or "/" in target:
         module = _load_file(target, dirs, spec)
     else:
@@ -108,6 +111,20 @@ def load_class(spec: str, search_dirs: list[Path] | None = None) -> type:
         return getattr(module, class_name)
     except AttributeError:
         raise ClassSpecError(f"{spec!r}: module {module.__name__!r} has no attribute {class_name!r}") from None
+
+
+def _load_shipped(target: str, name: str, dirs: list[Path], spec: str):
+    import pickle
+
+    candidates = [Path(target)] if Path(target).is_absolute() else [d / target for d in dirs]
+    for path in candidates:
+        if path.is_file():
+            shipped = pickle.loads(path.read_bytes())  # the user's own functions, written by tune()
+            if name not in shipped:
+                raise ClassSpecError(f"{spec!r}: {path} holds {', '.join(sorted(shipped))}, not {name!r}")
+            return shipped[name]
+    raise ClassSpecError(f"{spec!r}: file {target!r} not found (looked in {', '.join(str(d) for d in dirs)}); "
+                         "on a multi-node cluster the run folder must be on storage every node reads")
 
 
 def _load_file(target: str, dirs: list[Path], spec: str):

@@ -111,7 +111,7 @@ def fake_backbone(monkeypatch):
     module.calls = []
     module.behaviour = None
 
-    def run_backbone(name, loaded, checkpoint=None):
+    def run_backbone(name, loaded, checkpoint=None, with_ray=False):
         module.calls.append((name, loaded))
         if module.behaviour is not None:
             raise module.behaviour

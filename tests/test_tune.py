@@ -271,3 +271,59 @@ def test_bad_auxiliary_entries_exit_2_before_loading(tmp_path, capsys):
     assert "auxiliary_models.j.base_ur" in capsys.readouterr().err
     assert main(["--conf", conf, f"astuner.experiment_dir={tmp_path}", "+astuner.auxiliary_models.j.max_tokens=0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+SCRIPT = '''
+import sys
+from astuner import AlgorithmConfig, DatasetConfig, JudgeOutput, TunerModelConfig, WorkflowOutput, tune
+
+
+def words(text):  # a helper in the script's __main__: shipped with the judge that uses it
+    return len((text or "").split())
+
+
+async def run_agent(task, model, auxiliary_models):
+    reply = await model.chat([{"role": "user", "content": task["question"]}])
+    return WorkflowOutput(response=reply["content"])
+
+
+async def judge(task, response, auxiliary_models):
+    return JudgeOutput(reward=min(words(response) / 8, 1.0))
+
+
+if __name__ == "__main__":
+    model_path, data, out, with_ray = sys.argv[1:5]
+    tune(workflow_func=run_agent, judge_func=judge, backbone="verl", with_ray=with_ray == "1",
+         model=TunerModelConfig(model_path=model_path, max_model_len=256, max_tokens=8, engine="hf"),
+         train_dataset=DatasetConfig(path=data, task_id_field="id"),
+         algorithm=AlgorithmConfig(group_size=2, batch_size=2, learning_rate=1e-5, total_steps=1,
+                                   extra={"trainer_common.cpus_per_worker": 0.5}),
+         experiment_dir=out)
+'''
+
+
+def test_tune_from_a_script_on_the_verl_backbone_ships_its_functions(tmp_path, tiny_model_dir):
+    """A script's functions live in its __main__, which a Ray worker does not have: tune() ships them by value."""
+    import os
+    import subprocess
+
+    script = tmp_path / "train_agent.py"
+    script.write_text(SCRIPT)
+    data = REPO / "tutorial" / "quickstart" / "data" / "train.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO)
+
+    def launch(out, with_ray):
+        return subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(data), str(out), with_ray],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    # Without --with-ray (with_ray=True) and no cluster running, nothing is started: the error says what to do.
+    refused = launch(tmp_path / "refused", "0")
+    assert refused.returncode != 0 and "no Ray cluster to join" in refused.stderr and "with_ray=True" in refused.stderr
+    done = launch(tmp_path / "run", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["astuner"]
+    assert saved["rollout"]["agentscope_workflow"].endswith("run_agent.functions.pkl->run_agent")
+    assert saved["task_judge"]["judge_protocol"].endswith("run_agent.functions.pkl->judge")
+    (row,) = _metrics(tmp_path / "run")
+    assert row["train/failure_rate"] == 0.0 and row["train/reward_mean"] > 0  # the shipped judge (and helper) ran

@@ -13,8 +13,10 @@ BACKBONES = {
 }
 
 
-def run_backbone(name: str, loaded, checkpoint=None) -> None:
+def run_backbone(name: str, loaded, checkpoint=None, with_ray: bool = False) -> None:
+    """Run backbone `name`; `with_ray` (verl, trinity): start a local Ray cluster when none is reachable."""
     if name not in BACKBONES:
         raise UserError(f"unknown backbone {name!r}; choose one of: {', '.join(sorted(BACKBONES))}")
     module_name, func = BACKBONES[name].split(":")
-    getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint)
+    extra = {} if name == "debug" else {"start_ray": with_ray}
+    getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint, **extra)

@@ -31,9 +31,10 @@ def _unreachable(address: str, why: str = "") -> UserError:
         "node (it prints the address to use), or unset RAY_ADDRESS to run on a local cluster started for this run.")
 
 
-def connect() -> bool:
-    """Join the cluster at RAY_ADDRESS or a running local one (`ray start --head`); start a private local cluster
-    when none is reachable. Returns True when this process started it (it stops with `ray.shutdown()`)."""
+def connect(start_local: bool = True) -> bool:
+    """Join the cluster at RAY_ADDRESS or a running local one (`ray start --head`); when none is reachable, start a
+    private local cluster if `start_local` (the CLI's --with-ray), else stop with what to do. Returns True when this
+    process started it (it stops with `ray.shutdown()`)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 writes an auth token otherwise
     import ray
 
@@ -50,6 +51,11 @@ def connect() -> bool:
     except ConnectionError as exc:
         if address:
             raise _unreachable(address, f" as a Ray cluster ({exc})") from None
+    if not start_local:
+        raise UserError(
+            "no Ray cluster to join: RAY_ADDRESS is unset and no local cluster runs. Add --with-ray (tune(): "
+            "with_ray=True) to start a local cluster for this run, or start one with `ray start --head` (and "
+            "`ray start --address=<head>:6379` on each other node).")
     ray.init(**quiet)
     log.info("started a local Ray cluster for this run (%s CPUs, %s GPUs); it stops when the run ends",
              ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))

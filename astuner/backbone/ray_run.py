@@ -238,9 +238,10 @@ class RayStages:
             remove_placement_group(self.group)
 
 
-def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None) -> RunSummary:
+def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None,
+               start_ray: bool = False) -> RunSummary:
     """The driver of a Ray backbone: `make_stages(loaded, prep)` places the actors; `note` is announced
-    once logging is set up."""
+    once logging is set up; `start_ray`: start a local cluster when none is reachable (--with-ray)."""
     import ray
 
     from astuner import runtime
@@ -258,7 +259,7 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
     settings = LoopSettings.from_config(typed)
     runtime.seed_everything(typed.astuner.seed)
     prep = runtime.prepare(loaded, backbone, total_steps_of=lambda n: count_steps(n, settings))
-    started_cluster = ray_cluster.connect()
+    started_cluster = ray_cluster.connect(start_local=start_ray)
     stages = monitor = None
     try:
         stages = make_stages(loaded, prep)

@@ -224,6 +224,6 @@ def trinity_config(loaded) -> tuple[object, str | None]:
     return dataclasses.replace(loaded, typed=typed), note
 
 
-def run(loaded, checkpoint=None):
+def run(loaded, checkpoint=None, start_ray: bool = False):
     loaded, note = trinity_config(loaded)
-    return run_on_ray(loaded, checkpoint, "trinity", TrinityStages, note=note)
+    return run_on_ray(loaded, checkpoint, "trinity", TrinityStages, note=note, start_ray=start_ray)

@@ -56,5 +56,5 @@ class VerlStages(RayStages):
                  "load the checkpoint's weights into its engine", trainer_ok=False)
 
 
-def run(loaded, checkpoint=None):
-    return run_on_ray(loaded, checkpoint, "verl", VerlStages)
+def run(loaded, checkpoint=None, start_ray: bool = False):
+    return run_on_ray(loaded, checkpoint, "verl", VerlStages, start_ray=start_ray)

@@ -54,7 +54,7 @@ def main() -> None:
         out = work / name
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "astuner.cli", "--conf", str(QUICKSTART), "--backbone", backbone,
-               f"astuner.experiment_dir={out}", *common, *extra]
+               *(["--with-ray"] if backbone != "debug" else []), f"astuner.experiment_dir={out}", *common, *extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         wall = time.perf_counter() - start

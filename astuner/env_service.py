@@ -7,28 +7,55 @@ The protocol (JSON bodies; every request names the environment type):
   POST   {env_url}/instances/{id}/step             {"action": <assistant message, OpenAI shape>}
                                                    -> {"messages": [...], "done": bool, "reward": float | null}
   POST   {env_url}/instances/{id}/evaluate         {} -> {"reward": float, "success": bool, "metrics": {...}}
-  DELETE {env_url}/instances/{id}                  -> {}
+  DELETE {env_url}/instances/{id}                  -> {} (also for an instance already gone)
 `messages` are OpenAI-shaped chat messages (the initial observation, then what each step adds: tool results,
 user turns); `tools` are OpenAI tool schemas. Extra task fields become the task's metadata. A service should
 expire instances nobody released (an episode that crashed cannot release its own).
 
-Every request has a deadline (`request_timeout`); a connection error, a timeout or a 5xx is retried `retries`
-times with exponential backoff (0.5 s, 1 s, 2 s, ...); a 4xx is not retried and raises `EnvServiceError` with the
-service's message. A service that cannot be reached raises `EnvServiceError` saying so and what to check.
-`tutorial/env_service/` holds a small service and a workflow that plays it.
+Idempotency keys. A POST changes the environment (create, step), so sending one twice can apply it twice: a step
+the service applied but answered after the client's deadline would be applied again by a retry, and the reward
+would no longer match the recorded trajectory. So every POST carries a header `Idempotency-Key: <uuid>`, one per
+logical request and the same on each of its retries. A service honours the key by answering a request whose
+method, path and key it has seen with the answer it gave the first time (waiting for it if the first is still
+running) instead of applying it again, and by saying so on every response with the header
+`Idempotency-Key-Honoured: true`. A key reused with a different body is answered 422. The service keeps the
+answers for at least a few minutes (retries come within `retries * (request_timeout + backoff)` seconds).
+
+Retries. Every request has a deadline (`request_timeout`). A request that provably never reached the service (the
+connection could not be opened: refused, DNS, connect or pool timeout) is retried `retries` times with
+exponential backoff (0.5 s, 1 s, 2 s, ...), whatever its method. A timeout, a broken connection or a 5xx after
+the request was sent is retried likewise for GET and DELETE (idempotent in this protocol) and for a POST only to
+a service that has said it honours idempotency keys (any earlier response of that `env_url`, in this process,
+carried the header). Otherwise the POST is not retried and raises `EnvServiceError` saying that the service may
+have applied it: the episode fails (and is not trained on) rather than training on a trajectory the environment
+did not see. A 4xx is never retried and raises `EnvServiceError` with the service's message. A service that
+cannot be reached raises `EnvServiceError` saying so and what to check.
+`tutorial/env_service/` holds a small service, which honours idempotency keys, and a workflow that plays it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 RETRYABLE_STATUS = (500, 502, 503, 504)
+KEY_HEADER = "Idempotency-Key"
+HONOURED_HEADER = "Idempotency-Key-Honoured"
+# Services (by env_url) seen to honour idempotency keys in this process: their POSTs are safe to retry.
+_HONOURS_KEYS: set[str] = set()
 
 
 class EnvServiceError(RuntimeError):
     pass
+
+
+def _never_sent(exc: Exception) -> bool:
+    """The connection could not be opened, so the service cannot have seen the request."""
+    import httpx
+
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
 
 
 class EnvServiceClient:
@@ -88,42 +115,61 @@ class EnvServiceClient:
             "running and that astuner.task_reader.env_service.env_url points at it."
         )
 
+    @property
+    def honours_keys(self) -> bool:
+        return self.env_url in _HONOURS_KEYS
+
+    def _headers(self, method: str) -> dict[str, str]:
+        return {KEY_HEADER: uuid.uuid4().hex} if method == "POST" else {}
+
+    def _failed(self, method: str, path: str, exc: Exception | None, response) -> str | None:
+        """None when the attempt got an answer to hand on (2xx or 4xx); else why it failed. Raises when a retry
+        could apply a POST twice (rules in the module docstring)."""
+        if response is not None and response.headers.get(HONOURED_HEADER, "").lower() == "true":
+            _HONOURS_KEYS.add(self.env_url)
+        if exc is None and response.status_code not in RETRYABLE_STATUS:
+            return None
+        last = f"HTTP {response.status_code}" if exc is None else f"{type(exc).__name__}: {exc}"
+        if method == "POST" and not (exc is not None and _never_sent(exc)) and not self.honours_keys:
+            raise EnvServiceError(
+                f"{self._describe(method, path)} failed after it was sent ({last}); not retried, because the "
+                "service may have applied it and it does not say it honours Idempotency-Key (response header "
+                f"{HONOURED_HEADER}: true), so a retry could apply it twice. See astuner/env_service.py."
+            )
+        return last
+
     def _request_sync(self, method: str, path: str, **kwargs: Any) -> dict:
         import httpx
 
-        last = ""
+        last, headers = "", self._headers(method)
         with httpx.Client(timeout=self.request_timeout) as http:
             for attempt in range(self.retries + 1):
                 if attempt:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
-                    response = http.request(method, self.env_url + path, **kwargs)
-                except httpx.HTTPError as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                    continue
-                if response.status_code in RETRYABLE_STATUS:
-                    last = f"HTTP {response.status_code}"
-                    continue
-                return self._check(response, method, path)
+                    response, exc = http.request(method, self.env_url + path, headers=headers, **kwargs), None
+                except httpx.HTTPError as error:
+                    response, exc = None, error
+                last = self._failed(method, path, exc, response)
+                if last is None:
+                    return self._check(response, method, path)
         raise self._give_up(method, path, last)
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> dict:
         import httpx
 
-        last = ""
+        last, headers = "", self._headers(method)
         async with httpx.AsyncClient(timeout=self.request_timeout) as http:
             for attempt in range(self.retries + 1):
                 if attempt:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
-                    response = await http.request(method, self.env_url + path, **kwargs)
-                except httpx.HTTPError as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                    continue
-                if response.status_code in RETRYABLE_STATUS:
-                    last = f"HTTP {response.status_code}"
-                    continue
-                return self._check(response, method, path)
+                    response, exc = await http.request(method, self.env_url + path, headers=headers, **kwargs), None
+                except httpx.HTTPError as error:
+                    response, exc = None, error
+                last = self._failed(method, path, exc, response)
+                if last is None:
+                    return self._check(response, method, path)
         raise self._give_up(method, path, last)
 
 

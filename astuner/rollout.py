@@ -14,6 +14,15 @@ the workflow task is cancelled, and the episode is flagged timeout whatever the 
 still does not finish within `CANCEL_GRACE_S` is abandoned. Likewise an overflow the ModelTuner recorded flags the
 episode even when the workflow caught the exception.
 
+Judging has its own deadline, `task_judge.timeout` seconds from when the episode's judging starts (after the
+workflow returned), shared by every judge that scores the episode: the terms of `task_judge.combine` run in turn
+inside it, each with what the earlier ones left. Episodes are judged concurrently, as they finished, so judging
+adds at most `task_judge.timeout` to a step beyond its last workflow. Past the deadline an async judge is
+cancelled, and a sync judge's worker thread (which cannot be killed) is abandoned, still running, and never
+waited for, not even at shutdown (`base_judge.in_daemon_thread`). The episode is flagged `judge_timeout` (and
+`failed`, so it is left out of training and counted in failure_rate like an episode whose judge raised), and the
+run goes on.
+
 Sampling seeds are derived from (astuner.seed, step, episode uid), so an episode samples the same tokens whatever
 else runs beside it, and a resumed run repeats the run it continues.
 """
@@ -36,7 +45,7 @@ from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
 from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
-from astuner.task_judge.base_judge import BaseJudge
+from astuner.task_judge.base_judge import BaseJudge, call_judge
 from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
@@ -44,6 +53,12 @@ log = logging.getLogger(__name__)
 
 # Seconds a cancelled workflow gets to unwind after its deadline before the rollout stops waiting for it.
 CANCEL_GRACE_S = 5.0
+# The judge did not answer within task_judge.timeout (the episode also carries FLAG_FAILED: not trained on).
+FLAG_JUDGE_TIMEOUT = "judge_timeout"
+
+
+class JudgeTimeout(Exception):
+    """The episode's judges did not answer within task_judge.timeout."""
 
 
 @dataclass
@@ -61,6 +76,7 @@ class RolloutSettings:
     seed: int = 0
     top_p: float = 1.0
     top_k: int = 0
+    judge_timeout: float = 300.0
 
     @classmethod
     def from_config(cls, typed, max_model_len: int) -> "RolloutSettings":
@@ -85,6 +101,7 @@ class RolloutSettings:
             seed=typed.astuner.seed,
             top_p=r.top_p,
             top_k=r.top_k,
+            judge_timeout=typed.astuner.task_judge.timeout,
         )
 
 
@@ -244,6 +261,10 @@ class RolloutRunner:
                                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
             except UserError:
                 raise
+            except JudgeTimeout as exc:
+                episode.flags += [FLAG_FAILED, FLAG_JUDGE_TIMEOUT]
+                episode.error = str(exc)
+                self._log_error(episode, "was not judged in time")
             except Exception:
                 episode.flags.append(FLAG_FAILED)
                 episode.error = traceback.format_exc()
@@ -273,12 +294,7 @@ class RolloutRunner:
 
     async def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
         if output.reward is None:
-            if inspect.iscoroutinefunction(self.judge.compute_reward):
-                result = await self.judge.compute_reward(workflow_task, output)
-            else:
-                # A worker thread: a slow judge (a verifier, a sandbox, a remote model) must not stall the
-                # episodes still running on this event loop.
-                result = await asyncio.to_thread(self.judge.compute_reward, workflow_task, output)
+            result = await self._judge(workflow_task, output)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (int, float))
                     and not isinstance(result[0], bool)):
                 raise UserError(
@@ -291,6 +307,22 @@ class RolloutRunner:
             success = output.is_success if output.is_success is not None else reward > 0
         episode.reward = float(reward)
         episode.is_success = bool(success)
+
+    async def _judge(self, workflow_task: WorkflowTask, output: WorkflowOutput):
+        """The judge's answer within the judge deadline (module docstring), else JudgeTimeout. A sync judge runs
+        in a daemon thread: a slow one (a verifier, a sandbox, a remote model) must not stall the episodes still
+        running on this event loop, and a hung one is left behind."""
+        timeout = self.settings.judge_timeout
+        job = asyncio.ensure_future(call_judge(self.judge.compute_reward, workflow_task, output))
+        done, _ = await asyncio.wait({job}, timeout=timeout)
+        if not done:
+            job.cancel()  # not awaited: a judge that ignores cancellation is cancelled again at loop close
+            sync = not inspect.iscoroutinefunction(self.judge.compute_reward)
+            raise JudgeTimeout(
+                f"judge {type(self.judge).__qualname__} did not answer within {timeout:g}s "
+                "(astuner.task_judge.timeout); " + ("its worker thread is abandoned, still running" if sync
+                                                    else "it was cancelled"))
+        return job.result()
 
     def _apply_madness(self, episode: Episode) -> None:
         fired = sorted({f for call in episode.calls for f in call.flags if f in self.settings.madness_checks})

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+
+import pytest
 
 from agentscope.agent import ReActAgent
 from agentscope.formatter import DashScopeChatFormatter
@@ -92,12 +95,13 @@ class NeverJudge(BaseJudge):
         raise AssertionError("a cut-off episode must not be judged")
 
 
-def make_runner(tokenizer, workflow, engine, timeout):
+def make_runner(tokenizer, workflow, engine, timeout, judge_timeout=300.0):
     settings = RolloutSettings(
         num_repeat=1, max_env_worker=4, temperature=1.0, episode_timeout=timeout, agent_madness_reward=0.0,
         madness_checks=(), tool_prompt="auto", tool_call_parser="hermes",
         limits=TunerLimits(max_model_len=2048, max_tokens_per_turn=64, max_response_tokens=4096,
                            max_prompt_length=1000),
+        judge_timeout=judge_timeout,
     )
     return RolloutRunner(settings, engine, tokenizer, workflow, NeverJudge(None), (tokenizer.eos_token_id,))
 
@@ -157,3 +161,71 @@ def test_judges_run_off_the_event_loop_or_as_coroutines(demo_tokenizer):
     episodes = runner.run([Task(f"t{i}", "q") for i in range(4)])
     assert [e.reward for e in episodes] == [1.0] * 4
     assert time.monotonic() - started < 1.0  # 4 x 0.3 s judged concurrently, not one after another
+
+
+RELEASE = threading.Event()  # set at the end of a test, so that the hung judge threads of the tests end
+
+
+class HungSyncJudge(BaseJudge):
+    """Never answers for task "hang" (blocks its thread until the test ends); 1.0 for the others."""
+
+    def compute_reward(self, workflow_task, workflow_output):
+        if workflow_task.task.task_id == "hang":
+            RELEASE.wait()
+        return 1.0, True
+
+
+class HungAsyncJudge(BaseJudge):
+    async def compute_reward(self, workflow_task, workflow_output):
+        if workflow_task.task.task_id == "hang":
+            await asyncio.Event().wait()
+        return 1.0, True
+
+
+class OneCallWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        await model_tuner.chat([{"role": "user", "content": workflow_task.task.main_query}])
+        return WorkflowOutput(reward=None, metadata={"final_answer": "x"})
+
+
+@pytest.mark.parametrize("judge", [HungSyncJudge, HungAsyncJudge])
+def test_a_hung_judge_flags_its_episode_and_the_others_still_train(demo_tokenizer, judge):
+    from astuner.algorithm.samples import episodes_to_samples
+
+    RELEASE.clear()
+    engine = SlowScriptedEngine(demo_tokenizer, fast_calls=100)
+    runner = make_runner(demo_tokenizer, OneCallWorkflow, engine, 10.0, judge_timeout=0.5)
+    runner.judge = judge(None)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(runner.run([Task("hang", "q"), Task("a", "q"),
+                                                                          Task("b", "q")])), daemon=True)
+    thread.start()
+    thread.join(timeout=0.5 + 1.5)  # run() also closed its loop without waiting for the hung judge
+    RELEASE.set()
+    assert result, "the rollout waited for the hung judge"
+    hung, *others = result[0]
+    assert hung.flags == ["failed", "judge_timeout"] and not hung.trainable and hung.reward == 0.0
+    assert "did not answer within 0.5s (astuner.task_judge.timeout)" in hung.error
+    assert all(e.flags == [] and e.trainable and e.reward == 1.0 for e in others)
+    samples = episodes_to_samples([hung, *others], adv_estimator="grpo", norm_by_std=False, epsilon=0.0,
+                                  max_sample_per_task=4)
+    assert {s.episode_uid for s in samples} == {e.episode_uid for e in others}
+
+
+class SlowTerm(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        time.sleep(0.4)
+        return 1.0, True
+
+
+def test_the_judges_of_an_episode_share_one_deadline(demo_tokenizer):
+    from astuner.task_judge.shaping import CombinedJudge
+
+    engine = SlowScriptedEngine(demo_tokenizer, fast_calls=100)
+    runner = make_runner(demo_tokenizer, OneCallWorkflow, engine, 10.0, judge_timeout=0.6)
+    runner.judge = CombinedJudge([("one", 1.0, SlowTerm(None), True), ("two", 1.0, SlowTerm(None), False)])
+    (episode,) = runner.run([Task("t", "q")])  # each term alone is within 0.6 s, the two together are not
+    assert "judge_timeout" in episode.flags and not episode.trainable
+    runner.settings.judge_timeout = 2.0
+    (episode,) = runner.run([Task("t", "q")])
+    assert episode.flags == [] and episode.reward == 2.0

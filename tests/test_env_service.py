@@ -52,7 +52,7 @@ def test_workflow_and_judge_play_the_service(env_server, demo_tokenizer):
     output, (reward, success) = asyncio.run(episode())
     assert (reward, success) == (1.0, True)
     assert env.instances == {}  # released by the judge
-    assert output.metadata["env_metrics"] == {"answered": 1.0}
+    assert output.metadata["env_metrics"] == {"answered": 1.0, "steps": 2.0}
     first, second = tuner.calls
     assert f"<tool_response>\n{answer}\n</tool_response>" in demo_tokenizer.decode(second.prompt_ids)
     assert second.extends_previous  # the service's observation extended the conversation token-exactly
@@ -103,3 +103,108 @@ def test_5xx_is_retried_and_4xx_is_reported():
 def test_judge_needs_the_instance_id():
     with pytest.raises(UserError, match="instance_id"):
         asyncio.run(EnvServiceJudge().compute_reward(SimpleNamespace(task=None), WorkflowOutput(reward=None)))
+
+
+def _counting(app, seen: list):
+    """The ASGI app, recording "METHOD path" of every request it receives."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] == "http":
+            seen.append(f"{scope['method']} {scope['path']}")
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+def test_a_create_and_a_step_answered_after_the_deadline_are_applied_once():
+    module = load_tutorial_module("tutorial/env_service/server.py", "tutorial_env_server")
+
+    class AnswersLate(module.ArithmeticEnv):
+        """Applies each create and step, then answers the first of each after the client's deadline."""
+
+        late = {"create", "step"}
+
+        async def _late(self, what):
+            if what in self.late:
+                self.late.discard(what)
+                await asyncio.sleep(0.8)
+
+        async def create(self, task):
+            answer = await super().create(task)
+            await self._late("create")
+            return answer
+
+        async def step(self, inst, action):
+            answer = await super().step(inst, action)
+            await self._late("step")
+            return answer
+
+    env, requests = AnswersLate(), []
+    url, stop = serve_in_thread(_counting(module.build_app(env), requests))
+    try:
+        client = EnvServiceClient(url, "arithmetic", request_timeout=0.4, retries=3, backoff_s=0.05)
+        task = client.list_tasks("train")[0]  # as the reader does; the service says it honours keys
+
+        async def play():
+            instance = await client.create(task["task_id"])
+            step = await client.step(instance["instance_id"], {"role": "assistant",
+                                                               "content": f"\\boxed{{{task['answer']}}}"})
+            return instance, step, await client.evaluate(instance["instance_id"])
+
+        instance, step, result = asyncio.run(play())
+    finally:
+        stop()
+    assert env.late == set()  # both were answered late ...
+    assert requests.count("POST /instances") >= 2 and sum(r.endswith("/step") for r in requests) >= 2  # ... retried
+    assert list(env.instances) == [instance["instance_id"]]  # one instance created
+    assert step["done"] and result["metrics"]["steps"] == 1.0  # one step applied
+    assert (result["reward"], result["success"]) == (1.0, True)
+
+
+def test_the_tutorial_service_replays_a_keyed_post(env_server):
+    import httpx
+
+    url, env = env_server
+    key = {"Idempotency-Key": "k1"}
+    first = httpx.post(f"{url}/instances", json={"task_id": "train-0"}, headers=key)
+    again = httpx.post(f"{url}/instances", json={"task_id": "train-0"}, headers=key)
+    assert first.headers["Idempotency-Key-Honoured"] == "true" and "Idempotent-Replayed" not in first.headers
+    assert again.json() == first.json() and again.headers["Idempotent-Replayed"] == "true"
+    assert len(env.instances) == 1
+    other = httpx.post(f"{url}/instances", json={"task_id": "train-1"}, headers=key)
+    assert other.status_code == 422 and "different request" in other.json()["error"]
+    assert len(httpx.post(f"{url}/instances", json={"task_id": "train-0"}).json()["instance_id"]) > 0  # no key
+    assert len(env.instances) == 2
+
+
+def test_a_post_is_not_retried_once_sent_to_a_service_that_does_not_honour_keys():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    applied = []
+
+    async def step(request):
+        applied.append(request.headers.get("Idempotency-Key"))
+        await asyncio.sleep(0.6)  # applied, answered after the client's deadline
+        return JSONResponse({"messages": [], "done": True, "reward": None})
+
+    url, stop = serve_in_thread(Starlette(routes=[Route("/instances/{i}/step", step, methods=["POST"])]))
+    try:
+        client = EnvServiceClient(url, request_timeout=0.2, retries=2, backoff_s=0.05)
+        with pytest.raises(EnvServiceError, match="not retried.*may have applied it"):
+            asyncio.run(client.step("i", {"role": "assistant", "content": "x"}))
+        time.sleep(0.5)  # a retry, had there been one, has arrived by now
+    finally:
+        stop()
+    assert len(applied) == 1 and applied[0]  # one attempt, and it carried a key
+
+
+def test_a_post_that_never_reached_the_service_is_retried():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens here: connection refused
+    client = EnvServiceClient(f"http://127.0.0.1:{port}", request_timeout=1, retries=2, backoff_s=0.01)
+    with pytest.raises(EnvServiceError, match="did not answer .*ConnectError.* after 3 attempts"):
+        asyncio.run(client.step("i", {"role": "assistant", "content": "x"}))

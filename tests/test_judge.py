@@ -155,3 +155,40 @@ def test_exact_match_missing_final_answer_and_ground_truth():
 )
 def test_math_judge_ignores_units_inside_the_box(math_judge, prediction, expected):
     assert math_judge.compute_reward(*episode(prediction, answer="18")) == (expected, expected == 1.0)
+
+
+def test_a_sync_judge_can_be_left_behind_without_blocking_the_loop_close():
+    import asyncio
+
+    from astuner.task_judge.base_judge import call_judge
+
+    seen = {}
+
+    def judge(x):
+        if x < 0:
+            raise ValueError("negative")
+        return x * 2
+
+    def hung():
+        release.wait()
+
+    async def main():
+        assert await call_judge(judge, 21) == 42
+        with pytest.raises(ValueError, match="negative"):
+            await call_judge(judge, -1)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(call_judge(hung), 0.2)  # the await is cancelled, the thread abandoned
+
+    def run():  # as the rollout does: run, then close the loop
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(main())
+        loop.run_until_complete(loop.shutdown_default_executor())  # nothing of the judge's to wait for
+        loop.close()
+        seen["closed"] = True
+
+    release = threading.Event()
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=2.0)
+    release.set()  # the abandoned thread's late answer goes to a closed loop, and is dropped
+    assert seen.get("closed"), "closing the loop waited for the hung judge"

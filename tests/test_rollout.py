@@ -175,3 +175,15 @@ def test_repeated_errors_reach_the_console_once(demo_tokenizer, caplog):
     assert all("failed" in e.flags for e in episodes)
     levels = [rec.levelname for rec in caplog.records if "same bug" in rec.getMessage()]
     assert levels.count("WARNING") == 1 and len(levels) == 6
+
+
+def test_the_judge_deadline_is_task_judge_timeout():
+    from types import SimpleNamespace
+
+    from astuner.config.schema import RunConfig
+
+    a = RunConfig().astuner
+    assert RolloutSettings.from_config(RunConfig(), 1024).judge_timeout == a.task_judge.timeout == 300.0
+    typed = SimpleNamespace(astuner=SimpleNamespace(rollout=a.rollout, data=a.data, seed=a.seed,
+                                                    task_judge=SimpleNamespace(timeout=7.5)))
+    assert RolloutSettings.from_config(typed, 1024).judge_timeout == 7.5

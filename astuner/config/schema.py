@@ -74,7 +74,9 @@ class EnvServiceReader(Section):
     training_split: str = key("train", "Split to train on.")
     validation_split: Optional[str] = key(None, "null: no validation.")
     request_timeout: float = key(30.0, "Seconds one request may take before it is retried.", gt=0)
-    retries: int = key(3, "Retries of a failed request (connection error, timeout, 5xx) with backoff.", ge=0)
+    retries: int = key(3, "Retries of a failed request with backoff: a request that never reached the service, a "
+                       "GET after a timeout or 5xx, and a sent POST only when the service honours Idempotency-Key "
+                       "(tutorial/env_service/README.md).", ge=0)
 
 
 class TaskReaderSection(Section):
@@ -219,6 +221,10 @@ class TaskJudgeSection(Section):
         "math_answer_as_judge->MathAnswerAsJudge, weight: 1.0}, {judge: astuner.task_judge.shaping->LengthPenalty, "
         "args: {target: 256, alpha: 0.001}}].",
     )
+    timeout: float = key(
+        300.0, "Seconds an episode's judging may take, all its judges together (the terms of combine share it). "
+        "Past it the episode is flagged judge_timeout and left out of training, and the run goes on: an async "
+        "judge is cancelled, a plain one's thread is abandoned.", gt=0)
 
 
 class OptimSection(Section):

@@ -3,12 +3,21 @@
 A judge scores an episode when the workflow returned `reward=None`. It is named in the config by
 `astuner.task_judge.judge_protocol: "pkg.module->Class"` and built once per run as `Class(config)`.
 The rollout may call `compute_reward` from worker threads, so a judge must not rely on signals.
+
+A plain (sync) `compute_reward` runs in a daemon thread of its own (`call_judge`), so that a slow judge does not
+stall the episodes still running and a hung one can be left behind: the rollout gives judging a deadline
+(astuner.task_judge.timeout) and a thread cannot be killed, so past the deadline its thread is abandoned, still
+running, and nothing waits for it (not the rollout, not interpreter exit). An async judge is cancelled instead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import inspect
+import threading
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from astuner.errors import UserError
 from astuner.workflow import WorkflowOutput, WorkflowTask
@@ -39,22 +48,53 @@ class FunctionJudge(BaseJudge):
         self.fn = fn
 
     async def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
-        import asyncio
-        import inspect
-
         from astuner.workflow import JudgeOutput, task_dict
 
         args = (task_dict(workflow_task.task), workflow_output.response, workflow_task.auxiliary_models)
-        if inspect.iscoroutinefunction(self.fn):
-            result = await self.fn(*args)
-        else:
-            result = await asyncio.to_thread(self.fn, *args)
+        result = await call_judge(self.fn, *args)
         if not isinstance(result, JudgeOutput):
             raise UserError(f"judge function {getattr(self.fn, '__qualname__', self.fn)!r} returned "
                             f"{type(result).__name__}; it must return JudgeOutput(reward=...)")
         workflow_output.metrics.update(result.metrics)
         success = result.is_success if result.is_success is not None else result.reward > 0
         return float(result.reward), bool(success)
+
+
+async def call_judge(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`: awaited if `fn` is a coroutine function, else run in a daemon thread of its own."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await in_daemon_thread(fn, *args)
+
+
+async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
+    """Like `asyncio.to_thread`, but in a new daemon thread rather than the loop's executor, whose threads are
+    joined when the loop closes and at interpreter exit: a call that never returns must not hang either.
+    Cancelling the await abandons the thread (its result, when it comes, is dropped)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():  # cancelled: nobody waits any more
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, context.run(fn, *args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop is closed: abandoned long ago
+
+    threading.Thread(target=work, name=f"judge:{getattr(fn, '__qualname__', fn)}", daemon=True).start()
+    return await future
 
 
 def final_answer_of(workflow_output: WorkflowOutput) -> str | None:

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_judge.base_judge import BaseJudge, FunctionJudge
+from astuner.task_judge.base_judge import BaseJudge, FunctionJudge, call_judge
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
 
@@ -81,7 +81,9 @@ class FormatReward(BaseJudge):
 
 
 class CombinedJudge(BaseJudge):
-    """The weighted sum of `terms`: [(name, weight, judge, decides_success)] (rules in the module docstring)."""
+    """The weighted sum of `terms`: [(name, weight, judge, decides_success)] (rules in the module docstring).
+    The terms run one after another within the episode's one judge deadline (astuner.task_judge.timeout, set by
+    the rollout): they share it, each getting what the terms before it left."""
 
     def __init__(self, terms: list[tuple[str, float, BaseJudge, bool]], config: Any = None) -> None:
         super().__init__(config)
@@ -97,14 +99,9 @@ class CombinedJudge(BaseJudge):
         self.success_index = deciders[0] if deciders else 0
 
     async def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
-        import asyncio
-
         total, success = 0.0, False
         for i, (name, weight, judge, _) in enumerate(self.terms):
-            if inspect.iscoroutinefunction(judge.compute_reward):
-                value, ok = await judge.compute_reward(workflow_task, workflow_output)
-            else:
-                value, ok = await asyncio.to_thread(judge.compute_reward, workflow_task, workflow_output)
+            value, ok = await call_judge(judge.compute_reward, workflow_task, workflow_output)
             workflow_output.metrics[f"reward/{name}"] = float(value)
             total += weight * float(value)
             if i == self.success_index:

@@ -152,3 +152,16 @@ def test_a_trinity_sync_method_that_acts_as_object_store_is_named(tmp_path, tiny
     assert any("sync_method nccl is not implemented" in w for w in config_warnings(loaded, "trinity"))
     assert not any("sync_method" in w for w in config_warnings(load_config(write_run(tmp_path, tiny_model_dir)),
                                                                 "trinity"))
+
+
+def test_verl_reserves_tensor_parallel_gpus_per_worker_and_checks_the_total():
+    from astuner.backbone.ray_cluster import missing_resources
+    from astuner.backbone.verl import verl_bundles
+
+    node = {"CPU": 64.0, "GPU": 8.0, "memory": 2.0**40}
+    bundles = verl_bundles(world=8, cpus=1.0, gpus_per_process=1.0, tp=2, memory=0.0)
+    assert [b.gpus for b in bundles] == [2.0] * 8  # each worker's engine spans 2 GPUs
+    assert missing_resources(bundles, [node]) == ["16 GPU (the cluster has 8)"]
+    assert missing_resources(bundles, [node, node]) == []  # two 8-GPU nodes hold 8 workers of 2 GPUs
+    assert missing_resources(verl_bundles(4, 1.0, 1.0, 2, 0.0), [node]) == []
+    assert [b.gpus for b in verl_bundles(2, 1.0, 0.0, 2, 0.0)] == [0.0, 0.0]  # a CPU cluster: no GPUs asked

@@ -82,6 +82,19 @@ def check_resources(bundles: list[Bundle], what_for: str) -> None:
     import ray
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    missing = missing_resources(bundles, nodes)
+    if missing:
+        layout = ", ".join(f"{b.name}: {b.cpus:g} CPU {b.gpus:g} GPU" for b in bundles)
+        raise UserError(
+            f"{what_for} needs {'; '.join(missing)}. Placement asked for: {layout}. Add nodes (ray start "
+            "--address=<head>:6379 on each), or lower astuner.trainer_common.n_gpus_per_node / nnodes / "
+            "cpus_per_worker / trinity_only__n_vllm_engine or astuner.rollout.tensor_model_parallel_size (each "
+            "engine takes that many GPUs)."
+        )
+
+
+def missing_resources(bundles: list[Bundle], nodes: list[dict]) -> list[str]:
+    """What the alive `nodes` (Ray's per-node resource dicts) lack to hold `bundles`, in words; [] when they fit."""
     total = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU", "memory")}
     need = {"CPU": sum(b.cpus for b in bundles), "GPU": sum(b.gpus for b in bundles),
             "memory": sum(b.memory for b in bundles)}
@@ -96,13 +109,7 @@ def check_resources(bundles: list[Bundle], what_for: str) -> None:
         if not any(n.get("CPU", 0) >= b.cpus and n.get("GPU", 0) >= b.gpus for n in nodes):
             missing.append(f"one node with {b.cpus:g} CPU and {b.gpus:g} GPU for {b.name}")
             break
-    if missing:
-        layout = ", ".join(f"{b.name}: {b.cpus:g} CPU {b.gpus:g} GPU" for b in bundles)
-        raise UserError(
-            f"{what_for} needs {'; '.join(missing)}. Placement asked for: {layout}. Add nodes (ray start "
-            "--address=<head>:6379 on each), or lower astuner.trainer_common.n_gpus_per_node / nnodes / "
-            "cpus_per_worker / trinity_only__n_vllm_engine."
-        )
+    return missing
 
 
 def place(bundles: list[Bundle], timeout_s: float, what_for: str):

@@ -50,6 +50,14 @@ def episodes_of(results) -> list[Episode]:
     return [e for episodes, _, _ in results for e in episodes]
 
 
+def engine_tp(typed) -> int:
+    """GPUs of one engine: vLLM's tensor_model_parallel_size (the HF engine runs on one device)."""
+    from astuner.engine.select import resolve_engine_name
+
+    vllm = resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
+    return typed.astuner.rollout.tensor_model_parallel_size if vllm else 1
+
+
 class RayStages:
     """Base of the backbones' stages: trainer workers (rank 0 saves checkpoints) and the driver-side waits."""
 

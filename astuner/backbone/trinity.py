@@ -24,7 +24,7 @@ import time
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
-from astuner.backbone.ray_run import RayStages, Sent, episodes_of, run_on_ray
+from astuner.backbone.ray_run import RayStages, Sent, engine_tp, episodes_of, run_on_ray
 from astuner.backbone.sync_schedule import SyncSchedule, staleness_bound
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
@@ -45,7 +45,7 @@ class TrinityStages(RayStages):
         self.sync_timeout = sync.sync_timeout
         gpus = self.gpus_per_process()
         n_explorers = typed.astuner.trainer_common.trinity_only__n_vllm_engine
-        tp = typed.astuner.rollout.tensor_model_parallel_size
+        tp = engine_tp(typed)
         explorer_bundles = [Bundle(f"explorer {i}", self.cpus, gpus * tp, self.host_bytes(("engine",)))
                             for i in range(n_explorers)]
         trainer_bundles = [Bundle(f"trainer {r}", self.cpus, gpus, self.host_bytes(("trainer",)))

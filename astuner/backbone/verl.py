@@ -15,18 +15,22 @@ import logging
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
-from astuner.backbone.ray_run import RayStages, episodes_of, run_on_ray
+from astuner.backbone.ray_run import RayStages, engine_tp, episodes_of, run_on_ray
 from astuner.types import Episode, Task
 
 log = logging.getLogger(__name__)
 
 
+def verl_bundles(world: int, cpus: float, gpus_per_process: float, tp: int, memory: float) -> list[Bundle]:
+    """One bundle a worker; a worker's engine spans `tp` GPUs (its trainer uses the first of them)."""
+    return [Bundle(f"worker {r}", cpus, gpus_per_process * tp, memory) for r in range(world)]
+
+
 class VerlStages(RayStages):
     def __init__(self, loaded, prep) -> None:
         super().__init__(loaded, prep)
-        gpus = self.gpus_per_process()
-        memory = self.host_bytes(("trainer", "engine"))
-        bundles = [Bundle(f"worker {r}", self.cpus, gpus, memory) for r in range(self.world)]
+        bundles = verl_bundles(self.world, self.cpus, self.gpus_per_process(), engine_tp(loaded.typed),
+                               self.host_bytes(("trainer", "engine")))
         self.group = group = ray_cluster.place(bundles, self.timeout_s, f"the verl backbone ({self.world} workers)")
         try:
             self.trainers = [self.spawn(group, r, b, ("trainer", "engine"), r, self.world)

@@ -98,6 +98,37 @@ def test_sync_after_a_train_step_makes_engine_equal_trainer(engine, trainer):
     assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < LOGPROB_ATOL
 
 
+def test_a_sync_resets_the_prefix_cache_so_cached_prompts_use_the_new_weights(engine, trainer):
+    """A prompt of three KV blocks (vLLM's CPU block is 128 tokens; only whole blocks are cached), served before
+    and after a sync: after it, its logprobs are the new weights' (stale cached blocks would give the old ones)."""
+    t = trainer(lr=1e-2)
+    engine.load_weights(t.named_parameters_for_sync())
+    long_prompt = [(17 * i) % 3000 + 10 for i in range(400)]
+    first = engine.generate_batch([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))[0]  # cached now
+    sample = Sample(long_prompt, first.token_ids, first.logprobs, 1.0, 1.0, "e#0")
+    assert t.train_step([sample])["grad_norm"] > 0
+    engine.load_weights(t.named_parameters_for_sync())
+    again = engine.generate_batch([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    want = t.compute_logprobs(long_prompt, again.token_ids, 1.0)
+    assert _mean_abs(again.logprobs, want) < LOGPROB_ATOL
+    engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
+
+
+def test_a_refused_prefix_cache_reset_stops_the_sync():
+    """vLLM answers False while requests hold blocks: retried, then a failure rather than stale KV."""
+    from astuner.engine.vllm_engine import VLLMEngine
+
+    answers = iter([False, True])
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng._live = {}
+    eng._llm = type("FakeLLM", (), {"reset_prefix_cache": lambda self: None})()
+    eng._call = lambda coro, timeout, what: next(answers)
+    eng._reset_prefix_cache(attempts=3, pause_s=0.0)  # refused once, then done
+    eng._call = lambda coro, timeout, what: False
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache 3 times"):
+        eng._reset_prefix_cache(attempts=3, pause_s=0.0)
+
+
 def test_lora_sync_gives_the_same_equality(engine, trainer):
     from astuner.lora import LoraSettings
 

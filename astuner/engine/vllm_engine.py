@@ -156,8 +156,21 @@ class VLLMEngine:
         if self._asleep:
             self._call(self._llm.wake_up(tags=["kv_cache"]), self.sync_timeout_s, "vLLM to wake its KV cache")
             self._asleep = False
-        self._call(self._llm.reset_prefix_cache(), self.sync_timeout_s, "vLLM to reset its prefix cache")
+        self._reset_prefix_cache()
         self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0}
+
+    def _reset_prefix_cache(self, attempts: int = 20, pause_s: float = 0.25) -> None:
+        """Drop the cached KV blocks (they belong to the old weights). vLLM refuses (False) while a request still
+        holds blocks, e.g. one being aborted at an episode's deadline: retried briefly, then a failure, since
+        serving the new weights over old blocks would train on a policy nobody ran."""
+        for _ in range(attempts):
+            if self._call(self._llm.reset_prefix_cache(), self.sync_timeout_s, "vLLM to reset its prefix cache"):
+                return
+            time.sleep(pause_s)
+        raise RuntimeError(
+            f"vLLM refused to reset its prefix cache {attempts} times over {attempts * pause_s:g}s after a weight "
+            f"sync: requests still hold cached blocks ({len(self._live)} live here). Their KV would come from the "
+            "old weights, so the run stops; a request outliving its step is a bug: please report it.")
 
     def sleep(self) -> None:
         """Free vLLM's accelerator memory while the trainer steps (CUDA with sleep mode only; else a no-op)."""

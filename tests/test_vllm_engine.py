@@ -120,7 +120,7 @@ def test_a_refused_prefix_cache_reset_stops_the_sync():
 
     answers = iter([False, True])
     eng = VLLMEngine.__new__(VLLMEngine)
-    eng._live = {}
+    eng._live, eng.sync_timeout_s = {}, 1.0
     eng._llm = type("FakeLLM", (), {"reset_prefix_cache": lambda self: None})()
     eng._call = lambda coro, timeout, what: next(answers)
     eng._reset_prefix_cache(attempts=3, pause_s=0.0)  # refused once, then done

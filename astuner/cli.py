@@ -89,6 +89,8 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     from astuner.resume import plan_start
 
     loaded = load_config(conf, overrides)
+    for note in loaded.derived:
+        print(f"astuner: derived {note}", file=sys.stderr)
     for warning in config_warnings(loaded, backbone):
         # Printed rather than logged: logging is configured by the backbone, which has not started yet.
         print(f"astuner: warning: {warning}", file=sys.stderr)

@@ -69,7 +69,9 @@ class TunerModelConfig:
     model_path: str = "demo:smollm2-135m-instruct"
     max_model_len: int | None = None
     temperature: float = 1.0
-    max_tokens: int = 1024  # new tokens per call (rollout.max_response_length_in_one_turn)
+    # New tokens per call (rollout.max_response_length_in_one_turn); None: its default, 1024, or half of
+    # max_model_len when that leaves no room for a prompt.
+    max_tokens: int | None = None
     engine: str = "auto"  # rollout.engine: auto | vllm | hf
 
 
@@ -121,8 +123,8 @@ def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelC
         "task_reader": _reader_section(train_dataset, eval_dataset),
         "data": {"train_batch_size": algorithm.batch_size},
         "rollout": {"agentscope_workflow": workflow_spec, "num_repeat": algorithm.group_size,
-                    "temperature": model.temperature, "max_response_length_in_one_turn": model.max_tokens,
-                    "max_model_len": model.max_model_len, "engine": model.engine},
+                    "temperature": model.temperature, "max_model_len": model.max_model_len, "engine": model.engine,
+                    **({} if model.max_tokens is None else {"max_response_length_in_one_turn": model.max_tokens})},
         "trainer_common": {"optim": {"lr": algorithm.learning_rate}, "total_epochs": algorithm.epochs,
                            "total_training_steps": algorithm.total_steps,
                            "val_before_train": eval_dataset is not None},

@@ -327,3 +327,24 @@ def test_tune_from_a_script_on_the_verl_backbone_ships_its_functions(tmp_path, t
     assert saved["task_judge"]["judge_protocol"].endswith("run_agent.functions.pkl->judge")
     (row,) = _metrics(tmp_path / "run")
     assert row["train/failure_rate"] == 0.0 and row["train/reward_mean"] > 0  # the shipped judge (and helper) ran
+
+
+def test_a_default_the_user_did_not_set_is_derived_to_fit_the_one_they_did(tmp_path):
+    """The seed's example sets max_model_len=1024 and leaves max_tokens alone: the per-turn default (1024) would
+    leave no room for a prompt, so it becomes half of max_model_len, and the start says so."""
+    from astuner.config import load_config
+    from astuner.tune_api import build_yaml
+
+    tree = build_yaml(workflow_spec="m->f", judge_spec="m->j", model=TunerModelConfig(max_model_len=1024),
+                      train_dataset=DatasetConfig(path=str(REPO / "tutorial" / "tune_api" / "my_dataset"),
+                                                  split="train"),
+                      eval_dataset=None, algorithm=AlgorithmConfig(), project_name="p", experiment_dir=None,
+                      auxiliary_models=None)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    loaded = load_config(path)
+    assert loaded.typed.astuner.rollout.max_response_length_in_one_turn == 512
+    assert "half of max_model_len=1024" in loaded.derived[0]
+    # A value the user set is theirs: both set and contradictory stays an error (tests/test_run_contract.py).
+    explicit = load_config(path, ["astuner.rollout.max_response_length_in_one_turn=1000"])
+    assert explicit.typed.astuner.rollout.max_response_length_in_one_turn == 1000 and explicit.derived == ()

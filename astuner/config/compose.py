@@ -51,6 +51,7 @@ class LoadedConfig:
     user_keys: set[str]  # dotted keys the YAML or an override set, e.g. "astuner.rollout.max_num_seqs"
     experiment_dir: Path  # absolute output folder
     overrides: tuple[str, ...] = field(default=())
+    derived: tuple[str, ...] = field(default=())  # defaults changed to fit what the user set, in words
 
 
 def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedConfig:
@@ -66,15 +67,16 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
     primary = _rewrite_primary(raw, path)
     cfg = _compose(primary, overrides, path)
     tree = _resolve(cfg, path)
+    user_keys = _user_keys({k: v for k, v in raw.items() if k in SECTION_KEYS})
+    for key, override in origins.items():
+        user_keys |= _user_keys(_nest(key, override[1]))
+    derived = derive_defaults(tree, user_keys)
     typed, problems = validate_tree(tree)
     raise_problems(path, [_with_origin(key, msg, origins) for key, msg in problems])
 
     final = OmegaConf.create(tree)
     OmegaConf.set_struct(final, True)
     OmegaConf.set_readonly(final, True)
-    user_keys = _user_keys({k: v for k, v in raw.items() if k in SECTION_KEYS})
-    for key, override in origins.items():
-        user_keys |= _user_keys(_nest(key, override[1]))
     return LoadedConfig(
         cfg=final,
         typed=typed,
@@ -83,7 +85,26 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
         user_keys=user_keys,
         experiment_dir=_experiment_dir(typed, path),
         overrides=overrides,
+        derived=tuple(derived),
     )
+
+
+PER_TURN = "astuner.rollout.max_response_length_in_one_turn"
+
+
+def derive_defaults(tree: dict, user_keys: set[str]) -> list[str]:
+    """Fit defaults the user did not choose to the keys they did (in place); returns what changed, in words.
+
+    max_response_length_in_one_turn (default 1024) must leave room for a prompt in max_model_len: when the user
+    set max_model_len alone and the default does not fit, a turn gets half of it."""
+    rollout = tree.get("astuner", {}).get("rollout", {})
+    max_len, per_turn = rollout.get("max_model_len"), rollout.get("max_response_length_in_one_turn")
+    if (PER_TURN not in user_keys and isinstance(max_len, int) and isinstance(per_turn, int) and max_len > 1
+            and per_turn >= max_len):
+        rollout["max_response_length_in_one_turn"] = max_len // 2
+        return [f"{PER_TURN}={max_len // 2} (half of max_model_len={max_len}; its default {per_turn} leaves no "
+                "room for a prompt). Set it to choose another."]
+    return []
 
 
 def save_config(loaded: LoadedConfig) -> Path:

@@ -9,7 +9,15 @@ Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
              =  u * M          vLLM on a GPU of M bytes: it reserves gpu_memory_utilization u for weights and KV
                                cache, and keeps it while the trainer's states stay resident
     ref      =  4 * P          the frozen reference model, only with the KL loss
-Activations and the KV cache come on top (they scale with trinity.trainer.max_token_len_per_gpu and the batch).
+    act      the trainer's activations and logits for one micro-batch of min(budget, the step's tokens) tokens
+             (budget: trinity.trainer.max_token_len_per_gpu; a sample longer than it forms its own micro-batch)
+    kv       the engine's KV cache: the HF engine's for max_env_worker sequences of max_model_len tokens; vLLM's on
+             CPU is sized from the memory left (below); on a GPU vLLM's share u * M holds it
+(formulas for act and kv: astuner/memory.py). On CPU the run must fit in the memory this machine has (less
+RESERVE for the interpreter, data and allocator slack). vLLM's KV cache takes what it wants (max_num_seqs full-length
+sequences) up to half of what is left after the weights, at least one full-length sequence; the micro-batch budget
+is lowered to what the rest holds (the gradient is the same, micro-batches only cost time). A run where one
+full-length sequence does not fit in both is refused before anything loads, with the figures.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astuner.errors import UserError
+from astuner.memory import ModelShape, blocks_of
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
+RESERVE = GIB  # the interpreter, tokenizer, data and allocator slack beside the estimated tensors
 
 
 @dataclass
@@ -33,6 +43,7 @@ class ModelFacts:
     architecture: str
     num_params: int
     max_position_embeddings: int | None
+    shape: ModelShape | None = None  # layers, widths, vocabulary: activations and KV cache (astuner/memory.py)
 
 
 @dataclass
@@ -53,10 +64,20 @@ class RunPlan:
     available_bytes: int | None
     device: str
     sandbox: str = ""
+    activation_bytes: int = 0
+    kv_cache_bytes: int = 0  # the engine's KV cache (vLLM on CPU: what it is given; on GPU: inside engine_bytes)
+    kv_sequences: float = 0.0  # full-length sequences the KV cache holds
+    resized: tuple[str, ...] = ()  # what the memory fit changed, in words
+    misfit: str = ""  # why the run does not fit even with the least of everything (check_fits raises it)
+
+    @property
+    def weights_bytes(self) -> int:
+        """Weights, gradients, optimizer states, the engine's and the reference model's weights."""
+        return self.trainer_bytes + self.engine_bytes + self.ref_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.trainer_bytes + self.engine_bytes + self.ref_bytes
+        return self.weights_bytes + self.activation_bytes + self.kv_cache_bytes
 
     def block(self, model: ModelFacts) -> str:
         available = "unknown" if self.available_bytes is None else f"{self.available_bytes / GIB:.1f} GiB"
@@ -66,17 +87,20 @@ class RunPlan:
             ("tasks per step", str(self.tasks_per_step)),
             ("episodes per step", str(self.episodes_per_step)),
             ("optimizer steps per step", str(self.optimizer_steps_per_step)),
-            ("micro-batch token budget", str(self.micro_batch_token_budget)),
+            ("micro-batch token budget", str(self.micro_batch_token_budget)
+             + "".join(f" ({r})" for r in self.resized if r.startswith("micro-batch"))),
             ("total steps", str(self.total_steps)),
             ("max_model_len", str(self.max_model_len)),
             ("python tool sandbox", self.sandbox),
             (
                 "memory estimate",
                 f"{self.total_bytes / GIB:.1f} GiB (trainer {self.trainer_bytes / GIB:.1f}, engine "
-                f"{self.engine_bytes / GIB:.1f}, reference {self.ref_bytes / GIB:.1f}) + activations; "
-                f"available {available}",
+                f"{self.engine_bytes / GIB:.1f}, KV cache {self.kv_cache_bytes / GIB:.1f} ({self.kv_sequences:.1f} "
+                f"sequences of max_model_len), reference {self.ref_bytes / GIB:.1f}, activations "
+                f"{self.activation_bytes / GIB:.1f}); available {available}",
             ),
         ]
+        rows += [("memory fit", note) for note in self.resized if not note.startswith("micro-batch")]
         width = max(len(k) for k, _ in rows)
         return "effective config:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
@@ -106,7 +130,8 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
         ) from None
     num_params = sum(p.numel() for p in model.parameters())
     limit = getattr(config, "max_position_embeddings", None)
-    return ModelFacts(str(model_path), type(model).__name__, num_params, int(limit) if limit else None)
+    return ModelFacts(str(model_path), type(model).__name__, num_params, int(limit) if limit else None,
+                      ModelShape.from_config(config))
 
 
 def resolve_max_model_len(configured: int | None, facts: ModelFacts, per_turn: int | None = None) -> int:
@@ -187,7 +212,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
 
     from astuner.tools.python_exec import describe_sandbox
 
-    from astuner.config.applicability import RAY_BACKBONES
+    from astuner.config.applicability import OFFLINE_TYPES, RAY_BACKBONES
     from astuner.engine.select import resolve_engine_name
     from astuner.fsdp import resolve_strategy
     from astuner.precision import resolve_precision
@@ -204,32 +229,106 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         except ValueError as exc:
             raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
     engine_bytes = 4 * P
-    if engine == "vllm" and device == "cuda":
+    offline = tc.algorithm.type in OFFLINE_TYPES
+    if offline:
+        engine, engine_bytes = "none (offline data)", 0
+    elif engine == "vllm" and device == "cuda":
         engine_bytes = int(a.rollout.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
-    return RunPlan(
+    precision = resolve_precision(tc.precision, device)
+    plan = RunPlan(
         backbone=backbone,
         engine=engine,
         tasks_per_step=a.data.train_batch_size,
-        episodes_per_step=a.data.train_batch_size * a.rollout.num_repeat,
+        episodes_per_step=0 if offline else a.data.train_batch_size * a.rollout.num_repeat,
         optimizer_steps_per_step=optimizer_steps_per_step(typed),
         micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
         total_steps=total_steps,
         max_model_len=max_model_len,
-        trainer_bytes=_trainer_bytes(P, resolve_precision(tc.precision, device), tc.lora.rank > 0) // shards,
+        trainer_bytes=_trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
         engine_bytes=engine_bytes,
         ref_bytes=4 * P // shards if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
         available_bytes=available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
+    processes = 1
+    if backbone in RAY_BACKBONES:  # processes of this run that may share one host's memory
+        world = tc.nnodes * tc.n_gpus_per_node
+        processes = world + (tc.trinity_only__n_vllm_engine if backbone == "trinity" else 0)
+    return fit_memory(plan, facts.shape, typed, precision, processes)
+
+
+def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, processes: int = 1) -> RunPlan:
+    """The plan with activations and KV cache counted, vLLM's CPU KV cache sized and the micro-batch budget
+    lowered to what memory holds (module docstring); UserError with the figures when one full-length sequence
+    does not fit. `processes`: the run's processes that may share this host (Ray backbones)."""
+    from dataclasses import replace
+
+    from astuner.fused_head import CHUNK_ROWS
+
+    if shape is None:
+        return plan
+    a, tc = typed.astuner, typed.astuner.trainer_common
+    L = plan.max_model_len
+    value_bytes = 2 if precision == "bf16" else 4
+    chunk_rows = CHUNK_ROWS if plan.device == "cuda" else None  # the trainer's chunked head runs on CUDA
+    step_tokens = (plan.episodes_per_step or plan.tasks_per_step) * L  # offline: conversations or pairs
+    budget = plan.micro_batch_token_budget
+
+    def act(tokens: int) -> int:
+        return shape.activation_bytes(max(min(tokens, step_tokens), L), value_bytes, tc.gradient_checkpointing,
+                                      chunk_rows)
+
+    per_seq = shape.kv_bytes_per_token(4 if plan.device == "cpu" else value_bytes) * blocks_of(L)
+    cpu_vllm = plan.engine == "vllm" and plan.device == "cpu"
+    if plan.engine == "hf":
+        kv = min(a.rollout.max_env_worker, plan.episodes_per_step) * per_seq
+    elif cpu_vllm:
+        kv = a.rollout.max_num_seqs * per_seq
+    else:
+        kv = 0  # vLLM on a GPU: inside its gpu_memory_utilization share
+    fixed = plan.weights_bytes
+    resized: list[str] = []
+    misfit = ""
+    if plan.device == "cpu" and plan.available_bytes is not None \
+            and os.environ.get("ASTUNER_SKIP_MEMORY_CHECK") != "1":
+        room = plan.available_bytes // processes - RESERVE - fixed
+        kv_least = per_seq if cpu_vllm else kv  # vLLM: one full-length sequence; HF: its cache grows to kv
+        if act(L) + kv_least > room:
+            misfit = (
+                f"this run does not fit in {plan.available_bytes / GIB:.1f} GiB of memory"
+                f"{f' shared by {processes} processes' if processes > 1 else ''}: weights, gradients and "
+                f"optimizer states {(plan.trainer_bytes + plan.ref_bytes) / GIB:.1f} GiB, the engine's weights "
+                f"{plan.engine_bytes / GIB:.1f} GiB, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
+                f"of max_model_len={L} tokens {kv_least / GIB:.1f} GiB, and the activations of one {L}-token "
+                f"micro-batch {act(L) / GIB:.1f} GiB, beside {RESERVE / GIB:.0f} GiB for the process itself. Lower "
+                "astuner.rollout.max_model_len, set astuner.trainer_common.gradient_checkpointing: true, use a "
+                "smaller model or trainer_common.lora; or set ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway.")
+        else:
+            if cpu_vllm:  # KV up to half of what is left, keeping room for one full-length micro-batch
+                kv = max(per_seq, min(kv, room // 2, room - act(L)))
+            room -= kv
+            if act(budget) > room:
+                lo, hi = L, budget  # act(lo) fits, act(hi) does not: the largest budget that fits
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if act(mid) <= room else (lo, mid)
+                resized.append(f"micro-batch budget lowered from {budget} to {lo} tokens to fit in memory "
+                               f"(trinity.trainer.max_token_len_per_gpu; the gradient is the same)")
+                budget = lo
+        if cpu_vllm and kv < a.rollout.max_num_seqs * per_seq:
+            resized.append(f"vLLM KV cache sized to {kv / GIB:.1f} GiB from the memory left ({kv / per_seq:.1f} "
+                           f"of max_num_seqs={a.rollout.max_num_seqs} full-length sequences; more wait their turn)")
+    return replace(plan, micro_batch_token_budget=budget, activation_bytes=act(budget), kv_cache_bytes=kv,
+                   kv_sequences=kv / per_seq if per_seq else 0.0, resized=tuple(resized), misfit=misfit)
 
 
 def check_fits(plan: RunPlan, facts: ModelFacts) -> None:
     """Refuse, before loading, a run whose weights and optimizer alone cannot fit (ASTUNER_SKIP_MEMORY_CHECK=1 skips)."""
     if os.environ.get("ASTUNER_SKIP_MEMORY_CHECK") == "1" or plan.available_bytes is None:
         return
-    if plan.total_bytes > plan.available_bytes:
-        need = math.ceil(plan.total_bytes / GIB)
+    if plan.weights_bytes > plan.available_bytes:
+        need = math.ceil(plan.weights_bytes / GIB)
         raise UserError(
             f"{facts.path} has {facts.num_params / 1e9:.2f}B parameters: training it with AdamW on one "
             f"{plan.device} needs about {need} GiB for weights, gradients, optimizer states and the engine's copy "
@@ -238,3 +337,5 @@ def check_fits(plan: RunPlan, facts: ModelFacts) -> None:
             "holds in full) on this machine, or a GPU cluster backbone; set "
             "ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway."
         )
+    if plan.misfit:
+        raise UserError(plan.misfit)

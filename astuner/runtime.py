@@ -121,7 +121,8 @@ def load_tokenizer(model_path: str):
     return tokenizer
 
 
-def build_trainer(typed, model_path: str, total_steps: int):
+def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None):
+    """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one."""
     from astuner import preflight
     from astuner.trainer import Trainer
 
@@ -160,7 +161,7 @@ def build_trainer(typed, model_path: str, total_steps: int):
         kl_loss_type=tc.kl_loss_type if tc.use_kl_loss else "k3",
         loss_agg_mode=tc.loss_agg_mode,
         norm_length=typed.astuner.rollout.max_response_length_in_one_turn,
-        max_token_len_per_micro_batch=typed.trinity.trainer.max_token_len_per_gpu,
+        max_token_len_per_micro_batch=micro_batch_tokens or typed.trinity.trainer.max_token_len_per_gpu,
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
     )
@@ -175,7 +176,7 @@ def _lora_settings(section):
     return LoraSettings(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
 
 
-def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int):
+def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
     from astuner.engine.hf_engine import HFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -184,7 +185,7 @@ def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int):
     )
 
 
-def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int):
+def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
     from astuner.engine.vllm_engine import VLLMEngine
 
     r = typed.astuner.rollout
@@ -195,6 +196,7 @@ def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int):
         tensor_parallel_size=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         seed=typed.astuner.seed,
+        kv_cache_bytes=kv_cache_bytes,
     )
 
 
@@ -202,7 +204,8 @@ def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int):
 ENGINES = {"vllm": _vllm_engine, "hf": _hf_engine}
 
 
-def build_engine(typed, model_path: str, tokenizer, max_model_len: int):
+def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
+    """The rollout engine; `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight)."""
     from astuner.engine.select import resolve_engine_name, vllm_available
 
     name = resolve_engine_name(typed.astuner.rollout.engine)
@@ -214,7 +217,7 @@ def build_engine(typed, model_path: str, tokenizer, max_model_len: int):
     if typed.astuner.rollout.engine == "auto":
         log.info("astuner.rollout.engine=auto: using %s (%s)", name,
                  "vLLM is installed" if name == "vllm" else "vLLM is not installed")
-    return ENGINES[name](typed, model_path, tokenizer, max_model_len)
+    return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes)
 
 
 def load_workflow(loaded):
@@ -333,8 +336,8 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     typed = loaded.typed
     seed_everything(typed.astuner.seed)
     prep = prepare(loaded, backbone, total_steps_of)
-    engine = build_engine(typed, prep.model_path, prep.tokenizer, prep.max_model_len)
-    trainer = build_trainer(typed, prep.model_path, prep.total_steps)
+    engine = build_engine(typed, prep.model_path, prep.tokenizer, prep.max_model_len, prep.plan.kv_cache_bytes)
+    trainer = build_trainer(typed, prep.model_path, prep.total_steps, prep.plan.micro_batch_token_budget)
     runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
                           prep.max_model_len)
     check_token_pipeline(typed, runner, engine_trainer_logprob_check(

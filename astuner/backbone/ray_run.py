@@ -89,8 +89,8 @@ class RayStages:
         plan = self.prep.plan
         if plan.device != "cpu":
             return 0.0
-        return float(("trainer" in roles) * (plan.trainer_bytes + plan.ref_bytes)
-                     + ("engine" in roles) * plan.engine_bytes)
+        return float(("trainer" in roles) * (plan.trainer_bytes + plan.ref_bytes + plan.activation_bytes)
+                     + ("engine" in roles) * (plan.engine_bytes + plan.kv_cache_bytes))
 
     def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int):
         import ray
@@ -104,7 +104,8 @@ class RayStages:
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                  placement_group_bundle_index=index),
         ).remote(self.loaded, roles, rank, world, self.prep.model_path, self.prep.max_model_len,
-                 self.prep.total_steps, bundle.name)
+                 self.prep.total_steps, bundle.name, self.prep.plan.kv_cache_bytes,
+                 self.prep.plan.micro_batch_token_budget)
         return actor
 
     def wait_ready(self, actors: list, names: list[str]) -> None:

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_path: str,
-                 max_model_len: int, total_steps: int, name: str) -> None:
+                 max_model_len: int, total_steps: int, name: str, kv_cache_bytes: int | None = None,
+                 micro_batch_tokens: int | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from astuner import runtime
         from astuner.monitor import setup_logging
@@ -38,11 +39,11 @@ class Worker:
         if "engine" in roles:
             workflow_cls = runtime.load_workflow(loaded)
             judge = runtime.build_judge(typed, loaded.cfg, loaded.config_dir)
-            self.engine = runtime.build_engine(typed, model_path, self.tokenizer, max_model_len)
+            self.engine = runtime.build_engine(typed, model_path, self.tokenizer, max_model_len, kv_cache_bytes)
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
                                                max_model_len)
         if "trainer" in roles:
-            self.trainer = runtime.build_trainer(typed, model_path, total_steps)
+            self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens)
 
     def ready(self) -> str:
         return self.name

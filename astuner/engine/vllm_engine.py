@@ -69,6 +69,7 @@ class VLLMEngine:
         sleep_mode: bool | None = None,
         start_timeout_s: float = 600.0,
         sync_timeout_s: float = 300.0,
+        kv_cache_bytes: int | None = None,
         **engine_args,
     ) -> None:
         import torch
@@ -85,11 +86,13 @@ class VLLMEngine:
         self.last_sync: dict[str, float] = {}
 
         if not on_cuda:
-            # vLLM's CPU backend: use every core (the trainer and the engine take turns), and size the KV cache
-            # for max_num_seqs full-length sequences instead of vLLM's fixed default. A user's setting wins.
+            # vLLM's CPU backend: use every core (the trainer and the engine take turns), and a KV cache of
+            # `kv_cache_bytes` (the start-up memory fit, astuner/preflight.py), else max_num_seqs full-length
+            # sequences instead of vLLM's fixed default. A user's VLLM_CPU_KVCACHE_SPACE wins.
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_cpu_kv_cache_gib(model_path, max_model_len,
-                                                                                  max_num_seqs, self.dtype)))
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                engine_args.setdefault("kv_cache_memory_bytes", int(
+                    kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, self.dtype) * 2**30))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
         self._loop = asyncio.new_event_loop()

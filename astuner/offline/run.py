@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from astuner.errors import UserError
@@ -54,13 +54,12 @@ def run_offline(loaded, checkpoint: Path | None = None) -> RunSummary:
     train = read("astuner.offline_data.train_file", a.offline_data.train_file)
     val = read("astuner.offline_data.val_file", a.offline_data.val_file) if a.offline_data.val_file else []
     total = count_steps(len(train), settings)
-    plan = replace(preflight.make_plan(typed, "debug", facts, max_len, total), engine="none (offline data)",
-                   engine_bytes=0, episodes_per_step=0)
+    plan = preflight.make_plan(typed, "debug", facts, max_len, total)
     announce(f"{kind}: {len(train)} training and {len(val)} validation "
              f"{'conversations' if kind == 'sft' else 'pairs'}, {settings.train_batch_size} per step\n"
              + plan.block(facts))
     preflight.check_fits(plan, facts)
-    trainer = build_trainer(typed, model_path, total)
+    trainer = build_trainer(typed, model_path, total, micro_batch_tokens=plan.micro_batch_token_budget)
     resume = ResumeState()
     if checkpoint is not None:
         resume = ResumeState(**trainer.load_checkpoint(checkpoint))

@@ -269,6 +269,7 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
 
     typed, cfg = loaded.typed, loaded.cfg
     quiet_library_progress()
+    configure_tools(typed)
     workflow_cls = load_workflow(loaded)
     judge = build_judge(typed, cfg, loaded.config_dir)
     reader = build_task_reader(typed, loaded.config_dir)
@@ -289,11 +290,19 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
                     total_steps, plan)
 
 
+def configure_tools(typed) -> None:
+    """Settings of astuner's own tools, in every process that runs episodes (and the start-up block)."""
+    from astuner.tools.python_exec import allow_unsandboxed
+
+    allow_unsandboxed(typed.astuner.rollout.python_tool_unsandboxed)
+
+
 def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str, max_model_len: int):
     """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check)."""
     from astuner.rollout import RolloutRunner, RolloutSettings
 
     typed = loaded.typed
+    configure_tools(typed)
     return RolloutRunner(
         RolloutSettings.from_config(typed, max_model_len),
         engine,

@@ -1,25 +1,47 @@
-"""The Python tool: output, timeout, memory limit, scratch directory, AgentScope registration."""
+"""The Python tool: output, timeout, memory limit, scratch directory, what the code can read, AgentScope
+registration."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
+import json
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from astuner.tools import execute_python_code, run_python
-from astuner.tools.python_exec import describe_sandbox, sandbox_level
+from astuner.tools import execute_python_code, python_exec, run_python
+from astuner.tools.python_exec import SandboxRefused, describe_sandbox, sandbox_level
 
 REPO = Path(__file__).resolve().parents[1]
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def force_level(monkeypatch, level: str):
+    """Makes run_python use `level`; returns the process level's plan (user, landlock) or None for bubblewrap.
+    As root with an interpreter uid 65534 cannot run (pyenv's, under /root) the process level refuses; a system
+    Python that uid can run then stands in, when there is one, so the checks see that level as it runs."""
+    if level == "bubblewrap":
+        if sandbox_level() != "bubblewrap":
+            pytest.fail("bubblewrap is not usable here: install it (apt-get install bubblewrap)")
+        return None
+    monkeypatch.setattr(python_exec, "sandbox_level", lambda: "process")
+    plan = python_exec._process_plan(sys.executable, False)
+    for candidate in SYSTEM_PYTHONS if not plan.user else ():
+        if os.path.exists(candidate) and python_exec._process_plan(candidate, False).user:
+            monkeypatch.setattr(sys, "executable", candidate)
+            return python_exec._process_plan(candidate, False)
+    return plan
 
 
 def test_prints_output_and_stderr():
@@ -168,14 +190,121 @@ def test_escape_opening_a_socket():
 
 @pytest.mark.parametrize("level", ["bubblewrap", "process"])
 def test_exit_while_a_child_holds_the_output_returns_at_once(monkeypatch, level):
-    if level == "bubblewrap" and sandbox_level() != "bubblewrap":
-        pytest.fail("bubblewrap is not usable here: install it (apt-get install bubblewrap)")
-    monkeypatch.setattr("astuner.tools.python_exec.sandbox_level", lambda: level)
+    plan = force_level(monkeypatch, level)
+    if plan is not None and not plan.user:  # refused here: this test is about pipes, not files
+        monkeypatch.setattr(python_exec, "_allow_unsandboxed", True)
     started = time.monotonic()
     code = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\nsys.exit(3)"
     result = run(run_python(code, timeout=10.0))
     assert time.monotonic() - started < 5
     assert result.returncode == 3 and not result.timed_out
+
+
+@pytest.fixture
+def users_files():
+    """What model code must not read: the data set and YAML of a project in a home only its owner may enter, a file
+    in that home, a data set in another checkout anyone may read, and this checkout. Made outside /tmp (which the
+    bubblewrap sandbox replaces anyway), in this checkout: beside the venv, when the venv lives here."""
+    base = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=REPO))
+    try:
+        base.chmod(0o755)
+        home, other = base / "home", base / "other_checkout"
+        (home / "project" / "data").mkdir(parents=True)
+        (other / "data").mkdir(parents=True)
+        paths = {
+            "yaml beside the data": home / "project" / "run.yaml",
+            "dataset beside the yaml": home / "project" / "data" / "train.jsonl",
+            "file in $HOME": home / ".netrc",
+            "another checkout": other / "data" / "train.jsonl",
+            "this checkout": REPO / "pyproject.toml",
+        }
+        for path in paths.values():
+            if not path.exists():
+                path.write_text('{"question": "6 * 7", "answer": "42"}\n')
+            path.chmod(0o644)
+        for folder in (home / "project", home / "project" / "data", other, other / "data"):
+            folder.chmod(0o755)
+        home.chmod(0o700)
+        paths["listing of $HOME"] = home
+        paths["listing of the project"] = home / "project"
+        yield {name: str(path) for name, path in paths.items()}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _read_all(paths: dict[str, str]) -> tuple[int, dict[str, object]]:
+    """(the snippet's uid, what it could read of each path: its text or listing, None where refused or absent)."""
+    code = (
+        "import json, os\n"
+        "found = {}\n"
+        f"for name, path in {paths!r}.items():\n"
+        "    try:\n"
+        "        found[name] = os.listdir(path) if os.path.isdir(path) else open(path).read()\n"
+        "    except OSError:\n"
+        "        found[name] = None\n"
+        "print(json.dumps([os.getuid(), found]))\n"
+    )
+    result = run(run_python(code))
+    assert result.returncode == 0 and result.stderr == "", result
+    uid, found = json.loads(result.stdout)
+    return uid, found
+
+
+def test_bubblewrap_shows_model_code_nothing_of_the_users(monkeypatch, users_files):
+    force_level(monkeypatch, "bubblewrap")
+    uid, found = _read_all(users_files)
+    assert {name: text for name, text in found.items() if text is not None} == {}
+    assert uid != 0
+    description = describe_sandbox()
+    assert "no home, no project, no data" in description and sys.prefix in description
+
+
+@pytest.fixture
+def fresh_plans():
+    python_exec._process_plan.cache_clear()
+    yield
+    python_exec._process_plan.cache_clear()
+
+
+@pytest.mark.parametrize("landlock", ["as the kernel has it", "without"])
+def test_process_level_shows_model_code_nothing_of_the_users(monkeypatch, users_files, fresh_plans, landlock):
+    if landlock == "without":
+        monkeypatch.setattr(python_exec, "_landlock_abi", lambda: 0)
+    plan = force_level(monkeypatch, "process")
+    description = describe_sandbox()
+    if not plan.user:  # as root, only root could run this interpreter: the tool refuses
+        with pytest.raises(SandboxRefused, match="apt-get install bubblewrap"):
+            run(run_python("print(1)"))
+        assert "REFUSED" in description
+        return
+    uid, found = _read_all(users_files)
+    read = {name for name, text in found.items() if text is not None}
+    assert uid != 0
+    if plan.landlock:  # reads limited to the interpreter and the system, whoever owns the files
+        assert read == set() and "Landlock limits its reads" in description
+    elif plan.user == "nobody":  # what only the owner may read is out of reach; the start-up line names the rest
+        assert not read & {"yaml beside the data", "dataset beside the yaml", "file in $HOME", "listing of $HOME"}
+        assert "WORLD-READABLE FILES ARE READABLE" in description
+    else:  # not root, no Landlock: the code runs as the user, and the start-up line says so
+        assert "YOUR FILES ARE READABLE" in description
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root has to leave root to run model code")
+def test_process_level_never_runs_model_code_as_root_unless_told(monkeypatch, fresh_plans):
+    # uid 65534 cannot start the interpreter (as with pyenv under /root): refuse, naming bubblewrap and the opt-in.
+    monkeypatch.setattr(python_exec, "sandbox_level", lambda: "process")
+    monkeypatch.setattr(python_exec, "_probe_process", lambda exe, user, landlock: "denied" if user == "nobody" else "")
+    try:
+        description = describe_sandbox()
+        assert description.startswith("python tool sandbox: REFUSED")
+        assert "apt-get install bubblewrap" in description and "python_tool_unsandboxed: true" in description
+        with pytest.raises(SandboxRefused, match="apt-get install bubblewrap"):
+            run(run_python("print(1)"))
+        python_exec.allow_unsandboxed(True)
+        assert "RUNS AS ROOT, UNSANDBOXED" in describe_sandbox()
+        assert run(run_python("import os\nprint(os.getuid())")).stdout == "0\n"
+    finally:
+        python_exec.allow_unsandboxed(False)
 
 
 def _alive(pid: int) -> bool:

@@ -168,6 +168,10 @@ class RolloutSection(Section):
         'A prompt that leaves no room ends the episode ("overflow"). Checked against the model before it loads.',
         ge=1,
     )
+    python_tool_unsandboxed: bool = key(
+        False, "Only without bubblewrap, as root, with an interpreter uid 65534 cannot run (e.g. pyenv's under /root): "
+        "true runs model-written Python (execute_python_code) as root, able to read and write all astuner can; "
+        "false refuses the tool, naming apt-get install bubblewrap.")
     tool_prompt: Literal["auto", "template", "builtin"] = key(
         "auto",
         "How tools reach the model: auto (the chat template if it renders tools, else the built-in tool prompt) | "

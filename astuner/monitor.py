@@ -29,6 +29,20 @@ _POSTFIX = {
 
 
 _SINKS: list[int] = []  # loguru sink ids added by setup_logging, removed on the next call
+_LOG_PATH: list[Path] = []  # the run's log file, once setup_logging ran in this process
+# Libraries whose warnings go to the log file only (their errors still reach the console): vLLM explains its own
+# start-up choices at length, none of which a user acts on.
+_FILE_ONLY = ("vllm", "triton")
+
+
+def run_log_path() -> Path | None:
+    """The run's log file in this process (None before setup_logging: a bench or a test using an engine alone)."""
+    return _LOG_PATH[-1] if _LOG_PATH else None
+
+
+def _for_console(record) -> bool:
+    name = record["name"] or ""
+    return record["level"].no >= 40 or not name.split(".")[0] in _FILE_ONLY
 
 
 def setup_logging(experiment_dir: Path) -> Path:
@@ -46,7 +60,9 @@ def setup_logging(experiment_dir: Path) -> Path:
         pass
     _SINKS.append(logger.add(path, level="INFO", encoding="utf-8", enqueue=False,
                              format="{time:YYYY-MM-DD HH:mm:ss.SSS} {level} {name}: {message}"))
-    _SINKS.append(logger.add(_console, level="WARNING", format="astuner: {level}: {message}", colorize=False))
+    _SINKS.append(logger.add(_console, level="WARNING", format="astuner: {level}: {message}", colorize=False,
+                             filter=_for_console))
+    _LOG_PATH[:] = [path]
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):

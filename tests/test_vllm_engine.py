@@ -160,7 +160,7 @@ def test_cancelling_the_caller_stops_the_request(engine):
 
 @pytest.mark.parametrize("sampling", [[], ["astuner.rollout.top_p=0.8", "astuner.rollout.top_k=20",
                                               "astuner.rollout.temperature=0.7"]], ids=["default", "top_p_top_k"])
-def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling):
+def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling, capfd):
     """The whole loop with engine: vllm (its own engine process): metrics carry the mismatch and sync time; with
     Qwen's recommended top_p/top_k the start-up check (strict) passes and engine and trainer still agree."""
     from tests.test_debug_backbone import write_run
@@ -177,3 +177,9 @@ def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling):
     for row in train:
         assert row["rollout/logprob_abs_diff_mean"] < LOGPROB_ATOL  # fp32 engine and trainer agree
         assert "rollout/kl_engine_trainer_k3" in row and row["time/sync_s"] > 0
+    # The console holds astuner's lines and bars; vLLM's own output (its processes' too) is in the run's log.
+    captured = capfd.readouterr()
+    console = captured.out + captured.err
+    assert "WARNING" not in console and "EngineCore" not in console and "Failed to load weights" not in console
+    log = (tmp_path / "out" / "astuner.log").read_text(errors="replace")
+    assert "vllm" in log and "Failed to load weights" in log  # the tied head, re-packed after each sync

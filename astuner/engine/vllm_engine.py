@@ -93,32 +93,40 @@ class VLLMEngine:
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 engine_args.setdefault("kv_cache_memory_bytes", int(
                     kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, self.dtype) * 2**30))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # into the run's log file (vllm_process.py)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="astuner-vllm-client", daemon=True)
         self._thread.start()
         started = time.perf_counter()
+        from astuner.engine.vllm_process import cpu_preload, engine_process_environment
+        from astuner.monitor import run_log_path
+
+        preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
         try:
-            self._llm = self._call(self._start(
-                model=self.model_path,
-                dtype=self.dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                tensor_parallel_size=tensor_parallel_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
-                enforce_eager=not on_cuda,  # CUDA graphs on GPU; the CPU backend needs eager mode
-                enable_sleep_mode=self.sleep_mode,
-                skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls=WORKER_EXTENSION,
-                disable_log_stats=True,
-                **engine_args,  # further vLLM engine arguments (benchmarks: enable_lora)
-            ), start_timeout_s, "the vLLM engine to start (model load, KV cache allocation)")
-        except BaseException:
+            with engine_process_environment(run_log_path(), preload):
+                self._llm = self._call(self._start(
+                    model=self.model_path,
+                    dtype=self.dtype,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    seed=seed,
+                    enable_prefix_caching=enable_prefix_caching,
+                    enforce_eager=not on_cuda,  # CUDA graphs on GPU; the CPU backend needs eager mode
+                    enable_sleep_mode=self.sleep_mode,
+                    skip_tokenizer_init=True,
+                    logprobs_mode="processed_logprobs",
+                    worker_extension_cls=WORKER_EXTENSION,
+                    disable_log_stats=True,
+                    **engine_args,  # further vLLM engine arguments (benchmarks: enable_lora)
+                ), start_timeout_s, "the vLLM engine to start (model load, KV cache allocation)")
+        except BaseException as exc:
             self._stop_loop()
+            if run_log_path() is not None and isinstance(exc, Exception):
+                raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "
+                                   f"output is in {run_log_path()}") from exc
             raise
         log.info("vLLM engine ready in %.1fs (%s, %s, prefix caching %s)", time.perf_counter() - started,
                  "cuda" if on_cuda else "cpu", self.dtype, "on" if enable_prefix_caching else "off")
@@ -262,7 +270,7 @@ class VLLMEngine:
             future.cancel()
             raise EngineTimeout(
                 f"waited {timeout:g}s for {what} and gave up. The engine process may be stuck or out of memory: "
-                "see its log lines above (prefixed EngineCore / Worker)."
+                "see its lines (EngineCore / Worker) in the run's log file, astuner.log."
             ) from None
 
     def _stop_loop(self) -> None:

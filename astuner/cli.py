@@ -5,8 +5,11 @@ when the command runs, and the backbone (torch and friends) only after the confi
 Every bad input ends as one `astuner: error: ...` paragraph on stderr and exit code 2, never a traceback.
 """
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -27,6 +30,7 @@ except ImportError:  # only newer Typer gets here, and it needs no click
 BACKBONES = ("debug", "verl", "trinity")
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
+TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports it
 STALLED_EXIT = 1
 
 app = typer.Typer(
@@ -71,10 +75,35 @@ def launch(
     Merge a LoRA checkpoint into a model folder: astuner export CHECKPOINT --out DIR
     """
     try:
-        run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
+        with _sigterm_as_interrupt():
+            run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
+    except Terminated:
+        print("astuner: terminated (SIGTERM); the engine's processes were stopped", file=sys.stderr)
+        raise typer.Exit(TERMINATED_EXIT) from None
     except KeyboardInterrupt:
         print("astuner: interrupted", file=sys.stderr)
         raise typer.Exit(INTERRUPT_EXIT) from None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, a timeout, `kill`): unwinds like Ctrl-C, so every `finally` runs and the engine's
+    own processes (vLLM's engine core and workers, which outlive a parent killed outright) are stopped."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:

@@ -183,3 +183,33 @@ def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling, ca
     assert "WARNING" not in console and "EngineCore" not in console and "Failed to load weights" not in console
     log = (tmp_path / "out" / "astuner.log").read_text(errors="replace")
     assert "vllm" in log and "Failed to load weights" in log  # the tied head, re-packed after each sync
+
+
+def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
+    """A run ended by SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C: vLLM's engine core and worker, which
+    outlive a parent killed outright (3.7 GB each on the demo model), are stopped, and the exit code says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from tests.test_debug_backbone import write_run
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml), "astuner.rollout.engine=vllm",
+                             f"astuner.experiment_dir={out}", "astuner.trainer_common.total_training_steps=500",
+                             "astuner.rollout.max_num_seqs=8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "metrics.jsonl").is_file():  # the engine serves: its processes are up
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any("VLLM" in " ".join(c.cmdline() + [c.name()]) for c in children if c.is_running())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in err
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [c.pid for c in alive]

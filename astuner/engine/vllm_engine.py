@@ -102,7 +102,7 @@ class VLLMEngine:
         from astuner.engine.vllm_process import cpu_preload, engine_process_environment
         from astuner.monitor import run_log_path
 
-        preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD") == "1" else ""
+        preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
         try:
             with engine_process_environment(run_log_path(), preload):
                 self._llm = self._call(self._start(

@@ -222,8 +222,10 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     P = facts.num_params
     engine = resolve_engine_name(a.rollout.engine)
     shards = 1  # fsdp2 shards weights, gradients and AdamW state (and the reference model) over the trainer workers
+    processes = 1  # processes of this run that may share one host's memory
     if backbone in RAY_BACKBONES:
         world = tc.nnodes * tc.n_gpus_per_node
+        processes = world + (tc.trinity_only__n_vllm_engine if backbone == "trinity" else 0)
         try:
             shards = world if resolve_strategy(tc.strategy, world, device, tc.lora.rank > 0) == "fsdp2" else 1
         except ValueError as exc:
@@ -251,10 +253,6 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
-    processes = 1
-    if backbone in RAY_BACKBONES:  # processes of this run that may share one host's memory
-        world = tc.nnodes * tc.n_gpus_per_node
-        processes = world + (tc.trinity_only__n_vllm_engine if backbone == "trinity" else 0)
     return fit_memory(plan, facts.shape, typed, precision, processes)
 
 

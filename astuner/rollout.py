@@ -46,15 +46,13 @@ from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, templ
 from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.task_judge.base_judge import BaseJudge, call_judge
-from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
+from astuner.types import FLAG_FAILED, FLAG_JUDGE_TIMEOUT, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
 log = logging.getLogger(__name__)
 
 # Seconds a cancelled workflow gets to unwind after its deadline before the rollout stops waiting for it.
 CANCEL_GRACE_S = 5.0
-# The judge did not answer within task_judge.timeout (the episode also carries FLAG_FAILED: not trained on).
-FLAG_JUDGE_TIMEOUT = "judge_timeout"
 
 
 class JudgeTimeout(Exception):

@@ -217,13 +217,12 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None, model: 
     # The YAML sits beside the run's other files; the launcher's resume logic decides the final folder.
     spec_dir = folder.parent / ".tune"
     if backbone in RAY_BACKBONES:
-        shipped = {fn.__qualname__: fn for fn in (workflow_func, judge_func) if fn is not None
-                   and fn.__module__ == "__main__"}
-        if shipped:
-            target = ship_functions(shipped, spec_dir / f"{project_name}.functions.pkl")
-            workflow_spec = f"{target}->{workflow_func.__qualname__}" if workflow_func.__qualname__ in shipped \
-                else workflow_spec
-            if judge_func is not None and judge_func.__module__ == "__main__":
+        local = [fn for fn in (workflow_func, judge_func) if fn is not None and fn.__module__ == "__main__"]
+        if local:
+            target = ship_functions({fn.__qualname__: fn for fn in local}, spec_dir / f"{project_name}.functions.pkl")
+            if workflow_func in local:
+                workflow_spec = f"{target}->{workflow_func.__qualname__}"
+            if judge_func in local:
                 judge_spec = f"{target}->{judge_func.__qualname__}"
     extra = [f"astuner.rollout.agentscope_workflow='{workflow_spec}'"]
     if judge_spec is not None:

@@ -21,6 +21,7 @@ FLAG_WRONG_TOOLCALL = "wrong_toolcall"
 FLAG_OVERFLOW = "overflow"  # context (max_model_len) or episode budget (max_response_length) exhausted
 FLAG_FAILED = "failed"  # workflow raised
 FLAG_TIMEOUT = "timeout"  # workflow exceeded rollout.episode_timeout
+FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the episode also carries FLAG_FAILED)
 
 
 @dataclass

@@ -351,13 +351,15 @@ def pin_host_memory(buf) -> bool:
 def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:
     """GiB of KV cache for max_num_seqs sequences of max_model_len tokens (at least 1, at most 16)."""
     import json
+    from types import SimpleNamespace
+
+    from astuner.memory import ModelShape
 
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
-    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        shape = ModelShape.from_config(SimpleNamespace(**json.loads((Path(model_path) / "config.json").read_text())))
+    except (OSError, ValueError):
+        shape = None
+    if shape is None:
         return 4
-    need = per_token * max_model_len * max_num_seqs / 2**30
+    need = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * max_model_len * max_num_seqs / 2**30
     return int(min(16, max(1, -(-need // 1))))

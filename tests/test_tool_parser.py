@@ -15,7 +15,7 @@ def parser():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral", "gemma4"}
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("llama3")

@@ -177,16 +177,17 @@ class RolloutSection(Section):
         "How tools reach the model: auto (the chat template if it renders tools, else the built-in tool prompt) | "
         "template | builtin.",
     )
-    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral"] = key(
+    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "gemma4"] = key(
         "auto",
         "Parser for tool calls in model output: auto (detected from the chat template; hermes with the built-in "
         "tool prompt) | hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3) | qwen3_coder "
-        "(<function=name><parameter=p>) | llama3_json | mistral ([TOOL_CALLS]).",
+        "(<function=name><parameter=p>) | llama3_json | mistral ([TOOL_CALLS]) | gemma4 (<|tool_call>call:name{...}).",
     )
-    reasoning_parser: Literal["auto", "none", "think"] = key(
+    reasoning_parser: Literal["auto", "none", "think", "channel"] = key(
         "auto",
-        "auto (think when the chat template knows </think>) | none | think: <think>...</think> is kept out of the "
-        "content the agent sees (returned as reasoning_content) and kept in the trained tokens.",
+        "auto (from the chat template's markers) | none | think: <think>...</think> | channel: Gemma 4's "
+        "<|channel>thought...<channel|>. Reasoning is kept out of the content the agent sees (returned as "
+        "reasoning_content) and kept in the trained tokens.",
     )
     preflight: Literal["strict", "warn", "off"] = key(
         "strict",

@@ -5,6 +5,7 @@ Reasoning parsers (`REASONING_PARSERS`, named by `rollout.reasoning_parser`):
   think  `<think>...</think>` is reasoning, the rest content (Qwen3, QwQ, DeepSeek-R1). A template whose
          generation prompt already opens `<think>` makes the model write only `...</think>answer`; that is
          handled too. An unclosed `<think>` (generation cut at max_tokens) is all reasoning, no content.
+  channel  Gemma 4's `<|channel>thought\n...<channel|>`, split the same way.
 Reasoning is kept out of the content handed back to the agent, returned as `reasoning_content`, and kept in the
 recorded tokens (training sees exactly what was sampled).
 
@@ -27,12 +28,15 @@ class ReasoningSplit:
 
 
 class NoReasoningParser:
+    markers: tuple[str, ...] = ()
+
     def split(self, text: str) -> ReasoningSplit:
         return ReasoningSplit(None, text)
 
 
 class ThinkReasoningParser:
     open_tag, close_tag = "<think>", "</think>"
+    markers = (open_tag, close_tag)
 
     def split(self, text: str) -> ReasoningSplit:
         if self.close_tag in text:
@@ -45,16 +49,31 @@ class ThinkReasoningParser:
         return ReasoningSplit(None, text)
 
 
-REASONING_PARSERS: dict[str, type] = {"none": NoReasoningParser, "think": ThinkReasoningParser}
+class ChannelReasoningParser(ThinkReasoningParser):
+    """Gemma 4's thinking channel: `<|channel>thought\n...<channel|>answer`."""
+
+    open_tag, close_tag = "<|channel>", "<channel|>"
+    markers = (open_tag, close_tag)
+
+    def split(self, text: str) -> ReasoningSplit:
+        split = super().split(text)
+        if split.reasoning is not None and split.reasoning.startswith("thought"):
+            split.reasoning = split.reasoning[len("thought"):].lstrip("\n")
+        return split
+
+
+REASONING_PARSERS: dict[str, type] = {"none": NoReasoningParser, "think": ThinkReasoningParser,
+                                      "channel": ChannelReasoningParser}
 
 # (marker in the template source, tool parser, family) - first match wins, so specific markers come first.
 DETECTION_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("<|tool_call>", "gemma4", "Gemma 4"),
     ("<function=", "qwen3_coder", "Qwen3-Coder XML"),
     ("[TOOL_CALLS]", "mistral", "Mistral"),
     ("<|python_tag|>", "llama3_json", "Llama 3.x"),
     ("<tool_call>", "hermes", "Hermes / Qwen2.5 / Qwen3"),
 )
-REASONING_MARKERS: tuple[tuple[str, str], ...] = (("</think>", "think"),)
+REASONING_MARKERS: tuple[tuple[str, str], ...] = (("<channel|>", "channel"), ("</think>", "think"))
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """The token-pipeline preflight (`rollout.preflight: strict | warn | off`), run once before training.
 
 A golden conversation (system, user, an assistant tool call, the tool result, a final answer; with reasoning
-when the reasoning parser is `think`) goes through the model's chat template and the chosen parsers:
+when a reasoning parser is in use) goes through the model's chat template and the chosen parsers:
   template      every prefix of the conversation renders;
-  tool parser   the parser recovers the tool call from the template's own rendering of the assistant turn
-                (a parser that does not match the model's format would leave reward near 0 with no error);
+  tool parser   the parser recovers the tool call from the template's own rendering of the assistant turn,
+                tokenized and decoded as a sampled response is (a parser that does not match the model's
+                format, or markers lost to skip_special_tokens, would leave reward near 0 with no error);
   extension     each turn's prompt extends the previous prompt + assistant turn (else multi-turn prompts cannot
                 reuse the exact ids of earlier turns and `merge` joins nothing);
-  reasoning     the reasoning parser recovers the reasoning the template wrote (only with `think`);
+  reasoning     the reasoning parser recovers the reasoning the template wrote (with a reasoning parser);
   logprobs      engine and trainer agree on the logprobs of a short sequence sampled with the rollout's own
                 temperature, top_p and top_k (max |difference|), so the check sees what training will see.
 One table is printed; with `strict` any failed check stops the run (exit 2) with what to change.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from astuner.errors import UserError
+from astuner.model_tuner.decoding import ResponseDecoder
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ _SENTINEL = "ZQXJ sentinel answer"
 
 def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_texts: tuple[str, ...],
                    logprob_check: Callable[[], tuple[float, int]] | None = None) -> list[CheckRow]:
-    with_reasoning = chat_format.reasoning_parser == "think"
+    with_reasoning = chat_format.reasoning_parser != "none"
     messages = golden_conversation(with_reasoning)
     tools = GOLDEN_TOOLS
     rows: list[CheckRow] = []
@@ -107,6 +109,9 @@ def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_te
 
     try:
         text = assistant_turn_text(renderer, messages, 2, tools, stop_texts)
+        # The way a sampled response reaches the parser: as ids, decoded with the format's markers kept.
+        decoder = ResponseDecoder(renderer.tokenizer, (*tool_parser.markers, *reasoning_parser.markers))
+        text = decoder.decode(renderer.tokenizer.encode(text, add_special_tokens=False))
         split = reasoning_parser.split(text)
         parsed = tool_parser.parse(split.content, {"get_weather"})
         got = [(c.name, c.arguments) for c in parsed.tool_calls]
@@ -116,7 +121,7 @@ def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_te
         rows.append(CheckRow("tool parser", ok, detail))
         if with_reasoning:
             ok = (split.reasoning or "").strip() == GOLDEN_REASONING
-            rows.append(CheckRow("reasoning", ok, "think parser splits the template's <think> block" if ok else
+            rows.append(CheckRow("reasoning", ok, f"{chat_format.reasoning_parser} parser splits the template's reasoning" if ok else
                                  f"reasoning read as {split.reasoning!r}"))
     except Exception as exc:  # noqa: BLE001
         rows.append(CheckRow("tool parser", False, f"{type(exc).__name__}: {exc}"))

@@ -10,6 +10,10 @@ Formats (what the model writes; each is what the family's own chat template rend
   qwen3_coder   <tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>
   llama3_json   {"name": ..., "parameters": {...}}, optionally after <|python_tag|>, several joined by ";"
   mistral       [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "abcdefghi"}, ...]
+  gemma4        <|tool_call>call:NAME{key:value,...}<tool_call|>, strings between <|"|> quotes      Gemma 4
+
+Each parser names its `markers`: the strings it reads. Where a family's tokenizer makes them special tokens
+(`<|python_tag|>`, `[TOOL_CALLS]`), the response is decoded with them kept (decoding.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class ParsedOutput:
 
 
 class ToolParser(Protocol):
+    markers: tuple[str, ...]
+
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
         """Split `text` into plain content and tool calls.
 
@@ -52,6 +58,7 @@ class HermesToolParser:
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    markers = (open_tag, close_tag)
 
     def __init__(self) -> None:
         self._block = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
@@ -157,6 +164,7 @@ class Qwen3CoderToolParser:
     that value, anything else stays a string (what Qwen3-Coder's template writes for a string argument)."""
 
     open_tag = "<tool_call>"
+    markers = (open_tag, "</tool_call>")
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _function = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -202,6 +210,7 @@ class Llama3JsonToolParser:
     after <|python_tag|>; several calls are joined by ";". Text that is not such an object is plain content."""
 
     python_tag = "<|python_tag|>"
+    markers = (python_tag,)
 
     def has_tool_call(self, text: str) -> bool:
         stripped = text.strip()
@@ -250,6 +259,7 @@ class MistralToolParser:
     when it has that shape, otherwise one is derived from the call's position (stable, so prompts repeat)."""
 
     marker = "[TOOL_CALLS]"
+    markers = (marker,)
 
     def has_tool_call(self, text: str) -> bool:
         return self.marker in text
@@ -288,6 +298,86 @@ class MistralToolParser:
         return out
 
 
+class Gemma4ToolParser:
+    """Gemma 4's calls, as its template writes them: `<|tool_call>call:NAME{key:value,...}<tool_call|>`.
+
+    Values: a string between `<|"|>` quotes, a nested `{key:value}` map, a `[...]` list, or a bare number,
+    true/false/null. Keys are bare (or quoted with `<|"|>`)."""
+
+    open_tag, close_tag, quote = "<|tool_call>", "<tool_call|>", '<|"|>'
+    markers = (open_tag, close_tag, quote)
+    _block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
+
+    def has_tool_call(self, text: str) -> bool:
+        return self.open_tag in text
+
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+        content, bodies, error = _split_blocks(text, self._block, self.open_tag)
+        out = ParsedOutput(content=content)
+        if error:
+            out.errors.append(error)
+        for index, body in enumerate(bodies):
+            where = f"tool call {index}"
+            match = re.match(r"\s*call:([^{\s]+)\s*(\{.*\})\s*$", body, re.DOTALL)
+            if match is None:
+                out.errors.append(f"{where}: expected call:NAME{{...}} inside {self.open_tag}")
+                continue
+            name = match.group(1)
+            try:
+                arguments, end = self._value(match.group(2), 0)
+                if end != len(match.group(2)):
+                    raise ValueError(f"unexpected text after the arguments: {match.group(2)[end:][:40]!r}")
+            except (ValueError, IndexError) as exc:
+                out.errors.append(f"{where} ({name}): {exc}")
+                continue
+            call, err = _checked_call(ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
+            if err:
+                out.errors.append(err)
+            out.tool_calls.append(call)
+        return out
+
+    def _value(self, s: str, i: int) -> tuple[Any, int]:
+        if s.startswith(self.quote, i):
+            end = s.find(self.quote, i + len(self.quote))
+            if end < 0:
+                raise ValueError("unclosed <|\"|> string")
+            return s[i + len(self.quote):end], end + len(self.quote)
+        if s[i] == "{":
+            out, i = {}, i + 1
+            while s[i] != "}":
+                if s.startswith(self.quote, i):
+                    key, i = self._value(s, i)
+                else:
+                    colon = s.find(":", i)
+                    if colon < 0:
+                        raise ValueError("a key without ':'")
+                    key, i = s[i:colon].strip(), colon
+                if s[i] != ":":
+                    raise ValueError(f"expected ':' after key {key!r}")
+                out[key], i = self._value(s, i + 1)
+                if s[i] == ",":
+                    i += 1
+                elif s[i] != "}":
+                    raise ValueError(f"expected ',' or '}}' after {key!r}")
+            return out, i + 1
+        if s[i] == "[":
+            items, i = [], i + 1
+            while s[i] != "]":
+                item, i = self._value(s, i)
+                items.append(item)
+                if s[i] == ",":
+                    i += 1
+                elif s[i] != "]":
+                    raise ValueError("expected ',' or ']' in a list")
+            return items, i + 1
+        match = re.compile(r"[^,}\]]*").match(s, i)
+        raw = match.group(0).strip()
+        try:
+            return json.loads(raw), match.end()
+        except json.JSONDecodeError:
+            return raw, match.end()
+
+
 def mistral_call_id(seed: str) -> str:
     """A 9-character alphanumeric id derived from `seed` (Mistral templates reject any other shape)."""
     return hashlib.sha1(seed.encode()).hexdigest()[:9]
@@ -298,6 +388,7 @@ TOOL_PARSERS: dict[str, type] = {
     "qwen3_coder": Qwen3CoderToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "gemma4": Gemma4ToolParser,
 }
 
 

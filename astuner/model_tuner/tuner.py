@@ -27,6 +27,7 @@ from typing import Any
 from astuner.engine.base import InferenceEngine
 from astuner.madness import CallView, run_checks, validate_checklist
 from astuner.model_tuner.chat_format import ChatRenderer, canonical_messages, normalize_tools, tool_names_of
+from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
 from astuner.model_tuner.tool_parser import ParsedOutput, ParsedToolCall, ToolParser
 from astuner.types import LLMCall, SamplingParams
@@ -83,15 +84,6 @@ class CallOptions:
     stop: tuple[str, ...] = ()  # the response is cut after the token that completes a stop string
 
 
-def special_token_ids(tokenizer) -> set[int]:
-    """Ids of tokens that must never appear inside a response (control tokens such as <|im_start|>)."""
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(token, "special", False):
-            ids.add(int(token_id))
-    return ids
-
-
 class ModelTuner:
     """One instance per episode; not reusable across episodes (it holds the episode's calls and budget)."""
 
@@ -146,7 +138,9 @@ class ModelTuner:
         self.overflowed = False
         self.overflow_reason: str | None = None
         self.generated_tokens = 0
-        self._special_ids = special_token_ids(tokenizer)
+        # Response text keeps the parsers' markers even where they are special tokens (decoding.py).
+        self._decoder = ResponseDecoder(tokenizer, (*getattr(tool_parser, "markers", ()),
+                                                     *getattr(self.reasoning_parser, "markers", ())))
         self._stop_ids = set(self.stop_token_ids)
         self._started = 0  # calls begun (concurrent calls may finish out of order)
 
@@ -297,13 +291,13 @@ class ModelTuner:
         self.generated_tokens += len(response_ids)
 
         text_ids = response_ids[:-1] if response_ids and response_ids[-1] in self._stop_ids else response_ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        text = self._decoder.decode(text_ids)
         if options.stop:
             text = _before_stop(text, options.stop)
         split = self.reasoning_parser.split(text)
         parsed = self._parse(split.content, tools, call_index=index)
 
-        view = CallView(response_ids, text, self._special_ids, self._stop_ids, parsed.errors)
+        view = CallView(response_ids, text, self._decoder.leak_ids, self._stop_ids, parsed.errors)
         fired = run_checks(self.madness_checks, view)
         call = LLMCall(
             prompt_ids=list(prompt_ids),
@@ -323,8 +317,9 @@ class ModelTuner:
             self.flag_reasons.append((len(self.calls), flag, reason))
         call.messages = [_brief(m) for m in messages[new_from:]]
         self.calls.append(call)
-        turn = _Turn(call=call, content=parsed.content, tool_calls=parsed.tool_calls, seconds=seconds,
-                     reasoning=split.reasoning,
+        reasoning = None if split.reasoning is None else self._decoder.strip_markers(split.reasoning)
+        turn = _Turn(call=call, content=self._decoder.strip_markers(parsed.content), tool_calls=parsed.tool_calls,
+                     seconds=seconds, reasoning=reasoning,
                      finish_reason="tool_calls" if parsed.tool_calls else ("length" if finish == "length" else "stop"))
         call.reply = assistant_message(turn)
         self._conversations.append(_Conversation(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from astuner.task_judge.exact_match_judge import ExactMatchJudge
 from astuner.task_judge.math_answer_as_judge import MathAnswerAsJudge
 from astuner.types import Task
 from astuner.workflow import WorkflowOutput, WorkflowTask, load_class
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def episode(final_answer=None, **metadata):
@@ -192,3 +195,20 @@ def test_a_sync_judge_can_be_left_behind_without_blocking_the_loop_close():
     runner.join(timeout=2.0)
     release.set()  # the abandoned thread's late answer goes to a closed loop, and is dropped
     assert seen.get("closed"), "closing the loop waited for the hung judge"
+
+
+@pytest.mark.parametrize("answer, reward", [
+    ("27 + 6 = 33. The answer is \\boxed{33}.", 1.0),
+    ("\\boxed{33}", 1.0),  # right is right, whatever the form
+    ("27 + 6 = 34. The answer is \\boxed{34}.", 0.3),  # the requested form, a wrong sum
+    ("\\boxed{34}", 0.0),  # a bare guess: no credit (a reward hack seen on a seed)
+    ("27 + 6 = 34. The answer is \\boxed{35}.", 0.0),  # the box does not hold the written sum
+    ("2 + 6 = 34. The answer is \\boxed{34}.", 0.0),  # not this task's sum
+    ("27 + 6 = 34. \\boxed{34} or \\boxed{34}", 0.0),  # scattered boxes
+    ("27 + 6 = 33.", 0.0),  # no box
+])
+def test_quickstart_judge_pays_format_credit_only_for_the_requested_form(answer, reward):
+    judge = load_class(str(REPO / "tutorial/quickstart/boxed_judge.py") + "->BoxedAnswerJudge")(None)
+    task = WorkflowTask(task=Task(task_id="add-27-6", main_query="What is 27 + 6? Reply in the form: 27 + 6 = "
+                                  "<sum>. The answer is \\boxed{<sum>}.", metadata={"answer": "33"}))
+    assert judge.compute_reward(task, WorkflowOutput(metadata={"final_answer": answer}))[0] == reward

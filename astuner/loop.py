@@ -139,6 +139,7 @@ class ResumeState:
     idle_steps: int = 0
     val_scores: dict[str, float] = field(default_factory=dict)
     first_error: str | None = None
+    first_error_source: str = "workflow"  # the part that failed: "workflow" or "judge" (see _first_error)
 
 
 @dataclass
@@ -276,12 +277,23 @@ def zero_adv_group_fraction(episodes: list[Episode]) -> float:
     return sum(len(r) == 1 for r in groups.values()) / len(groups)
 
 
-def _first_error(episodes: list[Episode]) -> str | None:
+def _first_error(episodes: list[Episode]) -> tuple[str, str] | None:
+    """(where, what) of the first failed episode: the part that failed ("workflow" or "judge") and a line
+    quoting its error."""
     for e in episodes:
         if e.error:
             lines = e.error.strip().splitlines()
-            return f"episode {e.episode_uid}: {lines[-1] if lines else e.error}"
+            what = e.error_summary or (lines[-1] if lines else e.error)
+            return e.error_source or "workflow", f"episode {e.episode_uid}: {what}"
     return None
+
+
+FIX_ADVICE = {
+    "workflow": "Fix the workflow (run with --backbone debug and a breakpoint in it), or raise "
+                "astuner.rollout.episode_timeout if the episodes are just slow.",
+    "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
+             "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
+}
 
 
 def run_loop(
@@ -375,13 +387,13 @@ def _run_steps(settings, stages, monitor, state, summary, batches, total_steps, 
             trained, episodes, epoch, position, fill = fill_with_informative_groups(
                 episodes, tasks, batches, stages, settings, step, epoch, position)
         t1 = time.perf_counter()
-        state.first_error = state.first_error or _first_error(episodes)
+        if state.first_error is None and (found := _first_error(episodes)):
+            state.first_error_source, state.first_error = found
         if not any(e.trainable for e in episodes):
             raise TrainingStalled(
                 f"step {step}: all {len(episodes)} episodes failed or timed out, so there is nothing to train on. "
-                f"First error: {state.first_error or 'none recorded'}. Fix the workflow (run with --backbone debug "
-                f"and a breakpoint in it), or raise astuner.rollout.episode_timeout if the episodes are just slow."
-            )
+                f"First error: {state.first_error or 'none recorded'}. "
+                f"{FIX_ADVICE.get(state.first_error_source, FIX_ADVICE['workflow'])}")
         rft = settings.algorithm == "rft"
         if rft:  # rejection sampling: only episodes that pass the threshold, learnt by SFT on their exact ids
             trained = [e for e in episodes if e.trainable and e.reward >= settings.rft_threshold]

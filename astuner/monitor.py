@@ -186,6 +186,7 @@ class Monitor:
             "is_success": episode.is_success,
             "flags": episode.flags,
             "error": episode.error,
+            "error_summary": episode.error_summary,
             "seconds": round(episode.seconds, 3),
             "policy_version": episode.policy_version,
             "output_metadata": episode.output_metadata,

@@ -23,6 +23,12 @@ waited for, not even at shutdown (`base_judge.in_daemon_thread`). The episode is
 `failed`, so it is left out of training and counted in failure_rate like an episode whose judge raised), and the
 run goes on.
 
+All rollouts of a run (training steps and validations) run on one event loop, kept open between steps. Clients
+that SDKs and users build once per process (`langchain_openai` caches one `httpx.AsyncClient` per base URL; an
+`openai.AsyncOpenAI` made at import time) bind their connections to the loop of their first request and would
+fail on any other ("Event loop is closed"). Episodes stay isolated by their own keys, deadlines and
+cancellation; whatever a step leaves running is cancelled when it ends (`_cancel_leftovers`).
+
 Sampling seeds are derived from (astuner.seed, step, episode uid), so an episode samples the same tokens whatever
 else runs beside it, and a resumed run repeats the run it continues.
 """
@@ -132,6 +138,7 @@ class RolloutRunner:
         self.parser = TOOL_PARSERS[self.chat_format.tool_parser]()
         self.reasoning_parser = REASONING_PARSERS[self.chat_format.reasoning_parser]()
         self.gateway = Gateway()
+        self._loop: asyncio.AbstractEventLoop | None = None  # every rollout of the run (module docstring)
 
     def stop_texts(self) -> tuple[str, ...]:
         """End-of-turn markers as text (the stop tokens and the tokenizer's eos)."""
@@ -142,6 +149,8 @@ class RolloutRunner:
         """Stop the loopback endpoint, if an agent started it, and (unless `auxiliary` is False: a caller that
         shares the pool between runners) the auxiliary models' engines."""
         self.gateway.close()
+        if self._loop is not None and not self._loop.is_closed():
+            _close_loop(self._loop)
         if auxiliary and self.auxiliary is not None:
             self.auxiliary.shutdown()
 
@@ -156,14 +165,15 @@ class RolloutRunner:
     ) -> list[Episode]:
         """Training: `num_repeat` sampled episodes per task. Validation: one greedy episode per task, or, with
         `sampled_repeats` (pass@k), that many episodes per task sampled at the training temperature."""
-        loop = asyncio.new_event_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
         try:
-            return loop.run_until_complete(
+            return self._loop.run_until_complete(
                 self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step,
                                sampled_repeats=sampled_repeats)
             )
         finally:
-            _close_loop(loop)
+            _cancel_leftovers(self._loop)
 
     async def run_async(self, tasks, *, validation=False, on_episode_done=None, step: int = 0,
                         sampled_repeats: int | None = None) -> list[Episode]:
@@ -231,9 +241,10 @@ class RolloutRunner:
             raise  # bad input (e.g. a dataset without the field the judge needs) stops the run with its message
         except (EpisodeOverflow, EpisodeTimeout):
             pass  # flagged below from the tuner's own record
-        except Exception:
+        except Exception as exc:
             episode.flags.append(FLAG_FAILED)
             episode.error = traceback.format_exc()
+            episode.error_summary, episode.error_source = f"the workflow raised {describe_exception(exc)}", "workflow"
             self._log_error(episode, "failed")
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
         episode.calls = list(tuner.calls)
@@ -244,6 +255,7 @@ class RolloutRunner:
             output = None
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_TIMEOUT]
             episode.error = f"episode timed out after {timeout:g}s ({tuner.expired_reason})"
+            episode.error_summary, episode.error_source = episode.error, "workflow"
             self._log_error(episode, "timed out")
         elif tuner.overflowed:
             output = None
@@ -261,11 +273,14 @@ class RolloutRunner:
                 raise
             except JudgeTimeout as exc:
                 episode.flags += [FLAG_FAILED, FLAG_JUDGE_TIMEOUT]
-                episode.error = str(exc)
+                episode.error = episode.error_summary = str(exc)
+                episode.error_source = "judge"
                 self._log_error(episode, "was not judged in time")
-            except Exception:
+            except Exception as exc:
                 episode.flags.append(FLAG_FAILED)
                 episode.error = traceback.format_exc()
+                episode.error_summary = f"judge {type(self.judge).__qualname__} raised {describe_exception(exc)}"
+                episode.error_source = "judge"
                 self._log_error(episode, "could not be judged")
         if aux_models:
             episode.metrics.update(self.auxiliary.metrics(aux_models, aux_usage))  # never trained, logged apart
@@ -283,9 +298,9 @@ class RolloutRunner:
 
     def _log_error(self, episode: Episode, what: str) -> None:
         """Every error goes to the log file; the console gets each distinct error once, not once per episode."""
-        last_line = (episode.error or "").strip().splitlines()[-1:] or [""]
-        first_time = last_line[0] not in self._seen_errors
-        self._seen_errors.add(last_line[0])
+        summary = episode.error_summary or ""
+        first_time = summary not in self._seen_errors
+        self._seen_errors.add(summary)
         level = logging.WARNING if first_time else logging.INFO
         suffix = "" if not first_time else " (later episodes with the same error are only in the log file)"
         log.log(level, "episode %s %s%s:\n%s", episode.episode_uid, what, suffix, episode.error)
@@ -330,19 +345,34 @@ class RolloutRunner:
             episode.is_success = False
 
 
+def describe_exception(exc: BaseException) -> str:
+    """The exception in its own words, "Type: message", then its notes (PEP 678: LangGraph adds "During task
+    with name ..."), which a traceback prints after the message and so would otherwise stand in for it."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text + "".join(f" [note: {note}]" for note in getattr(exc, "__notes__", None) or [])
+
+
 def _episode_seed(seed: int, step: int, episode_uid: str) -> int:
     digest = hashlib.sha256(f"{seed}:{step}:{episode_uid}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what a rollout left running on the loop (a workflow abandoned at its deadline, a judge past its
+    own), waiting at most CANCEL_GRACE_S: the next step starts clean, never blocked by code that ignores
+    cancellation (such code is left pending, and runs on only while a later rollout runs the loop)."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE_S))
+
+
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Close a rollout's loop without waiting for ever on a workflow that ignores cancellation."""
+    """Close the rollouts' loop at the end of the run without waiting for ever on a workflow that ignores
+    cancellation."""
     try:
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE_S))
+        _cancel_leftovers(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.run_until_complete(loop.shutdown_default_executor())
     finally:

@@ -89,6 +89,10 @@ class Episode:
     output_metadata: dict[str, Any] = field(default_factory=dict)
     flags: list[str] = field(default_factory=list)
     error: str | None = None  # traceback text when the workflow raised or timed out
+    # One line in the error's own words ("ValueError: bad input (a note)"), and which part failed: "workflow" or
+    # "judge"; what the console and a stopped run quote.
+    error_summary: str | None = None
+    error_source: str | None = None
     seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # the workflow's and the judge's, logged per step
     # Trainer steps behind the weights that generated it (0: the initial model); the trinity backbone's explorers

@@ -129,6 +129,20 @@ def test_a_step_whose_episodes_all_failed_stops_the_run_with_the_first_error():
     assert ("train", 4) in stages.events  # step 1 trained
 
 
+def test_a_failed_judge_is_named_in_the_advice():
+    class JudgeFails(FakeStages):
+        def rollout(self, tasks, validation=False, step=0, **kw):
+            episodes = super().rollout(tasks, validation=validation, step=step, **kw)
+            for e in episodes:
+                e.flags, e.error_source = ["failed"], "judge"
+                e.error = e.error_summary = "judge Scorer raised KeyError: 'answer'"
+            return episodes
+
+    with pytest.raises(TrainingStalled, match="First error: episode .*: judge Scorer raised KeyError: 'answer'. "
+                                              "Fix the judge"):
+        run_loop(settings(total_training_steps=2), JudgeFails(), TASKS, [], FakeMonitor())
+
+
 def test_steps_without_learning_signal_stop_after_max_idle_steps():
     # Step 1 has a reward spread; from step 2 on every group's rewards are equal: advantages are all 0.
     stages, monitor = FakeStages(rewards=lambda step, i: float(i) if step == 1 else 1.0), FakeMonitor()

@@ -39,8 +39,46 @@ class Mixed(Workflow):
 '''
 
 
-def _trajectories(out):
-    return [json.loads(line) for line in (out / "trajectories" / "train_step_000001.jsonl").read_text().splitlines()]
+def _trajectories(out, step=1):
+    return [json.loads(line) for line in
+            (out / "trajectories" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+# Clients built once per process, as SDKs and users do (langchain_openai caches one httpx client per base URL):
+# they bind their connections to the event loop of their first request, so every step's episodes must run on
+# that same loop.
+CACHED_CLIENTS_WORKFLOW = '''
+import httpx, openai
+from astuner import Workflow, WorkflowOutput
+
+HTTP = httpx.AsyncClient(timeout=60)  # built at import time, before any event loop runs
+OPENAI = {}  # base URL -> AsyncOpenAI, built once per process
+
+class Cached(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        url, key = model_tuner.base_url, model_tuner.api_key
+        client = OPENAI.setdefault(url, openai.AsyncOpenAI(base_url=url, api_key="set-per-call", max_retries=0))
+        first = await client.with_options(api_key=key).chat.completions.create(
+            model="p", messages=[{"role": "user", "content": workflow_task.task.main_query}])
+        resp = await HTTP.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
+            "model": "p", "messages": [{"role": "user", "content": workflow_task.task.main_query},
+                                       {"role": "assistant", "content": first.choices[0].message.content},
+                                       {"role": "user", "content": "Again."}]})
+        resp.raise_for_status()
+        return WorkflowOutput(reward=None, metadata={"final_answer": resp.json()["choices"][0]["message"]["content"]})
+'''
+
+
+def test_clients_cached_across_steps_keep_working(tmp_path, tiny_model_dir):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    (tmp_path / "cached.py").write_text(CACHED_CLIENTS_WORKFLOW)
+    code = main(["--conf", str(yaml), "astuner.trainer_common.total_training_steps=3",
+                 "astuner.rollout.agentscope_workflow='cached.py->Cached'"])
+    assert code == 0
+    for step in (1, 2, 3):
+        episodes = _trajectories(tmp_path / "out", step)
+        assert len(episodes) == 6 and all(len(e["calls"]) == 2 and not e["flags"] for e in episodes), (
+            step, [e.get("error") for e in episodes])
 
 
 def test_client_and_endpoint_through_the_debug_backbone(tmp_path, tiny_model_dir):

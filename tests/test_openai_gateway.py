@@ -208,3 +208,75 @@ def test_agentscope_openai_chat_model_with_the_episode_client(demo_tokenizer, ga
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == (
         first.prompt_ids + first.response_ids)
     assert_recorded_exactly(tuner, engine)
+
+
+class HangingEngine:
+    """Never answers until the episode's deadline aborts the request (as the engines do: the awaiting task is
+    cancelled)."""
+
+    def __init__(self):
+        self.waiting = {}
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        return await future
+
+    def abort(self, request_id):
+        future = self.waiting.pop(request_id, None)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(future.cancel)
+
+
+def test_a_call_cut_by_the_deadline_gets_408_without_a_server_traceback(demo_tokenizer, gateway, caplog):
+    tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)
+    tuner.engine = HangingEngine()
+
+    async def main():
+        url, key = tuner.base_url, tuner.api_key
+        async with httpx.AsyncClient(timeout=30) as http:
+            request = asyncio.ensure_future(http.post(f"{url}/chat/completions", headers={
+                "Authorization": f"Bearer {key}"}, json={"model": "p", "messages": QUESTION}))
+            while not tuner.engine.waiting:
+                await asyncio.sleep(0.01)
+            tuner.expire("episode timed out after 1s")  # what the rollout does at the deadline
+            return await request
+
+    with caplog.at_level("DEBUG"):
+        resp = asyncio.run(main())
+    assert resp.status_code == 408 and resp.json()["error"]["code"] == "episode_timeout"
+    assert "Traceback" not in caplog.text and "CancelledError" not in caplog.text
+
+
+def test_tool_choice_is_checked_and_a_choice_naming_no_tool_is_refused(demo_tokenizer, gateway):
+    tuner, _ = make_tuner(demo_tokenizer, [ANSWER_TURN, TOOL_TURN, TOOL_TURN], gateway=gateway)
+    named = {"type": "function", "function": {"name": "execute_python_code"}}
+
+    async def main():
+        client = tuner.get_openai_client()
+        create = client.chat.completions.create
+        plain = await create(model="p", messages=QUESTION, tools=PY_TOOL, tool_choice="required")
+        called = await create(model="p", messages=QUESTION, tools=PY_TOOL, tool_choice=named)
+        with pytest.raises(openai.BadRequestError, match="'search'"):
+            await create(model="p", messages=QUESTION, tools=PY_TOOL,
+                         tool_choice={"type": "function", "function": {"name": "search"}})
+        other = await tuner.chat(QUESTION, [{"type": "function", "function": {"name": "search", "parameters": {}}},
+                                            *PY_TOOL])
+        return plain, called, other
+
+    plain, called, other = asyncio.run(main())
+    # Not constrained (the recorded logprobs stay the policy's own): checked, and a broken choice is flagged.
+    assert plain.choices[0].message.content == ANSWER_TURN
+    assert tuner.calls[0].flags == ["wrong_toolcall"]
+    assert "tool_choice required a tool call, none was made" in tuner.flag_reasons[0][2]
+    assert called.choices[0].message.tool_calls[0].function.name == "execute_python_code"
+    assert tuner.calls[1].flags == [] and len(tuner.calls) == 3  # the refused request recorded nothing
+    assert other["tool_calls"] and tuner.calls[2].flags == []
+
+
+def test_agentscope_tool_choice_names_a_function(demo_tokenizer):
+    tuner, _ = make_tuner(demo_tokenizer, [TOOL_TURN])
+    asyncio.run(tuner(QUESTION, tools=PY_TOOL + [{"type": "function", "function": {"name": "search"}}],
+                      tool_choice="search"))
+    assert tuner.calls[0].flags == ["wrong_toolcall"]
+    assert "required a call to 'search', the model called 'execute_python_code'" in tuner.flag_reasons[0][2]

@@ -187,3 +187,48 @@ def test_the_judge_deadline_is_task_judge_timeout():
     typed = SimpleNamespace(astuner=SimpleNamespace(rollout=a.rollout, data=a.data, seed=a.seed,
                                                     task_judge=SimpleNamespace(timeout=7.5)))
     assert RolloutSettings.from_config(typed, 1024).judge_timeout == 7.5
+
+
+class NotedFailure(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        await model_tuner.chat([{"role": "user", "content": workflow_task.task.main_query}])
+        exc = ValueError("the tool got no input")
+        exc.add_note("During task with name 'agent' and id 'abc'")  # as LangGraph adds to what it re-raises
+        raise exc
+
+
+class RaisingJudge(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        raise KeyError("expected_answer")
+
+
+def test_an_error_is_quoted_in_its_own_words_and_names_the_part_that_failed(demo_tokenizer):
+    r, _ = runner(demo_tokenizer, NotedFailure, num_repeat=1)
+    episode = r.run(TASKS[:1])[0]
+    # The traceback ends with the note; the summary leads with the exception itself.
+    assert episode.error.strip().splitlines()[-1].startswith("During task")
+    assert episode.error_summary == ("the workflow raised ValueError: the tool got no input "
+                                     "[note: During task with name 'agent' and id 'abc']")
+    assert episode.error_source == "workflow"
+    r, _ = runner(demo_tokenizer, num_repeat=1)
+    r.judge = RaisingJudge(None)
+    episode = r.run(TASKS[:1])[0]
+    assert episode.error_summary == "judge RaisingJudge raised KeyError: 'expected_answer'"
+    assert episode.error_source == "judge" and "failed" in episode.flags
+
+
+def test_one_event_loop_serves_every_rollout_of_the_run(demo_tokenizer):
+    loops = []
+
+    class LoopRecorder(ChatWorkflow):
+        async def execute(self, workflow_task, model_tuner):
+            loops.append(asyncio.get_running_loop())
+            return await super().execute(workflow_task, model_tuner)
+
+    r, _ = runner(demo_tokenizer, LoopRecorder, num_repeat=1)
+    r.run(TASKS, step=1)
+    r.run(TASKS, validation=True)
+    r.run(TASKS, step=2)
+    assert len(loops) == 6 and len(set(map(id, loops))) == 1 and not loops[0].is_closed()
+    r.close()
+    assert loops[0].is_closed()

@@ -1,4 +1,4 @@
-"""The AgentScope side of ModelTuner: tool_choice handling and `ChatResponse` construction.
+"""The AgentScope side of ModelTuner: `ChatResponse` construction.
 
 AgentScope is optional, so it is imported here, inside functions, only when an AgentScope agent calls the
 tuner. The messages AgentScope's formatters produce (OpenAIChatFormatter, DashScopeChatFormatter) are already
@@ -12,13 +12,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from astuner.model_tuner.tuner import _Turn
-
-
-def offered_tools(tools: list[dict] | None, tool_choice: str | None) -> list[dict] | None:
-    """The tools shown to the model for an AgentScope `tool_choice`."""
-    if tool_choice == "none":
-        return None
-    return tools or None
 
 
 def to_chat_response(turn: "_Turn"):

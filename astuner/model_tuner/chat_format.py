@@ -71,6 +71,42 @@ def tool_names_of(tools: list[dict] | None) -> set[str]:
     return {tool["function"]["name"] for tool in normalize_tools(tools) or []}
 
 
+def read_tool_choice(tools: list[dict] | None, choice: Any) -> tuple[list[dict] | None, str | None]:
+    """(tools to show, the call required) for an OpenAI or AgentScope `tool_choice`.
+
+    "auto"/None: the tools as given, no call required. "none": no tools shown. "required" (AgentScope: "any"):
+    some call is required, returned as "". A function ({"type": "function", "function": {"name": N}}, or N as
+    a string): a call to N is required. Sampling is never constrained (the recorded logprobs must be the
+    policy's own): the answer is checked instead (`tool_choice_violation`). A choice that names no offered tool
+    raises ValueError naming it."""
+    if choice in (None, "auto"):
+        return tools or None, None
+    if choice == "none":
+        return None, None
+    names = tool_names_of(tools)
+    if choice in ("required", "any"):
+        if not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools, and the request offers none")
+        return tools, ""
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"tool_choice {choice!r} is not 'auto', 'none', 'required' or a function among the "
+                         f"offered tools ({', '.join(sorted(names)) or 'none offered'})")
+    return tools, name
+
+
+def tool_choice_violation(required: str | None, called: list[str]) -> str | None:
+    """Why the calls made break the `tool_choice` (None when they keep it). `required`: as read_tool_choice."""
+    if required is None:
+        return None
+    if not called:
+        return "tool_choice required a tool call" + (f" to {required!r}" if required else "") + ", none was made"
+    wrong = [n for n in called if n != required]
+    if required and wrong:
+        return f"tool_choice required a call to {required!r}, the model called {', '.join(map(repr, wrong))}"
+    return None
+
+
 def _arguments_as_object(arguments: Any) -> Any:
     """Tool-call arguments as a dict when they hold JSON (templates and the builtin prompt expect an object)."""
     if isinstance(arguments, str):

@@ -17,7 +17,9 @@ Three ways in:
 Request arguments are honoured within the rollout's limits: `temperature` > 0 is used for training rollouts
 (validation stays greedy), `max_tokens` / `max_completion_tokens` up to `rollout.max_response_length_in_one_turn`
 and the episode's budget, `stop` cuts the response after the token that completes a stop string (OpenAI
-semantics: the stop text is not returned), `tool_choice: "none"` hides the tools. `n` must be 1. Sampling filters
+semantics: the stop text is not returned), `tool_choice: "none"` hides the tools, and `"required"` or a named
+function is checked, not constrained (a call that breaks it is flagged `wrong_toolcall`; a choice naming no
+offered tool gets 400). A call cut by the episode's deadline gets 408 (`episode_timeout`). `n` must be 1. Sampling filters
 are the run's (`rollout.top_p` / `rollout.top_k`, applied by the engine and by the trainer alike); a request's own
 `top_p` / `top_k` is ignored with a warning, since the trainer must score every call with the filter it was
 sampled with. The clients do not retry (`max_retries=0`): a retried call would be
@@ -224,6 +226,13 @@ def build_app(gateway: Gateway):
             return error(400, str(exc), "invalid_request")
         try:
             turn = await _run_on_episode_loop(entry, entry.tuner._complete(messages, tools, options))
+        except asyncio.CancelledError:
+            # The episode's deadline aborted the call in the engine: a timeout, not a server error. A request
+            # whose own task is being cancelled (a client that hung up, the episode cancelled) stays cancelled.
+            current = asyncio.current_task()
+            if not entry.tuner.expired or (current is not None and getattr(current, "cancelling", lambda: 0)()):
+                raise
+            return error(408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout
 
@@ -268,8 +277,9 @@ def _read_request(body: Any, entry: _Entry, gateway: Gateway):
     if body.get("n", 1) != 1:
         raise ValueError("only n=1 is supported: each sampled call is one recorded training sample")
     tools = body.get("tools") or None
-    if body.get("tool_choice") == "none":
-        tools = None
+    from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
+
+    read_tool_choice(normalize_tools(tools), body.get("tool_choice"))  # a choice naming no offered tool: 400
     for name in ("top_p", "top_k"):
         value = body.get(name)
         if value is not None and not (name == "top_p" and value == 1):
@@ -290,6 +300,7 @@ def _read_request(body: Any, entry: _Entry, gateway: Gateway):
         temperature=float(temperature) if isinstance(temperature, (int, float)) else None,
         max_tokens=int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
         stop=stop,
+        tool_choice=body.get("tool_choice"),
     )
     stream = bool(body.get("stream"))
     usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))

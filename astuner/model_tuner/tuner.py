@@ -19,6 +19,7 @@ rendered (`ChatRenderer.render_extension`); the call is marked `extends_previous
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,14 @@ from typing import Any
 
 from astuner.engine.base import InferenceEngine
 from astuner.madness import CallView, run_checks, validate_checklist
-from astuner.model_tuner.chat_format import ChatRenderer, canonical_messages, normalize_tools, tool_names_of
+from astuner.model_tuner.chat_format import (
+    ChatRenderer,
+    canonical_messages,
+    normalize_tools,
+    read_tool_choice,
+    tool_choice_violation,
+    tool_names_of,
+)
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
 from astuner.model_tuner.tool_parser import ParsedOutput, ParsedToolCall, ToolParser
@@ -82,6 +90,7 @@ class CallOptions:
     temperature: float | None = None  # honoured when > 0; otherwise the rollout's temperature
     max_tokens: int | None = None  # honoured up to rollout.max_response_length_in_one_turn
     stop: tuple[str, ...] = ()  # the response is cut after the token that completes a stop string
+    tool_choice: Any = None  # OpenAI/AgentScope tool_choice (chat_format.read_tool_choice)
 
 
 class ModelTuner:
@@ -198,18 +207,19 @@ class ModelTuner:
     ):
         """Duck type of `agentscope.model.ChatModelBase.__call__`: returns a `ChatResponse`.
 
-        tool_choice "none" hides the tools; "auto", "required" or a function name offer them (a sampled model
-        cannot be forced to call one; the agent sees whatever it produced). Extra kwargs (e.g. per-call
-        generation settings) are ignored: sampling is fixed by the rollout so the recorded logprobs match.
+        tool_choice "none" hides the tools; "auto" offers them; "required"/"any" or a function name offer them
+        and check the answer (chat_format.read_tool_choice: sampling is never constrained, a call that breaks the
+        choice is flagged `wrong_toolcall`; the agent sees whatever the model produced). Extra kwargs (e.g.
+        per-call generation settings) are ignored: sampling is fixed by the rollout so the recorded logprobs match.
         """
-        from astuner.model_tuner.agentscope_adapter import offered_tools, to_chat_response
+        from astuner.model_tuner.agentscope_adapter import to_chat_response
 
         if structured_model is not None:
             raise NotImplementedError(
                 "ModelTuner does not support structured_model (constrained JSON output); use tools instead, "
                 "e.g. ReActAgent's structured output, which goes through the generate_response tool"
             )
-        return to_chat_response(await self._complete(messages, offered_tools(tools, tool_choice)))
+        return to_chat_response(await self._complete(messages, tools, CallOptions(tool_choice=tool_choice)))
 
     # --- the deadline ---------------------------------------------------------------------------------------
     @property
@@ -253,7 +263,7 @@ class ModelTuner:
                         options: CallOptions | None = None) -> _Turn:
         options = options or CallOptions()
         self._check_deadline()
-        tools = normalize_tools(tools)
+        tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
         prompt_ids, extends, canonical, tools_key, new_from = self._prompt_ids(messages, tools)
         index = self._started
         max_tokens = self._max_tokens(len(prompt_ids), first=index == 0)
@@ -296,6 +306,9 @@ class ModelTuner:
             text = _before_stop(text, options.stop)
         split = self.reasoning_parser.split(text)
         parsed = self._parse(split.content, tools, call_index=index)
+        violation = tool_choice_violation(required_call, [c.name for c in parsed.tool_calls])
+        if violation:
+            parsed.errors.append(violation)
 
         view = CallView(response_ids, text, self._decoder.leak_ids, self._stop_ids, parsed.errors)
         fired = run_checks(self.madness_checks, view)
@@ -410,11 +423,12 @@ class AgentModel:
         self.model_name = tuner.model_name
 
     async def __call__(self, messages, tools=None, tool_choice=None, structured_model=None, **kwargs):
-        from astuner.model_tuner.agentscope_adapter import offered_tools, to_chat_response
+        from astuner.model_tuner.agentscope_adapter import to_chat_response
 
         if structured_model is not None:
             raise NotImplementedError("structured_model is not supported; use tools instead")
-        return to_chat_response(await self.tuner._complete(messages, offered_tools(tools, tool_choice), self.options))
+        options = dataclasses.replace(self.options, tool_choice=tool_choice)
+        return to_chat_response(await self.tuner._complete(messages, tools, options))
 
     async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
         return assistant_message(await self.tuner._complete(messages, tools, self.options))

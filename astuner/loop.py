@@ -226,7 +226,8 @@ PIPELINE_WARN = {
 
 def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -> dict[str, float]:
     """Token-pipeline health: parse failures among calls that tried a tool call, calls whose prompt extended an
-    earlier call token-exactly, the share `merge` joins, engine-trainer logprob gap, and per-agent counts."""
+    earlier call token-exactly, the share `merge` joins, model and tool calls per episode, engine-trainer
+    logprob gap, and per-agent counts."""
     calls = [c for e in episodes for c in e.calls]
     attempted = [c for c in calls if c.tool_call_attempted]
     out = {
@@ -234,6 +235,10 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
             sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0),
         "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
         "rollout/merge_ratio": merge_ratio(episodes),
+        "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
+        # Parsed tool calls handed to the agent (one response may hold several).
+        "rollout/tool_calls_per_episode": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
+        / max(len(episodes), 1),
     }
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:

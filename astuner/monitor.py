@@ -198,6 +198,8 @@ class Monitor:
                     "response_tokens": len(call.response_ids),
                     "finish_reason": call.finish_reason,
                     "flags": call.flags,
+                    "tool_calls": [c["function"] for c in (call.reply or {}).get("tool_calls") or []],
+                    "extends_previous": call.extends_previous,
                 }
                 for call in episode.calls
             ],

@@ -36,6 +36,7 @@ else runs beside it, and a resumed run repeats the run it continues.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import inspect
 import logging
@@ -167,6 +168,10 @@ class RolloutRunner:
         `sampled_repeats` (pass@k), that many episodes per task sampled at the training temperature."""
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
+            # A thread per concurrent episode: synchronous agents (smolagents) run in `asyncio.to_thread`, and
+            # asyncio's default pool (cores + 4 threads) would silently cap how many episodes make progress.
+            self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.settings.max_env_worker + 4, thread_name_prefix="astuner-episode"))
         try:
             return self._loop.run_until_complete(
                 self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step,

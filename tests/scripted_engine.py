@@ -1,0 +1,79 @@
+"""An engine for tutorial tests on the tiny random model, which cannot write a tool call by itself.
+
+`ScriptedFirstCall` wraps the real HF engine: the first call of every episode answers with a scripted tool call,
+forced token by token and scored by the engine's own model (so the recorded logprobs are the policy's, and the
+trainer agrees with them); every later call is sampled by the real engine. Installed by replacing the `hf`
+entry of astuner's engine registry for one test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+from typing import Callable
+
+import torch
+
+from astuner.types import GenerateResult
+
+
+class ScriptedFirstCall:
+    def __init__(self, engine, tokenizer, script: Callable[[str], str]) -> None:
+        self.engine, self.tokenizer, self.script = engine, tokenizer, script
+        self.scripted = 0
+        # Its own thread: the rollout's pool may be full of synchronous agents waiting for this very answer.
+        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scripted-score")
+
+    def __getattr__(self, name):  # load_weights, abort, sleep, shutdown: the real engine's
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        # ModelTuner's request ids are "<episode uid>/<call index>/<tuner>": index 0 is the episode's first call.
+        parts = (request_id or "").split("/")
+        if len(parts) != 3 or parts[1] != "0" or sampling.max_tokens <= 0:
+            return await self.engine.generate(prompt_ids, sampling, request_id=request_id)
+        text = self.script(self.tokenizer.decode(prompt_ids))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
+        ids.append(self.tokenizer.eos_token_id)
+        logprobs = await asyncio.get_running_loop().run_in_executor(
+            self._scorer, self._score, list(prompt_ids), ids, sampling.temperature)
+        self.scripted += 1
+        return GenerateResult(ids, logprobs, "stop")
+
+    def _score(self, prompt_ids: list[int], ids: list[int], temperature: float) -> list[float]:
+        model = self.engine.model
+        with self.engine._model_lock, torch.no_grad():
+            full = torch.tensor([prompt_ids + ids], device=model.device)
+            logits = model(full).logits[0, len(prompt_ids) - 1 : -1].float()
+            if temperature > 0:
+                logits = logits / temperature
+            logprobs = torch.log_softmax(logits, dim=-1)
+            return logprobs.gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
+
+
+def hermes_call(tool: str, argument: str, pattern: str) -> Callable[[str], str]:
+    """A script writing one Hermes-format call to `tool`, its `argument` taken from the prompt by `pattern`."""
+
+    def script(prompt: str) -> str:
+        found = re.findall(pattern, prompt)
+        value = found[-1] if found else ""
+        return f'<tool_call>\n{{"name": "{tool}", "arguments": {{"{argument}": "{value}"}}}}\n</tool_call>'
+
+    return script
+
+
+def install(monkeypatch, script: Callable[[str], str]) -> list[ScriptedFirstCall]:
+    """Make `astuner.rollout.engine: hf` build a ScriptedFirstCall around the HF engine; returns the engines
+    built, so a test can count the scripted calls."""
+    from astuner import runtime
+
+    built: list[ScriptedFirstCall] = []
+    real = runtime.ENGINES["hf"]
+
+    def factory(typed, model_path, tokenizer, *args):
+        built.append(ScriptedFirstCall(real(typed, model_path, tokenizer, *args), tokenizer, script))
+        return built[-1]
+
+    monkeypatch.setitem(runtime.ENGINES, "hf", factory)
+    return built

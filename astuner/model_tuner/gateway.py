@@ -11,6 +11,8 @@ Three ways in:
   `tuner.get_openai_client(sync=True)`  `openai.OpenAI` for code running in a worker thread (asyncio.to_thread);
                                         its requests are handed to the episode's loop. Called on that loop it
                                         would block the loop it waits for, so it raises instead.
+  `tuner.get_anthropic_client()`        an `anthropic.AsyncAnthropic` on `/v1/messages`, in-process
+                                        (`tuner.anthropic_base_url` for any Anthropic client; anthropic_api.py)
   `tuner.base_url`, `tuner.api_key`     a real HTTP server (uvicorn) on 127.0.0.1, a free port, started on first
                                         use; for agents in other frameworks, other threads or subprocesses.
 
@@ -104,6 +106,22 @@ class Gateway:
                             base_url=LOCAL_BASE_URL, timeout=CLIENT_TIMEOUT_S)
         return openai.OpenAI(api_key=key, base_url=LOCAL_BASE_URL, http_client=http, max_retries=0,
                              timeout=CLIENT_TIMEOUT_S)
+
+    def anthropic_client(self, key: str):
+        """An `anthropic.AsyncAnthropic` on the app's Messages route, in-process."""
+        import importlib
+
+        import anthropic
+        import anthropic._base_client
+
+        # The SDK takes only clients of the HTTP package it is built on: httpx2 from its 2.x releases, else httpx.
+        http_lib = importlib.import_module("httpx2" if hasattr(anthropic._base_client, "httpx2") else "httpx")
+
+        root = LOCAL_BASE_URL.removesuffix("/v1")
+        http = http_lib.AsyncClient(transport=http_lib.ASGITransport(app=self.app), base_url=root,
+                                    timeout=CLIENT_TIMEOUT_S)
+        return anthropic.AsyncAnthropic(api_key=key, base_url=root, http_client=http, max_retries=0,
+                                        timeout=CLIENT_TIMEOUT_S)
 
     # --- loopback server ------------------------------------------------------------------------------------
     def base_url(self) -> str:
@@ -224,24 +242,10 @@ def build_app(gateway: Gateway):
             messages, tools, options, stream, usage_chunk = _read_request(body, entry, gateway)
         except ValueError as exc:
             return error(400, str(exc), "invalid_request")
-        try:
-            turn = await _run_on_episode_loop(entry, entry.tuner._complete(messages, tools, options))
-        except asyncio.CancelledError:
-            # The episode's deadline aborted the call in the engine: a timeout, not a server error. A request
-            # whose own task is being cancelled (a client that hung up, the episode cancelled) stays cancelled.
-            current = asyncio.current_task()
-            if not entry.tuner.expired or (current is not None and getattr(current, "cancelling", lambda: 0)()):
-                raise
-            return error(408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
-            from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout
-
-            if isinstance(exc, EpisodeOverflow):
-                return error(400, str(exc), "context_length_exceeded")
-            if isinstance(exc, EpisodeTimeout):
-                return error(408, str(exc), "episode_timeout", "timeout")
-            log.exception("gateway: call failed")
-            return error(500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error")
+        turn, failure = await _complete(entry, messages, tools, options)
+        if failure is not None:
+            status, message, code, kind = failure
+            return error(status, message, code, kind)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = entry.tuner.model_name
         if stream:
@@ -249,10 +253,72 @@ def build_app(gateway: Gateway):
             return StreamingResponse(chunks, media_type="text/event-stream")
         return JSONResponse(_completion(turn, completion_id, model))
 
+    async def messages(request):
+        """Anthropic's Messages API (anthropic_api.py); its own error shape."""
+        from astuner.model_tuner import anthropic_api
+        from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
+        from astuner.model_tuner.tuner import CallOptions
+
+        def refuse(status: int, message: str, kind: str):
+            return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+
+        entry = gateway.lookup(request.headers.get("x-api-key")) or authorized(request)
+        if entry is None:
+            return refuse(401, "invalid or revoked API key", "authentication_error")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise anthropic_api.MessagesRequestError("request body must be a JSON object")
+            chat = anthropic_api.to_openai_messages(body)
+            tools, choice = anthropic_api.to_openai_tools(body)
+            read_tool_choice(normalize_tools(tools), choice)
+        except (ValueError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            return refuse(400, str(exc), "invalid_request_error")
+        stops = tuple(str(s) for s in body.get("stop_sequences") or ())
+        temperature, max_tokens = body.get("temperature"), body.get("max_tokens")
+        options = CallOptions(
+            agent=entry.options.agent, trainable=entry.options.trainable,
+            temperature=float(temperature) if isinstance(temperature, (int, float)) else None,
+            max_tokens=int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
+            stop=stops, tool_choice=choice)
+        turn, failure = await _complete(entry, chat, tools, options)
+        if failure is not None:
+            status, message, _, kind = failure
+            kinds = {"invalid_request_error": "invalid_request_error", "timeout": "timeout_error"}
+            return refuse(status, message, kinds.get(kind, "api_error"))
+        model, tokenizer = entry.tuner.model_name, entry.tuner.tokenizer
+        if body.get("stream"):
+            return StreamingResponse(anthropic_api.message_events(turn, model, tokenizer, stops),
+                                     media_type="text/event-stream")
+        return JSONResponse(anthropic_api.message_response(turn, model, tokenizer, stops))
+
     return Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
     ])
+
+
+async def _complete(entry: _Entry, messages: list[dict], tools, options):
+    """(turn, None), or (None, (status, message, code, error type)) for a call that failed."""
+    try:
+        return await _run_on_episode_loop(entry, entry.tuner._complete(messages, tools, options)), None
+    except asyncio.CancelledError:
+        # The episode's deadline aborted the call in the engine: a timeout, not a server error. A request
+        # whose own task is being cancelled (a client that hung up, the episode cancelled) stays cancelled.
+        current = asyncio.current_task()
+        if not entry.tuner.expired or (current is not None and getattr(current, "cancelling", lambda: 0)()):
+            raise
+        return None, (408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an API-shaped error
+        from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout
+
+        if isinstance(exc, EpisodeOverflow):
+            return None, (400, str(exc), "context_length_exceeded", "invalid_request_error")
+        if isinstance(exc, EpisodeTimeout):
+            return None, (408, str(exc), "episode_timeout", "timeout")
+        log.exception("gateway: call failed")
+        return None, (500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error")
 
 
 async def _run_on_episode_loop(entry: _Entry, coro):

@@ -9,6 +9,7 @@ Front ends, all over the same `_complete`:
   `await tuner.chat(messages, tools)`                  an OpenAI-shaped message dict
   `tuner.get_openai_client()`                          an `openai.AsyncOpenAI` served in-process (`sync=True`:
                                                        an `openai.OpenAI`, for code running in a worker thread)
+  `tuner.get_anthropic_client()`                       an `anthropic.AsyncAnthropic` (the Messages API), likewise
   `tuner.base_url`, `tuner.api_key`                    a loopback OpenAI-compatible HTTP endpoint (gateway.py)
   `tuner.for_agent(name, trainable)`                   the same, for one named agent of a multi-agent workflow
 
@@ -173,6 +174,15 @@ class ModelTuner:
     def base_url(self) -> str:
         """The loopback endpoint's base URL (".../v1"); the server starts on first use."""
         return self._gateway().base_url()
+
+    def get_anthropic_client(self):
+        """An `anthropic.AsyncAnthropic` on the Messages API (`/v1/messages`), served in-process."""
+        return self._gateway().anthropic_client(self._key(CallOptions()))
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The loopback endpoint's root for Anthropic clients, which append "/v1/messages" themselves."""
+        return self._gateway().base_url().removesuffix("/v1")
 
     @property
     def api_key(self) -> str:
@@ -439,6 +449,9 @@ class AgentModel:
     @property
     def base_url(self) -> str:
         return self.tuner._gateway().base_url()
+
+    def get_anthropic_client(self):
+        return self.tuner._gateway().anthropic_client(self.tuner._key(self.options))
 
     @property
     def api_key(self) -> str:

@@ -59,13 +59,20 @@ def task_dict(task: Task) -> dict[str, Any]:
 
 
 def function_workflow(fn) -> type:
-    """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`."""
+    """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`.
+
+    `model` is the chat model of the installed AgentScope line: the ModelTuner itself for 1.x (a 1.x chat model),
+    AgentScope 2.x's own `OpenAIChatModel` served by the episode for 2.x (model_tuner/agentscope2.py)."""
+    from astuner.model_tuner.agentscope2 import agentscope_major
+
+    agentscope2 = (agentscope_major() or 0) >= 2
 
     class FunctionWorkflow(Workflow):
         name = getattr(fn, "__qualname__", "function_workflow")
 
         async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
-            result = await fn(task_dict(workflow_task.task), model_tuner, workflow_task.auxiliary_models)
+            model = model_tuner.agentscope_model() if agentscope2 else model_tuner
+            result = await fn(task_dict(workflow_task.task), model, workflow_task.auxiliary_models)
             if not isinstance(result, WorkflowOutput):
                 raise TypeError(f"{self.name} returned {type(result).__name__}, expected WorkflowOutput")
             return result

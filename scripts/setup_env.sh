@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with astuner, its test tools, AgentScope 1.x and the agent frameworks of
 # tutorial/frameworks/, and caches the demo model.
-# --test also installs what only the tests need (Chromium for the log viewer's browser test).
+# --test also installs what only the tests need: Chromium for the log viewer's browser test, and .venv-as2 with
+# AgentScope 2.x.
 # Safe to run again: it only installs what is missing. Set PYTHON to choose the interpreter (3.10+).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +62,12 @@ if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null 2>&1 && command
   fi
 fi
 python -m astuner.model_cache
+# Tests only: AgentScope 2.x in its own environment (.venv-as2). It needs mcp>=2 where the 1.x line above needs
+# mcp<2, and Python 3.11+. No vLLM there: its tests use the HF engine.
+if [ "${1:-}" = "--test" ] && [ ! -x .venv-as2/bin/python ]; then
+  deactivate
+  "${PYTHON:-python3}" -m venv .venv-as2
+  .venv-as2/bin/python -m pip install -q --upgrade pip
+  .venv-as2/bin/python -c "import torch" 2>/dev/null || .venv-as2/bin/python -m pip install -q "torch==2.13.0"
+  .venv-as2/bin/python -m pip install -q -e . "pytest>=8" "agentscope==2.0.11"
+fi

@@ -175,6 +175,12 @@ class ModelTuner:
         """The loopback endpoint's base URL (".../v1"); the server starts on first use."""
         return self._gateway().base_url()
 
+    def agentscope_model(self, stream: bool = False):
+        """This episode's model as an AgentScope 2.x `OpenAIChatModel`, served in-process (agentscope2.py)."""
+        from astuner.model_tuner.agentscope2 import agentscope_model
+
+        return agentscope_model(self, stream)
+
     def get_anthropic_client(self):
         """An `anthropic.AsyncAnthropic` on the Messages API (`/v1/messages`), served in-process."""
         return self._gateway().anthropic_client(self._key(CallOptions()))

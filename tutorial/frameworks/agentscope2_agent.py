@@ -9,7 +9,7 @@ Two ways to give it the model, both recorded with exact token ids:
 
 from agentscope.agent import Agent, ReActConfig
 from agentscope.credential import OpenAICredential
-from agentscope.message import Msg
+from agentscope.message import Msg, TextBlock
 from agentscope.model import OpenAIChatModel
 from agentscope.tool import FunctionTool, Toolkit
 
@@ -32,7 +32,7 @@ async def answer(model, question: str) -> str:
     toolkit = Toolkit(tools=[FunctionTool(lookup_code, is_read_only=True)])
     agent = Agent(name="codes", system_prompt=code_table.SYSTEM, model=model, toolkit=toolkit,
                   react_config=ReActConfig(max_iters=3))
-    reply = await agent.reply(Msg(name="user", content=question, role="user"))
+    reply = await agent.reply(Msg(name="user", content=[TextBlock(text=question)], role="user"))
     return reply.get_text_content() or ""
 
 

@@ -58,7 +58,7 @@ def test_bf16_trainer_on_cuda(qwen_dir):
 
 
 def test_pinned_shared_memory_transfer_roundtrip(qwen_dir):
-    from astuner.engine.vllm_engine import SharedWeightFile, pin_host_memory
+    from astuner.engine.shared_weights import SharedWeightFile, pin_host_memory
 
     t = _trainer(qwen_dir)
     shared = SharedWeightFile("bfloat16")

@@ -31,13 +31,13 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Iterable
 
+from astuner.engine.shared_weights import SharedWeightFile
 from astuner.types import GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,6 @@ BATCH_TIMEOUT_S = 3600.0  # generate_batch (benchmarks, tests): a whole batch, h
 
 class EngineTimeout(RuntimeError):
     """A wait on the vLLM engine ran past its deadline."""
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class VLLMEngine:
@@ -277,75 +273,6 @@ class VLLMEngine:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-
-
-class SharedWeightFile:
-    """One file in /dev/shm holding every synced tensor at a fixed offset, mapped once and rewritten in place.
-
-    `write` converts to the engine's dtype while copying (fp32 master weights -> bf16 on GPU halves the bytes) and
-    returns (path, manifest) for the worker: rows (name, dtype, shape, nbytes, offset), offsets 64-byte aligned.
-    """
-
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-        self.path: str | None = None
-        self._buf = None
-        self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
-        self._pinned = False
-
-    def write(self, named_tensors: Iterable[tuple[str, object]]) -> tuple[str, list]:
-        import torch
-
-        target = getattr(torch, self.dtype)
-        size = torch.empty((), dtype=target).element_size()
-        tensors = [(name, t.detach()) for name, t in named_tensors]
-        manifest, offset = [], 0
-        for name, t in tensors:
-            nbytes = t.numel() * size
-            manifest.append((name, self.dtype, list(t.shape), nbytes, offset))
-            offset += -(-nbytes // 64) * 64
-        if self._manifest != manifest:  # first write (or the tensors changed): size the file
-            if self.path is None:
-                self.path = os.path.join(_shm_dir(), f"astuner-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            self._unpin()
-            self._buf = torch.from_file(self.path, shared=True, size=offset, dtype=torch.uint8)
-            self._pinned = pin_host_memory(self._buf)
-            self._manifest = manifest
-        on_gpu = False
-        for (_, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
-            if t.is_cuda:  # cast on the GPU, then one DMA copy into the pinned file pages
-                on_gpu = True
-                t = t.to(target)
-            self._buf[off : off + nbytes].view(target).view(shape).copy_(t, non_blocking=self._pinned)
-        if on_gpu:
-            torch.cuda.synchronize()
-        return self.path, manifest
-
-    def _unpin(self) -> None:
-        if getattr(self, "_pinned", False):
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
-            self._pinned = False
-
-    def close(self) -> None:
-        self._unpin()
-        self._buf = None
-        if self.path:
-            Path(self.path).unlink(missing_ok=True)
-
-
-def pin_host_memory(buf) -> bool:
-    """Page-lock `buf` (a file mapping) for the GPU, so copies to and from it are DMA (several times faster than
-    from pageable memory). False without CUDA or when the driver refuses."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
-    except Exception:  # an old driver or a mapping CUDA cannot register: pageable copies still work
-        return False
 
 
 def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:

@@ -31,7 +31,7 @@ class WeightSyncExtension:
         buf = self._astuner_buffers.get(path)
         if buf is None or buf.numel() < total:
             buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-            from astuner.engine.vllm_engine import pin_host_memory
+            from astuner.engine.shared_weights import pin_host_memory
 
             pin_host_memory(buf)  # GPU workers: the copy onto the device is DMA
             self._astuner_buffers[path] = buf

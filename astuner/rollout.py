@@ -249,7 +249,8 @@ class RolloutRunner:
         except Exception as exc:
             episode.flags.append(FLAG_FAILED)
             episode.error = traceback.format_exc()
-            episode.error_summary, episode.error_source = f"the workflow raised {describe_exception(exc)}", "workflow"
+            episode.error_summary = f"the workflow raised {describe_exception(exc)}"
+            episode.error_source = "workflow"
             self._log_error(episode, "failed")
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
         episode.calls = list(tuner.calls)

@@ -181,7 +181,8 @@ class RolloutSection(Section):
         "auto",
         "Parser for tool calls in model output: auto (detected from the chat template; hermes with the built-in "
         "tool prompt) | hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3) | qwen3_coder "
-        "(<function=name><parameter=p>) | llama3_json | mistral ([TOOL_CALLS]) | gemma4 (<|tool_call>call:name{...}).",
+        "(<function=name><parameter=p>) | llama3_json | mistral ([TOOL_CALLS]) | gemma4 "
+        "(<|tool_call>call:name{...}).",
     )
     reasoning_parser: Literal["auto", "none", "think", "channel"] = key(
         "auto",

@@ -66,7 +66,8 @@ def check_room(directory: str, needed: int, already_held: int = 0) -> None:
     free = shutil.disk_usage(directory).free + already_held
     if needed > free:
         raise UserError(
-            f"the weight sync needs {needed / 2**20:.0f} MiB in {directory}, which has {free / 2**20:.0f} MiB free. "
+            f"the weight sync needs {needed / 2**20:.0f} MiB in {directory}, which has {free / 2**20:.0f} MiB "
+            "free. "
             "In Docker, start the container with a larger shared memory (docker run --shm-size=8g; the default is "
             "64 MB), or free space in it; writing past it would kill the run with SIGBUS.")
 

@@ -36,7 +36,8 @@ class ResponseDecoder:
                 self.marker_ids.add(ids[0])
         self.leak_ids = self.special_ids - self.marker_ids
         # Markers that are special tokens: a server decoding with skip_special_tokens never shows them.
-        self.special_markers = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in sorted(self.marker_ids))
+        self.special_markers = tuple(tokenizer.decode([i], skip_special_tokens=False)
+                                     for i in sorted(self.marker_ids))
 
     def decode(self, ids: list[int]) -> str:
         kept = [i for i in ids if i not in self.leak_ids]

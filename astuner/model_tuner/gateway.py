@@ -21,11 +21,11 @@ Request arguments are honoured within the rollout's limits: `temperature` > 0 is
 and the episode's budget, `stop` cuts the response after the token that completes a stop string (OpenAI
 semantics: the stop text is not returned), `tool_choice: "none"` hides the tools, and `"required"` or a named
 function is checked, not constrained (a call that breaks it is flagged `wrong_toolcall`; a choice naming no
-offered tool gets 400). A call cut by the episode's deadline gets 408 (`episode_timeout`). `n` must be 1. Sampling filters
-are the run's (`rollout.top_p` / `rollout.top_k`, applied by the engine and by the trainer alike); a request's own
-`top_p` / `top_k` is ignored with a warning, since the trainer must score every call with the filter it was
-sampled with. The clients do not retry (`max_retries=0`): a retried call would be
-a second sampled call in the record.
+offered tool gets 400). A call cut by the episode's deadline gets 408 (`episode_timeout`). `n` must be 1.
+Sampling filters are the run's (`rollout.top_p` / `rollout.top_k`, applied by the engine and by the trainer
+alike); a request's own `top_p` / `top_k` is ignored with a warning, since the trainer must score every call with
+the filter it was sampled with. The clients do not retry (`max_retries=0`): a retried call would be a second
+sampled call in the record.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def check_pipeline(renderer, chat_format, tool_parser, reasoning_parser, stop_te
         rows.append(CheckRow("tool parser", ok, detail))
         if with_reasoning:
             ok = (split.reasoning or "").strip() == GOLDEN_REASONING
-            rows.append(CheckRow("reasoning", ok, f"{chat_format.reasoning_parser} parser splits the template's reasoning" if ok else
+            rows.append(CheckRow("reasoning", ok, f"{chat_format.reasoning_parser} parser splits the template's "
+                                 "reasoning" if ok else
                                  f"reasoning read as {split.reasoning!r}"))
     except Exception as exc:  # noqa: BLE001
         rows.append(CheckRow("tool parser", False, f"{type(exc).__name__}: {exc}"))

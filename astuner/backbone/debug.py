@@ -49,11 +49,20 @@ class InProcessStages:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
         self.version += 1
 
+    def step_metrics(self) -> dict[str, float]:
+        """The last sync's check that the engine serves the trainer's weights (engine/fingerprint.py)."""
+        return verification_metrics(self.engine)
+
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.experiment_dir / f"global_step_{step}"
         self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
         log.info("saved checkpoint %s", path)
         return path
+
+
+def verification_metrics(engine) -> dict[str, float]:
+    sync = getattr(engine, "last_sync", None) or {}
+    return {"sync/verified": sync["verified"], "time/sync_verify_s": sync["verify_s"]} if "verified" in sync else {}
 
 
 def release_freed_memory() -> None:

@@ -100,12 +100,15 @@ class Worker:
 
     # --- weights ---------------------------------------------------------------------------------------------
 
-    def sync_local(self, version: int) -> float:
-        """verl: this worker's engine takes this worker's trainer weights (same process, no transfer)."""
+    def sync_local(self, version: int) -> dict[str, float]:
+        """verl: this worker's engine takes this worker's trainer weights (same process, no transfer); the load's
+        seconds and its verification (engine/fingerprint.py)."""
+        from astuner.backbone.debug import verification_metrics
+
         start = time.perf_counter()
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
         self.version = version
-        return time.perf_counter() - start
+        return {"time/engine_load_s": time.perf_counter() - start, **verification_metrics(self.engine)}
 
     def export_weights(self) -> dict | None:
         """The trainer's weights for the object store: name -> (numpy array, torch dtype name). bf16 travels as

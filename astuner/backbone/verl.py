@@ -50,9 +50,10 @@ class VerlStages(RayStages):
 
     def sync_weights(self) -> None:
         self.trainer_version += 1
-        seconds = self.get([t.sync_local.remote(self.trainer_version) for t in self.trainers], self.trainer_names,
-                           "load the new weights into its engine", trainer_ok=False)
-        self._extra["time/engine_load_s"] = max(seconds)
+        loads = self.get([t.sync_local.remote(self.trainer_version) for t in self.trainers], self.trainer_names,
+                         "load the new weights into its engine", trainer_ok=False)
+        for key in loads[0]:  # the slowest worker's time; verified only if every worker's engine was
+            self._extra[key] = (min if key == "sync/verified" else max)(load[key] for load in loads)
 
     def resumed(self, step: int) -> None:
         self.trainer_version = step

@@ -23,12 +23,14 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from astuner.algorithm.sampling_filter import filter_logits, is_filtered
+from astuner.engine.fingerprint import FingerprintBuilder, SyncMismatch, differences, fingerprint
 from astuner.types import GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class HFEngine:
         self._live: dict[str, _Request] = {}  # request_id -> request, for abort()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self.last_sync: dict[str, float] = {}  # the last weight sync's verification (verified, verify_s)
 
     # ---------------------------------------------------------------- public API
 
@@ -110,12 +113,27 @@ class HFEngine:
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the tensors into the model, then verify it serves them (fingerprint.py): a mismatch raises."""
         params = dict(self.model.named_parameters())
+        sent, verify_s = FingerprintBuilder(), 0.0
         with self._model_lock, torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+                value = tensor.to(params[name].device, params[name].dtype)
+                t0 = time.perf_counter()
+                sent.add(name, value)
+                verify_s += time.perf_counter() - t0
+                self._copy_in(name, params[name], value)
+            t0 = time.perf_counter()
+            problems = differences(sent.result(), fingerprint(self.model.named_parameters()))
+            verify_s += time.perf_counter() - t0
+        if problems:
+            raise SyncMismatch("hf", problems)
+        self.last_sync = {"verified": 1.0, "verify_s": verify_s}
+
+    def _copy_in(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
+        param.copy_(value)
 
     def sleep(self) -> None:
         """Nothing to release: the weights are needed for the next rollout and no cache outlives a batch."""

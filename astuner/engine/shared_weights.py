@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
+from astuner.engine.fingerprint import Fingerprint, FingerprintBuilder
 from astuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class SharedWeightFile:
 
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
+        self.sent: Fingerprint = {}  # the fingerprint of the last write (what the engine must now serve)
         self.path: str | None = None
         self._buf = None
         self._manifest: list[tuple[str, str, list[int], int, int]] | None = None
@@ -119,13 +121,19 @@ class SharedWeightFile:
             self._pinned = pin_host_memory(self._buf)
             self._manifest = manifest
         on_gpu = False
-        for (_, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
+        sent = FingerprintBuilder()
+        for (name, t), (_, _, shape, nbytes, off) in zip(tensors, manifest):
+            view = self._buf[off : off + nbytes].view(target).view(shape)
             if t.is_cuda:  # cast on the GPU, then one DMA copy into the pinned file pages
                 on_gpu = True
                 t = t.to(target)
-            self._buf[off : off + nbytes].view(target).view(shape).copy_(t, non_blocking=self._pinned)
+                sent.add(name, t)  # summed where the tensor lives, in the engine's dtype
+            view.copy_(t, non_blocking=self._pinned)
+            if not t.is_cuda:
+                sent.add(name, view)
         if on_gpu:
             torch.cuda.synchronize()
+        self.sent = sent.result()
         return self.path, manifest
 
     def _unpin(self) -> None:

@@ -17,6 +17,8 @@ Weight sync (`load_weights`): the trainer's tensors are written into one file in
 both processes, then one `collective_rpc` makes the worker reload from those pages in place
 (`vllm_worker.WeightSyncExtension`), re-pack a tied LM head, and the prefix cache is reset (cached KV blocks
 belong to the old weights). Sending tensors through the RPC pipe instead costs seconds of serialisation per sync.
+Then the worker's fingerprint of the weights it serves is compared with the fingerprint of what was written
+(`fingerprint.py`): a sync that did not take stops the run (`SyncMismatch`), naming the weights that differ.
 On CUDA with `enable_sleep_mode`, `sleep()` before a train step frees vLLM's weights and KV cache at level 2 (no
 copy into host RAM: the weights are re-sent anyway) and the sync wakes the weights, loads, then wakes the cache.
 
@@ -37,6 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from astuner.engine.fingerprint import SyncMismatch, differences
 from astuner.engine.shared_weights import SharedWeightFile
 from astuner.types import GenerateResult, SamplingParams
 
@@ -80,6 +83,8 @@ class VLLMEngine:
         self._live: dict[str, concurrent.futures.Future] = {}
         self._shared = SharedWeightFile(self.dtype)
         self.last_sync: dict[str, float] = {}
+        self.tensor_parallel_size = tensor_parallel_size
+        self._said_tp_unverified = False
 
         if not on_cuda:
             # vLLM's CPU backend: use every core (the trainer and the engine take turns), and a KV cache of
@@ -164,7 +169,27 @@ class VLLMEngine:
             self._call(self._llm.wake_up(tags=["kv_cache"]), self.sync_timeout_s, "vLLM to wake its KV cache")
             self._asleep = False
         self._reset_prefix_cache()
-        self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0}
+        t2 = time.perf_counter()
+        verified = self._verify()
+        self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0,
+                          "verified": float(verified), "verify_s": time.perf_counter() - t2}
+
+    def _verify(self) -> bool:
+        """Compare what the worker serves with what was written (fingerprint.py); a mismatch raises. With tensor
+        parallelism each rank holds a shard of some weights and a copy of others, so the sums of the ranks do
+        not add up to the sent ones: not verified there (said once)."""
+        if self.tensor_parallel_size > 1:
+            if not self._said_tp_unverified:
+                log.warning("weight syncs are not verified with tensor_model_parallel_size > 1 (fingerprints are "
+                            "compared per whole tensor)")
+                self._said_tp_unverified = True
+            return False
+        served = self._call(self._llm.collective_rpc("astuner_fingerprint", timeout=self.sync_timeout_s),
+                            self.sync_timeout_s + 5, "vLLM's worker to fingerprint its weights")[0]
+        problems = differences(self._shared.sent, served)
+        if problems:
+            raise SyncMismatch("vLLM", problems)
+        return True
 
     def _reset_prefix_cache(self, attempts: int = 20, pause_s: float = 0.25) -> None:
         """Drop the cached KV blocks (they belong to the old weights). vLLM refuses (False) while a request still

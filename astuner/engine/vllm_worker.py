@@ -45,6 +45,13 @@ class WeightSyncExtension:
         return time.perf_counter() - started
 
 
+    def astuner_fingerprint(self) -> dict:
+        """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py)."""
+        from astuner.engine.fingerprint import fingerprint
+
+        return fingerprint(self.model_runner.get_model().named_parameters())
+
+
 def _repack_tied_head(model) -> None:
     """A tied LM head shares the embedding's weight but, on backends that pre-pack linear weights (vLLM's CPU
     kernels), keeps its own packed copy: without re-packing, the head still computes with the old weights and the

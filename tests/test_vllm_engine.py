@@ -114,6 +114,23 @@ def test_a_sync_resets_the_prefix_cache_so_cached_prompts_use_the_new_weights(en
     engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
 
 
+def test_each_sync_is_verified_and_a_skipped_tensor_stops_it(engine, trainer):
+    """A sync that leaves out one trained tensor leaves the engine serving its old value, and the check names
+    its group. (On CPU vLLM keeps linear weights packed, unreadable: the norms and embeddings are compared.)"""
+    from astuner.engine.fingerprint import SyncMismatch
+
+    t = trainer()
+    engine.load_weights(t.named_parameters_for_sync())
+    assert engine.last_sync["verified"] == 1.0 and engine.last_sync["verify_s"] > 0
+    res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=8))[0]
+    assert t.train_step([Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")])["grad_norm"] > 0
+    skipped = "model.layers.1.post_attention_layernorm.weight"
+    with pytest.raises(SyncMismatch, match=r"vLLM engine does not serve.*\n  model.layers.1: sent sum"):
+        engine.load_weights((n, w) for n, w in t.named_parameters_for_sync() if n != skipped)
+    engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
+    assert engine.last_sync["verified"] == 1.0
+
+
 def test_a_refused_prefix_cache_reset_stops_the_sync():
     """vLLM answers False while requests hold blocks: retried, then a failure rather than stale KV."""
     from astuner.engine.vllm_engine import VLLMEngine

@@ -45,11 +45,15 @@ class WeightSyncExtension:
         return time.perf_counter() - started
 
 
-    def astuner_fingerprint(self) -> dict:
-        """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py)."""
-        from astuner.engine.fingerprint import fingerprint
+    def astuner_fingerprint(self) -> tuple[dict, list[str]]:
+        """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py), and the groups it
+        cannot see: vLLM's CPU backend repacks linear weights into oneDNN handles and leaves the parameters
+        empty."""
+        from astuner.engine.fingerprint import fingerprint, group_of
 
-        return fingerprint(self.model_runner.get_model().named_parameters())
+        params = list(self.model_runner.get_model().named_parameters())
+        opaque = sorted({group_of(name) for name, p in params if p.numel() == 0})
+        return fingerprint((n, p) for n, p in params if p.numel() > 0), opaque
 
 
 def _repack_tied_head(model) -> None:

@@ -14,7 +14,7 @@ import scripted_engine
 from astuner.cli import main
 from conftest import REPO
 
-STEPS = 2
+STEPS = 3
 
 
 @pytest.mark.parametrize("workflow", ["agentscope2_agent.py->AgentScope2CodeAgent",

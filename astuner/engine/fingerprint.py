@@ -42,10 +42,10 @@ class FingerprintBuilder:
     def add(self, name: str, tensor) -> None:
         import torch
 
-        t = tensor.detach()
+        wide = tensor.detach().to(torch.float64, copy=True)  # one float64 copy serves both sums
         sums = self._sums.setdefault(group_of(name), [0.0, 0.0])
-        sums[0] += float(t.sum(dtype=torch.float64))
-        sums[1] += float(torch.linalg.vector_norm(t, ord=1, dtype=torch.float64))
+        sums[0] += float(wide.sum())
+        sums[1] += float(wide.abs_().sum())
 
     def result(self) -> Fingerprint:
         return {group: (s, a) for group, (s, a) in self._sums.items()}

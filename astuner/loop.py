@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from astuner.alarms import ToolUseAlarm
 from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.registry import STD_NORMALISED
 from astuner.algorithm.samples import episodes_to_samples, merge_ratio
@@ -237,7 +238,7 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
         "rollout/merge_ratio": merge_ratio(episodes),
         "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
         # Parsed tool calls handed to the agent (one response may hold several).
-        "rollout/tool_calls_per_episode": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
+        "rollout/tool_call_rate": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
         / max(len(episodes), 1),
     }
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
@@ -379,6 +380,7 @@ class _Peekable:
 
 
 def _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved: dict) -> None:
+    tool_alarm = ToolUseAlarm()
     for step, (tasks, epoch, position) in enumerate(batches, start=state.step + 1):
         if step > total_steps:
             break
@@ -428,6 +430,8 @@ def _run_steps(settings, stages, monitor, state, summary, batches, total_steps, 
         metrics.update(pipeline_metrics(episodes, train_metrics))
         metrics.update(staleness_metrics(episodes, step))
         warn_pipeline(step, metrics)
+        for warning in tool_alarm.observe(step, episodes, metrics.get("train/reward_mean", 0.0)):
+            log.warning(warning)
         zero_frac = zero_adv_group_fraction(episodes)
         metrics.update({
             "time/rollout_s": t1 - t0,

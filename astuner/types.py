@@ -70,6 +70,8 @@ class LLMCall:
     extends_previous: bool = False  # prompt = an earlier call's exact prompt + response ids + new messages
     tool_call_attempted: bool = False  # the output held a tool call (well-formed or not)
     tool_call_parse_failed: bool = False  # ... and the parser could not use some of it
+    tools_offered: bool = False  # the request offered tools (the tool-use alarms watch these calls)
+    tool_parser: str = ""  # the parser that read the response (rollout.tool_call_parser, as resolved)
     # For the log viewer: the request's messages (only those after the call it extends, when it extends one)
     # and the assistant message handed back.
     messages: list[dict] | None = None

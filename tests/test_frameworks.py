@@ -48,5 +48,5 @@ def test_framework_agent_trains_unchanged(tmp_path, tiny_model_dir, monkeypatch,
             assert first["tool_calls"][0]["name"] == "lookup_code"
             assert "The access code of" in second["prompt"] and second["prompt"].startswith(first["prompt"])
     assert engines[0].scripted >= 4 * STEPS  # and the final validation's
-    assert all(m["rollout/tool_calls_per_episode"] >= 1 and m["rollout/calls_per_episode"] >= 2 for m in train)
+    assert all(m["rollout/tool_call_rate"] >= 1 and m["rollout/calls_per_episode"] >= 2 for m in train)
     assert all(m["sync/verified"] == 1 for m in train)  # every sync checked against the trainer's weights

@@ -38,7 +38,7 @@ from astuner.model_tuner.chat_format import (
 )
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
-from astuner.model_tuner.tool_parser import ParsedOutput, ParsedToolCall, ToolParser
+from astuner.model_tuner.tool_parser import TOOL_PARSERS, ParsedOutput, ParsedToolCall, ToolParser
 from astuner.types import LLMCall, SamplingParams
 
 
@@ -152,6 +152,8 @@ class ModelTuner:
         self._decoder = ResponseDecoder(tokenizer, (*getattr(tool_parser, "markers", ()),
                                                      *getattr(self.reasoning_parser, "markers", ())))
         self._stop_ids = set(self.stop_token_ids)
+        self._parser_name = next((name for name, cls in TOOL_PARSERS.items() if isinstance(tool_parser, cls)),
+                                 type(tool_parser).__name__)
         self._started = 0  # calls begun (concurrent calls may finish out of order)
 
     # --- OpenAI-shaped front end ---------------------------------------------------------------------------
@@ -341,6 +343,8 @@ class ModelTuner:
             extends_previous=extends,
             tool_call_attempted=bool(parsed.tool_calls or parsed.errors),
             tool_call_parse_failed=bool(parsed.errors),
+            tools_offered=bool(tools),
+            tool_parser=self._parser_name,
         )
         for flag, reason in fired.items():
             self.flag_reasons.append((len(self.calls), flag, reason))

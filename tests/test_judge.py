@@ -200,14 +200,12 @@ def test_a_sync_judge_can_be_left_behind_without_blocking_the_loop_close():
 @pytest.mark.parametrize("answer, reward", [
     ("27 + 6 = 33. The answer is \\boxed{33}.", 1.0),
     ("\\boxed{33}", 1.0),  # right is right, whatever the form
-    ("27 + 6 = 34. The answer is \\boxed{34}.", 0.3),  # the requested form, a wrong sum
-    ("27 + 6 = 34. The answer is \\boxed{35}.", 0.3),  # the task's sum written, one box
-    ("\\boxed{34}", 0.0),  # a bare guess: no credit (a reward hack seen on a seed)
-    ("2 + 6 = 34. The answer is \\boxed{34}.", 0.0),  # not this task's sum
+    ("27 + 6 = 34. The answer is \\boxed{34}.", 0.3),  # one box, a wrong sum: format credit
+    ("\\boxed{34}", 0.3),  # ... a bare guess too (stricter credit starved vLLM seeds of signal: see the README)
     ("27 + 6 = 34. \\boxed{34} or \\boxed{34}", 0.0),  # scattered boxes
     ("27 + 6 = 33.", 0.0),  # no box
 ])
-def test_quickstart_judge_pays_format_credit_only_with_the_tasks_sum_written(answer, reward):
+def test_quickstart_judge(answer, reward):
     judge = load_class(str(REPO / "tutorial/quickstart/boxed_judge.py") + "->BoxedAnswerJudge")(None)
     task = WorkflowTask(task=Task(task_id="add-27-6", main_query="What is 27 + 6? Reply in the form: 27 + 6 = "
                                   "<sum>. The answer is \\boxed{<sum>}.", metadata={"answer": "33"}))

@@ -173,7 +173,8 @@ class VLLMEngine:
         t2 = time.perf_counter()
         verified = self._verify()
         self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0,
-                          "verified": float(verified), "verify_s": time.perf_counter() - t2}
+                          "verified": float(verified),
+                          "verify_s": time.perf_counter() - t2 + self._shared.fingerprint_s}
 
     def _verify(self) -> bool:
         """Compare what the worker serves with what was written (fingerprint.py); a mismatch raises. With tensor

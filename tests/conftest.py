@@ -148,6 +148,16 @@ def real_tokenizers(llama_cpp_models):
             for family in FAMILIES}
 
 
+@pytest.fixture()
+def gateway():
+    """A fresh gateway (keys, the ASGI app, a loopback server started on first use), closed afterwards."""
+    from astuner.model_tuner.gateway import Gateway
+
+    gw = Gateway()
+    yield gw
+    gw.close()
+
+
 def serve_in_thread(app):
     """Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) in a daemon thread; returns (url, stop)."""
     import socket

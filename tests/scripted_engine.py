@@ -77,3 +77,40 @@ def install(monkeypatch, script: Callable[[str], str]) -> list[ScriptedFirstCall
 
     monkeypatch.setitem(runtime.ENGINES, "hf", factory)
     return built
+
+
+FRAMEWORKS_YAML = "tutorial/frameworks/frameworks.yaml"
+LOOKUP_CALL = hermes_call("lookup_code", "name", r"access code of ([A-Z][a-z]+ [A-Z][a-z]+)\?")
+
+
+def train_framework_agent(repo, tmp_path, tiny_model_dir, monkeypatch, workflow: str, steps: int) -> list[dict]:
+    """Train `workflow` of tutorial/frameworks/ for `steps` steps on the tiny model (first calls scripted) and
+    check what every framework must do: no failed episode, the scripted call parsed and run, the tool's result sent
+    back in a second call that starts with the first. Returns the training steps' metrics."""
+    import json
+
+    from astuner.cli import main
+
+    engines = install(monkeypatch, LOOKUP_CALL)
+    code = main(["--conf", str(repo / FRAMEWORKS_YAML), "--backbone", "debug",
+                 f"astuner.experiment_dir={tmp_path}", f"astuner.model.path={tiny_model_dir}",
+                 "astuner.rollout.engine=hf", f"astuner.rollout.agentscope_workflow='{workflow}'",
+                 "astuner.data.train_batch_size=2", "astuner.rollout.num_repeat=2",
+                 "astuner.rollout.max_response_length_in_one_turn=48", "astuner.rollout.max_model_len=2048",
+                 "astuner.rollout.compute_madness_checklist=[]", "astuner.trainer_common.val_before_train=false",
+                 f"astuner.trainer_common.total_training_steps={steps}", "astuner.trainer_common.test_freq=99",
+                 "astuner.trainer_common.save_freq=99", "trinity.trainer.max_token_len_per_gpu=4096"])
+    assert code == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if "train/failure_rate" in m]
+    assert len(train) == steps and all(m["train/failure_rate"] == 0 for m in train)
+    for step in range(1, steps + 1):
+        episodes = [json.loads(line) for line in
+                    (tmp_path / "trajectories" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(episodes) == 4 and not any(e["flags"] for e in episodes), [e["error_summary"] for e in episodes]
+        for e in episodes:
+            first, second = e["calls"][0], e["calls"][1]
+            assert first["tool_calls"][0]["name"] == "lookup_code"
+            assert "The access code of" in second["prompt"] and second["prompt"].startswith(first["prompt"])
+    assert engines[0].scripted >= 4 * steps  # and the final validation's
+    return train

@@ -11,18 +11,11 @@ import pytest
 from test_model_tuner import ANSWER_TURN, TOOL_TURN, assert_recorded_exactly, make_tuner
 
 from astuner.model_tuner.formats import ThinkReasoningParser
-from astuner.model_tuner.gateway import Gateway
 
 TOOLS = [{"name": "execute_python_code", "description": "Run Python code.",
           "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}]
 QUESTION = [{"role": "user", "content": "What is 6*12?"}]
 
-
-@pytest.fixture()
-def gateway():
-    gw = Gateway()
-    yield gw
-    gw.close()
 
 
 async def _tool_round_trip(client, stream: bool):

@@ -13,17 +13,10 @@ from test_model_tuner import ANSWER_TURN, PY_TOOL, TOOL_TURN, assert_recorded_ex
 
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.model_tuner.formats import ThinkReasoningParser
-from astuner.model_tuner.gateway import Gateway
 from astuner.types import Episode, Task
 
 QUESTION = [{"role": "user", "content": "What is 6*12?"}]
 
-
-@pytest.fixture()
-def gateway():
-    gw = Gateway()
-    yield gw
-    gw.close()
 
 
 def test_async_client_returns_openai_types_and_records_exact_ids(demo_tokenizer, gateway):

@@ -157,6 +157,12 @@ def _split_blocks(text: str, block: re.Pattern, open_tag: str):
     return "".join(outside).strip(), bodies, error
 
 
+def _blocks_output(text: str, block: re.Pattern, open_tag: str) -> tuple[ParsedOutput, list[str]]:
+    """(the output holding the text outside the blocks and an unclosed-tag error, if any; the block bodies)."""
+    content, bodies, error = _split_blocks(text, block, open_tag)
+    return ParsedOutput(content=content, errors=[error] if error else []), bodies
+
+
 class Qwen3CoderToolParser:
     """Qwen3-Coder's XML calls: <tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>.
 
@@ -173,10 +179,7 @@ class Qwen3CoderToolParser:
         return self.open_tag in text or "<function=" in text
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        content, bodies, error = _split_blocks(text, self._block, self.open_tag)
-        out = ParsedOutput(content=content)
-        if error:
-            out.errors.append(error)
+        out, bodies = _blocks_output(text, self._block, self.open_tag)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             match = self._function.match(body)
@@ -312,10 +315,7 @@ class Gemma4ToolParser:
         return self.open_tag in text
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        content, bodies, error = _split_blocks(text, self._block, self.open_tag)
-        out = ParsedOutput(content=content)
-        if error:
-            out.errors.append(error)
+        out, bodies = _blocks_output(text, self._block, self.open_tag)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             match = re.match(r"\s*call:([^{\s]+)\s*(\{.*\})\s*$", body, re.DOTALL)

@@ -127,6 +127,14 @@ def _checked_call(call: ParsedToolCall, where: str, tool_names: set[str] | None)
     return call, None
 
 
+def _add_call(out: ParsedOutput, call: ParsedToolCall, where: str, tool_names: set[str] | None) -> None:
+    """Append the call to `out`, and the name check's error when it has one (_checked_call)."""
+    call, err = _checked_call(call, where, tool_names)
+    if err:
+        out.errors.append(err)
+    out.tool_calls.append(call)
+
+
 def _arguments_object(arguments: Any, where: str, name: str) -> tuple[dict | None, str | None]:
     """Arguments as a dict; a JSON string holding an object is accepted (some models double-encode them)."""
     if arguments is None:
@@ -194,10 +202,7 @@ class Qwen3CoderToolParser:
             if leftover:
                 out.errors.append(f"{where} ({name}): text outside <parameter=...> tags: {leftover[:40]!r}")
                 continue
-            call, err = _checked_call(ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
-            if err:
-                out.errors.append(err)
-            out.tool_calls.append(call)
+            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
         return out
 
 
@@ -330,10 +335,7 @@ class Gemma4ToolParser:
             except (ValueError, IndexError) as exc:
                 out.errors.append(f"{where} ({name}): {exc}")
                 continue
-            call, err = _checked_call(ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
-            if err:
-                out.errors.append(err)
-            out.tool_calls.append(call)
+            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
         return out
 
     def _value(self, s: str, i: int) -> tuple[Any, int]:

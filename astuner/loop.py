@@ -195,12 +195,17 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     rewards = [e.reward for e in episodes if e.trainable] or [0.0]
     mean = sum(rewards) / len(rewards)
     calls = [c for e in episodes for c in e.calls]
+    attempted = [c for c in calls if c.tool_call_attempted]
     return {
         f"{prefix}/reward_mean": mean,
         f"{prefix}/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
         f"{prefix}/success_rate": sum(e.is_success for e in episodes) / n,
         f"{prefix}/response_length": sum(len(c.response_ids) for c in calls) / max(len(calls), 1),
         f"{prefix}/turns_per_episode": len(calls) / n,
+        # Tool calls the agent received (parsed), per episode, and the share of attempted calls that did not parse.
+        f"{prefix}/tool_calls_per_episode": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls) / n,
+        f"{prefix}/tool_call_parse_failure_rate": (
+            sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0),
         f"{prefix}/madness_rate": sum(any(f in e.flags for f in (FLAG_NONSENSE, FLAG_WRONG_TOOLCALL)) for e in episodes) / n,
         f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,

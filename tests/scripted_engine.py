@@ -1,15 +1,16 @@
 """An engine for tutorial tests on the tiny random model, which cannot write a tool call by itself.
 
-`ScriptedFirstCall` wraps the real HF engine: the first call of every episode answers with a scripted tool call,
-forced token by token and scored by the engine's own model (so the recorded logprobs are the policy's, and the
-trainer agrees with them); every later call is sampled by the real engine. Installed by replacing the `hf`
-entry of astuner's engine registry for one test.
+`ScriptedFirstCall` wraps the real HF engine: the first call of every episode (or each call whose index has a
+script) answers with a scripted tool call, forced token by token and scored by the engine's own model (so the
+recorded logprobs are the policy's, and the trainer agrees with them); every other call is sampled by the real
+engine. Installed by replacing the `hf` entry of astuner's engine registry for one test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import re
 from typing import Callable
 
@@ -19,8 +20,9 @@ from astuner.types import GenerateResult
 
 
 class ScriptedFirstCall:
-    def __init__(self, engine, tokenizer, script: Callable[[str], str]) -> None:
-        self.engine, self.tokenizer, self.script = engine, tokenizer, script
+    def __init__(self, engine, tokenizer, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.scripts = script if isinstance(script, dict) else {0: script}  # call index -> script
         self.scripted = 0
         # Its own thread: the rollout's pool may be full of synchronous agents waiting for this very answer.
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scripted-score")
@@ -31,9 +33,12 @@ class ScriptedFirstCall:
     async def generate(self, prompt_ids, sampling, request_id=None):
         # ModelTuner's request ids are "<episode uid>/<call index>/<tuner>": index 0 is the episode's first call.
         parts = (request_id or "").split("/")
-        if len(parts) != 3 or parts[1] != "0" or sampling.max_tokens <= 0:
+        script = self.scripts.get(int(parts[1])) if len(parts) == 3 and parts[1].isdigit() else None
+        if script is None or sampling.max_tokens <= 0:
             return await self.engine.generate(prompt_ids, sampling, request_id=request_id)
-        text = self.script(self.tokenizer.decode(prompt_ids))
+        prompt = self.tokenizer.decode(prompt_ids)
+        # A script of two parameters also gets the request id (to tell an episode's repeats apart).
+        text = script(prompt, request_id) if len(inspect.signature(script).parameters) == 2 else script(prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
         ids.append(self.tokenizer.eos_token_id)
         logprobs = await asyncio.get_running_loop().run_in_executor(
@@ -63,7 +68,7 @@ def hermes_call(tool: str, argument: str, pattern: str) -> Callable[[str], str]:
     return script
 
 
-def install(monkeypatch, script: Callable[[str], str]) -> list[ScriptedFirstCall]:
+def install(monkeypatch, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> list[ScriptedFirstCall]:
     """Make `astuner.rollout.engine: hf` build a ScriptedFirstCall around the HF engine; returns the engines
     built, so a test can count the scripted calls."""
     from astuner import runtime

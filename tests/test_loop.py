@@ -70,6 +70,22 @@ def test_episode_metrics_by_hand():
     assert m["train/success_rate"] == 0.25
     assert m["train/response_length"] == 10 / 4 and m["train/turns_per_episode"] == 1.0
     assert m["train/madness_rate"] == m["train/failure_rate"] == m["train/overflow_rate"] == 0.25
+    assert m["train/tool_calls_per_episode"] == 0.0 and m["train/tool_call_parse_failure_rate"] == 0.0
+
+
+def test_tool_metrics_by_hand():
+    """3 episodes: two parsed calls in one response, one malformed attempt, one plain answer."""
+    task = Task("t", "q")
+    two = LLMCall([1], [2], [-1.0], "stop", 1.0, tool_call_attempted=True,
+                  reply={"tool_calls": [{"name": "a"}, {"name": "b"}]})
+    bad = LLMCall([1], [2], [-1.0], "stop", 1.0, tool_call_attempted=True, tool_call_parse_failed=True,
+                  reply={"content": "<tool_call>{"})
+    plain = LLMCall([1], [2], [-1.0], "stop", 1.0, reply={"content": "done"})
+    episodes = [Episode(task, 0, "a", calls=[two, plain]), Episode(task, 1, "b", calls=[bad, plain]),
+                Episode(task, 2, "c", calls=[plain])]
+    m = episode_metrics(episodes, "val")
+    assert m["val/tool_calls_per_episode"] == 2 / 3  # parsed calls handed to the agent, per episode
+    assert m["val/tool_call_parse_failure_rate"] == 1 / 2  # of the 2 responses that tried a call
 
 
 class FakeStages:

@@ -74,7 +74,7 @@ def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
            f"astuner.model.path={model}", f"astuner.seed={seed}", f"astuner.experiment_dir={folder}",
            f"astuner.rollout.multi_turn.sample_mode={mode}", f"astuner.trainer_common.total_training_steps={args.steps}",
            f"astuner.trainer_common.test_freq={args.test_freq}", "astuner.trainer_common.val_before_train=true",
-           f"astuner.rollout.agentscope_workflow={args.workflow}", *args.overrides]
+           f"astuner.rollout.agentscope_workflow='{args.workflow}'", *args.overrides]
     metrics = folder / "metrics.jsonl"
     curve, train = [], []
     seen = 0
@@ -103,6 +103,8 @@ def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
             if done:
                 break
             time.sleep(2)
+    if proc.returncode and not curve:
+        raise SystemExit(f"{name} failed (exit {proc.returncode}): {out / (name + '.console.txt')}")
     reached = next((p for p in curve if p["success"] >= TARGET), None)
     final = folder / f"global_step_{curve[-1]['step']}" if curve else None
     return {"mode": mode, "seed": seed, "curve": curve, "train": train, "code": proc.returncode,

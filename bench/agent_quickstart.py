@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = REPO / "tutorial" / "agent_quickstart"
 TARGET = 0.8
+
+
+def run_lr(folder: Path) -> float | None:
+    import yaml
+
+    config = folder / "config.yaml"
+    return yaml.safe_load(config.read_text())["astuner"]["trainer_common"]["optim"]["lr"] if config.is_file() else None
 
 
 def astuner(args: list[str], log: Path) -> int:
@@ -107,7 +115,7 @@ def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
         raise SystemExit(f"{name} failed (exit {proc.returncode}): {out / (name + '.console.txt')}")
     reached = next((p for p in curve if p["success"] >= TARGET), None)
     final = folder / f"global_step_{curve[-1]['step']}" if curve else None
-    return {"mode": mode, "seed": seed, "curve": curve, "train": train, "code": proc.returncode,
+    return {"mode": mode, "seed": seed, "lr": run_lr(folder), "curve": curve, "train": train, "code": proc.returncode,
             "minutes": (time.perf_counter() - start) / 60, "reached": reached,
             "checkpoint": str(final) if final and final.is_dir() else None}
 
@@ -120,8 +128,8 @@ def adopt(folder: Path) -> dict:
     log = (folder / "astuner.log").read_text().splitlines()
     stamp = lambda line: datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f")  # noqa: E731
     start = stamp(log[0])
-    val_times = {int(line.split(" step ")[1].split()[0]): (stamp(line) - start).total_seconds() / 60
-                 for line in log if " validation accuracy " in line}
+    val_times = {int(m.group(1)): (stamp(line) - start).total_seconds() / 60
+                 for line in log if (m := re.search(r"astuner\.loop: step (\d+) validation accuracy", line))}
     curve, train = [], []
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -130,7 +138,8 @@ def adopt(folder: Path) -> dict:
         if "time/train_s" in row:
             train.append({"step": row["step"], "train_s": row["time/train_s"], "rollout_s": row.get("time/rollout_s", 0.0)})
     ckpts = sorted(folder.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    return {"mode": config["rollout"]["multi_turn"]["sample_mode"], "seed": config.get("seed", 0), "curve": curve,
+    return {"mode": config["rollout"]["multi_turn"]["sample_mode"], "seed": config.get("seed", 0),
+            "lr": config["trainer_common"]["optim"]["lr"], "curve": curve,
             "train": train, "code": 0, "minutes": curve[-1]["minutes"] if curve else 0.0,
             "reached": next((p for p in curve if p["success"] >= TARGET), None),
             "checkpoint": str(ckpts[-1]) if ckpts else None}
@@ -147,12 +156,15 @@ def plot(results: list[dict], path: Path) -> bool:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for r in results:
         steps = [p["step"] for p in r["curve"]]
-        label = f"{r['mode']}, seed {r['seed']}"
+        label = f"{r['mode']}, seed {r['seed']}, lr {r['lr']:g}"
         left.plot(steps, [p["success"] for p in r["curve"]], marker="o", label=label)
         right.plot(steps, [p["tool_calls"] for p in r["curve"]], marker="o", label=label)
     left.axhline(TARGET, color="grey", linestyle=":", linewidth=1)
-    left.set(title="validation success (greedy)", xlabel="GRPO step", ylim=(-0.02, 1.02))
-    right.set(title="tool calls per episode (validation)", xlabel="GRPO step", ylim=(0, None))
+    left.set(title="validation success (greedy); the base model scores 0", xlabel="GRPO step (0: after the warm start)",
+             ylim=(-0.02, 1.02))
+    right.set(title="tool calls per episode (validation; 2 needed)", xlabel="GRPO step", ylim=(0, 4.2))
+    for axis in (left, right):
+        axis.xaxis.get_major_locator().set_params(integer=True)
     left.legend(fontsize=8)
     fig.suptitle("Agent quick-start: SmolLM2-135M learns to chain two tools (2 CPU cores)", fontsize=10)
     fig.tight_layout()
@@ -172,12 +184,13 @@ def evaluate(models: list[str], out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[42, 1, 2], help="none: only tabulate --add-run")
     ap.add_argument("--sample-modes", nargs="+", default=["merge"], choices=["merge", "per_call"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--test-freq", type=int, default=2)
     ap.add_argument("--workflow", default="openai_agent.py->OpenAILookupAgent")
     ap.add_argument("--warm-start", type=Path, help="a checkpoint to start GRPO from (skips stage 1)")
+    ap.add_argument("--warm-start-minutes", type=float, default=0.0, help="what that checkpoint's SFT run took")
     ap.add_argument("--eval", action="store_true", help="astuner eval on base, warm start and the final checkpoints")
     ap.add_argument("--out", type=Path, default=Path("bench_agent_quickstart"))
     ap.add_argument("--add-run", type=Path, action="append", default=[], help="an earlier GRPO run's folder")
@@ -186,7 +199,7 @@ def main() -> None:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.warm_start:
-        model, sft_minutes = args.warm_start.resolve(), 0.0
+        model, sft_minutes = args.warm_start.resolve(), args.warm_start_minutes
     else:
         model, sft_minutes = warm_start(args.out)
         print(f"warm start: {model} in {sft_minutes:.1f} min", flush=True)
@@ -199,9 +212,9 @@ def main() -> None:
 
     print(f"\nagent quick-start: {args.workflow}, {args.steps} GRPO steps, validation every {args.test_freq}"
           + (f"; {' '.join(args.overrides)}" if args.overrides else ""))
-    print("| sample mode | seed | validation success by step | tool calls/ep (first -> last) | "
+    print("| sample mode | seed | lr | validation success by step | tool calls/ep (first -> last) | "
           f">= {TARGET} reached | final | GRPO wall | trainer s/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         c = r["curve"]
         curve = ", ".join(f"{p['step']}: {p['success']:.2f}" for p in c)
@@ -210,7 +223,7 @@ def main() -> None:
                    f"({r['reached']['minutes'] + sft_minutes:.1f} with the warm start)" if r["reached"] else "no")
         train_s = statistics.mean(t["train_s"] for t in r["train"]) if r["train"] else float("nan")
         note = "" if r["code"] == 0 else f" (exit {r['code']})"
-        print(f"| {r['mode']} | {r['seed']} | {curve} | {tools} | {reached} | "
+        print(f"| {r['mode']} | {r['seed']} | {r['lr']:g} | {curve} | {tools} | {reached} | "
               f"{c[-1]['success'] if c else float('nan'):.3f} | {r['minutes']:.1f} min{note} | {train_s:.1f} |")
     by_mode = {m: [t["train_s"] for r in results if r["mode"] == m for t in r["train"]] for m in args.sample_modes}
     for mode, times in by_mode.items():

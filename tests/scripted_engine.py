@@ -1,6 +1,6 @@
 """An engine for tutorial tests on the tiny random model, which cannot write a tool call by itself.
 
-`ScriptedFirstCall` wraps the real HF engine: the first call of every episode (or each call whose index has a
+`ScriptedCalls` wraps the real HF engine: the first call of every episode (or each call whose index has a
 script) answers with a scripted tool call, forced token by token and scored by the engine's own model (so the
 recorded logprobs are the policy's, and the trainer agrees with them); every other call is sampled by the real
 engine. Installed by replacing the `hf` entry of astuner's engine registry for one test.
@@ -19,7 +19,7 @@ import torch
 from astuner.types import GenerateResult
 
 
-class ScriptedFirstCall:
+class ScriptedCalls:
     def __init__(self, engine, tokenizer, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.scripts = script if isinstance(script, dict) else {0: script}  # call index -> script
@@ -68,16 +68,16 @@ def hermes_call(tool: str, argument: str, pattern: str) -> Callable[[str], str]:
     return script
 
 
-def install(monkeypatch, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> list[ScriptedFirstCall]:
-    """Make `astuner.rollout.engine: hf` build a ScriptedFirstCall around the HF engine; returns the engines
+def install(monkeypatch, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> list[ScriptedCalls]:
+    """Make `astuner.rollout.engine: hf` build a ScriptedCalls around the HF engine; returns the engines
     built, so a test can count the scripted calls."""
     from astuner import runtime
 
-    built: list[ScriptedFirstCall] = []
+    built: list[ScriptedCalls] = []
     real = runtime.ENGINES["hf"]
 
     def factory(typed, model_path, tokenizer, *args):
-        built.append(ScriptedFirstCall(real(typed, model_path, tokenizer, *args), tokenizer, script))
+        built.append(ScriptedCalls(real(typed, model_path, tokenizer, *args), tokenizer, script))
         return built[-1]
 
     monkeypatch.setitem(runtime.ENGINES, "hf", factory)

@@ -3,6 +3,7 @@
 Two ways to train it:
     astuner --conf agent_quickstart.yaml astuner.rollout.agentscope_workflow='tune_agent.py->run_agent'
     python tune_agent.py          (tune() with the same YAML; the judge is a function here)
+Both start from the warm start that `astuner --conf sft.yaml` saves (README.md), run from this folder.
 `model` is the episode's model (an AgentScope chat model, recorded with exact token ids), so the ReAct agent of
 react_agent.py runs on it unchanged.
 """
@@ -28,4 +29,5 @@ async def judge(task: dict, response, auxiliary_models) -> JudgeOutput:
 
 
 if __name__ == "__main__":
-    tune(workflow_func=run_agent, judge_func=judge, config_path=str(Path(__file__).with_name("agent_quickstart.yaml")))
+    tune(workflow_func=run_agent, judge_func=judge, config_path=str(Path(__file__).with_name("agent_quickstart.yaml")),
+         overrides=["astuner.model.path=launcher_record/agent_quickstart_sft/global_step_16"])

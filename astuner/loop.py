@@ -190,12 +190,22 @@ def task_batches(
             yield order[begin:end], e, min(end, len(order))
 
 
+def tool_calls_received(calls) -> int:
+    """Parsed tool calls handed to the agent (one response may hold several)."""
+    return sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
+
+
+def parse_failure_rate(calls) -> float:
+    """The share of responses that tried a tool call and could not be parsed whole."""
+    attempted = [c for c in calls if c.tool_call_attempted]
+    return sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0
+
+
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     n = max(len(episodes), 1)
     rewards = [e.reward for e in episodes if e.trainable] or [0.0]
     mean = sum(rewards) / len(rewards)
     calls = [c for e in episodes for c in e.calls]
-    attempted = [c for c in calls if c.tool_call_attempted]
     return {
         f"{prefix}/reward_mean": mean,
         f"{prefix}/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
@@ -203,9 +213,8 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/response_length": sum(len(c.response_ids) for c in calls) / max(len(calls), 1),
         f"{prefix}/turns_per_episode": len(calls) / n,
         # Tool calls the agent received (parsed), per episode, and the share of attempted calls that did not parse.
-        f"{prefix}/tool_calls_per_episode": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls) / n,
-        f"{prefix}/tool_call_parse_failure_rate": (
-            sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0),
+        f"{prefix}/tool_calls_per_episode": tool_calls_received(calls) / n,
+        f"{prefix}/tool_call_parse_failure_rate": parse_failure_rate(calls),
         f"{prefix}/madness_rate": sum(any(f in e.flags for f in (FLAG_NONSENSE, FLAG_WRONG_TOOLCALL)) for e in episodes) / n,
         f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
@@ -235,16 +244,12 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
     earlier call token-exactly, the share `merge` joins, model and tool calls per episode, engine-trainer
     logprob gap, and per-agent counts."""
     calls = [c for e in episodes for c in e.calls]
-    attempted = [c for c in calls if c.tool_call_attempted]
     out = {
-        "rollout/tool_call_parse_failure_rate": (
-            sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0),
+        "rollout/tool_call_parse_failure_rate": parse_failure_rate(calls),
         "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
         "rollout/merge_ratio": merge_ratio(episodes),
         "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
-        # Parsed tool calls handed to the agent (one response may hold several).
-        "rollout/tool_call_rate": sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
-        / max(len(episodes), 1),
+        "rollout/tool_call_rate": tool_calls_received(calls) / max(len(episodes), 1),
     }
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:

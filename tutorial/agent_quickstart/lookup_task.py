@@ -62,15 +62,15 @@ def lookup_code(badge: str) -> str:
     return f"No badge {badge!r}. Badge numbers have four digits; find_badge gives them."
 
 
-def _schema(name: str, description: str, argument: str, about: str) -> dict:
+def tool_schema(name: str, description: str, argument: str, about: str) -> dict:
     return {"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": about}},
                        "required": [argument]}}}
 
 
-TOOL_SCHEMAS = [_schema("find_badge", "The badge number of a person, by full name.", "name", "The person's full name."),
-                _schema("lookup_code", "The access code kept for a badge number.", "badge", "The badge number.")]
+TOOL_SCHEMAS = [tool_schema("find_badge", "The badge number of a person, by full name.", "name", "The person's full name."),
+                tool_schema("lookup_code", "The access code kept for a badge number.", "badge", "The badge number.")]
 TOOLS = {"find_badge": find_badge, "lookup_code": lookup_code}
 
 BOXED = re.compile(r"\\boxed\{\s*([A-Z]{2}-\d{4})\s*\}")

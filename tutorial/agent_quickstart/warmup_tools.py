@@ -5,6 +5,8 @@ task's tools, so learning that task is left to RL."""
 import hashlib
 import json
 
+from lookup_task import tool_schema as _schema
+
 CITIES = ["Lisbon", "Osaka", "Quito", "Tallinn", "Accra", "Hobart", "Bergen", "Cusco"]
 ROUTES = ["Oslo to Rome", "Lima to Quito", "Cairo to Tunis", "Perth to Hobart", "Riga to Vilnius",
           "Seoul to Busan", "Porto to Madrid", "Dakar to Accra"]
@@ -31,13 +33,6 @@ def gate(flight_number: str) -> str:
 
 def price(item: str) -> str:
     return str(_hash(item) % 90 + 10)
-
-
-def _schema(name: str, description: str, argument: str, about: str) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": about}},
-                       "required": [argument]}}}
 
 
 GATE_SCHEMA = _schema("get_gate", "The boarding gate of a flight, by flight number.", "number", "The flight number.")

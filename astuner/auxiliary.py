@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from astuner.errors import UserError
+from astuner.tokenizer import load_tokenizer, stop_token_ids
 
 KEY = "astuner.auxiliary_models"
 
@@ -84,7 +85,6 @@ class AuxiliaryPool:
         from astuner.model_tuner import ChatRenderer, detect_formats
         from astuner.model_tuner.formats import template_source
         from astuner.model_tuner.tool_parser import TOOL_PARSERS
-        from astuner.runtime import load_tokenizer, stop_token_ids
 
         served = {}
         for name, section in typed.astuner.auxiliary_models.items():

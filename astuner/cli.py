@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from astuner.errors import TrainingStalled, UserError, WorkerLost
+from astuner.errors import StageTimeout, TrainingStalled, UserError, WorkerLost
 
 # Older Typer raises the click package's exceptions; newer Typer vendors click and raises its own types.
 _CLI_ERRORS: tuple = tuple(t for t in (getattr(typer, "TyperException", None),) if t)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.details:
             print(exc.details, file=sys.stderr)
         return code
-    except (TrainingStalled, WorkerLost) as exc:
+    except (TrainingStalled, WorkerLost, StageTimeout) as exc:
         _fail(str(exc))
         return STALLED_EXIT
     except (KeyboardInterrupt, *_ABORTS):

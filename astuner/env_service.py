@@ -40,6 +40,8 @@ import time
 import uuid
 from typing import Any
 
+from astuner.watchdog import watch
+
 RETRYABLE_STATUS = (500, 502, 503, 504)
 KEY_HEADER = "Idempotency-Key"
 HONOURED_HEADER = "Idempotency-Key-Honoured"
@@ -159,17 +161,19 @@ class EnvServiceClient:
         import httpx
 
         last, headers = "", self._headers(method)
-        async with httpx.AsyncClient(timeout=self.request_timeout) as http:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-                try:
-                    response, exc = await http.request(method, self.env_url + path, headers=headers, **kwargs), None
-                except httpx.HTTPError as error:
-                    response, exc = None, error
-                last = self._failed(method, path, exc, response)
-                if last is None:
-                    return self._check(response, method, path)
+        with watch("env service", f"{method} {path}"):
+            async with httpx.AsyncClient(timeout=self.request_timeout) as http:
+                for attempt in range(self.retries + 1):
+                    if attempt:
+                        await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    try:
+                        response = await http.request(method, self.env_url + path, headers=headers, **kwargs)
+                        exc = None
+                    except httpx.HTTPError as error:
+                        response, exc = None, error
+                    last = self._failed(method, path, exc, response)
+                    if last is None:
+                        return self._check(response, method, path)
         raise self._give_up(method, path, last)
 
 

@@ -3,6 +3,7 @@
 UserError: bad input (config, data, user code paths); exit code 2.
 TrainingStalled: the run stopped because it would otherwise train on nothing; exit code 1.
 WorkerLost: a process of a Ray backbone died or did not answer in time; exit code 1.
+StageTimeout: a stage of a step ran past astuner.trainer_common.stage_timeout_s (astuner/watchdog.py); exit code 1.
 """
 
 
@@ -29,6 +30,10 @@ class WorkerLost(RuntimeError):
         super().__init__(message)
         self.trainer_ok = trainer_ok
         self.trained_past_state = False  # set by the loop: the trainer had taken a step the run state lacks
+
+
+class StageTimeout(RuntimeError):
+    """A stage of a step ran past its deadline; the message names the stage and what it was waiting on."""
 
 
 def user_code_error(what: str, path: str, exc: BaseException) -> UserError:

@@ -1,16 +1,18 @@
-"""THE training loop. Every backbone calls `run_loop`; a backbone only decides where each stage runs.
+"""THE training loop. Every backbone calls `run_loop`; a backbone only decides where each stage runs
+(the contract: astuner/stages.py).
 
     for each step (from the resumed one, if any):
         tasks    = next batch of training tasks
-        episodes = stages.rollout(tasks)                 # workflow x num_repeat, judge, madness
-                                                         # (filter_groups: drop equal-reward groups, roll out more)
-        samples  = episodes_to_samples(episodes)         # one per LLM call, GRPO advantage per episode
-        metrics  = stages.train(samples)                 # PPO-clip step(s) on the policy
+        chosen   = selection.gather(stages, tasks)       # stages.rollout: workflow x num_repeat, judge, madness
+                                                         # (DAPO: roll out more until groups carry a signal)
+        samples  = selection.learn(chosen)               # one per LLM call, GRPO advantage per episode (RFT: SFT)
+        metrics  = stages.train(samples, objective)      # PPO-clip step(s) on the policy
         stages.sync_weights()                            # the engine samples from the new policy
-        log, validate every test_freq, checkpoint (resumable) every save_freq
+        log (monitor/metrics.py), validate every test_freq, checkpoint (resumable) every save_freq
 
-A backbone that rolls out ahead (trinity) is handed the next `stages.lookahead` batches early; every episode
-carries the policy version that generated it, and the step logs its staleness.
+The sample-selection policy (plain GRPO, DAPO dynamic sampling, RFT) is one object chosen at start
+(astuner/selection.py). A backbone that rolls out ahead (trinity) is handed the next `stages.lookahead` batches
+early; every episode carries the policy version that generated it, and the step logs its staleness.
 
 A Ray worker lost mid-run (WorkerLost) stops the run; if the trainer still holds the last completed step, that
 step is checkpointed first, so a resume continues from it.
@@ -23,6 +25,7 @@ with a message quoting the first error seen.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import random
@@ -31,39 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from astuner.alarms import ToolUseAlarm
-from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.registry import STD_NORMALISED
-from astuner.algorithm.samples import episodes_to_samples, merge_ratio
-from astuner.errors import TrainingStalled, WorkerLost
-from astuner.evaluation.metrics import ks_for, summarize, task_results
-from astuner.types import (
-    FLAG_FAILED,
-    FLAG_NONSENSE,
-    FLAG_OVERFLOW,
-    FLAG_TIMEOUT,
-    FLAG_WRONG_TOOLCALL,
-    Episode,
-    Sample,
-    Task,
-)
+from astuner.errors import WorkerLost
+from astuner.selection import choose_selection
+from astuner.stages import Stages
+from astuner.types import Episode, Sample, Task
+from astuner.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-class Stages(Protocol):
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
-                sampled_repeats: int | None = None) -> list[Episode]: ...
-
-    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]: ...
-
-    def sync_weights(self) -> None: ...
-
-    def save_checkpoint(self, step: int, run_state: dict) -> Path: ...
-
-    # Optional, for stages that roll out ahead (the trinity backbone): `lookahead` batches after the current
-    # one are handed to `prefetch(step, tasks)` before it is rolled out, and `step_metrics()` adds to a step's
-    # log.
 
 
 class MonitorLike(Protocol):
@@ -98,6 +76,8 @@ class LoopSettings:
     val_num_repeat: int = 1
     algorithm: str = "grpo"  # or "rft": SFT on the calls of episodes with reward >= rft_threshold
     rft_threshold: float = 1.0
+    watchdog_factor: float = 3.0  # a step slower than this many median steps is reported (astuner/watchdog.py)
+    stage_timeout_s: float | None = None  # a stage running longer stops the run (None: no deadline)
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
@@ -127,6 +107,8 @@ class LoopSettings:
             val_num_repeat=tc.val_num_repeat,
             algorithm=tc.algorithm.type,
             rft_threshold=tc.algorithm.rft_reward_threshold if tc.algorithm.type == "rft" else 1.0,
+            watchdog_factor=tc.watchdog_factor,
+            stage_timeout_s=tc.stage_timeout_s,
         )
 
 
@@ -147,8 +129,9 @@ class ResumeState:
 class RunSummary:
     steps: int = 0
     seconds: float = 0.0
-    val_scores: dict[int, float] = field(default_factory=dict)  # step -> validation accuracy
+    val_scores: dict[int, float] = field(default_factory=dict)  # step -> validation score
     last_checkpoint: Path | None = None
+    score_name: str = "accuracy"  # or "loss" (offline objectives)
 
     def line(self, name: str) -> str:
         minutes, seconds = divmod(int(self.seconds), 60)
@@ -156,7 +139,9 @@ class RunSummary:
         if self.val_scores:
             first, last = min(self.val_scores), max(self.val_scores)
             start, end = self.val_scores[first], self.val_scores[last]
-            text += f"; validation accuracy {start:.3f} (step {first}) -> {end:.3f} (step {last}), {end - start:+.3f}"
+            digits = 3 if self.score_name == "accuracy" else 4
+            text += (f"; validation {self.score_name} {start:.{digits}f} (step {first}) -> {end:.{digits}f} "
+                     f"(step {last}), {end - start:+.{digits}f}")
         if self.last_checkpoint is not None:
             text += f"; checkpoint {self.last_checkpoint}"
         return text
@@ -190,128 +175,6 @@ def task_batches(
             yield order[begin:end], e, min(end, len(order))
 
 
-def tool_calls_received(calls) -> int:
-    """Parsed tool calls handed to the agent (one response may hold several)."""
-    return sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
-
-
-def parse_failure_rate(calls) -> float:
-    """The share of responses that tried a tool call and could not be parsed whole."""
-    attempted = [c for c in calls if c.tool_call_attempted]
-    return sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0
-
-
-def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    n = max(len(episodes), 1)
-    rewards = [e.reward for e in episodes if e.trainable] or [0.0]
-    mean = sum(rewards) / len(rewards)
-    calls = [c for e in episodes for c in e.calls]
-    return {
-        f"{prefix}/reward_mean": mean,
-        f"{prefix}/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-        f"{prefix}/success_rate": sum(e.is_success for e in episodes) / n,
-        f"{prefix}/response_length": sum(len(c.response_ids) for c in calls) / max(len(calls), 1),
-        f"{prefix}/turns_per_episode": len(calls) / n,
-        # Tool calls the agent received (parsed), per episode, and the share of attempted calls that did not parse.
-        f"{prefix}/tool_calls_per_episode": tool_calls_received(calls) / n,
-        f"{prefix}/tool_call_parse_failure_rate": parse_failure_rate(calls),
-        f"{prefix}/madness_rate": sum(any(f in e.flags for f in (FLAG_NONSENSE, FLAG_WRONG_TOOLCALL)) for e in episodes) / n,
-        f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
-        f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
-        f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
-        **_mean_episode_metrics(episodes, prefix),
-    }
-
-
-def _mean_episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Each metric a workflow or judge reported (e.g. a reward term), averaged over the episodes reporting it."""
-    values: dict[str, list[float]] = {}
-    for e in episodes:
-        for name, value in e.metrics.items():
-            values.setdefault(name, []).append(value)
-    return {f"{prefix}/metrics/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
-
-
-# Past these, a step's log carries a warning: the token pipeline is probably broken (see rollout.preflight).
-PIPELINE_WARN = {
-    "rollout/tool_call_parse_failure_rate": 0.2,
-    "rollout/logprob_abs_diff_mean": 0.05,
-}
-
-
-def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -> dict[str, float]:
-    """Token-pipeline health: parse failures among calls that tried a tool call, calls whose prompt extended an
-    earlier call token-exactly, the share `merge` joins, model and tool calls per episode, engine-trainer
-    logprob gap, and per-agent counts."""
-    calls = [c for e in episodes for c in e.calls]
-    out = {
-        "rollout/tool_call_parse_failure_rate": parse_failure_rate(calls),
-        "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
-        "rollout/merge_ratio": merge_ratio(episodes),
-        "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
-        "rollout/tool_call_rate": tool_calls_received(calls) / max(len(episodes), 1),
-    }
-    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
-        if name in train_metrics:
-            out[f"rollout/{name}"] = train_metrics[name]
-    agents = sorted({c.agent for c in calls if c.agent})
-    for agent in agents:
-        mine = [c for c in calls if c.agent == agent]
-        out[f"agent/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
-        out[f"agent/{agent}/response_length"] = sum(len(c.response_ids) for c in mine) / len(mine)
-    return out
-
-
-def staleness_metrics(episodes: list[Episode], step: int) -> dict[str, float]:
-    """Trainer steps between the weights that generated a step's episodes and the weights they train:
-    (step - 1) - policy_version; 0 everywhere for the debug and verl backbones."""
-    stale = [(step - 1) - e.policy_version for e in episodes] or [0]
-    return {"rollout/staleness_mean": sum(stale) / len(stale), "rollout/staleness_max": float(max(stale)),
-            "rollout/policy_version_min": float(min(e.policy_version for e in episodes) if episodes else 0)}
-
-
-def warn_pipeline(step: int, metrics: dict[str, float]) -> None:
-    for name, limit in PIPELINE_WARN.items():
-        if name.startswith("rollout/logprob") and metrics.get("rollout/staleness_max", 0) > 0:
-            continue  # stale samples: the gap includes the policy's own change (the trinity backbone corrects it)
-        value = metrics.get(name)
-        if value is not None and value > limit:
-            log.warning("step %d: %s = %.3g is above %.3g: the token pipeline may be broken (a tool-call parser "
-                        "that does not match the model's format, or engine and trainer disagreeing); see the "
-                        "preflight table at start and rollout.tool_call_parser", step, name, value, limit)
-
-
-def zero_adv_group_fraction(episodes: list[Episode]) -> float:
-    """Share of task groups (trainable episodes of one task) whose rewards are all equal: GRPO learns nothing
-    from them. A group with one trainable episode counts as equal; a group with none is not counted."""
-    groups: dict[str, set[float]] = {}
-    for e in episodes:
-        if e.trainable:
-            groups.setdefault(e.group_id, set()).add(e.reward)
-    if not groups:
-        return 1.0
-    return sum(len(r) == 1 for r in groups.values()) / len(groups)
-
-
-def _first_error(episodes: list[Episode]) -> tuple[str, str] | None:
-    """(where, what) of the first failed episode: the part that failed ("workflow" or "judge") and a line
-    quoting its error."""
-    for e in episodes:
-        if e.error:
-            lines = e.error.strip().splitlines()
-            what = e.error_summary or (lines[-1] if lines else e.error)
-            return e.error_source or "workflow", f"episode {e.episode_uid}: {what}"
-    return None
-
-
-FIX_ADVICE = {
-    "workflow": "Fix the workflow (run with --backbone debug and a breakpoint in it), or raise "
-                "astuner.rollout.episode_timeout if the episodes are just slow.",
-    "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
-             "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
-}
-
-
 def run_loop(
     settings: LoopSettings,
     stages: Stages,
@@ -319,43 +182,28 @@ def run_loop(
     val_tasks: list[Task],
     monitor: MonitorLike,
     resume: ResumeState | None = None,
+    on_slow=None,
 ) -> RunSummary:
+    """`on_slow(line)`: shows the watchdog's line on the progress bar when a step runs slow."""
     state = resume or ResumeState()
-    summary = RunSummary(steps=state.step, val_scores={int(k): v for k, v in state.val_scores.items()})
-    total_steps = count_steps(len(train_tasks), settings)
+    summary = RunSummary(steps=state.step, val_scores={int(k): v for k, v in state.val_scores.items()},
+                         score_name=stages.score_name)
+    watchdog = Watchdog(settings.watchdog_factor, deadline_s=settings.stage_timeout_s, on_slow=on_slow)
+    run = _Run(settings, stages, monitor, state, summary, val_tasks, count_steps(len(train_tasks), settings),
+               watchdog)
     started = time.perf_counter()
-
-    def validate(step: int) -> None:
-        if not val_tasks:
-            return
-        t0 = time.perf_counter()
-        episodes = stages.rollout(val_tasks, validation=True, step=step)
-        metrics = episode_metrics(episodes, "val")
-        metrics["val/accuracy"] = metrics["val/success_rate"]
-        if settings.val_num_repeat > 1:
-            sampled = stages.rollout(val_tasks, validation=True, step=step, sampled_repeats=settings.val_num_repeat)
-            ks = ks_for(settings.val_num_repeat)
-            report = summarize(task_results(episodes, sampled, ks), sampled, ks)
-            metrics.update({f"val/{k.removeprefix('sampled/')}": v for k, v in report.items()
-                            if k.startswith("sampled/")})
-            episodes = episodes + sampled
-        metrics["time/validation_s"] = time.perf_counter() - t0
-        summary.val_scores[step] = metrics["val/accuracy"]
-        state.val_scores[str(step)] = metrics["val/accuracy"]
-        monitor.log_metrics(step, metrics)
-        monitor.save_episodes(step, episodes, "val")
-        log.info("step %d validation accuracy %.3f over %d tasks", step, metrics["val/accuracy"], len(val_tasks))
-
-    if settings.val_before_train and state.step == 0:
-        validate(0)
-
     batches = _Peekable(task_batches(train_tasks, settings, state.epoch, state.position))
-    saved = {"step": state.step}  # the last step with a checkpoint (or the resumed one)
     try:
-        _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved)
+        with watchdog:
+            if settings.val_before_train and state.step == 0:
+                run.validate(0)
+            for step, (tasks, epoch, position) in enumerate(batches, start=state.step + 1):
+                if step > run.total_steps:
+                    break
+                run.step(step, tasks, batches, epoch, position)
     except WorkerLost as exc:
         # Checkpoint the last completed step if the trainer still holds exactly it, so a resume continues there.
-        if exc.trainer_ok and state.step > saved["step"] and not exc.trained_past_state:
+        if exc.trainer_ok and state.step > run.saved_step and not exc.trained_past_state:
             log.error("%s", exc)
             try:
                 summary.last_checkpoint = stages.save_checkpoint(state.step, asdict(state))
@@ -363,9 +211,18 @@ def run_loop(
             except Exception as save_exc:  # the trainer went too: the previous checkpoint stays the last one
                 log.error("could not save step %d as well (%s)", state.step, save_exc)
         raise
-
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+@contextlib.contextmanager
+def _trained_past_state():
+    """A worker lost during the sync: the trainer holds step `step` while `state` still says step - 1."""
+    try:
+        yield
+    except WorkerLost as exc:
+        exc.trained_past_state = True
+        raise
 
 
 class _Peekable:
@@ -389,138 +246,88 @@ class _Peekable:
         return list(self._ahead)[:n]
 
 
-def _run_steps(settings, stages, monitor, state, summary, batches, total_steps, validate, saved: dict) -> None:
-    tool_alarm = ToolUseAlarm()
-    for step, (tasks, epoch, position) in enumerate(batches, start=state.step + 1):
-        if step > total_steps:
-            break
-        for i, (upcoming, _, _) in enumerate(batches.peek(getattr(stages, "lookahead", 0)), start=1):
-            if step + i <= total_steps:
+class _Run:
+    """One run's step, validation and checkpoint; what they share lives here."""
+
+    def __init__(self, settings, stages, monitor, state, summary, val_tasks, total_steps, watchdog) -> None:
+        self.settings, self.stages, self.monitor, self.watchdog = settings, stages, monitor, watchdog
+        self.state, self.summary, self.val_tasks, self.total_steps = state, summary, val_tasks, total_steps
+        self.selection = choose_selection(settings)
+        self.saved_step = state.step  # the last step with a checkpoint (or the resumed one)
+
+    def step(self, step: int, tasks: list[Task], batches: _Peekable, epoch: int, position: int) -> None:
+        stages, state, watchdog = self.stages, self.state, self.watchdog
+        for i, (upcoming, _, _) in enumerate(batches.peek(stages.lookahead), start=1):
+            if step + i <= self.total_steps:
                 stages.prefetch(step + i, upcoming)
+        watchdog.step_started(step)
         t0 = time.perf_counter()
-        episodes = stages.rollout(tasks, validation=False, step=step)
-        trained = episodes
-        if settings.filter_groups:
-            trained, episodes, epoch, position, fill = fill_with_informative_groups(
-                episodes, tasks, batches, stages, settings, step, epoch, position)
+        with watchdog.stage("rollout"):
+            chosen = self.selection.gather(stages, tasks, batches, step, epoch, position)
         t1 = time.perf_counter()
-        if state.first_error is None and (found := _first_error(episodes)):
-            state.first_error_source, state.first_error = found
-        if not any(e.trainable for e in episodes):
-            raise TrainingStalled(
-                f"step {step}: all {len(episodes)} episodes failed or timed out, so there is nothing to train on. "
-                f"First error: {state.first_error or 'none recorded'}. "
-                f"{FIX_ADVICE.get(state.first_error_source, FIX_ADVICE['workflow'])}")
-        rft = settings.algorithm == "rft"
-        if rft:  # rejection sampling: only episodes that pass the threshold, learnt by SFT on their exact ids
-            trained = [e for e in episodes if e.trainable and e.reward >= settings.rft_threshold]
-        samples = episodes_to_samples(
-            trained,
-            adv_estimator=settings.adv_estimator,
-            norm_by_std=settings.norm_adv_by_std,
-            epsilon=settings.adv_epsilon,
-            max_sample_per_task=settings.max_sample_per_task,
-            sample_mode=settings.sample_mode,
-            constant_advantage=1.0 if rft else None,
-        )
-        if not samples:
-            train_metrics = {}
-        else:
-            train_metrics = stages.train(samples, objective="sft") if rft else stages.train(samples)
+        samples, learned = self.selection.learn(chosen, state, step)
+        with watchdog.stage("train"):
+            train_metrics = stages.train(samples, self.selection.objective) if samples else {}
         t2 = time.perf_counter()
-        try:
+        with watchdog.stage("sync"), _trained_past_state():
             stages.sync_weights()
-        except WorkerLost as exc:
-            exc.trained_past_state = True  # the trainer holds step `step`; `state` still says step - 1
-            raise
-        t3 = time.perf_counter()
+        seconds = {"rollout": t1 - t0, "train": t2 - t1, "sync": time.perf_counter() - t2}
+        metrics = self.selection.report(step, chosen, samples, train_metrics, seconds,
+                                        {**stages.step_metrics(), **chosen.metrics, **learned})
+        self.monitor.log_metrics(step, metrics)
+        if chosen.episodes:
+            self.monitor.save_episodes(step, chosen.episodes, "train", samples)
+        self.summary.steps = step
+        state.step, state.epoch, state.position = step, chosen.epoch, chosen.position
+        self.selection.check_idle(state, samples, metrics, step)
+        if step % self.settings.test_freq == 0 or step == self.total_steps:
+            self.validate(step)
+        if step % self.settings.save_freq == 0 or step == self.total_steps:
+            with watchdog.stage("checkpoint"):
+                self.summary.last_checkpoint = stages.save_checkpoint(step, asdict(state))
+            self.saved_step = step
+        watchdog.step_finished()
+        self.monitor.step_done(step, metrics)
 
-        metrics = episode_metrics(episodes, "train")
-        metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
-        metrics.update(pipeline_metrics(episodes, train_metrics))
-        metrics.update(staleness_metrics(episodes, step))
-        warn_pipeline(step, metrics)
-        for warning in tool_alarm.observe(step, episodes, metrics.get("train/reward_mean", 0.0)):
-            log.warning(warning)
-        zero_frac = zero_adv_group_fraction(episodes)
-        metrics.update({
-            "time/rollout_s": t1 - t0,
-            "time/train_s": t2 - t1,
-            "time/sync_s": t3 - t2,
-            "perf/rollout_tokens_per_s": metrics["train/generated_tokens"] / max(t1 - t0, 1e-9),
-            "train/num_samples": float(len(samples)),
-            "train/zero_adv_group_fraction": zero_frac,
-        })
-        if hasattr(stages, "step_metrics"):
-            metrics.update(stages.step_metrics())
-        if settings.filter_groups:
-            metrics.update({f"train/dynamic_sampling/{k}": float(v) for k, v in fill.items()})
-        if rft:
-            metrics["train/rft_kept_episode_fraction"] = len(trained) / max(len(episodes), 1)
-        monitor.log_metrics(step, metrics)
-        monitor.save_episodes(step, episodes, "train", samples)
-        summary.steps = step
-        state.step, state.epoch, state.position = step, epoch, position
-        _check_idle(state, settings, samples, zero_frac, step)
-
-        if step % settings.test_freq == 0 or step == total_steps:
-            validate(step)
-        if step % settings.save_freq == 0 or step == total_steps:
-            summary.last_checkpoint = stages.save_checkpoint(step, asdict(state))
-            saved["step"] = step
-        monitor.step_done(step, metrics)
+    def validate(self, step: int) -> None:
+        if not self.val_tasks:
+            return
+        t0 = time.perf_counter()
+        with self.watchdog.stage("validation"):
+            result = self.stages.validate(self.val_tasks, step, self.settings.val_num_repeat)
+        metrics = {**result.metrics, "time/validation_s": time.perf_counter() - t0}
+        self.summary.val_scores[step] = self.state.val_scores[str(step)] = result.score
+        self.monitor.log_metrics(step, metrics)
+        if result.episodes:
+            self.monitor.save_episodes(step, result.episodes, "val")
+        digits = 3 if result.score_name == "accuracy" else 4
+        log.info(f"step {step} validation {result.score_name} {result.score:.{digits}f} over {len(self.val_tasks)} "
+                 "tasks")
 
 
-def fill_with_informative_groups(episodes, tasks, batches, stages, settings, step, epoch, position):
-    """DAPO dynamic sampling (algorithm/dynamic_sampling.py): roll out further batches of `batches` until
-    `train_batch_size` groups carry a signal, or `max_num_gen_batches` batches were rolled out, or the data ends.
+def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val_tasks: list, total_steps: int,
+          tokenizer, checkpoint: Path | None = None) -> RunSummary:
+    """What every backbone does around the loop: resume from `checkpoint` (the trainer's state, then the engines'
+    weights), open the monitor, run the loop, release the stages and print the summary line."""
+    from astuner.monitor import Monitor, announce
 
-    Returns (episodes to train on, every episode rolled out, epoch and position after the last batch used,
-    counts for the log). Tasks already in this step (a batch that crosses an epoch) are skipped."""
-    want = settings.train_batch_size
-    kept = informative_groups(episodes, settings.filter_metric)
-    generated, seen = 1, {t.task_id for t in tasks}
-    while len(kept) < want and (settings.max_num_gen_batches == 0 or generated < settings.max_num_gen_batches):
-        try:
-            more, epoch, position = next(batches)
-        except StopIteration:
-            break
-        more = [t for t in more if t.task_id not in seen]
-        seen.update(t.task_id for t in more)
-        if not more:
-            continue
-        extra = stages.rollout(more, validation=False, step=step)
-        generated += 1
-        episodes = episodes + extra
-        kept += informative_groups(extra, settings.filter_metric)
-    if len(kept) < want:
-        log.warning("step %d: dynamic sampling found %d of %d groups with differing rewards in %d rollout batches "
-                    "(cap filter_groups.max_num_gen_batches = %d, or the data ran out); training on those",
-                    step, len(kept), want, generated, settings.max_num_gen_batches)
-    kept = kept[:want]
-    groups = len({e.group_id for e in episodes})
-    counts = {"gen_batches": generated, "kept_groups": len(kept), "dropped_groups": groups - len(kept)}
-    return keep_groups(episodes, kept), episodes, epoch, position, counts
-
-
-def _check_idle(state: ResumeState, settings: LoopSettings, samples: list[Sample], zero_frac: float, step: int) -> None:
-    learning = any(s.advantage != 0.0 for s in samples) or (settings.grad_without_advantage and bool(samples))
-    if learning:
-        state.idle_steps = 0
-        return
-    state.idle_steps += 1
-    why = (
-        f"no episode reached algorithm.rft_reward_threshold = {settings.rft_threshold:g}"
-        if settings.algorithm == "rft" else
-        "every task's episodes got the same reward (train/zero_adv_group_fraction = 1.0), so every GRPO advantage "
-        "is 0" if zero_frac == 1.0 else "no episode produced a trainable sample"
-    )
-    log.warning("step %d trained on nothing: %s (%d of %d idle steps allowed in a row)", step, why,
-                state.idle_steps, settings.max_idle_steps)
-    if state.idle_steps >= settings.max_idle_steps:
-        raise TrainingStalled(
-            f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
-            f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
-            "the task may be too hard (all 0) or too easy (all 1) for this model, or raise "
-            "astuner.trainer_common.max_idle_steps."
-        )
+    monitor = None
+    try:
+        resume = None
+        if checkpoint is not None:
+            resume = ResumeState(**stages.load_checkpoint(checkpoint))
+            stages.resumed(resume.step)
+            announce(f"resumed at step {resume.step} of {total_steps} from {checkpoint}")
+        monitor = Monitor(loaded.experiment_dir, total_steps, tokenizer=tokenizer,
+                          resume_step=None if resume is None else resume.step)
+        stages.progress = monitor.episode_bar
+        summary = run_loop(settings, stages, train_tasks, val_tasks, monitor, resume=resume,
+                           on_slow=monitor.show_stall)
+    finally:
+        if monitor is not None:
+            monitor.close()
+        stages.shutdown()
+    line = summary.line(loaded.typed.astuner.project_name)
+    log.info(line)
+    print(line, flush=True)
+    return summary

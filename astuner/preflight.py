@@ -10,7 +10,7 @@ Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
                                cache, and keeps it while the trainer's states stay resident
     ref      =  4 * P          the frozen reference model, only with the KL loss
     act      the trainer's activations and logits for one micro-batch of min(budget, the step's tokens) tokens
-             (budget: trinity.trainer.max_token_len_per_gpu; a sample longer than it forms its own micro-batch)
+             (budget: trainer_common.micro_batch_token_budget; a sample longer than it forms its own micro-batch)
     kv       the engine's KV cache: the HF engine's for max_env_worker sequences of max_model_len tokens; vLLM's on
              CPU is sized from the memory left (below); on a GPU vLLM's share u * M holds it
 (formulas for act and kv: astuner/memory.py). On CPU the run must fit in the memory this machine has (less
@@ -213,7 +213,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.config.applicability import OFFLINE_TYPES, RAY_BACKBONES
-    from astuner.engine.select import resolve_engine_name
+    from astuner.config.derived import resolve_engine_name
     from astuner.fsdp import resolve_strategy
     from astuner.precision import resolve_precision
 
@@ -225,7 +225,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     processes = 1  # processes of this run that may share one host's memory
     if backbone in RAY_BACKBONES:
         world = tc.nnodes * tc.n_gpus_per_node
-        processes = world + (tc.trinity_only__n_vllm_engine if backbone == "trinity" else 0)
+        processes = world + (tc.n_explorers if backbone == "trinity" else 0)
         try:
             shards = world if resolve_strategy(tc.strategy, world, device, tc.lora.rank > 0) == "fsdp2" else 1
         except ValueError as exc:
@@ -243,7 +243,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         tasks_per_step=a.data.train_batch_size,
         episodes_per_step=0 if offline else a.data.train_batch_size * a.rollout.num_repeat,
         optimizer_steps_per_step=optimizer_steps_per_step(typed),
-        micro_batch_token_budget=typed.trinity.trainer.max_token_len_per_gpu,
+        micro_batch_token_budget=tc.micro_batch_token_budget,
         total_steps=total_steps,
         max_model_len=max_model_len,
         trainer_bytes=_trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
@@ -312,7 +312,7 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
                     mid = (lo + hi) // 2
                     lo, hi = (mid, hi) if act(mid) <= room else (lo, mid)
                 resized.append(f"micro-batch budget lowered from {budget} to {lo} tokens to fit in memory "
-                               f"(trinity.trainer.max_token_len_per_gpu; the gradient is the same)")
+                               f"(astuner.trainer_common.micro_batch_token_budget; the gradient is the same)")
                 budget = lo
         if cpu_vllm and kv < a.rollout.max_num_seqs * per_seq:
             resized.append(f"vLLM KV cache sized to {kv / GIB:.1f} GiB from the memory left ({kv / per_seq:.1f} "

@@ -54,6 +54,7 @@ from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.task_judge.base_judge import BaseJudge, call_judge
 from astuner.types import FLAG_FAILED, FLAG_JUDGE_TIMEOUT, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
+from astuner.watchdog import watch
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,8 @@ class RolloutRunner:
 
         async def one(task: Task, index: int) -> Episode:
             async with gate:
-                episode = await self._episode(task, index, temperature, validation, step)
+                with watch("episode", f"{'val' if validation else 'train'}:{task.task_id}#{index}"):
+                    episode = await self._episode(task, index, temperature, validation, step)
             if on_episode_done is not None:
                 on_episode_done(episode)
             return episode
@@ -313,7 +315,8 @@ class RolloutRunner:
 
     async def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
         if output.reward is None:
-            result = await self._judge(workflow_task, output)
+            with watch("judge", type(self.judge).__qualname__):
+                result = await self._judge(workflow_task, output)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (int, float))
                     and not isinstance(result[0], bool)):
                 raise UserError(

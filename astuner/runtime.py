@@ -11,6 +11,7 @@ from pathlib import Path
 
 from astuner.config.applicability import OFFLINE_TYPES
 from astuner.errors import UserError, user_code_error
+from astuner.tokenizer import load_tokenizer, stop_token_ids
 from astuner.types import Task
 from astuner.workflow import ClassSpecError, Workflow, load_class
 
@@ -78,21 +79,6 @@ def build_judge(typed, cfg, base_dir: Path):
         raise user_code_error(f"{key}: {judge_cls.__qualname__}.__init__ in", inspect.getfile(judge_cls), exc) from None
 
 
-def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
-    """End-of-turn ids: the generation config's eos ids plus the tokenizer's eos."""
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
 def build_policy_model_path(typed) -> str:
     from astuner.model_cache import ModelPathError, resolve_model_path
 
@@ -102,34 +88,15 @@ def build_policy_model_path(typed) -> str:
         raise UserError(f"astuner.model.path: {exc}") from None
 
 
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(
-            f"astuner.model.path: cannot load a tokenizer from {model_path!r} ({' '.join(str(exc).split())[:300]}). "
-            "Give a local Hugging Face model folder with its tokenizer files (tokenizer.json or tokenizer.model and "
-            "tokenizer_config.json; there is no hub access at run time), or demo:smollm2-135m-instruct."
-        ) from None
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(
-            f"astuner.model.path: the tokenizer of {model_path!r} has no chat template, so chat messages cannot be "
-            "turned into prompts; use an instruct/chat model or add chat_template to tokenizer_config.json."
-        )
-    return tokenizer
-
-
 def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None):
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one."""
     from astuner import preflight
     from astuner.trainer import Trainer
+    from astuner.trainer_settings import TrainerSettings
 
     tc = typed.astuner.trainer_common
     offline = tc.algorithm.type in OFFLINE_TYPES
-    return Trainer(
-        model_path,
+    settings = TrainerSettings(
         lr=tc.optim.lr,
         weight_decay=tc.optim.weight_decay,
         lr_warmup_steps=tc.optim.lr_warmup_steps,
@@ -161,10 +128,11 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         kl_loss_type=tc.kl_loss_type if tc.use_kl_loss else "k3",
         loss_agg_mode=tc.loss_agg_mode,
         norm_length=typed.astuner.rollout.max_response_length_in_one_turn,
-        max_token_len_per_micro_batch=micro_batch_tokens or typed.trinity.trainer.max_token_len_per_gpu,
+        max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
     )
+    return Trainer(model_path, settings)
 
 
 def _lora_settings(section):
@@ -206,7 +174,7 @@ ENGINES = {"vllm": _vllm_engine, "hf": _hf_engine}
 
 def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
     """The rollout engine; `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight)."""
-    from astuner.engine.select import resolve_engine_name, vllm_available
+    from astuner.config.derived import resolve_engine_name, vllm_available
 
     name = resolve_engine_name(typed.astuner.rollout.engine)
     if name == "vllm" and not vllm_available():

@@ -1,7 +1,8 @@
 """Trainer checkpoints: an atomic Hugging Face folder (or, with LoRA, the adapter alone) plus the state an exact
 resume needs (`RESUME_DIR/`: optimizer, optimizer step count, RNG states, the loop's run state).
 
-Functions of the trainer rather than methods, to keep `trainer.py` about the update itself.
+Functions of the trainer rather than methods, to keep `trainer.py` about the update itself; they use only its
+public surface (`state_dict`, `load_state_dict`, `model`, `peft`, `model_path`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from astuner import fsdp
-from astuner.lora import ADAPTER_NAME, adapter_state_for_save, adapter_state_from_file, is_lora_param
+from astuner.lora import ADAPTER_NAME, adapter_state_for_save, adapter_state_from_file
 from astuner.resume import RESUME_DIR
 
 log = logging.getLogger("astuner.trainer")
@@ -34,13 +34,10 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
     With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
     exactly: optimizer state, optimizer step count, torch RNG states and the run state.
     """
-    if trainer.sharded:
-        state = {name: fsdp.full(p.detach()).cpu() for name, p in trainer.model.named_parameters()}
-        optimizer = fsdp.full_optimizer_state(trainer.optimizer) if run_state is not None else None
-    else:
-        # bf16: the fp32 master weights, so a resumed run continues from the same numbers (None: the model's own).
-        state = trainer._master.state_dict(trainer.model)
-        optimizer = trainer.optimizer.state_dict() if run_state is not None and write else None
+    # Sharded, this gathers (every worker calls it); under bf16 the weights are the fp32 masters, so a resumed run
+    # continues from the same numbers.
+    full = trainer.state_dict(optimizer=run_state is not None and (write or trainer.sharded))
+    state, optimizer = full["model"], full["optimizer"]
     if not write:
         return
     path = Path(path)
@@ -48,14 +45,14 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = path.parent / f".{path.name}.tmp-{tag}"
     try:
-        if trainer._peft is not None:  # the adapter only; `astuner export` merges it into a model folder
+        if trainer.peft is not None:  # the adapter only; `astuner export` merges it into a model folder
             from safetensors.torch import save_file
 
             state = state or dict(trainer.model.named_parameters())
             tmp.mkdir(parents=True)
             save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_for_save(state).items()},
                       str(tmp / "adapter_model.safetensors"))
-            trainer._peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
+            trainer.peft.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
         else:
             trainer.model.save_pretrained(tmp, state_dict=state)
         if tokenizer is None:
@@ -73,7 +70,7 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
             torch.save(
                 {
                     "optimizer": optimizer,
-                    "optimizer_steps": trainer.optimizer_steps,
+                    "optimizer_steps": full["optimizer_steps"],
                     "torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 },
@@ -105,26 +102,14 @@ def load(trainer, path: Path) -> dict:
     state: dict[str, Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    if trainer._peft is not None:
+    if trainer.peft is not None:
         state = adapter_state_from_file(state)
-    if trainer.sharded:  # every worker reads the whole checkpoint and keeps its shards
-        missing, unexpected = fsdp.load_full_weights(trainer._root, state)
-    else:
-        missing, unexpected = trainer.model.load_state_dict(state, strict=False)
-        trainer._master.load_masters(trainer.model, state)
-    # Tied weights are saved once; anything else missing means another architecture.
-    tied = {n for n in missing if "lm_head" in n and getattr(trainer.model.config, "tie_word_embeddings", False)}
-    if trainer._peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
-        tied |= {n for n in missing if not is_lora_param(n)}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]})")
     saved = torch.load(path / RESUME_DIR / "trainer.pt", map_location="cpu", weights_only=False)
-    optimizer = saved["optimizer"]
-    if trainer.sharded:
-        optimizer = fsdp.shard_optimizer_state(optimizer, trainer._params)
-    trainer.optimizer.load_state_dict(optimizer)
-    trainer.optimizer_steps = int(saved["optimizer_steps"])
+    try:  # sharded: every worker reads the whole checkpoint and keeps its shards
+        trainer.load_state_dict({"model": state, "optimizer": saved["optimizer"],
+                                 "optimizer_steps": saved["optimizer_steps"]})
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     torch.set_rng_state(saved["torch_rng"])
     if saved.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda_rng"])

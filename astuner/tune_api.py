@@ -88,7 +88,7 @@ class AlgorithmConfig:
     clip_ratio_high: float | None = None
     use_kl_loss: bool | None = None
     kl_loss_coef: float | None = None
-    # Any other key, dotted: {"rollout.max_env_worker": 16, "trinity.trainer.max_token_len_per_gpu": 4096}.
+    # Any other key, dotted: {"rollout.max_env_worker": 16, "trainer_common.micro_batch_token_budget": 4096}.
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -125,7 +125,7 @@ class Sample:
     # multi_turn.sample_mode=merge); None means every response token is trained on.
     loss_mask: list[int] | None = None
     call_indices: list[int] = field(default_factory=list)  # the episode's calls this sample holds, in order
-    trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the trainer)
+    trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the stages)
     # The engine's sampling logprobs when old_logprobs were recomputed by the trainer (old_logprobs: trainer).
     engine_logprobs: list[float] | None = None
     policy_version: int = 0  # its episode's (see Episode.policy_version)

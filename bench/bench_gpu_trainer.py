@@ -51,6 +51,7 @@ def main() -> None:
     from astuner.engine.vllm_engine import SharedWeightFile, pin_host_memory
     from astuner.lora import LoraSettings
     from astuner.trainer import Trainer
+    from astuner.trainer_step import recompute_old_logprobs
     from astuner.types import Sample
 
     ap = argparse.ArgumentParser()
@@ -108,7 +109,7 @@ def main() -> None:
             # Forward-only logprobs (old_logprobs: trainer), the same samples.
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            t.recompute_old_logprobs(samples)
+            recompute_old_logprobs(t, samples)
             torch.cuda.synchronize()
             row["logprob_pass_tokens_per_s"] = round(fed / (time.perf_counter() - t0))
             out[f"gradient_checkpointing={gc}"] = row

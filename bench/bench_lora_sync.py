@@ -69,7 +69,7 @@ def main() -> None:
     t0 = time.perf_counter()
     state = adapter_state_for_save(dict(trainer.model.named_parameters()))
     save_file({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(folder, "adapter_model.safetensors"))
-    trainer._peft.peft_config[ADAPTER_NAME].save_pretrained(folder)
+    trainer.peft.peft_config[ADAPTER_NAME].save_pretrained(folder)
     request = LoRARequest("policy-v1", 1, folder)
     run(llm.add_lora(request))
     adapter_s = time.perf_counter() - t0

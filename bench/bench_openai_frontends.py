@@ -151,7 +151,7 @@ def bench_merge_and_preflight(model_path, tokenizer, args):
                                           max_sample_per_task=8, sample_mode=mode)
             rt.trainer.optimizer.zero_grad(set_to_none=True)
             start = time.perf_counter()  # once: a step over a whole batch takes minutes on CPU
-            rt.trainer.accumulate_gradients(samples)
+            rt.trainer.forward_backward(samples)
             timings[mode] = (len(samples), sum(s.num_tokens for s in samples), time.perf_counter() - start)
         calls = sum(len(e.calls) for e in episodes)
         reuse = sum(c.extends_previous for e in episodes for c in e.calls) / max(calls, 1)

@@ -145,10 +145,10 @@ def bench_train(model_path, samples, repeats, budget):
         norm_length=128, max_token_len_per_micro_batch=budget,
     )
     t_grpo = best_of(lambda: trainer.train_step(samples), repeats)
-    forward = trainer._forward_logprobs
-    trainer._forward_logprobs = lambda model, batch, with_entropy: forward(model, batch, False)
+    forward = trainer.forward_logprobs
+    trainer.forward_logprobs = lambda batch, **kw: forward(batch, **{**kw, "with_entropy": False})
     t_no_entropy = best_of(lambda: trainer.train_step(samples), repeats)
-    trainer._forward_logprobs = forward
+    del trainer.forward_logprobs  # back to the method
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)

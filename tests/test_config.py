@@ -23,7 +23,8 @@ from astuner.config import (
     save_config,
     valid_keys,
 )
-from astuner.config.schema import DEFAULT_FILE_OF, RunConfig, render_yaml
+from astuner.config.default_yaml import DEFAULT_FILE_OF, render_yaml
+from astuner.config.schema import RunConfig
 from astuner.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -328,7 +329,7 @@ def test_packaged_yamls_are_generated_from_the_schema():
     # The default YAMLs are what Hydra composes; the schema is what validates. They must say the same.
     for name, rel in DEFAULT_FILE_OF.items():
         assert (DEFAULT_CONFIG_DIR / rel).read_text() == render_yaml(name), (
-            f"{rel} is stale: run python -m astuner.config.schema --write"
+            f"{rel} is stale: run python -m astuner.config.default_yaml --write"
         )
     assert OmegaConf.to_container(load_config(DEFAULT_CONFIG_DIR / "astuner_default.yaml").cfg) == default_tree()
 
@@ -508,6 +509,65 @@ def test_default_values_are_never_reported(tmp_path, elsewhere):
     loaded = load_config(write(tmp_path / "c.yaml", "astuner: {seed: 1}\n"))
     assert inapplicable_keys(loaded, "debug") == []
     assert format_inapplicable_warning([], "debug", "hf") is None
+
+
+# --- old names ----------------------------------------------------------------------------------------------
+
+OLD_BUDGET, NEW_BUDGET = "trinity.trainer.max_token_len_per_gpu", "astuner.trainer_common.micro_batch_token_budget"
+
+
+def test_an_old_name_sets_the_new_key_with_one_notice(seed_file, elsewhere):
+    from astuner.config import config_warnings
+
+    loaded = load_config(seed_file, ["astuner.rollout.engine=vllm"])  # the seed sets both old names
+    tc = loaded.typed.astuner.trainer_common
+    assert tc.micro_batch_token_budget == 13000 and tc.n_explorers == 2
+    assert loaded.cfg.astuner.trainer_common.n_explorers == 2
+    notices = [w for w in config_warnings(loaded, "trinity") if "old name" in w]
+    assert notices == ["astuner.trainer_common.trinity_only__n_vllm_engine is an old name: use "
+                       "astuner.trainer_common.n_explorers.", f"{OLD_BUDGET} is an old name: use {NEW_BUDGET}."]
+    # An override of either name wins over the YAML's, and both names hold its value.
+    for override in (f"{OLD_BUDGET}=2048", f"{NEW_BUDGET}=2048"):
+        loaded = load_config(seed_file, [override])
+        assert loaded.typed.astuner.trainer_common.micro_batch_token_budget == 2048
+        assert loaded.cfg.trinity.trainer.max_token_len_per_gpu == 2048
+
+
+def test_the_new_name_alone_gets_no_notice_and_fills_the_old(tmp_path, elsewhere):
+    from astuner.config import config_warnings
+
+    loaded = load_config(write(tmp_path / "c.yaml", "astuner: {trainer_common: {micro_batch_token_budget: 4096}}\n"))
+    assert loaded.cfg.trinity.trainer.max_token_len_per_gpu == 4096
+    assert config_warnings(loaded, "debug") == []
+
+
+def test_an_old_and_a_new_name_set_to_different_values_is_an_error(tmp_path, elsewhere):
+    path = write(tmp_path / "c.yaml", "astuner: {trainer_common: {micro_batch_token_budget: 4096}}\n"
+                                      "trinity: {trainer: {max_token_len_per_gpu: 2048}}\n")
+    message = config_error(path)
+    assert OLD_BUDGET in message and NEW_BUDGET in message and "different values" in message
+    assert "different values" in config_error(write(tmp_path / "d.yaml", "astuner: {seed: 1}\n"),
+                                              [f"{OLD_BUDGET}=1024", f"{NEW_BUDGET}=2048"])
+    same = write(tmp_path / "e.yaml", "astuner: {trainer_common: {micro_batch_token_budget: 2048}}\n"
+                                      "trinity: {trainer: {max_token_len_per_gpu: 2048}}\n")
+    assert load_config(same).typed.astuner.trainer_common.micro_batch_token_budget == 2048
+
+
+def test_every_old_name_has_the_type_and_default_of_its_new_key():
+    from astuner.config.schema import old_names
+    from astuner.config.validate import default_at
+
+    assert old_names() == {OLD_BUDGET: NEW_BUDGET,
+                           "astuner.trainer_common.trinity_only__n_vllm_engine": "astuner.trainer_common.n_explorers"}
+    for old, new in old_names().items():
+        assert default_at(old) == default_at(new) and default_at(new)[0]
+
+
+def test_a_sync_method_that_is_not_implemented_is_refused(tmp_path, elsewhere):
+    path = write(tmp_path / "c.yaml", "trinity: {synchronizer: {sync_method: nccl}}\nastuner: {seed: 1}\n")
+    message = config_error(path)
+    assert "trinity.synchronizer.sync_method" in message and "only object_store is implemented" in message
+    assert "Ray's object store" in message
 
 
 # --- backups ------------------------------------------------------------------------------------------------

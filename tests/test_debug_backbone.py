@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import LOGPROB_ATOL
 from transformers import AutoModelForCausalLM
 
 from astuner.cli import main
-from tolerances import LOGPROB_ATOL
 
 WORKFLOW = '''
 from astuner import Workflow, WorkflowOutput
@@ -165,6 +165,6 @@ def test_rollout_progress_counts_every_episode():
     stages = InProcessStages(Runner(), None, None, Path("."), None, progress=Bar)
     stages.rollout([object()] * 4, validation=False)
     stages.rollout([object()] * 4, validation=True)
-    stages.rollout([object()] * 4, validation=True, sampled_repeats=5)  # pass@k validation
+    stages.rollout_sampled([object()] * 4, step=0, repeats=5)  # pass@k validation
     assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4),
                                                       ("validation", 20, 20)]

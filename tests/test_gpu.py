@@ -85,7 +85,7 @@ def test_chunked_head_matches_the_plain_path_on_cuda(qwen_dir):
         t = _trainer(qwen_dir)
         assert t.chunked_head  # the CUDA default
         t.chunked_head = chunked
-        logprobs, _ = t._forward_logprobs(t.model, samples, with_entropy=False)
+        logprobs, _ = t.forward_logprobs(samples)
         logprobs.sum().backward()
         out.append((logprobs.detach(), t.model.get_input_embeddings().weight.grad.float()))
     (lp_a, g_a), (lp_b, g_b) = out

@@ -7,16 +7,10 @@ from pathlib import Path
 import pytest
 
 from astuner.errors import TrainingStalled
-from astuner.loop import (
-    LoopSettings,
-    ResumeState,
-    count_steps,
-    episode_metrics,
-    run_loop,
-    task_batches,
-    zero_adv_group_fraction,
-)
-from astuner.types import LLMCall, Episode, Task
+from astuner.loop import LoopSettings, ResumeState, count_steps, run_loop, task_batches
+from astuner.monitor import episode_metrics, zero_adv_group_fraction
+from astuner.stages import Stages
+from astuner.types import Episode, LLMCall, Task
 
 
 def settings(**kw):
@@ -88,7 +82,7 @@ def test_tool_metrics_by_hand():
     assert m["val/tool_call_parse_failure_rate"] == 1 / 2  # of the 2 responses that tried a call
 
 
-class FakeStages:
+class FakeStages(Stages):
 
     def __init__(self, rewards=lambda step, i: float(i), flags=lambda step: []):
         self.events = []
@@ -100,7 +94,7 @@ class FakeStages:
                         flags=list(self.flags(step)), error="Traceback ...\nValueError: boom" if self.flags(step) else None)
                 for t in tasks for i in range(1 if validation else 2)]
 
-    def train(self, samples):
+    def train(self, samples, objective="policy"):
         self.events.append(("train", len(samples)))
         return {"policy_loss": 0.0}
 
@@ -245,9 +239,7 @@ def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
 
 def test_validation_reports_pass_at_k_with_val_num_repeat():
     class Sampled(FakeStages):
-        def rollout(self, tasks, validation, step=0, sampled_repeats=None):
-            if sampled_repeats is None:
-                return super().rollout(tasks, validation, step)
+        def rollout_sampled(self, tasks, step, sampled_repeats):
             self.events.append(("val-sampled", len(tasks) * sampled_repeats))
             # Task t0 succeeds on 1 of 4 samples, t1 on none.
             return [Episode(t, i, f"s:{t.task_id}#{i}", calls=[call(2)], reward=0.0,

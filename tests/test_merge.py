@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from test_trainer import _grads, _trainer
+from tolerances import LOGPROB_ATOL, assert_close_normwise, assert_scalar_close
 
 from astuner.algorithm.samples import episodes_to_samples, merge_ratio
 from astuner.types import Episode, LLMCall, Task
-from tolerances import LOGPROB_ATOL, assert_close_normwise, assert_scalar_close
 
 
 def _call(prompt, response, agent="", trainable=True):
@@ -72,7 +72,7 @@ def test_merge_gives_the_same_loss_and_gradient(tiny_model_dir, agg):
             full = trainer.compute_logprobs(s.prompt_ids, s.response_ids, 1.0)
             s.old_logprobs = [lp if m else 0.0 for lp, m in zip(full, s.loss_mask or [1] * len(full))]
         trainer.optimizer.zero_grad(set_to_none=True)
-        sums = trainer.accumulate_gradients(samples)
+        sums = trainer.forward_backward(samples)
         results[mode] = (sums, _grads(trainer), len(samples))
     (a, ga, na), (b, gb, nb) = results["per_call"], results["merge"]
     assert (na, nb) == (6, 2)
@@ -86,7 +86,7 @@ def test_merge_gives_the_same_loss_and_gradient(tiny_model_dir, agg):
     for s in magnitudes:
         full = trainer.compute_logprobs(s.prompt_ids, s.response_ids, 1.0)
         s.old_logprobs, s.advantage = full, abs(s.advantage)
-    trainer.accumulate_gradients(magnitudes)
+    trainer.forward_backward(magnitudes)
     scale = _grads(trainer)
     for name in ga:
         assert_close_normwise(gb[name], ga[name], what=name, scale=scale[name].norm().item())
@@ -94,7 +94,7 @@ def test_merge_gives_the_same_loss_and_gradient(tiny_model_dir, agg):
 
 
 def test_pipeline_metrics_and_their_warning(caplog):
-    from astuner.loop import pipeline_metrics, warn_pipeline
+    from astuner.monitor import pipeline_metrics, warn_pipeline
 
     ok = _call(P1, R1, agent="solver")
     ok.tool_call_attempted = True

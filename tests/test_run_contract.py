@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from astuner.cli import main
 from astuner.config import load_config, valid_keys
 from astuner.config.applicability import key_is_inactive
-from astuner.config.schema import Section
+from astuner.config.schema import Section, old_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,14 +90,15 @@ class Recorder:
         return value
 
 
-# Read by load_config itself (it decides the output folder; checked by test_config's experiment_dir tests), and
-# by the CLI for --with-logview (checked by test_logview).
-READ_WHILE_LOADING = {"astuner.experiment_dir", "astuner.logview.port"}
+# Read by load_config itself (it decides the output folder; checked by test_config's experiment_dir tests; it
+# moves an old name's value to the key it now names, checked by test_config's old-name tests), and by the CLI for
+# --with-logview (checked by test_logview).
+READ_WHILE_LOADING = {"astuner.experiment_dir", "astuner.logview.port"} | set(old_names())
 
 
 def keys_read_by_a_run(yaml: Path, overrides=()) -> tuple[set[str], set[str]]:
     """(keys read while running 1 step through the CLI's own steps, keys inactive under this config)."""
-    from astuner.backbone.debug import run
+    from astuner.backbone import run_backbone
     from astuner.config import config_warnings
     from astuner.resume import plan_start
 
@@ -106,7 +107,7 @@ def keys_read_by_a_run(yaml: Path, overrides=()) -> tuple[set[str], set[str]]:
     recorded = dataclasses.replace(loaded, typed=Recorder(loaded.typed, "", reads))
     config_warnings(recorded, "debug")
     start = plan_start(recorded)
-    run(start.loaded, checkpoint=start.checkpoint)
+    run_backbone("debug", start.loaded, checkpoint=start.checkpoint)
     leaves = leaf_keys()
     inactive = {k for k in leaves if key_is_inactive(k, loaded.typed, "debug")}
     return reads, inactive
@@ -163,7 +164,7 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     # The Ray backbones' keys are read in tests/test_ray_backbones.py.
     later = {k for k in leaves if k.startswith(("astuner.rollout.tensor_model_parallel_size",
                                                 "astuner.rollout.max_num_seqs", "astuner.rollout.gpu_memory",
-                                                "astuner.trainer_common.trinity_only", "astuner.trainer_common.nnodes",
+                                                "astuner.trainer_common.n_explorers", "astuner.trainer_common.nnodes",
                                                 "astuner.trainer_common.n_gpus_per_node",
                                                 "astuner.trainer_common.cpus_per_worker",
                                                 "astuner.trainer_common.strategy",

@@ -9,9 +9,12 @@ from astuner.backbone.ray_run import split_evenly
 from astuner.backbone.trinity import trinity_config
 from astuner.config import load_config
 from astuner.errors import UserError
-from astuner.backbone.sync_schedule import SyncSchedule, needed_version, staleness_bound
+from astuner.backbone.sync_schedule import SyncSchedule, needed_version
+from astuner.config.derived import staleness_bound
 from astuner.data_parallel import owners
-from astuner.loop import LoopSettings, run_loop, staleness_metrics
+from astuner.loop import LoopSettings, run_loop
+from astuner.monitor import staleness_metrics
+from astuner.stages import Stages
 from astuner.types import Episode, LLMCall, Sample, Task
 
 
@@ -70,7 +73,7 @@ def test_staleness_metrics():
     assert m == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0, "rollout/policy_version_min": 2.0}
 
 
-class _AheadStages:
+class _AheadStages(Stages):
     """Records what the loop hands early; rolls out on the spot."""
 
     lookahead = 2
@@ -144,14 +147,15 @@ def test_trinity_corrects_stale_samples_or_refuses(tmp_path, tiny_model_dir):
         trinity_config(load_config(yaml, ["astuner.trainer_common.algorithm.filter_groups.enable=true"]))
 
 
-def test_a_trinity_sync_method_that_acts_as_object_store_is_named(tmp_path, tiny_model_dir):
-    from astuner.config.applicability import config_warnings
+def test_a_trinity_sync_method_that_is_not_implemented_is_refused(tmp_path, tiny_model_dir):
+    from astuner.config import ConfigError
     from test_run_contract import write_run
 
-    loaded = load_config(write_run(tmp_path, tiny_model_dir), ["trinity.synchronizer.sync_method=nccl"])
-    assert any("sync_method nccl is not implemented" in w for w in config_warnings(loaded, "trinity"))
-    assert not any("sync_method" in w for w in config_warnings(load_config(write_run(tmp_path, tiny_model_dir)),
-                                                                "trinity"))
+    for method in ("nccl", "checkpoint", "memory"):
+        with pytest.raises(ConfigError, match=f"sync_method' '{method}' is refused: only object_store is implemented"):
+            load_config(write_run(tmp_path, tiny_model_dir), [f"trinity.synchronizer.sync_method={method}"])
+    loaded = load_config(write_run(tmp_path, tiny_model_dir), ["trinity.synchronizer.sync_method=object_store"])
+    assert loaded.typed.trinity.synchronizer.sync_method == "object_store"
 
 
 def test_verl_reserves_tensor_parallel_gpus_per_worker_and_checks_the_total():

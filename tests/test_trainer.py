@@ -80,9 +80,9 @@ def test_micro_batch_invariance(tiny_model_dir, demo_tokenizer):
 
     results = []
     for budget in (10**6, 1, 24):
-        trainer.max_token_len_per_micro_batch = budget
+        trainer.settings = dataclasses.replace(trainer.settings, max_token_len_per_micro_batch=budget)
         trainer.optimizer.zero_grad(set_to_none=True)
-        sums = trainer.accumulate_gradients(samples)
+        sums = trainer.forward_backward(samples)
         results.append((sums, _grads(trainer)))
     trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -272,9 +272,9 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, demo_tokeniz
     plain, checkpointed = _trainer(tiny_model_dir), _trainer(tiny_model_dir, gradient_checkpointing=True)
     samples = [_sample(plain, demo_tokenizer, "Hello", " there friend", 1.0, "a"),
                _sample(plain, demo_tokenizer, "Bye", " go away now", -1.0, "b")]
-    plain.accumulate_gradients(samples)
+    plain.forward_backward(samples)
     checkpointed.model.train(True)
-    checkpointed.accumulate_gradients(samples)
+    checkpointed.forward_backward(samples)
     for (name, p), q in zip(plain.model.named_parameters(), checkpointed.model.parameters()):
         assert_close_normwise(q.grad, p.grad, what=name)
     m1, m2 = plain.train_step(samples), checkpointed.train_step(samples)
@@ -323,7 +323,7 @@ def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_
         fused_head.CHUNK_ROWS = 3
         try:
             t.model.zero_grad()
-            logprobs, entropy = t._forward_logprobs(t.model, samples, with_entropy=True)
+            logprobs, entropy = t.forward_logprobs(samples, with_entropy=True)
             (logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
         finally:
             fused_head.CHUNK_ROWS = old
@@ -335,3 +335,19 @@ def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_
     assert set(g_a) == set(g_b) and "model.embed_tokens.weight" in g_b
     for name in g_a:
         assert_close_normwise(g_b[name], g_a[name], what=name)
+
+
+def test_train_returns_the_trainer_logprobs_and_leaves_the_samples_alone(tiny_model_dir, demo_tokenizer):
+    from astuner.algorithm.objectives import PolicyGradient
+    from astuner.trainer_settings import TrainerSettings
+
+    trainer = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss_agg_mode="token-mean", device="cpu"))
+    samples = [_sample(trainer, demo_tokenizer, "Hello", " there", 1.0, "a"),
+               _sample(trainer, demo_tokenizer, "Bye", " now", 0.0, "b")]
+    result = trainer.train(samples, PolicyGradient(clip_low=0.2, clip_high=0.28))
+    assert result.trainer_logprobs[0] == pytest.approx(samples[0].old_logprobs, abs=LOGPROB_ATOL)
+    assert result.trainer_logprobs[1] is None  # advantage 0: never forwarded
+    assert all(s.trainer_logprobs is None for s in samples)
+    assert result.metrics["num_optimizer_steps"] == 1 and "policy_loss" in result.metrics
+    with pytest.raises(ValueError, match="unknown objective 'ppo'"):
+        trainer.train(samples, "ppo")

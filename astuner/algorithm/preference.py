@@ -1,4 +1,4 @@
-"""Preference losses on (chosen, rejected) pairs: DPO and ORPO, in one registry (`algorithm.type: dpo | orpo`).
+"""Preference losses on (chosen, rejected) pairs: DPO and ORPO, as objectives (`algorithm.type: dpo | orpo`).
 
 Per pair p, with S(y) = sum over y's trained (assistant) tokens of log pi(token | prefix), and
 M(y) = S(y) / |y| its per-token mean:
@@ -23,7 +23,8 @@ Every function returns each pair's contribution to L, so summing contributions o
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,31 @@ def orpo_loss(pi_chosen_P: Tensor, pi_rejected_P: Tensor, chosen_len_P: Tensor, 
     return loss_P, stats
 
 
-PreferenceLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-# algorithm.type -> (loss, needs a reference model)
-PREFERENCE_LOSSES: dict[str, tuple[PreferenceLoss, bool]] = {"dpo": (dpo_loss, True), "orpo": (orpo_loss, False)}
+@dataclass(frozen=True)
+class DPO:
+    """loss_p = -log sigmoid(beta * [(S_pi(c) - S_ref(c)) - (S_pi(r) - S_ref(r))]), mean over pairs."""
+
+    beta: float
+    name: ClassVar[str] = "dpo"
+    needs_reference: ClassVar[bool] = True
+
+    def pair_loss(self, pi_chosen_P: Tensor, pi_rejected_P: Tensor, **context) -> tuple[Tensor, dict[str, Tensor]]:
+        """Each pair's contribution to the batch loss (`dpo_loss`); `context`: the ref sums, lengths, counts."""
+        return dpo_loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
+
+
+@dataclass(frozen=True)
+class ORPO:
+    """loss_p = NLL_p - beta * log sigmoid(log_odds(chosen) - log_odds(rejected)) / P; no reference model."""
+
+    beta: float
+    name: ClassVar[str] = "orpo"
+    needs_reference: ClassVar[bool] = False
+
+    def pair_loss(self, pi_chosen_P: Tensor, pi_rejected_P: Tensor, **context) -> tuple[Tensor, dict[str, Tensor]]:
+        """Each pair's contribution to the batch loss (`orpo_loss`); `context`: lengths and counts."""
+        return orpo_loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
+
+
+# algorithm.type -> objective class (built from algorithm.beta)
+PREFERENCE_OBJECTIVES: dict[str, type[DPO] | type[ORPO]] = {"dpo": DPO, "orpo": ORPO}

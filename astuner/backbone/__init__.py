@@ -1,9 +1,14 @@
-"""Backbones decide where the loop's stages run. Explicit registry of `module:function` entry points."""
+"""Backbones decide where the loop's stages run. Explicit registry of `module:function` entry points.
+
+The algorithm is chosen here too: offline objectives (algorithm.type sft, dpo, orpo) read their data in one
+process, so they run the loop with the offline stages (astuner/offline/run.py) in place of the debug backbone's
+and are refused on the Ray backbones, which place rollouts."""
 
 from __future__ import annotations
 
 import importlib
 
+from astuner.config.applicability import OFFLINE_TYPES
 from astuner.errors import UserError
 
 BACKBONES = {
@@ -11,12 +16,17 @@ BACKBONES = {
     "verl": "astuner.backbone.verl:run",
     "trinity": "astuner.backbone.trinity:run",
 }
+OFFLINE = {"debug": "astuner.offline.run:run"}
 
 
 def run_backbone(name: str, loaded, checkpoint=None, with_ray: bool = False) -> None:
     """Run backbone `name`; `with_ray` (verl, trinity): start a local Ray cluster when none is reachable."""
     if name not in BACKBONES:
         raise UserError(f"unknown backbone {name!r}; choose one of: {', '.join(sorted(BACKBONES))}")
-    module_name, func = BACKBONES[name].split(":")
+    kind = loaded.typed.astuner.trainer_common.algorithm.type
+    if kind in OFFLINE_TYPES and name not in OFFLINE:
+        raise UserError(f"algorithm.type {kind} trains on offline data in one process: run it with --backbone debug "
+                        f"(the {name} backbone places rollouts).")
+    module_name, func = (OFFLINE if kind in OFFLINE_TYPES else BACKBONES)[name].split(":")
     extra = {} if name == "debug" else {"start_ray": with_ray}
     getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint, **extra)

@@ -7,13 +7,14 @@ import ctypes
 import logging
 from pathlib import Path
 
-from astuner.loop import LoopSettings, ResumeState, RunSummary, count_steps, run_loop
+from astuner.loop import LoopSettings, RunSummary, count_steps, drive
+from astuner.stages import Stages
 from astuner.types import Episode, Sample, Task
 
 log = logging.getLogger(__name__)
 
 
-class InProcessStages:
+class InProcessStages(Stages):
     """Every stage in this process: the engine and trainer hold separate copies of the weights."""
 
     def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, progress=None) -> None:
@@ -22,16 +23,21 @@ class InProcessStages:
         self.progress = progress  # (description, total) -> a bar with update(), or None
         self.version = 0  # trainer steps behind the engine's weights: always the last one here
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
-                sampled_repeats: int | None = None) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+        return self._run(tasks, validation, step)
+
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+        return self._run(tasks, True, step, repeats)
+
+    def _run(self, tasks: list[Task], validation: bool, step: int, repeats: int | None = None) -> list[Episode]:
         try:
             if self.progress is None:
-                episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
+                episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=repeats)
             else:
-                total = len(tasks) * ((sampled_repeats or 1) if validation else self.runner.settings.num_repeat)
+                total = len(tasks) * ((repeats or 1) if validation else self.runner.settings.num_repeat)
                 with self.progress("validation" if validation else "rollout", total) as bar:
                     episodes = self.runner.run(tasks, validation=validation, step=step,
-                                               sampled_repeats=sampled_repeats, on_episode_done=lambda _: bar.update(1))
+                                               sampled_repeats=repeats, on_episode_done=lambda _: bar.update(1))
         finally:
             release_freed_memory()
         for e in episodes:
@@ -41,9 +47,11 @@ class InProcessStages:
     def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
         self.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
         try:
-            return self.trainer.train_step(samples, objective=objective)
+            result = self.trainer.train(samples, objective=objective)
         finally:
             release_freed_memory()
+        result.attach_to(samples)  # the trainer's own logprobs, for the log viewer
+        return result.metrics
 
     def sync_weights(self) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
@@ -58,6 +66,17 @@ class InProcessStages:
         self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
         log.info("saved checkpoint %s", path)
         return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return self.trainer.load_checkpoint(path)
+
+    def resumed(self, step: int) -> None:
+        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        self.version = step
+
+    def shutdown(self) -> None:
+        self.runner.close()
+        self.engine.shutdown()
 
 
 def verification_metrics(engine) -> dict[str, float]:
@@ -80,38 +99,12 @@ def release_freed_memory() -> None:
 
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     """The whole run in this process; `checkpoint`: a complete checkpoint to continue from (see astuner.resume)."""
-    from astuner.monitor import Monitor, announce, setup_logging
+    from astuner.monitor import setup_logging
     from astuner.runtime import build_runtime
 
-    from astuner.config.applicability import OFFLINE_TYPES
-
-    typed = loaded.typed
-    if typed.astuner.trainer_common.algorithm.type in OFFLINE_TYPES:
-        from astuner.offline.run import run_offline
-
-        return run_offline(loaded, checkpoint=checkpoint)
     setup_logging(loaded.experiment_dir)
-    settings = LoopSettings.from_config(typed)
+    settings = LoopSettings.from_config(loaded.typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
-    total = count_steps(len(rt.train_tasks), settings)
-    resume = None
-    if checkpoint is not None:
-        resume = ResumeState(**rt.trainer.load_checkpoint(checkpoint))
-        rt.engine.load_weights(rt.trainer.named_parameters_for_sync())
-        announce(f"resumed at step {resume.step} of {total} from {checkpoint}")
-    monitor = Monitor(loaded.experiment_dir, total, tokenizer=rt.tokenizer,
-                      resume_step=None if resume is None else resume.step)
-    stages = InProcessStages(
-        rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, progress=monitor.episode_bar
-    )
-    stages.version = 0 if resume is None else resume.step
-    try:
-        summary = run_loop(settings, stages, rt.train_tasks, rt.val_tasks, monitor, resume=resume)
-    finally:
-        monitor.close()
-        rt.runner.close()
-        rt.engine.shutdown()
-    line = summary.line(typed.astuner.project_name)
-    log.info(line)
-    print(line, flush=True)
-    return summary
+    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer)
+    return drive(loaded, settings, stages, rt.train_tasks, rt.val_tasks, count_steps(len(rt.train_tasks), settings),
+                 rt.tokenizer, checkpoint)

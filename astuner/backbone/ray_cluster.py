@@ -88,7 +88,7 @@ def check_resources(bundles: list[Bundle], what_for: str) -> None:
         raise UserError(
             f"{what_for} needs {'; '.join(missing)}. Placement asked for: {layout}. Add nodes (ray start "
             "--address=<head>:6379 on each), or lower astuner.trainer_common.n_gpus_per_node / nnodes / "
-            "cpus_per_worker / trinity_only__n_vllm_engine or astuner.rollout.tensor_model_parallel_size (each "
+            "cpus_per_worker / n_explorers or astuner.rollout.tensor_model_parallel_size (each "
             "engine takes that many GPUs)."
         )
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.errors import WorkerLost
-from astuner.loop import LoopSettings, ResumeState, RunSummary, count_steps, run_loop
+from astuner.loop import LoopSettings, RunSummary, count_steps, drive
+from astuner.stages import Stages
 from astuner.types import Episode, Sample, Task
+from astuner.watchdog import watch
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,13 @@ def episodes_of(results) -> list[Episode]:
 
 def engine_tp(typed) -> int:
     """GPUs of one engine: vLLM's tensor_model_parallel_size (the HF engine runs on one device)."""
-    from astuner.engine.select import resolve_engine_name
+    from astuner.config.derived import resolve_engine_name
 
     vllm = resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
     return typed.astuner.rollout.tensor_model_parallel_size if vllm else 1
 
 
-class RayStages:
+class RayStages(Stages):
     """Base of the backbones' stages: trainer workers (rank 0 saves checkpoints) and the driver-side waits."""
 
     def __init__(self, loaded, prep) -> None:
@@ -129,7 +131,8 @@ class RayStages:
 
     def get(self, refs, who: list[str], what: str, trainer_ok: bool = True, timeout_s: float | None = None):
         try:
-            return ray_cluster.get(refs, timeout_s or self.timeout_s, "the driver", who, what, trainer_ok)
+            with watch("actor", f"{', '.join(who)} to {what}"):
+                return ray_cluster.get(refs, timeout_s or self.timeout_s, "the driver", who, what, trainer_ok)
         except WorkerLost:
             self.stuck.update(who)
             raise
@@ -164,12 +167,13 @@ class RayStages:
         return out
 
     def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
-                     sampled_repeats: int | None = None) -> Sent:
-        """Split `tasks` into contiguous parts, one per actor (a task's episodes stay on one engine)."""
-        per_task = (sampled_repeats or 1) if validation else self.loaded.typed.astuner.rollout.num_repeat
+                     repeats: int | None = None) -> Sent:
+        """Split `tasks` into contiguous parts, one per actor (a task's episodes stay on one engine); `repeats`:
+        sampled validation (pass@k), that many episodes per task."""
+        per_task = (repeats or 1) if validation else self.loaded.typed.astuner.rollout.num_repeat
         parts = split_evenly(tasks, len(actors))
         used = [i for i, p in enumerate(parts) if p]
-        return Sent([actors[i].rollout.remote(parts[i], validation, step, sampled_repeats) for i in used],
+        return Sent([actors[i].rollout.remote(parts[i], validation, step, repeats) for i in used],
                      [names[i] for i in used], [len(parts[i]) * per_task for i in used])
 
     def gather_rollouts(self, sent: Sent, description: str, step: int) -> list[tuple[list[Episode], float, float]]:
@@ -183,7 +187,8 @@ class RayStages:
         start = time.perf_counter()
         results: dict[int, list] = {}
         pending = dict(enumerate(refs))
-        with self.progress(description, sum(sizes)) if self.progress else contextlib.nullcontext() as bar:
+        with (self.progress(description, sum(sizes)) if self.progress else contextlib.nullcontext()) as bar, \
+                watch("actor", f"{', '.join(names)} to roll out step {step}"):
             while pending:
                 left = self.timeout_s - (time.perf_counter() - start)
                 done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(left, 0))
@@ -254,14 +259,9 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
     import ray
 
     from astuner import runtime
-    from astuner.config.applicability import OFFLINE_TYPES
-    from astuner.errors import UserError
-    from astuner.monitor import Monitor, announce, setup_logging
+    from astuner.monitor import announce, setup_logging
 
     typed = loaded.typed
-    if typed.astuner.trainer_common.algorithm.type in OFFLINE_TYPES:
-        raise UserError(f"algorithm.type {typed.astuner.trainer_common.algorithm.type} trains on offline data in "
-                        f"one process: run it with --backbone debug (the {backbone} backbone places rollouts).")
     setup_logging(loaded.experiment_dir)
     if note:
         announce(note)
@@ -269,26 +269,10 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
     runtime.seed_everything(typed.astuner.seed)
     prep = runtime.prepare(loaded, backbone, total_steps_of=lambda n: count_steps(n, settings))
     started_cluster = ray_cluster.connect(start_local=start_ray)
-    stages = monitor = None
     try:
-        stages = make_stages(loaded, prep)
-        resume = None
-        if checkpoint is not None:
-            resume = ResumeState(**stages.load_checkpoint(checkpoint))
-            stages.resumed(resume.step)
-            announce(f"resumed at step {resume.step} of {prep.total_steps} from {checkpoint}")
-        monitor = Monitor(loaded.experiment_dir, prep.total_steps, tokenizer=prep.tokenizer,
-                          resume_step=None if resume is None else resume.step)
-        stages.progress = monitor.episode_bar
-        summary = run_loop(settings, stages, prep.train_tasks, prep.val_tasks, monitor, resume=resume)
+        stages = make_stages(loaded, prep)  # a failed start releases what it placed
+        return drive(loaded, settings, stages, prep.train_tasks, prep.val_tasks, prep.total_steps, prep.tokenizer,
+                     checkpoint)
     finally:
-        if monitor is not None:
-            monitor.close()
-        if stages is not None:
-            stages.shutdown()
         if started_cluster:
             ray.shutdown()
-    line = summary.line(typed.astuner.project_name)
-    log.info(line)
-    print(line, flush=True)
-    return summary

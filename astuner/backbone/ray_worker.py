@@ -67,10 +67,10 @@ class Worker:
 
     # --- rollout ---------------------------------------------------------------------------------------------
 
-    def rollout(self, tasks, validation: bool, step: int, sampled_repeats: int | None = None):
+    def rollout(self, tasks, validation: bool, step: int, repeats: int | None = None):
         """(episodes stamped with this engine's policy version, seconds, wall-clock start)."""
         wall, start = time.time(), time.perf_counter()
-        episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=sampled_repeats)
+        episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=repeats)
         for e in episodes:
             e.policy_version = self.version
         return episodes, time.perf_counter() - start, wall
@@ -88,9 +88,9 @@ class Worker:
         """(metrics, {index: trainer logprobs} of the samples this rank forwarded before any update)."""
         if self.engine is not None:
             self.engine.sleep()  # colocated vLLM frees its GPU memory for the step; the sync wakes it
-        metrics = self.trainer.train_step(samples, objective=objective)
-        seen = {i: s.trainer_logprobs for i, s in enumerate(samples) if s.trainer_logprobs is not None}
-        return metrics, seen
+        result = self.trainer.train(samples, objective=objective)
+        seen = {i: logprobs for i, logprobs in enumerate(result.trainer_logprobs) if logprobs is not None}
+        return result.metrics, seen
 
     def compute_logprobs(self, prompt_ids, response_ids, temperature: float) -> list[float]:
         return self.trainer.compute_logprobs(prompt_ids, response_ids, temperature)

@@ -15,6 +15,9 @@ Syncs: style "fixed" pushes the trainer's weights after every step t with t % sy
 also push when a batch that is due cannot start within the bound and the trainer has the version it needs
 ("dynamic_by_explorer" syncs only then). With sync_interval 1 and sync_offset 0 the bound is 0: each batch
 waits for the previous step's weights, which is the debug and verl backbones' order.
+
+The bound itself is `astuner.config.derived.staleness_bound`: the config's rules read it too (rollout_is_cap
+acts only with a bound above 0), and the config sits below the backbones.
 """
 
 from __future__ import annotations
@@ -22,12 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SYNC_STYLES = ("fixed", "dynamic_by_explorer")
-
-
-def staleness_bound(sync_interval: int, sync_offset: int, max_staleness: int | None) -> int:
-    if max_staleness is not None:
-        return max_staleness
-    return sync_interval - 1 + sync_offset
 
 
 def needed_version(step: int, bound: int) -> int:

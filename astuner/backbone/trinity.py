@@ -1,6 +1,6 @@
 """The trinity backbone: explorers and a trainer at the same time, on Ray.
 
-`trinity_only__n_vllm_engine` explorers (an engine and the rollout runner each) roll out batches ahead of the
+`astuner.trainer_common.n_explorers` explorers (an engine and the rollout runner each) roll out batches ahead of the
 trainer, on the weights they hold; `nnodes * n_gpus_per_node` trainer workers train data-parallel as in the verl
 backbone. The loop (astuner.loop.run_loop) is the same; these stages differ in three ways:
     rollout  the loop hands the next batches early (`prefetch`); a batch starts on the explorers as soon as its
@@ -25,7 +25,8 @@ import time
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.backbone.ray_run import RayStages, Sent, engine_tp, episodes_of, run_on_ray
-from astuner.backbone.sync_schedule import SyncSchedule, staleness_bound
+from astuner.backbone.sync_schedule import SyncSchedule
+from astuner.config.derived import staleness_bound
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
 
@@ -44,7 +45,7 @@ class TrinityStages(RayStages):
         self.lookahead = self.schedule.lookahead
         self.sync_timeout = sync.sync_timeout
         gpus = self.gpus_per_process()
-        n_explorers = typed.astuner.trainer_common.trinity_only__n_vllm_engine
+        n_explorers = typed.astuner.trainer_common.n_explorers
         tp = engine_tp(typed)
         explorer_bundles = [Bundle(f"explorer {i}", self.cpus, gpus * tp, self.host_bytes(("engine",)))
                             for i in range(n_explorers)]
@@ -133,16 +134,9 @@ class TrinityStages(RayStages):
 
     # --- stages ----------------------------------------------------------------------------------------------
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
-                sampled_repeats: int | None = None) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
         if validation:
-            if self.explorer_version < self.trainer_version:
-                self._push("validation scores the trainer's current weights")
-            sent = self.send_rollout(self.explorers, self.explorer_names, tasks, True, step, sampled_repeats)
-            results = self.gather_rollouts(sent, "validation", step)
-            self._confirm_syncs()
-            return episodes_of(results)
-
+            return self._validate(tasks, step, None)
         self.pending.setdefault(step, tasks)
         self._pump(due=step)
         sent = self.inflight.pop(step)
@@ -155,6 +149,17 @@ class TrinityStages(RayStages):
         results = self.gather_rollouts(sent, "rollout", step)
         self._confirm_syncs()
         self._record_overlap(results)
+        return episodes_of(results)
+
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+        return self._validate(tasks, step, repeats)
+
+    def _validate(self, tasks: list[Task], step: int, repeats: int | None) -> list[Episode]:
+        if self.explorer_version < self.trainer_version:
+            self._push("validation scores the trainer's current weights")
+        sent = self.send_rollout(self.explorers, self.explorer_names, tasks, True, step, repeats)
+        results = self.gather_rollouts(sent, "validation", step)
+        self._confirm_syncs()
         return episodes_of(results)
 
     def _record_overlap(self, results) -> None:

@@ -43,10 +43,13 @@ class VerlStages(RayStages):
             self.shutdown()  # nothing placed outlives a failed start
             raise
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0,
-                sampled_repeats: int | None = None) -> list[Episode]:
-        sent = self.send_rollout(self.trainers, self.trainer_names, tasks, validation, step, sampled_repeats)
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+        sent = self.send_rollout(self.trainers, self.trainer_names, tasks, validation, step)
         return episodes_of(self.gather_rollouts(sent, "validation" if validation else "rollout", step))
+
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+        sent = self.send_rollout(self.trainers, self.trainer_names, tasks, True, step, repeats)
+        return episodes_of(self.gather_rollouts(sent, "validation", step))
 
     def sync_weights(self) -> None:
         self.trainer_version += 1

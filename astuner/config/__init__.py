@@ -12,7 +12,8 @@ from astuner.config.applicability import (
     format_inapplicable_warning,
     inapplicable_keys,
 )
-from astuner.config.compose import LoadedConfig, load_config, save_config
+from astuner.config.compose import load_config, save_config
+from astuner.config.loaded import LoadedConfig
 from astuner.config.validate import DEFAULT_CONFIG_DIR, ConfigError, default_tree, valid_keys
 
 __all__ = [

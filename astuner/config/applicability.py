@@ -3,17 +3,17 @@
 No key may be silently ignored: a user who tunes `max_num_seqs` while running the hf engine, or `kl_loss_coef`
 with the KL loss off, is told once, at start, that it does nothing there. The same rules mark the keys in the
 generated default YAML ("[only ...]"), and the test that every key is read accepts exactly these as unread.
+A key's old name (schema.old_name) follows the rules of the key it now names, and setting it gets one notice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from astuner.engine.select import resolve_engine_name
-
-if TYPE_CHECKING:
-    from astuner.config.compose import LoadedConfig
+from astuner.config.derived import resolve_engine_name, staleness_bound
+from astuner.config.loaded import LoadedConfig
+from astuner.config.schema import old_names
 
 OFFLINE_TYPES = ("sft", "dpo", "orpo")  # trained on astuner.offline_data, no rollouts
 # What only rollouts and the policy-gradient loss read, and what an offline run still reads among them.
@@ -37,8 +37,6 @@ def _vllm(typed) -> bool:
 
 
 def _stale(typed) -> bool:
-    from astuner.backbone.sync_schedule import staleness_bound
-
     sync = typed.trinity.synchronizer
     return staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness) > 0
 
@@ -47,7 +45,7 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
-    "astuner.trainer_common.trinity_only__n_vllm_engine": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.trainer_common.n_explorers": ("with backbone trinity", lambda c, b: b == "trinity"),
     "trinity.synchronizer": ("with backbone trinity", lambda c, b: b == "trinity"),
     "astuner.trainer_common.nnodes": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.n_gpus_per_node": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
@@ -110,6 +108,7 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
 
 
 def _rule_for(key: str) -> Rule | None:
+    key = old_names().get(key, key)
     for scope, rule in APPLIES_ONLY_WITH.items():
         if key == scope or key.startswith(scope + "."):
             return rule
@@ -132,6 +131,10 @@ def inapplicable_keys(loaded: LoadedConfig, backbone: str) -> list[str]:
     return [k for k in sorted(loaded.user_keys) if key_is_inactive(k, loaded.typed, backbone)]
 
 
+def old_name_notice(key: str) -> str:
+    return f"{key} is an old name: use {old_names()[key]}."
+
+
 def format_inapplicable_warning(keys: list[str], backbone: str, engine: str) -> str | None:
     """One message naming every key in `keys` and where it would act; None when `keys` is empty."""
     if not keys:
@@ -147,7 +150,7 @@ def format_inapplicable_warning(keys: list[str], backbone: str, engine: str) -> 
 def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
     """Every start-up warning about the config: keys with no effect, and settings that defeat training."""
     typed = loaded.typed
-    out = []
+    out = [old_name_notice(key) for key in sorted(loaded.user_keys) if key in old_names()]
     inapplicable = format_inapplicable_warning(inapplicable_keys(loaded, backbone), backbone,
                                                resolve_engine_name(typed.astuner.rollout.engine))
     if inapplicable:
@@ -159,11 +162,6 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
             "(4-16 is common)."
         )
     tc = typed.astuner.trainer_common
-    if backbone == "trinity" and typed.trinity.synchronizer.sync_method != "object_store":
-        out.append(
-            f"trinity.synchronizer.sync_method {typed.trinity.synchronizer.sync_method} is not implemented in this "
-            "release: weights go to the explorers through Ray's object store (sync_method: object_store)."
-        )
     if tc.algorithm.type in OFFLINE_TYPES:
         unused = [k for k in sorted(loaded.user_keys)
                   if k.startswith(ROLLOUT_ONLY) and not k.startswith(OFFLINE_READS)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from astuner.config.loaded import LoadedConfig
+from astuner.config.schema import old_names
 from astuner.config.validate import (
     DEFAULT_CONFIG_DIR,
     SECTION_KEYS,
@@ -37,23 +38,6 @@ PACKAGED_SEARCHPATH = (DEFAULT_CONFIG_DIR, DEFAULT_CONFIG_DIR / "verl", DEFAULT_
 _PRIMARY_NAME = "astuner_user_config"  # name of the rewritten copy; swapped back for the user's file in errors
 
 
-@dataclass(frozen=True)
-class LoadedConfig:
-    """A composed, resolved and validated config, and where it came from.
-
-    cfg is read-only and in struct mode: reading a misspelt key raises instead of returning None.
-    """
-
-    cfg: DictConfig  # what user code (workflows, judges) receives
-    typed: Any  # astuner.config.schema.RunConfig: what astuner's own stages read
-    yaml_path: Path  # absolute path of the user's YAML
-    config_dir: Path  # its folder: relative paths in the config (data files, workflow files) start here
-    user_keys: set[str]  # dotted keys the YAML or an override set, e.g. "astuner.rollout.max_num_seqs"
-    experiment_dir: Path  # absolute output folder
-    overrides: tuple[str, ...] = field(default=())
-    derived: tuple[str, ...] = field(default=())  # defaults changed to fit what the user set, in words
-
-
 def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedConfig:
     """Compose `yaml_path` over the packaged defaults, apply Hydra-style `overrides`, validate, resolve.
 
@@ -68,8 +52,11 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
     cfg = _compose(primary, overrides, path)
     tree = _resolve(cfg, path)
     user_keys = _user_keys({k: v for k, v in raw.items() if k in SECTION_KEYS})
+    overridden: set[str] = set()
     for key, override in origins.items():
-        user_keys |= _user_keys(_nest(key, override[1]))
+        overridden |= _user_keys(_nest(key, override[1]))
+    user_keys |= overridden
+    raise_problems(path, apply_old_names(tree, user_keys, overridden))
     derived = derive_defaults(tree, user_keys)
     typed, problems = validate_tree(tree)
     raise_problems(path, [_with_origin(key, msg, origins) for key, msg in problems])
@@ -87,6 +74,60 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
         overrides=overrides,
         derived=tuple(derived),
     )
+
+
+_UNSET = object()
+
+
+def apply_old_names(tree: dict, user_keys: set[str], overridden: set[str]) -> list[str]:
+    """Give each renamed key and its old name (schema.old_names) one value, in place; returns the conflicts.
+
+    The name set most specifically wins: an override, then the user's YAML, then a defaults file that differs
+    from the schema's default. Both names set at the same level to different values is a conflict; otherwise
+    the winner's value goes to both, so code reading either name sees the same."""
+    problems = []
+    for old, new in old_names().items():
+        old_value, new_value = _get(tree, old), _get(tree, new)
+        old_level = _level(old, old_value, user_keys, overridden)
+        new_level = _level(new, new_value, user_keys, overridden)
+        if old_level == new_level >= 0 and old_value != new_value:
+            problems.append(f"'{new}' and its old name '{old}' are set to different values ({new_value!r} and "
+                            f"{old_value!r}); set only '{new}'")
+            continue
+        value = old_value if old_level > new_level else new_value
+        if value is _UNSET:
+            value = default_at(new)[1]
+        for name in (old, new):
+            _set(tree, name, value)
+    return problems
+
+
+def _level(key: str, value: Any, user_keys: set[str], overridden: set[str]) -> int:
+    """How specifically `key` was set: 2 an override, 1 the user's YAML, 0 another defaults file, -1 not at all."""
+    if key in overridden:
+        return 2
+    if key in user_keys:
+        return 1
+    return 0 if value is not _UNSET and value != default_at(key)[1] else -1
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _UNSET
+        node = node[part]
+    return node
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            return  # a scalar where the schema has a section: validation reports it
+    node[leaf] = value
 
 
 PER_TURN = "astuner.rollout.max_response_length_in_one_turn"

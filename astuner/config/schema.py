@@ -1,16 +1,18 @@
 """The config schema: every key's type, range, default and documentation, in one place.
 
 The packaged default YAMLs (`default_config/*.yaml`) are generated from these models (`python -m
-astuner.config.schema --write`; a test fails when they drift), so the Hydra defaults, the validator and the typed
-object each stage receives cannot disagree. After composing, `RunConfig.model_validate(tree)` checks types strictly
-(`2.5` is not an int, `"abc"` is not a number, `true` is not an int) and ranges, and the stages read the resulting
-frozen objects: `loaded.typed.astuner.rollout.num_repeat` is an int >= 1, no casting anywhere.
+astuner.config.default_yaml --write`; a test fails when they drift), so the Hydra defaults, the validator and the
+typed object each stage receives cannot disagree. After composing, `RunConfig.model_validate(tree)` checks types
+strictly (`2.5` is not an int, `"abc"` is not a number, `true` is not an int) and ranges, and the stages read the
+resulting frozen objects: `loaded.typed.astuner.rollout.num_repeat` is an int >= 1, no casting anywhere.
+A renamed key keeps its old name as an `old_name` field, so configs written for it still load.
 
 Imports only pydantic, so `astuner --help` stays fast.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,9 +20,20 @@ from pydantic import BaseModel, ConfigDict, Field
 LOSS_AGG_MODES = ("episode-mean-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def key(default: Any, doc: str, **bounds: Any) -> Any:
-    """A config key: its default, its documentation (a comment above it in the YAML), optional ge/gt/le bounds."""
-    return Field(default=default, description=doc, **bounds)
+def key(default: Any, doc: str, refused: str | None = None, **bounds: Any) -> Any:
+    """A config key: its default, its documentation (a comment above it in the YAML), optional ge/gt/le bounds.
+    `refused`: why a value outside the allowed ones is refused, added to the error (e.g. a value another
+    trainer accepts that this one does not implement)."""
+    extra = {"refused": refused} if refused else None
+    return Field(default=default, description=doc, json_schema_extra=extra, **bounds)
+
+
+def old_name(new_key: str, default: Any, **bounds: Any) -> Any:
+    """A key's old name, kept so that configs written for it still load. Loading moves a value set here to
+    `new_key` (with one notice) and keeps both equal, so user code reading either sees the same value."""
+    doc = (f"Old name of {new_key}: a value set here goes there (with one notice at start), and this key always "
+           "holds the same value. Set the new name instead.")
+    return Field(default=default, description=doc, json_schema_extra={"old_name_of": new_key}, **bounds)
 
 
 def section(cls: type, doc: str = "") -> Any:
@@ -328,9 +341,18 @@ class TrainerCommonSection(Section):
         "group's rewards were equal); the message quotes the first error.",
         ge=1,
     )
-    trinity_only__n_vllm_engine: int = key(
-        1, "Explorer actors of the trinity backbone, each with its own engine (tensor_model_parallel_size GPUs on a "
-        "GPU cluster, cpus_per_worker CPUs otherwise) and rollout workers.", ge=1)
+    watchdog_factor: float = key(
+        3.0, "A step running longer than this many times the median step (once 2 steps are done) is reported: the "
+        "log and the progress bar name its stage, the oldest pending item (episode, model call, tool, judge, "
+        "environment-service request, actor) and how long each has waited.", gt=1)
+    stage_timeout_s: Optional[float] = key(
+        7200.0, "A stage of a step (rollout, train, sync, checkpoint, validation) running longer stops the run "
+        "with the watchdog's report of what it waited on, instead of hanging; null: no deadline.", gt=0)
+    n_explorers: int = key(
+        1, "Explorer actors of the trinity backbone, each with its own engine (rollout.engine: vllm or hf; "
+        "tensor_model_parallel_size GPUs on a GPU cluster, cpus_per_worker CPUs otherwise) and rollout workers.",
+        ge=1)
+    trinity_only__n_vllm_engine: int = old_name("astuner.trainer_common.n_explorers", 1, ge=1)
     nnodes: int = key(1, "Nodes the trainer workers of the verl and trinity backbones spread over (as in verl).", ge=1)
     n_gpus_per_node: int = key(
         1, "Trainer workers per node for the verl and trinity backbones (as in verl): one per GPU on a GPU cluster; "
@@ -350,6 +372,13 @@ class TrainerCommonSection(Section):
         "step, a checkpoint, placing the actors): on expiry the run stops and says who waited for whom.", gt=0)
     mini_batch_num: int = key(
         1, "Optimizer steps per training step: the step's episodes are split into this many mini-batches.", ge=1
+    )
+    micro_batch_token_budget: int = key(
+        13000,
+        "Token budget of one training micro-batch (padded prompt + response tokens), for every backbone's trainer; "
+        "a single sample longer than this forms its own micro-batch. Activation memory grows with it (fp32, 135M "
+        "demo model: about 1.7 MB per token).",
+        ge=1,
     )
     ppo_epochs: int = key(1, "Passes over each step's samples (each pass: mini_batch_num optimizer steps).", ge=1)
     optim: OptimSection = section(OptimSection)
@@ -462,13 +491,7 @@ class AstunerSection(Section):
 
 
 class TrinityTrainer(Section):
-    max_token_len_per_gpu: int = key(
-        13000,
-        "Token budget of one training micro-batch (padded prompt + response tokens). Used by every backbone's "
-        "trainer; a single sample longer than this forms its own micro-batch. Activation memory grows with it "
-        "(fp32, 135M demo model: about 1.7 MB per token).",
-        ge=1,
-    )
+    max_token_len_per_gpu: int = old_name("astuner.trainer_common.micro_batch_token_budget", 13000, ge=1)
 
 
 class TrinitySynchronizer(Section):
@@ -482,10 +505,12 @@ class TrinitySynchronizer(Section):
         "fixed", "fixed: sync after every sync_interval-th trainer step | dynamic_by_explorer: sync only when an "
         "explorer's next batch would be staler than max_staleness.")
     sync_timeout: float = key(1200.0, "Deadline (seconds) of one weight sync to an explorer.", gt=0)
-    sync_method: Literal["object_store", "nccl", "checkpoint", "memory"] = key(
-        "object_store", "How weights reach the explorers. This release sends them through Ray's object store "
-        "(shared memory on a node, Ray's transfer between nodes); nccl, checkpoint and memory are accepted from "
-        "Trinity-RFT configs and named in the start-up warning, since they act as object_store.")
+    sync_method: Literal["object_store"] = key(
+        "object_store", "How weights reach the explorers: object_store, the only method implemented, sends them "
+        "through Ray's object store (shared memory on a node, Ray's transfer between nodes).",
+        refused="only object_store is implemented (it sends the trainer's weights to the explorers through Ray's "
+        "object store: shared memory on a node, Ray's transfer between nodes); Trinity-RFT's nccl, checkpoint and "
+        "memory are not, so set object_store or remove the key")
     max_staleness: Optional[int] = key(
         None, "Bound on a sample's staleness (trainer step - 1 - the policy version that generated it); an "
         "explorer waits for new weights rather than exceed it. null: sync_interval - 1 + sync_offset.", ge=0)
@@ -509,108 +534,18 @@ class RunConfig(Section):
     verl: VerlSection = section(VerlSection)
 
 
-# --- YAML generation ----------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def old_names() -> dict[str, str]:
+    """{old dotted key: the key it now names}, read from the schema's `old_name` fields. Do not mutate."""
+    out: dict[str, str] = {}
 
-HEADERS = {
-    "astuner": (
-        "astuner defaults. Generated from astuner/config/schema.py (python -m astuner.config.schema --write); edit "
-        "the schema, not this file. Every key below is read by astuner; a user YAML may set any of them. Keys marked "
-        "[only ...] act only under that setting; setting one elsewhere is reported in one warning at start."
-    ),
-    "trinity": (
-        "Defaults for keys named after the Trinity-RFT backbone. Generated from astuner/config/schema.py. The debug "
-        "backbone reads them too where noted."
-    ),
-    "verl": (
-        "Defaults for keys named after the verl backbone. Generated from astuner/config/schema.py. The verl backbone "
-        "reads its placement from astuner.trainer_common (nnodes, n_gpus_per_node, cpus_per_worker), so this section "
-        "holds no keys; any key set under `verl:` is reported as unknown."
-    ),
-}
-DEFAULT_FILE_OF = {"verl": "verl/verl_default.yaml", "trinity": "trinity/trinity_default.yaml",
-                   "astuner": "astuner_default.yaml"}
+    def walk(cls: type[Section], prefix: str) -> None:
+        for name, info in cls.model_fields.items():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(info.annotation, type) and issubclass(info.annotation, Section):
+                walk(info.annotation, path)
+            elif isinstance(info.json_schema_extra, dict) and "old_name_of" in info.json_schema_extra:
+                out[path] = str(info.json_schema_extra["old_name_of"])
 
-
-def _wrap(text: str, indent: str, width: int = 116) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, width=width - len(indent) - 2, break_on_hyphens=False) or [""]
-
-
-def _scalar(value: Any) -> str:
-    import json
-
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value) if "e" not in repr(value) else f"{value:.1e}".replace("e-0", "e-")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_scalar(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_scalar(v)}" for k, v in value.items()) + "}"
-    text = str(value)
-    return text if text and text.replace("_", "").replace("-", "").replace(":", "").replace(".", "").replace(
-        ">", "").isalnum() and not text[0].isdigit() else json.dumps(text)
-
-
-def render_yaml(name: str) -> str:
-    """The default YAML of one top-level section, comments from the schema's docs."""
-    from astuner.config.applicability import APPLIES_ONLY_WITH
-
-    model_cls = RunConfig.model_fields[name].annotation
-    lines = [f"# {line}" for line in _wrap(HEADERS[name], "")]
-
-    def walk(cls: type[Section], indent: str, prefix: str) -> None:
-        for field_name, info in cls.model_fields.items():
-            path = f"{prefix}.{field_name}"
-            annotation = info.annotation
-            is_section = isinstance(annotation, type) and issubclass(annotation, Section)
-            doc = info.description or ""
-            if path in APPLIES_ONLY_WITH:  # marked where its scope starts, not on every key inside it
-                doc = f"[only {APPLIES_ONLY_WITH[path][0]}] {doc}".rstrip()
-            if doc:
-                lines.extend(f"{indent}# {line}" for line in _wrap(doc, indent))
-            if is_section:
-                if annotation.model_fields:
-                    lines.append(f"{indent}{field_name}:")
-                    walk(annotation, indent + "  ", path)
-                else:
-                    lines.append(f"{indent}{field_name}: {{}}")
-            else:
-                default = info.default if info.default_factory is None else info.default_factory()
-                lines.append(f"{indent}{field_name}: {_scalar(default)}")
-
-    if model_cls.model_fields:
-        lines.append(f"{name}:")
-        walk(model_cls, "  ", name)
-    else:
-        lines.append(f"{name}: {{}}")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    import sys
-    from pathlib import Path
-
-    args = sys.argv[1:] if argv is None else argv
-    root = Path(__file__).resolve().parent.parent / "default_config"
-    stale = []
-    for name, rel in DEFAULT_FILE_OF.items():
-        text = render_yaml(name)
-        target = root / rel
-        if target.read_text(encoding="utf-8") != text:
-            stale.append(str(target))
-            if "--write" in args:
-                target.write_text(text, encoding="utf-8")
-    if stale and "--write" not in args:
-        print("stale (run python -m astuner.config.schema --write):", *stale, sep="\n  ")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    walk(RunConfig, "")
+    return out

@@ -149,6 +149,9 @@ def _pydantic_problem(error: dict) -> tuple[str, str]:
     if value is None:
         default = info.get_default(call_default_factory=True) if info is not None else None
         return path, f"'{path}' must not be null (it must be {words}; its default is {default!r})"
+    refused = (info.json_schema_extra or {}).get("refused") if info is not None else None
+    if refused and error.get("type") == "literal_error":
+        return path, f"'{path}' {value!r} is refused: {refused}"
     if len(loc) > len(names):  # an entry of a list
         return path, f"entries of '{path}' must be {words.split('each entry ', 1)[-1]}; got {value!r}"
     hint = " (quote it to make it a string)" if words.startswith("a string") else ""

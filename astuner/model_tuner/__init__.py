@@ -12,7 +12,8 @@ from astuner.model_tuner.tool_parser import (
     get_tool_parser,
 )
 from astuner.model_tuner.formats import REASONING_PARSERS, ChatFormat, detect_formats
-from astuner.model_tuner.tuner import AgentModel, CallOptions, EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
+from astuner.model_tuner.tuner import AgentModel, ModelTuner, TunerLimits
+from astuner.model_tuner.turn import CallOptions, EpisodeOverflow, EpisodeTimeout, Turn
 
 __all__ = [
     "ModelTuner",
@@ -24,6 +25,7 @@ __all__ = [
     "TunerLimits",
     "EpisodeOverflow",
     "EpisodeTimeout",
+    "Turn",
     "ChatRenderer",
     "TOOL_PARSERS",
     "HermesToolParser",

@@ -21,6 +21,8 @@ import importlib
 import importlib.metadata
 from typing import Any
 
+from astuner.model_tuner.gateway import CLIENT_TIMEOUT_S, LOCAL_BASE_URL
+
 
 def agentscope_major() -> int | None:
     """The installed AgentScope's major version, or None when it is not installed."""
@@ -41,8 +43,6 @@ def agentscope_model(model_tuner, stream: bool = False):
     import openai._base_client
     from agentscope.credential import OpenAICredential
     from agentscope.model import OpenAIChatModel
-
-    from astuner.model_tuner.gateway import CLIENT_TIMEOUT_S, LOCAL_BASE_URL
 
     gateway = model_tuner._gateway()
     http = http_package_of(openai._base_client)

@@ -8,13 +8,11 @@ OpenAI-shaped dicts; `chat_format` flattens their content parts, so nothing is c
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from astuner.model_tuner.tuner import _Turn
+from astuner.model_tuner.turn import Turn
 
 
-def to_chat_response(turn: "_Turn"):
+def to_chat_response(turn: Turn):
     """An `agentscope.model.ChatResponse`: a text block (when there is text, or nothing else) then one
     `tool_use` block per parsed call, which ReActAgent executes with its toolkit."""
     from agentscope.message import TextBlock, ToolUseBlock

@@ -41,6 +41,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from astuner.model_tuner import anthropic_api
+from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
+from astuner.model_tuner.turn import (
+    CallOptions,
+    EpisodeOverflow,
+    EpisodeTimeout,
+    assistant_message,
+)
+
 log = logging.getLogger(__name__)
 
 LOCAL_BASE_URL = "http://astuner.local/v1"  # the in-process clients' base URL (never resolved: ASGI transport)
@@ -51,7 +60,7 @@ CLIENT_TIMEOUT_S = 3600.0  # the episode deadline ends a call long before this
 @dataclass
 class _Entry:
     tuner: Any  # ModelTuner
-    options: Any  # tuner.CallOptions
+    options: CallOptions
     loop: asyncio.AbstractEventLoop | None
 
 
@@ -255,10 +264,6 @@ def build_app(gateway: Gateway):
 
     async def messages(request):
         """Anthropic's Messages API (anthropic_api.py); its own error shape."""
-        from astuner.model_tuner import anthropic_api
-        from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
-        from astuner.model_tuner.tuner import CallOptions
-
         def refuse(status: int, message: str, kind: str):
             return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
@@ -311,8 +316,6 @@ async def _complete(entry: _Entry, messages: list[dict], tools, options):
             raise
         return None, (408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
     except Exception as exc:  # noqa: BLE001 - every failure becomes an API-shaped error
-        from astuner.model_tuner.tuner import EpisodeOverflow, EpisodeTimeout
-
         if isinstance(exc, EpisodeOverflow):
             return None, (400, str(exc), "context_length_exceeded", "invalid_request_error")
         if isinstance(exc, EpisodeTimeout):
@@ -333,8 +336,6 @@ async def _run_on_episode_loop(entry: _Entry, coro):
 
 
 def _read_request(body: Any, entry: _Entry, gateway: Gateway):
-    from astuner.model_tuner.tuner import CallOptions
-
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     messages = body.get("messages")
@@ -343,8 +344,6 @@ def _read_request(body: Any, entry: _Entry, gateway: Gateway):
     if body.get("n", 1) != 1:
         raise ValueError("only n=1 is supported: each sampled call is one recorded training sample")
     tools = body.get("tools") or None
-    from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
-
     read_tool_choice(normalize_tools(tools), body.get("tool_choice"))  # a choice naming no offered tool: 400
     for name in ("top_p", "top_k"):
         value = body.get(name)
@@ -374,8 +373,6 @@ def _read_request(body: Any, entry: _Entry, gateway: Gateway):
 
 
 def _message(turn) -> dict:
-    from astuner.model_tuner.tuner import assistant_message
-
     message = assistant_message(turn)
     if turn.tool_calls and not message["content"]:
         message["content"] = None  # as the OpenAI API returns it

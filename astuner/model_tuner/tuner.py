@@ -23,14 +23,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from astuner.engine.base import InferenceEngine
 from astuner.madness import CallView, run_checks, validate_checklist
+from astuner.model_tuner import agentscope2
+from astuner.model_tuner.agentscope_adapter import to_chat_response
 from astuner.model_tuner.chat_format import (
     ChatRenderer,
+    _tool_calls_of,
     canonical_messages,
+    flatten_content,
     normalize_tools,
     read_tool_choice,
     tool_choice_violation,
@@ -38,8 +42,10 @@ from astuner.model_tuner.chat_format import (
 )
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
-from astuner.model_tuner.tool_parser import TOOL_PARSERS, ParsedOutput, ParsedToolCall, ToolParser
+from astuner.model_tuner.tool_parser import TOOL_PARSERS, ParsedOutput, ToolParser
+from astuner.model_tuner.turn import CallOptions, EpisodeOverflow, EpisodeTimeout, Turn, assistant_message
 from astuner.types import LLMCall, SamplingParams
+from astuner.watchdog import close_item, current_item, open_item, watch
 
 
 @dataclass
@@ -50,28 +56,6 @@ class TunerLimits:
     max_prompt_length: int  # tokens of the episode's first prompt (data.max_prompt_length)
 
 
-class EpisodeOverflow(RuntimeError):
-    """The episode ran out of context or token budget. The rollout ends the episode, flags it "overflow" and
-    keeps the calls recorded so far (also when the workflow catches this exception)."""
-
-
-class EpisodeTimeout(RuntimeError):
-    """The episode's deadline passed: every later LLM call of the episode raises this at once. The rollout flags
-    the episode "timeout" whatever the workflow returns (agents that swallow it cannot train on a late answer)."""
-
-
-@dataclass
-class _Turn:
-    """One completed call, in the shapes both front ends need."""
-
-    call: LLMCall
-    content: str
-    tool_calls: list[ParsedToolCall] = field(default_factory=list)
-    seconds: float = 0.0
-    reasoning: str | None = None
-    finish_reason: str = "stop"  # OpenAI's: "stop", "length" or "tool_calls"
-
-
 @dataclass
 class _Conversation:
     """What a later call needs to extend an earlier one token-exactly."""
@@ -80,18 +64,6 @@ class _Conversation:
     tools_key: str
     prompt_ids: list[int]
     response_ids: list[int]
-
-
-@dataclass
-class CallOptions:
-    """Per-call settings an agent may pass (OpenAI arguments), applied within the configured limits."""
-
-    agent: str = ""
-    trainable: bool = True
-    temperature: float | None = None  # honoured when > 0; otherwise the rollout's temperature
-    max_tokens: int | None = None  # honoured up to rollout.max_response_length_in_one_turn
-    stop: tuple[str, ...] = ()  # the response is cut after the token that completes a stop string
-    tool_choice: Any = None  # OpenAI/AgentScope tool_choice (chat_format.read_tool_choice)
 
 
 class ModelTuner:
@@ -155,6 +127,10 @@ class ModelTuner:
         self._parser_name = next((name for name, cls in TOOL_PARSERS.items() if isinstance(tool_parser, cls)),
                                  type(tool_parser).__name__)
         self._started = 0  # calls begun (concurrent calls may finish out of order)
+        # The watchdog's view (astuner/watchdog.py): this episode's item, and the tools the agent runs between
+        # a response that called them and its next model call.
+        self._watch_parent = current_item()
+        self._tool_item: int | None = None
 
     # --- OpenAI-shaped front end ---------------------------------------------------------------------------
     async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
@@ -179,9 +155,7 @@ class ModelTuner:
 
     def agentscope_model(self, stream: bool = False):
         """This episode's model as an AgentScope 2.x `OpenAIChatModel`, served in-process (agentscope2.py)."""
-        from astuner.model_tuner.agentscope2 import agentscope_model
-
-        return agentscope_model(self, stream)
+        return agentscope2.agentscope_model(self, stream)
 
     def get_anthropic_client(self):
         """An `anthropic.AsyncAnthropic` on the Messages API (`/v1/messages`), served in-process."""
@@ -210,6 +184,7 @@ class ModelTuner:
 
     def close(self) -> None:
         """The episode is over: revoke its API keys (a late request gets 401 and records nothing)."""
+        close_item(self._tool_item)
         if self.gateway is not None:
             for key in self._keys.values():
                 self.gateway.revoke(key)
@@ -230,8 +205,6 @@ class ModelTuner:
         choice is flagged `wrong_toolcall`; the agent sees whatever the model produced). Extra kwargs (e.g.
         per-call generation settings) are ignored: sampling is fixed by the rollout so the recorded logprobs match.
         """
-        from astuner.model_tuner.agentscope_adapter import to_chat_response
-
         if structured_model is not None:
             raise NotImplementedError(
                 "ModelTuner does not support structured_model (constrained JSON output); use tools instead, "
@@ -278,7 +251,7 @@ class ModelTuner:
         return min(lim.max_tokens_per_turn, room, budget_left)
 
     async def _complete(self, messages: list[dict], tools: list[dict] | None,
-                        options: CallOptions | None = None) -> _Turn:
+                        options: CallOptions | None = None) -> Turn:
         options = options or CallOptions()
         self._check_deadline()
         tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
@@ -303,8 +276,10 @@ class ModelTuner:
         started = time.perf_counter()
         request_id = f"{self.episode_uid}/{index}/{id(self):x}"
         self._in_flight.add(request_id)
+        close_item(self._tool_item)  # the agent is back: its tools have answered
         try:
-            result = await self.engine.generate(list(prompt_ids), sampling, request_id=request_id)
+            with watch("model call", f"{index} of {self.episode_uid}", parent=self._watch_parent):
+                result = await self.engine.generate(list(prompt_ids), sampling, request_id=request_id)
         finally:
             self._in_flight.discard(request_id)
         self._check_deadline()  # a call that outlived the deadline is not handed back to the agent
@@ -351,10 +326,12 @@ class ModelTuner:
         call.messages = [_brief(m) for m in messages[new_from:]]
         self.calls.append(call)
         reasoning = None if split.reasoning is None else self._decoder.strip_markers(split.reasoning)
-        turn = _Turn(call=call, content=self._decoder.strip_markers(parsed.content), tool_calls=parsed.tool_calls,
+        turn = Turn(call=call, content=self._decoder.strip_markers(parsed.content), tool_calls=parsed.tool_calls,
                      seconds=seconds, reasoning=reasoning,
                      finish_reason="tool_calls" if parsed.tool_calls else ("length" if finish == "length" else "stop"))
         call.reply = assistant_message(turn)
+        if parsed.tool_calls and self._watch_parent is not None:  # within a rollout's episode
+            self._tool_item = open_item("tool", ", ".join(c.name for c in parsed.tool_calls), self._watch_parent)
         self._conversations.append(_Conversation(
             canonical + canonical_messages([assistant_message(turn)], self.reasoning_parser),
             tools_key, list(prompt_ids), list(response_ids)))
@@ -398,8 +375,6 @@ class ModelTuner:
 
 def _brief(message: dict) -> dict:
     """A message as the log viewer shows it: role, text, tool calls, tool name (no images, no extra fields)."""
-    from astuner.model_tuner.chat_format import _tool_calls_of, flatten_content
-
     out = {"role": message.get("role"), "content": flatten_content(message.get("content"))}
     if message.get("tool_calls"):
         out["tool_calls"] = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
@@ -415,23 +390,6 @@ def _before_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def assistant_message(turn: _Turn) -> dict:
-    """The OpenAI-shaped assistant message for a turn (arguments as JSON strings, as the OpenAI API sends)."""
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning is not None:
-        message["reasoning_content"] = turn.reasoning
-    if turn.tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
-            }
-            for c in turn.tool_calls
-        ]
-    return message
-
-
 class AgentModel:
     """`ModelTuner.for_agent(name, trainable)`: the same front ends, recording calls under the agent's name."""
 
@@ -443,8 +401,6 @@ class AgentModel:
         self.model_name = tuner.model_name
 
     async def __call__(self, messages, tools=None, tool_choice=None, structured_model=None, **kwargs):
-        from astuner.model_tuner.agentscope_adapter import to_chat_response
-
         if structured_model is not None:
             raise NotImplementedError("structured_model is not supported; use tools instead")
         options = dataclasses.replace(self.options, tool_choice=tool_choice)

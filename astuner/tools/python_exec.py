@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from astuner.errors import UserError
 from astuner.tools import landlock as lsm
+from astuner.watchdog import watch
 
 if TYPE_CHECKING:
     from agentscope.tool import ToolResponse
@@ -394,6 +395,11 @@ async def run_python(
     afterwards), killed with everything it started after `timeout` seconds. stdout and stderr are each cut to
     `max_output_chars` (head and tail kept). Raises `SandboxRefused` where only root could run it (see
     `describe_sandbox`)."""
+    with watch("tool", "python"):
+        return await _run_python(code, timeout, memory_mb, max_output_chars)
+
+
+async def _run_python(code: str, timeout: float, memory_mb: int, max_output_chars: int) -> PythonResult:
     level = sandbox_level()
     is_root = os.geteuid() == 0
     user = "" if level == "bubblewrap" else _process_plan(sys.executable, _allow_unsandboxed).user

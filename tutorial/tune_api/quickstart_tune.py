@@ -40,6 +40,6 @@ if __name__ == "__main__":
         algorithm=AlgorithmConfig(group_size=8, batch_size=8, learning_rate=3e-5, total_steps=20, extra={
             "trainer_common.test_freq": 5, "trainer_common.optim.lr_scheduler_type": "cosine",
             "trainer_common.optim.min_lr_ratio": 0.1, "data.max_response_length": 40,
-            "rollout.compute_madness_checklist": ["nonsense"], "trinity.trainer.max_token_len_per_gpu": 2048}),
+            "rollout.compute_madness_checklist": ["nonsense"], "trainer_common.micro_batch_token_budget": 2048}),
         project_name="quickstart_tune",
     )

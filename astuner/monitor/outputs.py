@@ -129,6 +129,8 @@ class Monitor:
         self.metrics_file = open(metrics_path, "a" if resume_step is not None else "w", encoding="utf-8")
         self.trajectory_dir = experiment_dir / "trajectories"
         self.trajectory_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            _drop_later_trajectories(self.trajectory_dir, resume_step)
         from astuner.logview.store import StepWriter
 
         self.store = StepWriter(experiment_dir, resume_step)  # the log viewer's data, one transaction per step
@@ -168,7 +170,13 @@ class Monitor:
                     disable=self.bar.disable, dynamic_ncols=True)
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
+        self._postfix.pop("slow", None)
         self.bar.update(1)
+
+    def show_stall(self, line: str) -> None:
+        """The watchdog's line (astuner/watchdog.py) on the step bar until the step ends."""
+        self._postfix["slow"] = line
+        self.bar.set_postfix(self._postfix, refresh=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -204,6 +212,15 @@ class Monitor:
                 for call in episode.calls
             ],
         }
+
+
+def _drop_later_trajectories(folder: Path, last_step: int) -> None:
+    """A resumed run writes the steps after its checkpoint anew; the killed run's files of those steps go, so
+    trajectories/ holds each trained step once (the ones this run reaches are written again)."""
+    for path in folder.glob("*_step_*.jsonl"):
+        step = path.stem.rsplit("_step_", 1)[-1]
+        if step.isdigit() and int(step) > last_step:
+            path.unlink()
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

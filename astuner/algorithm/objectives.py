@@ -1,0 +1,181 @@
+"""Token objectives: what `Trainer.forward_backward(batch, objective)` minimises, as small objects.
+
+An objective sees one micro-batch as flattened response tokens R (`TokenBatch`): logp_t = log pi_theta of the
+token, w_t = its sample's weight from `loss.token_weights` times its loss mask. Every loss is a plain weighted
+token sum over the mini-batch, so summing micro-batch losses (accumulating their gradients) is exact.
+
+    PolicyGradient   L = sum_t w_t * l_t,   l_t = rho_t * pg_t + kl_coef * KL_t - entropy_coeff * H_t
+                     pg_t: the PPO-clip token loss (or GSPO's sequence ratio), KL_t: k1/k3 to the frozen initial
+                     policy, H_t: the token entropy (all in `loss.py`); rho_t = min(exp(old_t - engine_t), cap)
+                     with rollout_is_cap (old logprobs recomputed by the trainer, `mismatch.py`), else 1
+    SFT              L = -sum_t w_t * logp_t   over the trained (assistant) tokens; advantages and old
+                     logprobs are not used
+
+Sequence-pair objectives (DPO, ORPO) score whole sequences: `preference.py`, driven by `offline/steps.py`.
+`OBJECTIVES` names every objective; `token_objective(name, settings)` builds a token objective from the trainer's
+settings (the stages name them: `train(samples, objective="sft")`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from astuner.algorithm.loss import policy_loss, sft_loss
+from astuner.algorithm.mismatch import truncated_is_weights
+from astuner.algorithm.preference import DPO, ORPO
+from astuner.step_plan import offsets
+from astuner.types import Sample
+
+if TYPE_CHECKING:
+    from astuner.trainer_settings import TrainerSettings
+
+
+@dataclass
+class TokenBatch:
+    """One micro-batch, flattened to its response tokens R (b: the sample a token belongs to)."""
+
+    samples: list[Sample]
+    logprobs_R: Tensor  # with gradient
+    entropy_R: Tensor | None  # with gradient only when the objective asks (`entropy_grad`)
+    old_logprobs_R: Tensor
+    advantages_R: Tensor
+    weights_R: Tensor  # token weight x loss mask
+    mask_R: Tensor
+    seq_index_R: Tensor
+    ref_logprobs_R: Tensor | None  # the frozen initial policy's, when `needs_reference`
+
+    @classmethod
+    def of(cls, samples: list[Sample], weights_B: list[float], logprobs_R: Tensor, entropy_R: Tensor | None,
+           ref_logprobs_R: Tensor | None) -> TokenBatch:
+        """The micro-batch `samples` with their token weights (one per sample) and forward results."""
+        dev = logprobs_R.device
+        lengths = [len(s.response_ids) for s in samples]
+        mask_R = torch.tensor([m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))],
+                              device=dev, dtype=torch.float32)
+        w_R = torch.tensor([w for w, n in zip(weights_B, lengths) for _ in range(n)], device=dev)
+        return cls(
+            samples, logprobs_R, entropy_R,
+            old_logprobs_R=torch.tensor([x for s in samples for x in s.old_logprobs], device=dev, dtype=torch.float32),
+            advantages_R=torch.tensor([s.advantage for s, n in zip(samples, lengths) for _ in range(n)], device=dev),
+            weights_R=w_R * mask_R, mask_R=mask_R,
+            seq_index_R=torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev),
+            ref_logprobs_R=ref_logprobs_R,
+        )
+
+    def per_sample(self, values_R: Tensor) -> list[list[float]]:
+        """A flat R tensor back as one list per sample."""
+        flat = values_R.detach().cpu().tolist()
+        return [flat[start : start + len(s.response_ids)]
+                for s, start in zip(self.samples, offsets([len(s.response_ids) for s in self.samples]))]
+
+
+class TokenObjective:
+    """What the trainer asks of an objective; the defaults are those of a plain supervised loss."""
+
+    name: ClassVar[str]
+    loss_metric: ClassVar[str]  # the step's mean mini-batch loss is reported under this name
+    stat_keys: tuple[str, ...] = ()  # token sums `loss` returns
+    max_stats: tuple[str, ...] = ()  # among them, those combined by max instead of sum
+    needs_reference = False  # forward the frozen initial policy too
+    trains_zero_advantage = True  # forward samples whose advantage is 0 (else their gradient is exactly 0)
+    entropy_grad = False  # the entropy enters the loss (keep its gradient)
+    epochs = 1  # passes over the step's samples
+    recomputes_old_logprobs = False  # old logprobs: the trainer's, before the update, instead of the engine's
+    checks_mismatch = False  # the first forward before any update measures trainer vs engine logprobs
+    weighted_metrics: tuple[str, ...] = ()  # reported as means over every loss-weighted token, forwarded or not
+
+    def reported(self) -> tuple[str, ...]:
+        """Token means the step reports (over the forwarded tokens, or those of `weighted_metrics`)."""
+        return ("entropy",)
+
+    def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+
+class SFT(TokenObjective):
+    """L = -sum_t w_t * logp_t over the samples' trained tokens (`loss_mask`), aggregated like the policy loss;
+    stats: `nll`, the token sum of -logp."""
+
+    name = "sft"
+    loss_metric = "sft_loss"
+    stat_keys = ("nll",)
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings) -> SFT:
+        return cls()
+
+    def reported(self) -> tuple[str, ...]:
+        return ("nll", "entropy")
+
+    def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        return sft_loss(batch.logprobs_R, batch.weights_R, batch.mask_R)
+
+
+class PolicyGradient(TokenObjective):
+    """PPO-clip / GRPO: L = sum_t w_t * (rho_t * pg_t + kl_coef * KL_t - entropy_coeff * H_t) (module docstring;
+    pg_t, KL_t and the clip statistics in `loss.py`). `epochs` passes over the same old logprobs: from the second
+    optimizer step on the ratio leaves 1 and the clip acts."""
+
+    name = "policy"
+    loss_metric = "policy_loss"
+    stat_keys = ("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean", "kl_ref", "logprob_abs_diff",
+                 "logprob_abs_diff_max", "kl_engine_trainer_k3", "is_weight_mean")
+    max_stats = ("logprob_abs_diff_max",)
+    # A token with advantage 0 is never clipped: skipped tokens count as unclipped, exactly.
+    weighted_metrics = ("clip_fraction", "clip_fraction_lower")
+    checks_mismatch = True
+
+    def __init__(self, clip_low: float, clip_high: float, clip_c: float = 3.0, loss_mode: str = "vanilla",
+                 kl_coef: float | None = None, kl_kind: str = "k3", entropy_coeff: float = 0.0,
+                 rollout_is_cap: float | None = None, epochs: int = 1, recompute_old_logprobs: bool = False):
+        self.clip_low, self.clip_high, self.clip_c, self.loss_mode = clip_low, clip_high, clip_c, loss_mode
+        self.kl_coef, self.kl_kind = kl_coef, kl_kind  # kl_coef None: no KL term, no reference forward
+        self.entropy_coeff = entropy_coeff
+        self.rollout_is_cap = rollout_is_cap
+        self.epochs = epochs
+        self.recomputes_old_logprobs = recompute_old_logprobs
+        self.needs_reference = kl_coef is not None
+        self.entropy_grad = entropy_coeff > 0
+        self.trains_zero_advantage = self.needs_reference or entropy_coeff > 0
+
+    @classmethod
+    def from_settings(cls, s: TrainerSettings) -> PolicyGradient:
+        return cls(s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_mode,
+                   s.kl_loss_coef if s.use_kl_loss else None, s.kl_loss_type, s.entropy_coeff, s.rollout_is_cap,
+                   s.ppo_epochs, s.old_logprobs == "trainer")
+
+    def reported(self) -> tuple[str, ...]:
+        names = ("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean")
+        names += ("kl_ref", "entropy") if self.needs_reference else ("entropy",)
+        return names + (("is_weight_mean",) if self.rollout_is_cap is not None else ())
+
+    def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        is_w_R = None
+        if self.rollout_is_cap is not None:
+            engine_R = torch.tensor([x for s in batch.samples for x in s.engine_logprobs],
+                                    device=batch.logprobs_R.device, dtype=torch.float32)
+            is_w_R = truncated_is_weights(batch.old_logprobs_R, engine_R, self.rollout_is_cap)
+        return policy_loss(
+            batch.logprobs_R, batch.old_logprobs_R, batch.advantages_R, batch.weights_R, self.clip_low,
+            self.clip_high, self.clip_c, ref_logprobs_R=batch.ref_logprobs_R, kl_coef=self.kl_coef or 0.0,
+            kl_kind=self.kl_kind, mask_R=batch.mask_R, loss_mode=self.loss_mode, seq_index_R=batch.seq_index_R,
+            entropy_R=batch.entropy_R, entropy_coeff=self.entropy_coeff, is_weights_R=is_w_R,
+        )
+
+
+# name -> objective class; token objectives are built by `token_objective`, pair objectives from their beta.
+OBJECTIVES: dict[str, type] = {"policy": PolicyGradient, "sft": SFT, "dpo": DPO, "orpo": ORPO}
+TOKEN_OBJECTIVES = ("policy", "sft")
+
+
+def token_objective(objective: str | TokenObjective, settings: TrainerSettings) -> TokenObjective:
+    """The objective itself, or the one a name stands for, configured by `settings`."""
+    if isinstance(objective, TokenObjective):
+        return objective
+    if objective not in TOKEN_OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; available: {', '.join(TOKEN_OBJECTIVES)}")
+    return OBJECTIVES[objective].from_settings(settings)

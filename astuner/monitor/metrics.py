@@ -1,0 +1,170 @@
+"""The metrics of a step and of a validation, assembled from what the stages returned; the warnings they raise.
+
+    train/*      episodes rolled out this step (reward, success, lengths, tool use, madness, failures)
+    actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...)
+    rollout/*    token-pipeline health and staleness (parse failures, prefix reuse, merge ratio, logprob gap)
+    time/*, perf/*  stage durations and rates
+    val/*        validation: greedy accuracy, and pass@k when val_num_repeat > 1
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from astuner.alarms import ToolUseAlarm
+from astuner.algorithm.samples import merge_ratio
+from astuner.evaluation.metrics import ks_for, summarize, task_results
+from astuner.types import (
+    FLAG_FAILED,
+    FLAG_NONSENSE,
+    FLAG_OVERFLOW,
+    FLAG_TIMEOUT,
+    FLAG_WRONG_TOOLCALL,
+    Episode,
+    Sample,
+)
+
+log = logging.getLogger(__name__)
+
+
+def tool_calls_received(calls) -> int:
+    """Parsed tool calls handed to the agent (one response may hold several)."""
+    return sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
+
+
+def parse_failure_rate(calls) -> float:
+    """The share of responses that tried a tool call and could not be parsed whole."""
+    attempted = [c for c in calls if c.tool_call_attempted]
+    return sum(c.tool_call_parse_failed for c in attempted) / len(attempted) if attempted else 0.0
+
+
+def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    n = max(len(episodes), 1)
+    rewards = [e.reward for e in episodes if e.trainable] or [0.0]
+    mean = sum(rewards) / len(rewards)
+    calls = [c for e in episodes for c in e.calls]
+    return {
+        f"{prefix}/reward_mean": mean,
+        f"{prefix}/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        f"{prefix}/success_rate": sum(e.is_success for e in episodes) / n,
+        f"{prefix}/response_length": sum(len(c.response_ids) for c in calls) / max(len(calls), 1),
+        f"{prefix}/turns_per_episode": len(calls) / n,
+        # Tool calls the agent received (parsed), per episode, and the share of attempted calls that did not parse.
+        f"{prefix}/tool_calls_per_episode": tool_calls_received(calls) / n,
+        f"{prefix}/tool_call_parse_failure_rate": parse_failure_rate(calls),
+        f"{prefix}/madness_rate":
+            sum(any(f in e.flags for f in (FLAG_NONSENSE, FLAG_WRONG_TOOLCALL)) for e in episodes) / n,
+        f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
+        f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
+        f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
+        **_mean_episode_metrics(episodes, prefix),
+    }
+
+
+def _mean_episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """Each metric a workflow or judge reported (e.g. a reward term), averaged over the episodes reporting it."""
+    values: dict[str, list[float]] = {}
+    for e in episodes:
+        for name, value in e.metrics.items():
+            values.setdefault(name, []).append(value)
+    return {f"{prefix}/metrics/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
+
+
+def validation_metrics(greedy: list[Episode], sampled: list[Episode], repeats: int) -> dict[str, float]:
+    """`val/*` of the greedy episodes; `val/accuracy` is their success rate. With `repeats` > 1, pass@k for
+    k in ks_for(repeats) over the sampled episodes (unbiased estimator, evaluation/metrics.py)."""
+    metrics = episode_metrics(greedy, "val")
+    metrics["val/accuracy"] = metrics["val/success_rate"]
+    if repeats > 1:
+        ks = ks_for(repeats)
+        report = summarize(task_results(greedy, sampled, ks), sampled, ks)
+        metrics.update({f"val/{k.removeprefix('sampled/')}": v for k, v in report.items() if k.startswith("sampled/")})
+    return metrics
+
+
+# Past these, a step's log carries a warning: the token pipeline is probably broken (see rollout.preflight).
+PIPELINE_WARN = {
+    "rollout/tool_call_parse_failure_rate": 0.2,
+    "rollout/logprob_abs_diff_mean": 0.05,
+}
+
+
+def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -> dict[str, float]:
+    """Token-pipeline health: parse failures among calls that tried a tool call, calls whose prompt extended an
+    earlier call token-exactly, the share `merge` joins, model and tool calls per episode, engine-trainer
+    logprob gap, and per-agent counts."""
+    calls = [c for e in episodes for c in e.calls]
+    out = {
+        "rollout/tool_call_parse_failure_rate": parse_failure_rate(calls),
+        "rollout/prefix_reuse_rate": sum(c.extends_previous for c in calls) / max(len(calls), 1),
+        "rollout/merge_ratio": merge_ratio(episodes),
+        "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
+        "rollout/tool_call_rate": tool_calls_received(calls) / max(len(episodes), 1),
+    }
+    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
+        if name in train_metrics:
+            out[f"rollout/{name}"] = train_metrics[name]
+    agents = sorted({c.agent for c in calls if c.agent})
+    for agent in agents:
+        mine = [c for c in calls if c.agent == agent]
+        out[f"agent/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
+        out[f"agent/{agent}/response_length"] = sum(len(c.response_ids) for c in mine) / len(mine)
+    return out
+
+
+def staleness_metrics(episodes: list[Episode], step: int) -> dict[str, float]:
+    """Trainer steps between the weights that generated a step's episodes and the weights they train:
+    (step - 1) - policy_version; 0 everywhere for the debug and verl backbones."""
+    stale = [(step - 1) - e.policy_version for e in episodes] or [0]
+    return {"rollout/staleness_mean": sum(stale) / len(stale), "rollout/staleness_max": float(max(stale)),
+            "rollout/policy_version_min": float(min(e.policy_version for e in episodes) if episodes else 0)}
+
+
+def warn_pipeline(step: int, metrics: dict[str, float]) -> None:
+    for name, limit in PIPELINE_WARN.items():
+        if name.startswith("rollout/logprob") and metrics.get("rollout/staleness_max", 0) > 0:
+            continue  # stale samples: the gap includes the policy's own change (the trinity backbone corrects it)
+        value = metrics.get(name)
+        if value is not None and value > limit:
+            log.warning("step %d: %s = %.3g is above %.3g: the token pipeline may be broken (a tool-call parser "
+                        "that does not match the model's format, or engine and trainer disagreeing); see the "
+                        "preflight table at start and rollout.tool_call_parser", step, name, value, limit)
+
+
+def zero_adv_group_fraction(episodes: list[Episode]) -> float:
+    """Share of task groups (trainable episodes of one task) whose rewards are all equal: GRPO learns nothing
+    from them. A group with one trainable episode counts as equal; a group with none is not counted."""
+    groups: dict[str, set[float]] = {}
+    for e in episodes:
+        if e.trainable:
+            groups.setdefault(e.group_id, set()).add(e.reward)
+    if not groups:
+        return 1.0
+    return sum(len(r) == 1 for r in groups.values()) / len(groups)
+
+
+class StepMetrics:
+    """Assembles one training step's log and raises its warnings (pipeline thresholds, tool-use alarms)."""
+
+    def __init__(self) -> None:
+        self.tool_alarm = ToolUseAlarm()
+
+    def of_step(self, step: int, episodes: list[Episode], samples: list[Sample], train_metrics: dict[str, float],
+                seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
+        """`seconds`: rollout/train/sync durations; `extra`: the stages' and the sample selection's figures."""
+        metrics = episode_metrics(episodes, "train")
+        metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
+        metrics.update(pipeline_metrics(episodes, train_metrics))
+        metrics.update(staleness_metrics(episodes, step))
+        warn_pipeline(step, metrics)
+        for warning in self.tool_alarm.observe(step, episodes, metrics.get("train/reward_mean", 0.0)):
+            log.warning(warning)
+        metrics.update({f"time/{name}_s": s for name, s in seconds.items()})
+        metrics.update({
+            "perf/rollout_tokens_per_s": metrics["train/generated_tokens"] / max(seconds["rollout"], 1e-9),
+            "train/num_samples": float(len(samples)),
+            "train/zero_adv_group_fraction": zero_adv_group_fraction(episodes),
+        })
+        metrics.update(extra)
+        return metrics

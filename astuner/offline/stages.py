@@ -1,0 +1,60 @@
+"""The stages of `algorithm.type: sft | dpo | orpo`: the same loop as a GRPO run, with the data as its rollout.
+
+    rollout    the batch of conversations (sft) or pairs (dpo, orpo) read from offline_data, as it is
+    train      one optimizer step of the SFT loss, or of the preference loss (offline/steps.py)
+    sync       nothing: there is no engine
+    validate   `val/loss` (and the preference statistics) on offline_data.val_file; the summary follows the loss
+
+So schedule, checkpoints (global_step_N, resumable at the exact batch), validation and the summary line are the
+loop's own (astuner/loop.py); the selection policies OfflineSFT and OfflinePreference (astuner/selection.py) turn
+the batch into what the trainer takes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from astuner.stages import Stages, Validation
+
+log = logging.getLogger(__name__)
+
+
+class OfflineStages(Stages):
+    score_name = "loss"
+
+    def __init__(self, trainer, tokenizer, kind: str, beta: float, experiment_dir: Path) -> None:
+        self.trainer, self.tokenizer, self.kind, self.beta = trainer, tokenizer, kind, beta
+        self.experiment_dir = experiment_dir
+
+    def rollout(self, tasks: list, validation: bool, step: int = 0) -> list:
+        return tasks
+
+    def train(self, samples: list, objective: str = "sft") -> dict[str, float]:
+        from astuner.offline.steps import preference_step
+
+        if objective == "sft":
+            return self.trainer.train(samples, objective="sft").metrics
+        return preference_step(self.trainer, samples, objective, self.beta)
+
+    def sync_weights(self) -> None:
+        """No engine: the next step reads the data, not the policy."""
+
+    def validate(self, tasks: list, step: int, repeats: int) -> Validation:
+        from astuner.offline.steps import preference_step, sft_validation_loss
+
+        if self.kind == "sft":
+            loss = sft_validation_loss(self.trainer, [x.as_sample(f"val{i}") for i, x in enumerate(tasks)])
+            return Validation({"val/loss": loss}, "loss")
+        stats = preference_step(self.trainer, tasks, self.kind, self.beta, train=False)
+        return Validation({f"val/{k}": v for k, v in stats.items()
+                           if k not in ("train_tokens", "train_tokens_per_s", "num_pairs")}, "loss")
+
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        path = self.experiment_dir / f"global_step_{step}"
+        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return self.trainer.load_checkpoint(path)

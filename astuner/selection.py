@@ -1,0 +1,227 @@
+"""What a step trains on, with which objective, and what it reports: one policy object, chosen at start.
+
+    Plain                     the step's batch; GRPO-family advantages (algorithm/samples.py), objective "policy"
+    DynamicSampling           DAPO (filter_groups): more batches until `train_batch_size` groups carry a signal
+    RejectionSampling         RFT: episodes with reward >= rft_reward_threshold, SFT on their exact ids
+    DynamicRejectionSampling  both
+    OfflineSFT, OfflinePreference   sft | dpo | orpo: the batch is read from offline data, no rollouts
+
+`choose_selection(settings)` picks one from the config. The loop calls `gather` (roll out and keep), `learn`
+(-> samples; stops a run whose episodes all failed), `report` (the step's metrics, assembled by the monitor) and
+`check_idle`, and never branches on the algorithm itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
+from astuner.algorithm.samples import episodes_to_samples
+from astuner.errors import TrainingStalled
+from astuner.monitor.metrics import StepMetrics
+from astuner.types import Episode, Sample, Task
+
+log = logging.getLogger(__name__)
+
+
+FIX_ADVICE = {
+    "workflow": "Fix the workflow (run with --backbone debug and a breakpoint in it), or raise "
+                "astuner.rollout.episode_timeout if the episodes are just slow.",
+    "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
+             "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
+}
+
+
+def first_error(episodes: list[Episode]) -> tuple[str, str] | None:
+    """(where, what) of the first failed episode: the part that failed ("workflow" or "judge") and a line
+    quoting its error."""
+    for e in episodes:
+        if e.error:
+            lines = e.error.strip().splitlines()
+            what = e.error_summary or (lines[-1] if lines else e.error)
+            return e.error_source or "workflow", f"episode {e.episode_uid}: {what}"
+    return None
+
+
+@dataclass
+class Chosen:
+    """A step's rollouts: every episode rolled out, those kept for training (offline objectives: the batch's
+    examples), the data cursor after the last batch used, and the selection's figures for the log."""
+
+    episodes: list
+    kept: list
+    epoch: int
+    position: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Plain:
+    """Every episode of the step's batch trains the policy with its group-relative advantage."""
+
+    objective = "policy"
+
+    def __init__(self, settings) -> None:
+        self.settings = settings
+        self.metrics = StepMetrics()
+
+    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int) -> Chosen:
+        episodes = stages.rollout(tasks, validation=False, step=step)
+        return Chosen(episodes, episodes, epoch, position)
+
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """(samples to train, figures for the log); stops the run when every episode failed or timed out,
+        quoting the first error of the run (kept in `state`)."""
+        self._stop_if_all_failed(chosen.episodes, state, step)
+        return self._samples(chosen.kept), {}
+
+    def report(self, step: int, chosen: Chosen, samples: list[Sample], train_metrics: dict[str, float],
+               seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
+        return self.metrics.of_step(step, chosen.episodes, samples, train_metrics, seconds, extra)
+
+    def check_idle(self, state, samples: list[Sample], metrics: dict[str, float], step: int) -> None:
+        """Never silently idle: `max_idle_steps` steps in a row without a sample that carries a gradient stop
+        the run."""
+        s = self.settings
+        if any(x.advantage != 0.0 for x in samples) or (s.grad_without_advantage and bool(samples)):
+            state.idle_steps = 0
+            return
+        state.idle_steps += 1
+        why = self.idle_reason(metrics["train/zero_adv_group_fraction"])
+        log.warning("step %d trained on nothing: %s (%d of %d idle steps allowed in a row)", step, why,
+                    state.idle_steps, s.max_idle_steps)
+        if state.idle_steps >= s.max_idle_steps:
+            raise TrainingStalled(
+                f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
+                f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
+                "the task may be too hard (all 0) or too easy (all 1) for this model, or raise "
+                "astuner.trainer_common.max_idle_steps."
+            )
+
+    @staticmethod
+    def _stop_if_all_failed(episodes: list[Episode], state, step: int) -> None:
+        if state.first_error is None and (found := first_error(episodes)):
+            state.first_error_source, state.first_error = found
+        if not any(e.trainable for e in episodes):
+            raise TrainingStalled(
+                f"step {step}: all {len(episodes)} episodes failed or timed out, so there is nothing to train on. "
+                f"First error: {state.first_error or 'none recorded'}. "
+                f"{FIX_ADVICE.get(state.first_error_source, FIX_ADVICE['workflow'])}")
+
+    def _samples(self, episodes: list[Episode], constant_advantage: float | None = None) -> list[Sample]:
+        s = self.settings
+        return episodes_to_samples(episodes, adv_estimator=s.adv_estimator, norm_by_std=s.norm_adv_by_std,
+                                   epsilon=s.adv_epsilon, max_sample_per_task=s.max_sample_per_task,
+                                   sample_mode=s.sample_mode, constant_advantage=constant_advantage)
+
+    def idle_reason(self, zero_adv_group_fraction: float) -> str:
+        """Why a step produced no learning signal, for the warning and the stop message."""
+        if zero_adv_group_fraction == 1.0:
+            return ("every task's episodes got the same reward (train/zero_adv_group_fraction = 1.0), so every GRPO "
+                    "advantage is 0")
+        return "no episode produced a trainable sample"
+
+
+class DynamicSampling(Plain):
+    """DAPO dynamic sampling (algorithm/dynamic_sampling.py): roll out further batches until `train_batch_size`
+    groups carry a signal, or `max_num_gen_batches` batches were rolled out, or the data ends. Tasks already in
+    this step (a batch that crosses an epoch) are skipped; the loop's data cursor moves past every batch used."""
+
+    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int) -> Chosen:
+        s = self.settings
+        episodes = stages.rollout(tasks, validation=False, step=step)
+        want = s.train_batch_size
+        kept = informative_groups(episodes, s.filter_metric)
+        generated, seen = 1, {t.task_id for t in tasks}
+        while len(kept) < want and (s.max_num_gen_batches == 0 or generated < s.max_num_gen_batches):
+            try:
+                more, epoch, position = next(batches)
+            except StopIteration:
+                break
+            more = [t for t in more if t.task_id not in seen]
+            seen.update(t.task_id for t in more)
+            if not more:
+                continue
+            extra = stages.rollout(more, validation=False, step=step)
+            generated += 1
+            episodes = episodes + extra
+            kept += informative_groups(extra, s.filter_metric)
+        if len(kept) < want:
+            log.warning("step %d: dynamic sampling found %d of %d groups with differing rewards in %d rollout "
+                        "batches (cap filter_groups.max_num_gen_batches = %d, or the data ran out); training on "
+                        "those", step, len(kept), want, generated, s.max_num_gen_batches)
+        kept = kept[:want]
+        groups = len({e.group_id for e in episodes})
+        counts = {"gen_batches": generated, "kept_groups": len(kept), "dropped_groups": groups - len(kept)}
+        return Chosen(episodes, keep_groups(episodes, kept), epoch, position,
+                      {f"train/dynamic_sampling/{k}": float(v) for k, v in counts.items()})
+
+
+class RejectionSampling(Plain):
+    """RFT: of every episode rolled out, those with reward >= rft_reward_threshold, learnt by SFT on their exact
+    ids (advantage 1 on every call)."""
+
+    objective = "sft"
+
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
+        self._stop_if_all_failed(chosen.episodes, state, step)
+        passed = [e for e in chosen.episodes if e.trainable and e.reward >= self.settings.rft_threshold]
+        return (self._samples(passed, constant_advantage=1.0),
+                {"train/rft_kept_episode_fraction": len(passed) / max(len(chosen.episodes), 1)})
+
+    def idle_reason(self, zero_adv_group_fraction: float) -> str:
+        return f"no episode reached algorithm.rft_reward_threshold = {self.settings.rft_threshold:g}"
+
+
+class DynamicRejectionSampling(RejectionSampling, DynamicSampling):
+    """RFT over the episodes dynamic sampling rolled out."""
+
+
+class OfflineSFT:
+    """algorithm.type sft: the batch's conversations, their assistant tokens trained by the SFT loss. The data
+    is the rollout: `stages.rollout` hands the batch back as it is (offline/stages.py)."""
+
+    objective = "sft"
+
+    def __init__(self, settings) -> None:
+        self.settings = settings
+
+    def gather(self, stages, tasks: list, batches, step: int, epoch: int, position: int) -> Chosen:
+        return Chosen([], stages.rollout(tasks, validation=False, step=step), epoch, position)
+
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
+        first = chosen.position - len(chosen.kept)  # the uid names the row of the epoch's order
+        return [x.as_sample(f"sft{first + i}") for i, x in enumerate(chosen.kept)], {}
+
+    def report(self, step: int, chosen: Chosen, samples: list, train_metrics: dict[str, float],
+               seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
+        return {**{f"actor/{k}": v for k, v in train_metrics.items()}, "time/train_s": seconds["train"], **extra}
+
+    def check_idle(self, state, samples: list, metrics: dict[str, float], step: int) -> None:
+        """Every offline example carries a gradient."""
+
+
+class OfflinePreference(OfflineSFT):
+    """algorithm.type dpo | orpo: the batch's (chosen, rejected) pairs go to the preference loss as they are."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.objective = settings.algorithm
+
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
+        return chosen.kept, {}
+
+
+ONLINE = {
+    ("grpo", False): Plain,
+    ("grpo", True): DynamicSampling,
+    ("rft", False): RejectionSampling,
+    ("rft", True): DynamicRejectionSampling,
+}
+OFFLINE = {"sft": OfflineSFT, "dpo": OfflinePreference, "orpo": OfflinePreference}
+
+
+def choose_selection(settings):
+    if settings.algorithm in OFFLINE:
+        return OFFLINE[settings.algorithm](settings)
+    return ONLINE[("rft" if settings.algorithm == "rft" else "grpo", settings.filter_groups)](settings)

@@ -1,0 +1,85 @@
+"""The stage contract: every method the loop (astuner/loop.py) and the drivers (backbone/debug.py,
+backbone/ray_run.py) call on a backbone's stages, declared once.
+
+A backbone subclasses `Stages` and decides where each stage runs (this process, Ray actors, explorers ahead of
+the trainer). Five methods are required; the others have the defaults written here, so neither the loop nor a
+driver ever asks whether a method exists.
+
+    required   rollout(tasks, validation, step)     episodes of a training batch, or greedy validation episodes
+               rollout_sampled(tasks, step, repeats) `repeats` episodes per task at the training temperature
+                                                     (pass@k validation; only called when val_num_repeat > 1)
+               train(samples, objective)            one optimizer step (or ppo_epochs of them); its metrics
+               sync_weights()                       the engines now sample from the trainer's weights
+               save_checkpoint(step, run_state)     a resumable checkpoint; its path
+    optional   lookahead, prefetch(step, tasks)     batches handed early to stages that roll out ahead
+               step_metrics()                       what the stages add to a step's log (sync checks, overlap)
+               validate(tasks, step, repeats)       validation metrics and the score the summary follows
+               load_checkpoint(path), resumed(step) resume: the trainer's state, then the engines' weights
+               shutdown()                           release engines, actors and placement
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from astuner.types import Episode, Sample, Task
+
+
+@dataclass
+class Validation:
+    """What a validation produced: its metrics (`val/...`), the score the run summary follows, and the episodes
+    to save for the log viewer (none for offline objectives)."""
+
+    metrics: dict[str, float]
+    score_name: str  # "accuracy" (higher is better) or "loss"
+    episodes: list[Episode] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        return self.metrics[f"val/{self.score_name}"]
+
+
+class Stages:
+    lookahead: int = 0  # batches after the current one that `prefetch` may be handed
+    score_name = "accuracy"  # what `validate` scores: "accuracy" (higher is better) or "loss"
+    progress = None  # set by the driver: (description, total) -> a bar with update(), or None
+
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+        raise NotImplementedError(f"{type(self).__name__} must implement rollout")
+
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+        raise NotImplementedError(f"{type(self).__name__} has no sampled validation (pass@k): set "
+                                  "astuner.trainer_common.val_num_repeat: 1")
+
+    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+        raise NotImplementedError(f"{type(self).__name__} must implement train")
+
+    def sync_weights(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement sync_weights")
+
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        raise NotImplementedError(f"{type(self).__name__} must implement save_checkpoint")
+
+    def prefetch(self, step: int, tasks: list[Task]) -> None:
+        """`tasks` will be step `step`'s batch: stages that roll out ahead may start it now."""
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def validate(self, tasks: list[Task], step: int, repeats: int) -> Validation:
+        """Greedy episodes of every task; with `repeats` > 1 also pass@k over that many sampled episodes."""
+        from astuner.monitor import validation_metrics
+
+        episodes = self.rollout(tasks, validation=True, step=step)
+        sampled = self.rollout_sampled(tasks, step, repeats) if repeats > 1 else []
+        return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} cannot resume from a checkpoint")
+
+    def resumed(self, step: int) -> None:
+        """After `load_checkpoint`: the engines serve the checkpoint's weights from here on."""
+
+    def shutdown(self) -> None:
+        """Release what the stages hold (engines, actors, placement); called once, also after a failure."""

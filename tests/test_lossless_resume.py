@@ -1,0 +1,96 @@
+"""Lossless resume of an asynchronous (trinity, sync_interval 2) run: SIGKILLed during exploration, training, the
+weight sync and a checkpoint, and resumed each time, the run trains every task of the data order exactly once.
+
+The ledger is what the run leaves: trajectories/train_step_N.jsonl names the tasks step N trained, and
+metrics.jsonl has one line per step. Batches rolled out ahead of a checkpoint are not in it, so the resumed run
+rolls them out again from the checkpoint's data cursor; a checkpoint torn by the kill is never resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from test_run_contract import ROWS, write_run
+
+from astuner.config import load_config
+from astuner.loop import LoopSettings, task_batches
+from astuner.types import Task
+
+# The driver, killed by itself (SIGKILL: nothing flushed, no cleanup) once it has been in `stage` of `step` for
+# `delay` seconds. Explorers keep rolling out ahead meanwhile, and a checkpoint may be half written.
+KILLER = '''
+import os, signal, sys, threading
+from astuner import watchdog
+
+stage_name, step, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+original = watchdog.Watchdog.stage
+
+def stage(self, name):
+    if name == stage_name and self._step == step:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return original(self, name)
+
+watchdog.Watchdog.stage = stage
+from astuner.cli import main
+sys.exit(main(sys.argv[4:]))
+'''
+STEPS = 6  # 2 epochs of 3 batches (6 tasks, 2 per step)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _driver(tmp_path: Path, yaml: Path, kill: tuple[str, int, float] | None) -> int:
+    args = ["--conf", str(yaml), "--backbone", "trinity", f"astuner.trainer_common.total_training_steps={STEPS}",
+            "astuner.trainer_common.save_freq=2", "trinity.synchronizer.sync_interval=2"]
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    stage, step, delay = kill or ("never", 0, 0.0)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(script), stage, str(step), str(delay), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if kill is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
+
+
+def test_sigkill_in_every_stage_of_an_async_run_loses_and_replays_nothing(cluster, tmp_path, tiny_model_dir):
+    yaml = write_run(tmp_path, tiny_model_dir, trainer_extra=", cpus_per_worker: 0.5")
+    out = tmp_path / "out"
+    # The first kill comes after the step-2 checkpoint (a run killed before any checkpoint starts afresh); each
+    # later run resumes from the last complete checkpoint, 2 or 4.
+    for kill in [("rollout", 3, 0.5), ("train", 3, 0.2), ("sync", 4, 0.0), ("checkpoint", 4, 0.05)]:
+        assert _driver(tmp_path, yaml, kill) == -9, kill  # it died where it was told to
+        assert not list(tmp_path.glob("out_*")), "a resumed run went to a new folder"
+    _driver(tmp_path, yaml, None)
+
+    assert "resumed at step 2" in (out / "astuner.log").read_text()
+    # Every step's batch is the data order's, from the first epoch to the last, each step once.
+    settings = LoopSettings.from_config(load_config(yaml).typed)
+    tasks = [Task(str(i), r["question"]) for i, r in enumerate(ROWS)]
+    expected = [sorted(t.main_query for t in batch) for batch, _, _ in task_batches(tasks, settings)]
+    trained = []
+    for step in range(1, STEPS + 1):
+        lines = (out / "trajectories" / f"train_step_{step:06d}.jsonl").read_text().splitlines()
+        trained.append(sorted({json.loads(line)["query"] for line in lines}))
+    assert trained == expected
+    assert sorted(q for batch in trained for q in batch) == sorted(2 * [r["question"] for r in ROWS])
+    assert not list((out / "trajectories").glob(f"train_step_{STEPS + 1:06d}.jsonl"))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"train/reward_mean"' in line]
+    assert steps == list(range(1, STEPS + 1))
+    state = json.loads((out / f"global_step_{STEPS}" / "astuner_resume" / "state.json").read_text())
+    assert (state["step"], state["epoch"], state["position"]) == (STEPS, 1, 6)
+

@@ -1,0 +1,109 @@
+"""The package's import graph runs one way: no module imports, even inside a function or for type checking
+only, a module that imports it back. A circle makes the order of imports matter and hides which layer owns what."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "astuner"
+
+
+def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
+    """{dotted name: (file, is a package __init__)} of every module under `root`."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def import_graph(mods: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """{module: the package modules it imports}, with function-level and TYPE_CHECKING imports."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, is_package) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                # `from pkg import submodule` depends on the submodule; `from module import name` on the module.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            edges[name] |= {t for t in map(owner, targets) if t and t != name}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    edges = import_graph(modules())
+    found = circles(edges)
+    described = ["; ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a] & set(c))) for c in found]
+    assert not found, "import circles: " + " | ".join(described)
+
+
+def test_config_imports_nothing_above_it():
+    # The config sits at the bottom: every stage reads it, and `astuner --help` imports it.
+    edges = import_graph(modules())
+    allowed = ("astuner.config", "astuner.errors")
+    upward = {f"{m} -> {t}" for m, targets in edges.items() if m.startswith("astuner.config")
+              for t in targets if not t.startswith(allowed)}
+    assert not upward, sorted(upward)
+
+
+def test_the_checker_finds_a_circle(tmp_path):
+    pkg = tmp_path / "astuner"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from astuner.sub import low\n")
+    (pkg / "sub" / "low.py").write_text("def f():\n    from .high import g\n")
+    (pkg / "sub" / "high.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from astuner.sub.low import f\n")
+    edges = import_graph(modules(pkg))
+    assert circles(edges) == [["astuner.sub.high", "astuner.sub.low"]]
+    assert edges["astuner.sub"] == {"astuner.sub.low"}  # a submodule import is not an edge to the package

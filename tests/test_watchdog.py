@@ -1,0 +1,128 @@
+"""The watchdog names the stuck stage and what it waits on; a stage past its deadline stops the run."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+from test_loop import TASKS, FakeMonitor, FakeStages, settings
+
+from astuner.errors import StageTimeout
+from astuner.loop import run_loop
+from astuner.watchdog import Watchdog, pending, watch
+
+
+def test_pending_names_the_oldest_item_and_where_it_is_now():
+    seen = {}
+
+    async def episode(name, inner, hold):
+        with watch("episode", name):
+            await asyncio.sleep(0.01)
+            if inner:
+                with watch(*inner):
+                    await hold.wait()
+            else:
+                await hold.wait()
+
+    async def main():
+        hold = asyncio.Event()
+        jobs = [asyncio.ensure_future(episode("train:t0#0", ("judge", "MathJudge"), hold)),
+                asyncio.ensure_future(episode("train:t1#0", None, hold))]
+        await asyncio.sleep(0.05)
+        seen["text"] = pending(now=time.monotonic() + 100)
+        hold.set()
+        await asyncio.gather(*jobs)
+        seen["after"] = pending()
+
+    asyncio.run(main())
+    # The judge runs inside the first episode (a context variable links them), the other episode is counted.
+    assert seen["text"].startswith("oldest pending: episode train:t0#0 for 100 s, now in judge MathJudge for 100 s")
+    assert seen["text"].endswith("(1 more pending)")
+    assert seen["after"] == ""
+
+
+def test_a_slow_step_is_reported_with_its_stage_and_item(caplog):
+    lines = []
+    dog = Watchdog(factor=3.0, min_steps=2, on_slow=lines.append)
+    dog.durations = [10.0, 12.0]  # median 11 s
+    dog.step_started(3)
+    t0 = dog._step_start
+    with dog.stage("rollout"), watch("tool", "find_badge"), caplog.at_level(logging.WARNING):
+        dog.check(now=t0 + 30)  # under 3 x 11 s
+        assert lines == []
+        dog.check(now=t0 + 40)
+        dog.check(now=t0 + 60)  # not again until the step's time doubles
+        dog.check(now=t0 + 81)
+    assert len(lines) == 2
+    assert lines[0].startswith("step 3 stage rollout for 40 s; oldest pending: tool find_badge for 40 s")
+    assert "3.6x the median step (11 s)" in lines[0]
+    assert "watchdog: step 3 stage rollout" in caplog.text
+
+
+def test_no_report_before_enough_steps_to_know_the_median():
+    lines = []
+    dog = Watchdog(min_steps=2, on_slow=lines.append)
+    dog.durations = [1.0]
+    dog.step_started(2)
+    with dog.stage("train"):
+        dog.check(now=dog._step_start + 1000)
+    assert lines == []
+
+
+def test_a_stage_past_its_deadline_stops_the_run_naming_what_it_waited_on():
+    class Stuck(FakeStages):
+        def train(self, samples, objective="policy"):
+            with watch("actor", "trainer 0 to train a step"):
+                time.sleep(30)  # a hang: only the watchdog's interrupt ends it
+            return {}
+
+    started = time.monotonic()
+    with pytest.raises(StageTimeout) as caught:
+        run_loop(settings(total_training_steps=2, stage_timeout_s=0.4), Stuck(), TASKS, [], FakeMonitor())
+    assert time.monotonic() - started < 10
+    message = str(caught.value)
+    assert "step 1 stage train for" in message
+    assert "oldest pending: actor trainer 0 to train a step" in message
+    assert "astuner.trainer_common.stage_timeout_s = 0.4 s" in message
+
+
+def test_ctrl_c_stays_an_interrupt():
+    dog = Watchdog(deadline_s=100)
+    with pytest.raises(KeyboardInterrupt), dog.stage("rollout"):
+        raise KeyboardInterrupt
+
+
+def test_a_rollout_reports_the_tool_its_agent_is_running(demo_tokenizer):
+    import threading
+
+    from test_rollout import TASKS as ROLLOUT_TASKS
+    from test_rollout import TextEngine, runner
+
+    from astuner.workflow import Workflow, WorkflowOutput
+
+    schema = {"type": "function", "function": {"name": "find_badge", "description": "Badge of a person.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "name": {"type": "string"}}, "required": ["name"]}}}
+    running = threading.Event()
+
+    class ToolAgent(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            await model_tuner.chat([{"role": "user", "content": "Badge of Ada?"}], tools=[schema])
+            running.set()
+            await asyncio.sleep(1.0)  # the agent runs its tool
+            return WorkflowOutput(reward=1.0)
+
+    call = '<tool_call>\n{"name": "find_badge", "arguments": {"name": "Ada"}}\n</tool_call>'
+    r, _ = runner(demo_tokenizer, ToolAgent, engine=TextEngine(demo_tokenizer, reply=lambda p: call),
+                  num_repeat=1, max_env_worker=1)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(r.run(ROLLOUT_TASKS[:1])))
+    thread.start()
+    assert running.wait(30)
+    report = pending()
+    thread.join(30)
+    assert report.startswith("oldest pending: episode train:t1#0 for ")
+    assert ", now in tool find_badge for " in report
+    assert seen[0][0].reward == 1.0 and pending() == ""

@@ -56,17 +56,20 @@ def _module_file(spec: str, exc: BaseException) -> str:
     return frames[0].filename if frames else spec.split("->")[0]
 
 
-def build_judge(typed, cfg, base_dir: Path):
+def build_judge(loaded):
+    """The judge of `astuner.task_judge` (user classes resolve against the config's folder; a judge's
+    constructor gets the composed config, as the seed's judges expect)."""
     from astuner.task_judge.base_judge import BaseJudge
 
-    if typed.astuner.task_judge.combine:
+    section, cfg, base_dir = loaded.typed.astuner.task_judge, loaded.cfg, loaded.config_dir
+    if section.combine:
         from astuner.task_judge.shaping import build_combined_judge
 
         return build_combined_judge(
-            typed.astuner.task_judge.combine, cfg,
+            section.combine, cfg,
             lambda spec, where: load_user_class(spec, base_dir, "judge", where, BaseJudge))
     key = "astuner.task_judge.judge_protocol"
-    judge_cls = load_user_class(typed.astuner.task_judge.judge_protocol, base_dir, "judge", key, BaseJudge)
+    judge_cls = load_user_class(section.judge_protocol, base_dir, "judge", key, BaseJudge)
     if inspect.isfunction(judge_cls):
         from astuner.task_judge.base_judge import FunctionJudge
 
@@ -235,11 +238,11 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
     from astuner.monitor import announce
     from astuner.task_reader import build_task_reader
 
-    typed, cfg = loaded.typed, loaded.cfg
+    typed = loaded.typed
     quiet_library_progress()
     configure_tools(typed)
     workflow_cls = load_workflow(loaded)
-    judge = build_judge(typed, cfg, loaded.config_dir)
+    judge = build_judge(loaded)
     reader = build_task_reader(typed, loaded.config_dir)
     train_tasks, val_tasks = reader.training_tasks(), reader.validation_tasks()
     log.info("tasks: %d training, %d validation", len(train_tasks), len(val_tasks))

@@ -38,7 +38,7 @@ class Worker:
         self.version = 0  # trainer steps behind the engine's weights (see sync_schedule.py)
         if "engine" in roles:
             workflow_cls = runtime.load_workflow(loaded)
-            judge = runtime.build_judge(typed, loaded.cfg, loaded.config_dir)
+            judge = runtime.build_judge(loaded)
             self.engine = runtime.build_engine(typed, model_path, self.tokenizer, max_model_len, kv_cache_bytes)
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
                                                max_model_len)

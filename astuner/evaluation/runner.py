@@ -54,7 +54,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
     if k_samples < 0:
         raise UserError(f"eval --num-repeat {k_samples}: give 0 (greedy only) or more")
     workflow_cls = load_workflow(loaded)
-    judge = build_judge(typed, loaded.cfg, loaded.config_dir)
+    judge = build_judge(loaded)
     reader = build_task_reader(typed, loaded.config_dir)
     tasks = reader.validation_tasks() if split == "val" else reader.training_tasks()
     if not tasks:

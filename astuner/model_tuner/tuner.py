@@ -288,7 +288,7 @@ class ModelTuner:
         logprobs = [float(x) for x in result.logprobs]
         finish = result.finish_reason
         if options.stop:
-            cut = self._stop_string_cut(response_ids, options.stop)
+            cut = _stop_string_cut(self.tokenizer, response_ids, options.stop)
             if cut is not None:
                 response_ids, logprobs, finish = response_ids[:cut], logprobs[:cut], "stop"
         self.generated_tokens += len(response_ids)
@@ -352,17 +352,6 @@ class ModelTuner:
                 break
         return self.renderer.render(messages, tools), False, canonical, tools_key, 0
 
-    def _stop_string_cut(self, response_ids: list[int], stops: tuple[str, ...]) -> int | None:
-        """Number of tokens up to and including the one that completes the first stop string, or None."""
-        full = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        if not any(s and s in full for s in stops):
-            return None  # the common case: one decode, no scan
-        for n in range(1, len(response_ids) + 1):
-            text = self.tokenizer.decode(response_ids[:n], skip_special_tokens=True)
-            if any(s and s in text for s in stops):
-                return n
-        return None
-
     def _parse(self, text: str, tools: list[dict] | None, call_index: int) -> ParsedOutput:
         if not tools and not self.tool_parser.has_tool_call(text):
             return ParsedOutput(content=text)
@@ -382,6 +371,18 @@ def _brief(message: dict) -> dict:
     if message.get("name"):
         out["name"] = message["name"]
     return out
+
+
+def _stop_string_cut(tokenizer, response_ids: list[int], stops: tuple[str, ...]) -> int | None:
+    """Number of tokens up to and including the one that completes the first stop string, or None."""
+    full = tokenizer.decode(response_ids, skip_special_tokens=True)
+    if not any(s and s in full for s in stops):
+        return None  # the common case: one decode, no scan
+    for n in range(1, len(response_ids) + 1):
+        text = tokenizer.decode(response_ids[:n], skip_special_tokens=True)
+        if any(s and s in text for s in stops):
+            return n
+    return None
 
 
 def _before_stop(text: str, stops: tuple[str, ...]) -> str:

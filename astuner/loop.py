@@ -309,7 +309,8 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
           tokenizer, checkpoint: Path | None = None) -> RunSummary:
     """What every backbone does around the loop: resume from `checkpoint` (the trainer's state, then the engines'
     weights), open the monitor, run the loop, release the stages and print the summary line."""
-    from astuner.monitor import Monitor, announce
+    from astuner.logs import announce
+    from astuner.monitor import Monitor
 
     monitor = None
     try:

@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import Tensor
 
+from astuner.trainer_settings import LoraSettings
+
 log = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...] | str
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
 
 
 def apply_lora(model, settings: LoraSettings):

@@ -141,7 +141,7 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
 def _lora_settings(section):
     if section.rank == 0:
         return None
-    from astuner.lora import LoraSettings
+    from astuner.trainer_settings import LoraSettings
 
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
     return LoraSettings(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
@@ -235,7 +235,7 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
     """In the order that fails fastest: user code, data, the model's config and memory estimate; no weights.
     `total_steps_of(n_train_tasks)` gives the run's step count."""
     from astuner import preflight
-    from astuner.monitor import announce
+    from astuner.logs import announce
     from astuner.task_reader import build_task_reader
 
     typed = loaded.typed

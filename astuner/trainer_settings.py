@@ -7,10 +7,20 @@ The record is checked when built, against the registries of `algorithm/loss.py`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from astuner.lora import LoraSettings
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (astuner/lora.py): rank 0 trains the full model."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | str
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class TrainerSettings:
     top_k: int = 0  # the rollouts' sampling filter: sampled calls' logprobs are those of the filtered distribution
     top_p: float = 1.0
     precision: str = "auto"
-    lora: "LoraSettings | None" = None
+    lora: LoraSettings | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # initialises weights a checkpoint lacks
 

@@ -4,9 +4,11 @@ only, a module that imports it back. A circle makes the order of imports matter 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "astuner"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
@@ -94,6 +96,32 @@ def test_config_imports_nothing_above_it():
     upward = {f"{m} -> {t}" for m, targets in edges.items() if m.startswith("astuner.config")
               for t in targets if not t.startswith(allowed)}
     assert not upward, sorted(upward)
+
+
+def layers(note: Path = ARCHITECTURE) -> list[list[str]]:
+    """The layer table of docs/architecture.md, top row first: the module prefixes named in each row."""
+    text = note.read_text(encoding="utf-8")
+    table = text[text.index("| layer | modules |"):].split("\n\n")[0].splitlines()[2:]
+    rows = []
+    for line in table:
+        names = re.findall(r"`([\w/.]+)`", line.split("|")[2])
+        rows.append(["astuner." + n.removesuffix(".py").strip("/").replace("/", ".") for n in names])
+    return rows
+
+
+def test_imports_run_down_the_layers_of_the_architecture_note():
+    rows = layers()
+    found = {}
+    for m in modules():
+        for i, row in enumerate(rows):
+            if any(m == p or m.startswith(p + ".") for p in row):
+                found[m] = i
+                break
+    unplaced = sorted(m for m in modules() if m not in found and m != "astuner")
+    assert not unplaced, f"modules missing from the layer table of {ARCHITECTURE.name}: {unplaced}"
+    upward = sorted(f"{m} -> {t}" for m, targets in import_graph(modules()).items() if m in found
+                    for t in targets if t in found and found[t] < found[m])
+    assert not upward, f"imports that run up the layers of {ARCHITECTURE.name}: {upward}"
 
 
 def test_the_checker_finds_a_circle(tmp_path):

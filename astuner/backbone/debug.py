@@ -99,7 +99,7 @@ def release_freed_memory() -> None:
 
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     """The whole run in this process; `checkpoint`: a complete checkpoint to continue from (see astuner.resume)."""
-    from astuner.monitor import setup_logging
+    from astuner.logs import setup_logging
     from astuner.runtime import build_runtime
 
     setup_logging(loaded.experiment_dir)

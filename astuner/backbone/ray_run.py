@@ -259,7 +259,7 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
     import ray
 
     from astuner import runtime
-    from astuner.monitor import announce, setup_logging
+    from astuner.logs import announce, setup_logging
 
     typed = loaded.typed
     setup_logging(loaded.experiment_dir)

@@ -24,7 +24,7 @@ class Worker:
                  micro_batch_tokens: int | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from astuner import runtime
-        from astuner.monitor import setup_logging
+        from astuner.logs import setup_logging
 
         setup_logging(loaded.experiment_dir)  # the run's log file, as in the driver (workflows' loguru lines too)
         runtime.quiet_library_progress()

@@ -102,7 +102,7 @@ class VLLMEngine:
         self._thread.start()
         started = time.perf_counter()
         from astuner.engine.vllm_process import cpu_preload, engine_process_environment
-        from astuner.monitor import run_log_path
+        from astuner.logs import run_log_path
 
         preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
         try:

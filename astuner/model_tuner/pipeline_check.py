@@ -192,7 +192,7 @@ def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parse
     if failed:
         log.warning("%s", table)
     else:
-        from astuner.monitor import announce
+        from astuner.logs import announce
 
         announce(table)  # on the console too: the user sees which parsers were chosen
     return rows

@@ -1,6 +1,8 @@
-"""What a run reports: its outputs (log file, tensorboard, metrics.jsonl, trajectories, progress bars) and the
-metrics of each step and validation, assembled from episodes, samples and the stages' own figures."""
+"""What a run reports: its outputs (tensorboard, metrics.jsonl, trajectories, progress bars; the log file is
+astuner/logs.py) and the metrics of each step and validation, assembled from episodes, samples and the stages'
+own figures."""
 
+from astuner.logs import announce, run_log_path, setup_logging
 from astuner.monitor.metrics import (
     StepMetrics,
     episode_metrics,
@@ -12,7 +14,7 @@ from astuner.monitor.metrics import (
     warn_pipeline,
     zero_adv_group_fraction,
 )
-from astuner.monitor.outputs import Monitor, announce, run_log_path, setup_logging
+from astuner.monitor.outputs import Monitor
 
 __all__ = [
     "Monitor", "StepMetrics", "announce", "episode_metrics", "parse_failure_rate", "pipeline_metrics",

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     from astuner import preflight
+    from astuner.logs import announce, setup_logging
     from astuner.model_tuner import ChatRenderer
-    from astuner.monitor import announce, setup_logging
     from astuner.offline.data import load_examples
     from astuner.offline.stages import OfflineStages
     from astuner.runtime import (

@@ -280,13 +280,13 @@ class _Run:
         self.summary.steps = step
         state.step, state.epoch, state.position = step, chosen.epoch, chosen.position
         self.selection.check_idle(state, samples, metrics, step)
+        watchdog.step_finished()  # the median step: rollout to sync (validation and checkpoints are occasional)
         if step % self.settings.test_freq == 0 or step == self.total_steps:
             self.validate(step)
         if step % self.settings.save_freq == 0 or step == self.total_steps:
             with watchdog.stage("checkpoint"):
                 self.summary.last_checkpoint = stages.save_checkpoint(step, asdict(state))
             self.saved_step = step
-        watchdog.step_finished()
         self.monitor.step_done(step, metrics)
 
     def validate(self, step: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import itertools
 import logging
 import signal
@@ -68,12 +69,15 @@ def watch(kind: str, label: str, parent: int | None = None):
                 del _items[orphan]
 
 
-def open_item(kind: str, label: str, parent: int | None = None) -> int:
+def open_item(kind: str, label: str, parent: int | None = None) -> int | None:
     """Register an item whose end is known only later (e.g. the tool an agent runs between two model calls);
-    close it with `close_item`."""
+    close it with `close_item`. None when its parent has ended already (a late call of a finished episode)."""
     key = next(_ids)
+    parent = parent if parent is not None else _current.get()
     with _lock:
-        _items[key] = Item(kind, label, time.monotonic(), parent if parent is not None else _current.get())
+        if parent is not None and parent not in _items:
+            return None
+        _items[key] = Item(kind, label, time.monotonic(), parent)
     return key
 
 
@@ -108,6 +112,18 @@ def _describe(item: Item, now: float) -> str:
     return f"{item.kind} {item.label} for {now - item.started:.0f} s"
 
 
+def _interrupt(thread_id: int) -> None:
+    """Raise KeyboardInterrupt in the thread running the stage (the stage turns it into StageTimeout). The main
+    thread gets a real SIGINT, which also ends a blocking wait (sleep, select), when Python's own handler takes
+    SIGINT; otherwise (SIGINT ignored, as in a job started in the background, or a handler of the user's), and in
+    another thread (a run started from a thread of the user's), the exception lands at the thread's next Python
+    instruction, so a wait inside C code is ended only when it returns."""
+    if thread_id == threading.main_thread().ident and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.pthread_kill(thread_id, signal.SIGINT)
+    else:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(KeyboardInterrupt))
+
+
 class Watchdog:
     def __init__(self, factor: float = 3.0, min_steps: int = 2, deadline_s: float | None = None,
                  poll_s: float = 5.0, on_slow=None) -> None:
@@ -122,6 +138,8 @@ class Watchdog:
         self._stage_start = 0.0
         self._next_warn = 0.0
         self._expired: str | None = None
+        self._owner = threading.get_ident()  # the thread running the stages
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,15 +164,19 @@ class Watchdog:
     @contextlib.contextmanager
     def stage(self, name: str):
         """Run one stage of the current step; past `deadline_s` it raises StageTimeout naming what it waited on."""
-        self._stage, self._stage_start, self._expired = name, time.monotonic(), None
+        with self._lock:
+            self._stage, self._stage_start, self._expired = name, time.monotonic(), None
+            self._owner = threading.get_ident()
         try:
-            yield
-        except KeyboardInterrupt:
+            try:
+                yield
+            finally:
+                with self._lock:  # no interrupt is sent once the stage has ended
+                    self._stage = None
+        except KeyboardInterrupt:  # also one that landed while the stage was ending
             if self._expired is None:
                 raise  # the user's Ctrl-C
             raise StageTimeout(self._expired) from None
-        finally:
-            self._stage = None
         if self._expired is not None:  # the interrupt came after the stage's last Python line: still a timeout
             raise StageTimeout(self._expired)
 
@@ -171,17 +193,18 @@ class Watchdog:
     def check(self, now: float | None = None) -> None:
         """One poll (the thread calls it every `poll_s`; tests call it directly)."""
         now = time.monotonic() if now is None else now
-        stage = self._stage
+        stage, started = self._stage, self._stage_start
         if stage is None:
             return
-        if self.deadline_s is not None and now - self._stage_start > self.deadline_s and self._expired is None:
-            self._expired = (f"{self.status(now)}: past astuner.trainer_common.stage_timeout_s = "
-                             f"{self.deadline_s:g} s, so the run stops here (raise that key if the stage is only "
-                             "slow)")
-            log.error("watchdog: %s", self._expired)
-            # A real SIGINT to the main thread: it also ends a blocking wait (sleep, select), which a simulated
-            # one would not; the stage turns the KeyboardInterrupt into StageTimeout.
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if self.deadline_s is not None and now - started > self.deadline_s and self._expired is None:
+            with self._lock:
+                if (self._stage, self._stage_start) != (stage, started):
+                    return  # it ended meanwhile
+                self._expired = (f"{self.status(now)}: past astuner.trainer_common.stage_timeout_s = "
+                                 f"{self.deadline_s:g} s, so the run stops here (raise that key if the stage is "
+                                 "only slow)")
+                log.error("watchdog: %s", self._expired)
+                _interrupt(self._owner)
             return
         if self._step is None or len(self.durations) < self.min_steps:
             return

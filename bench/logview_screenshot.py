@@ -48,7 +48,7 @@ def main() -> int:
     server = LogViewServer(run.parent)
     url = server.start()
     try:
-        steps = [s["step"] for s in get(f"{url}api/runs/{run.name}/steps") if s["split"] == args.split]
+        steps = [s["step"] for s in get(f"{url}api/runs/{run.name}/steps")["steps"] if s["split"] == args.split]
         if not steps:
             sys.exit(f"no {args.split} episodes in {run}")
         step = args.step if args.step is not None else max(steps)

@@ -22,19 +22,34 @@ from astuner.config import load_config
 from astuner.loop import LoopSettings, task_batches
 from astuner.types import Task
 
-# The driver, killed by itself (SIGKILL: nothing flushed, no cleanup) once it has been in `stage` of `step` for
-# `delay` seconds. Explorers keep rolling out ahead meanwhile, and a checkpoint may be half written.
+# The driver, killed by itself (SIGKILL: nothing flushed, no cleanup) inside `stage` of `step`: after `delay`
+# seconds, or as the stage ends if that comes first. Explorers keep rolling out ahead meanwhile, and a checkpoint
+# may be half written. Where it died is appended to the file named by ASTUNER_TEST_KILLS first.
 KILLER = '''
-import os, signal, sys, threading
+import contextlib, os, signal, sys, threading
 from astuner import watchdog
 
 stage_name, step, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 original = watchdog.Watchdog.stage
 
+once = threading.Lock()
+
+def die():
+    if not once.acquire(blocking=False):
+        return
+    with open(os.environ["ASTUNER_TEST_KILLS"], "a") as f:
+        f.write(f"{stage_name} {step}\\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+@contextlib.contextmanager
 def stage(self, name):
-    if name == stage_name and self._step == step:
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    return original(self, name)
+    chosen = name == stage_name and self._step == step
+    with original(self, name):
+        if chosen:
+            threading.Timer(delay, die).start()
+        yield
+        if chosen:
+            die()
 
 watchdog.Watchdog.stage = stage
 from astuner.cli import main
@@ -58,7 +73,7 @@ def _driver(tmp_path: Path, yaml: Path, kill: tuple[str, int, float] | None) -> 
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
     stage, step, delay = kill or ("never", 0, 0.0)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASTUNER_TEST_KILLS": str(tmp_path / "kills.txt")}
     proc = subprocess.run([sys.executable, str(script), stage, str(step), str(delay), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     if kill is None:
@@ -71,10 +86,13 @@ def test_sigkill_in_every_stage_of_an_async_run_loses_and_replays_nothing(cluste
     out = tmp_path / "out"
     # The first kill comes after the step-2 checkpoint (a run killed before any checkpoint starts afresh); each
     # later run resumes from the last complete checkpoint, 2 or 4.
-    for kill in [("rollout", 3, 0.5), ("train", 3, 0.2), ("sync", 4, 0.0), ("checkpoint", 4, 0.05)]:
-        assert _driver(tmp_path, yaml, kill) == -9, kill  # it died where it was told to
+    kills = [("rollout", 3, 0.5), ("train", 3, 0.2), ("sync", 4, 0.0), ("checkpoint", 4, 0.05)]
+    for kill in kills:
+        assert _driver(tmp_path, yaml, kill) == -9, kill
         assert not list(tmp_path.glob("out_*")), "a resumed run went to a new folder"
     _driver(tmp_path, yaml, None)
+    # Each run died inside the stage it was told to.
+    assert (tmp_path / "kills.txt").read_text().splitlines() == [f"{stage} {step}" for stage, step, _ in kills]
 
     assert "resumed at step 2" in (out / "astuner.log").read_text()
     # Every step's batch is the data order's, from the first epoch to the last, each step once.
@@ -84,6 +102,7 @@ def test_sigkill_in_every_stage_of_an_async_run_loses_and_replays_nothing(cluste
     trained = []
     for step in range(1, STEPS + 1):
         lines = (out / "trajectories" / f"train_step_{step:06d}.jsonl").read_text().splitlines()
+        assert len(lines) == 2 * 3, step  # 2 tasks x num_repeat 3, each episode once
         trained.append(sorted({json.loads(line)["query"] for line in lines}))
     assert trained == expected
     assert sorted(q for batch in trained for q in batch) == sorted(2 * [r["question"] for r in ROWS])

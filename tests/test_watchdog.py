@@ -126,3 +126,67 @@ def test_a_rollout_reports_the_tool_its_agent_is_running(demo_tokenizer):
     assert report.startswith("oldest pending: episode train:t1#0 for ")
     assert ", now in tool find_badge for " in report
     assert seen[0][0].reward == 1.0 and pending() == ""
+
+
+def test_a_run_in_another_thread_times_out_there_and_leaves_the_main_thread_alone():
+    import threading
+
+    class Stuck(FakeStages):
+        def train(self, samples, objective="policy"):
+            for _ in range(300):  # a Python-level wait: an exception sent to a thread lands between instructions
+                time.sleep(0.1)
+            return {}
+
+    caught = []
+
+    def run():
+        try:
+            run_loop(settings(total_training_steps=2, stage_timeout_s=0.4), Stuck(), TASKS, [], FakeMonitor())
+        except StageTimeout as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    started = time.monotonic()
+    thread.start()
+    thread.join(20)
+    assert caught and "step 1 stage train" in str(caught[0])
+    assert time.monotonic() - started < 10
+
+
+def test_an_interrupt_that_lands_as_the_stage_ends_is_still_the_timeout():
+    dog = Watchdog(deadline_s=100)
+
+    class Lock:  # the interrupt arrives while the ending stage waits for the lock
+        entered = 0
+
+        def __enter__(self):
+            Lock.entered += 1
+            if Lock.entered == 2:
+                dog._expired = "step 1 stage train for 101 s"
+                raise KeyboardInterrupt
+
+        def __exit__(self, *exc):
+            return False
+
+    dog._lock = Lock()
+    with pytest.raises(StageTimeout, match="stage train"), dog.stage("train"):
+        pass
+
+
+def test_a_run_whose_sigint_is_ignored_still_meets_its_deadline():
+    import signal
+
+    class Stuck(FakeStages):
+        def train(self, samples, objective="policy"):
+            for _ in range(300):
+                time.sleep(0.1)
+            return {}
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job started in the background
+    try:
+        started = time.monotonic()
+        with pytest.raises(StageTimeout, match="step 1 stage train"):
+            run_loop(settings(total_training_steps=2, stage_timeout_s=0.4), Stuck(), TASKS, [], FakeMonitor())
+        assert time.monotonic() - started < 10
+    finally:
+        signal.signal(signal.SIGINT, previous)

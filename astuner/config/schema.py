@@ -346,8 +346,9 @@ class TrainerCommonSection(Section):
         "log and the progress bar name its stage, the oldest pending item (episode, model call, tool, judge, "
         "environment-service request, actor) and how long each has waited.", gt=1)
     stage_timeout_s: Optional[float] = key(
-        7200.0, "A stage of a step (rollout, train, sync, checkpoint, validation) running longer stops the run "
-        "with the watchdog's report of what it waited on, instead of hanging; null: no deadline.", gt=0)
+        21600.0, "A stage of a step (rollout, train, sync, checkpoint, validation) running longer stops the run "
+        "with the watchdog's report of what it waited on, instead of hanging (a last resort: episodes, judges "
+        "and Ray waits have their own deadlines); null: no deadline.", gt=0)
     n_explorers: int = key(
         1, "Explorer actors of the trinity backbone, each with its own engine (rollout.engine: vllm or hf; "
         "tensor_model_parallel_size GPUs on a GPU cluster, cpus_per_worker CPUs otherwise) and rollout workers.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from pathlib import Path
 
 from astuner.types import Episode
@@ -54,6 +55,7 @@ class Monitor:
         self.bar = tqdm(total=total_steps, desc="astuner", unit="step", disable=not show_progress, dynamic_ncols=True,
                         initial=resume_step or 0)
         self._postfix: dict[str, str] = {}
+        self._postfix_lock = threading.Lock()  # the watchdog's thread writes the "slow" entry
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -63,10 +65,11 @@ class Monitor:
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
         log.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
-        for key, short in _POSTFIX.items():
-            if key in metrics:
-                self._postfix[short] = f"{metrics[key]:.3g}"
-        self.bar.set_postfix(self._postfix, refresh=True)
+        with self._postfix_lock:
+            for key, short in _POSTFIX.items():
+                if key in metrics:
+                    self._postfix[short] = f"{metrics[key]:.3g}"
+            self.bar.set_postfix(dict(self._postfix), refresh=True)
 
     def save_episodes(self, step: int, episodes: list[Episode], tag: str, samples=None) -> None:
         """trajectories/<tag>_step_N.jsonl (text), and the log viewer's store (token level, with what was
@@ -87,13 +90,16 @@ class Monitor:
                     disable=self.bar.disable, dynamic_ncols=True)
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
-        self._postfix.pop("slow", None)
+        with self._postfix_lock:
+            if self._postfix.pop("slow", None) is not None:
+                self.bar.set_postfix(dict(self._postfix), refresh=False)
         self.bar.update(1)
 
     def show_stall(self, line: str) -> None:
         """The watchdog's line (astuner/watchdog.py) on the step bar until the step ends."""
-        self._postfix["slow"] = line
-        self.bar.set_postfix(self._postfix, refresh=True)
+        with self._postfix_lock:
+            self._postfix["slow"] = line
+            self.bar.set_postfix(dict(self._postfix), refresh=True)
 
     def close(self) -> None:
         self.bar.close()

@@ -133,6 +133,7 @@ class Watchdog:
         self.on_slow = on_slow  # called with the line (the progress bar), from the watchdog's thread
         self.durations: list[float] = []
         self._step: int | None = None
+        self._timing = False  # between step_started and step_finished
         self._step_start = 0.0
         self._stage: str | None = None
         self._stage_start = 0.0
@@ -154,12 +155,13 @@ class Watchdog:
             self._thread.join(timeout=self.poll_s + 1)
 
     def step_started(self, step: int) -> None:
-        self._step, self._step_start = step, time.monotonic()
+        self._step, self._step_start, self._timing = step, time.monotonic(), True
         self._next_warn = 0.0
 
     def step_finished(self) -> None:
+        """The step's own work is done (its validation and checkpoint, if any, still name it but are not timed)."""
         self.durations.append(time.monotonic() - self._step_start)
-        self._step = None
+        self._timing = False
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -206,7 +208,7 @@ class Watchdog:
                 log.error("watchdog: %s", self._expired)
                 _interrupt(self._owner)
             return
-        if self._step is None or len(self.durations) < self.min_steps:
+        if not self._timing or len(self.durations) < self.min_steps:
             return
         median = statistics.median(self.durations)
         elapsed = now - self._step_start

@@ -190,3 +190,15 @@ def test_a_run_whose_sigint_is_ignored_still_meets_its_deadline():
         assert time.monotonic() - started < 10
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_validation_after_the_step_is_not_timed_as_the_step_but_still_named():
+    lines = []
+    dog = Watchdog(on_slow=lines.append)
+    dog.durations = [10.0, 12.0]
+    dog.step_started(4)
+    dog.step_finished()
+    with dog.stage("validation"):
+        dog.check(now=dog._step_start + 1000)
+        assert dog.status(now=dog._stage_start + 5).startswith("step 4 stage validation for 5 s")
+    assert lines == []

@@ -1,5 +1,5 @@
-"""The stage contract: every method the loop (astuner/loop.py) and the drivers (backbone/debug.py,
-backbone/ray_run.py) call on a backbone's stages, declared once.
+"""The stage contract: every method the loop and its driver (`run_loop`, `drive` in astuner/loop.py) call on a
+backbone's stages, declared once.
 
 A backbone subclasses `Stages` and decides where each stage runs (this process, Ray actors, explorers ahead of
 the trainer). Five methods are required; the others have the defaults written here, so neither the loop nor a
@@ -14,6 +14,7 @@ driver ever asks whether a method exists.
     optional   lookahead, prefetch(step, tasks)     batches handed early to stages that roll out ahead
                step_metrics()                       what the stages add to a step's log (sync checks, overlap)
                validate(tasks, step, repeats)       validation metrics and the score the summary follows
+               score_name                           what validate scores: "accuracy" or "loss"
                load_checkpoint(path), resumed(step) resume: the trainer's state, then the engines' weights
                shutdown()                           release engines, actors and placement
 """

@@ -21,10 +21,14 @@ driver ever asks whether a method exists.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from astuner.monitor import validation_metrics
 from astuner.types import Episode, Sample, Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,8 +74,6 @@ class Stages:
 
     def validate(self, tasks: list[Task], step: int, repeats: int) -> Validation:
         """Greedy episodes of every task; with `repeats` > 1 also pass@k over that many sampled episodes."""
-        from astuner.monitor import validation_metrics
-
         episodes = self.rollout(tasks, validation=True, step=step)
         sampled = self.rollout_sampled(tasks, step, repeats) if repeats > 1 else []
         return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled)
@@ -84,3 +86,20 @@ class Stages:
 
     def shutdown(self) -> None:
         """Release what the stages hold (engines, actors, placement); called once, also after a failure."""
+
+
+class LocalTrainerStages(Stages):
+    """Stages whose trainer lives in this process (the debug backbone, offline objectives): checkpoints are
+    written and read here, as experiment_dir/global_step_N. Subclasses set `trainer`, `tokenizer` and
+    `experiment_dir`."""
+
+    trainer = tokenizer = experiment_dir = None
+
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        path = self.experiment_dir / f"global_step_{step}"
+        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return self.trainer.load_checkpoint(path)

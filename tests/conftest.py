@@ -31,6 +31,19 @@ else:
     collect_ignore = ["test_agentscope2.py"]
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for one test module: 2 CPUs, a small object store (drivers started in subprocesses
+    join it through the address Ray records)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     from astuner.model_cache import ensure_demo_model

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import ray
 from test_run_contract import ROWS, write_run
 
 from astuner.config import load_config
@@ -56,15 +54,6 @@ from astuner.cli import main
 sys.exit(main(sys.argv[4:]))
 '''
 STEPS = 6  # 2 epochs of 3 batches (6 tasks, 2 per step)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _driver(tmp_path: Path, yaml: Path, kill: tuple[str, int, float] | None) -> int:

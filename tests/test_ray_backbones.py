@@ -25,15 +25,6 @@ from tolerances import assert_adam_close
 SMALL = ", cpus_per_worker: 0.5"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, trainer_extra: str = SMALL,
         steps: int = 4) -> int:
     yaml = write_run(folder, model_dir, trainer_extra=trainer_extra)

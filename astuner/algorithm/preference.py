@@ -61,30 +61,36 @@ def orpo_loss(pi_chosen_P: Tensor, pi_rejected_P: Tensor, chosen_len_P: Tensor, 
 
 
 @dataclass(frozen=True)
-class DPO:
-    """loss_p = -log sigmoid(beta * [(S_pi(c) - S_ref(c)) - (S_pi(r) - S_ref(r))]), mean over pairs."""
+class PairObjective:
+    """A loss over (chosen, rejected) sequence pairs, weighted by `beta`; `loss` is its formula's function."""
 
     beta: float
-    name: ClassVar[str] = "dpo"
-    needs_reference: ClassVar[bool] = True
+    name: ClassVar[str]
+    needs_reference: ClassVar[bool]
+    loss: ClassVar
 
     def pair_loss(self, pi_chosen_P: Tensor, pi_rejected_P: Tensor, **context) -> tuple[Tensor, dict[str, Tensor]]:
-        """Each pair's contribution to the batch loss (`dpo_loss`); `context`: the ref sums, lengths, counts."""
-        return dpo_loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
+        """Each pair's contribution to the batch loss; `context`: the reference sums, lengths and counts."""
+        return type(self).loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
 
 
 @dataclass(frozen=True)
-class ORPO:
+class DPO(PairObjective):
+    """loss_p = -log sigmoid(beta * [(S_pi(c) - S_ref(c)) - (S_pi(r) - S_ref(r))]), mean over pairs."""
+
+    name: ClassVar[str] = "dpo"
+    needs_reference: ClassVar[bool] = True
+    loss: ClassVar = dpo_loss
+
+
+@dataclass(frozen=True)
+class ORPO(PairObjective):
     """loss_p = NLL_p - beta * log sigmoid(log_odds(chosen) - log_odds(rejected)) / P; no reference model."""
 
-    beta: float
     name: ClassVar[str] = "orpo"
     needs_reference: ClassVar[bool] = False
-
-    def pair_loss(self, pi_chosen_P: Tensor, pi_rejected_P: Tensor, **context) -> tuple[Tensor, dict[str, Tensor]]:
-        """Each pair's contribution to the batch loss (`orpo_loss`); `context`: lengths and counts."""
-        return orpo_loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
+    loss: ClassVar = orpo_loss
 
 
 # algorithm.type -> objective class (built from algorithm.beta)
-PREFERENCE_OBJECTIVES: dict[str, type[DPO] | type[ORPO]] = {"dpo": DPO, "orpo": ORPO}
+PREFERENCE_OBJECTIVES: dict[str, type[PairObjective]] = {"dpo": DPO, "orpo": ORPO}

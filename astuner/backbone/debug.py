@@ -8,13 +8,13 @@ import logging
 from pathlib import Path
 
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
-from astuner.stages import Stages
+from astuner.stages import LocalTrainerStages
 from astuner.types import Episode, Sample, Task
 
 log = logging.getLogger(__name__)
 
 
-class InProcessStages(Stages):
+class InProcessStages(LocalTrainerStages):
     """Every stage in this process: the engine and trainer hold separate copies of the weights."""
 
     def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, progress=None) -> None:
@@ -60,15 +60,6 @@ class InProcessStages(Stages):
     def step_metrics(self) -> dict[str, float]:
         """The last sync's check that the engine serves the trainer's weights (engine/fingerprint.py)."""
         return verification_metrics(self.engine)
-
-    def save_checkpoint(self, step: int, run_state: dict) -> Path:
-        path = self.experiment_dir / f"global_step_{step}"
-        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
-        log.info("saved checkpoint %s", path)
-        return path
-
-    def load_checkpoint(self, path: Path) -> dict:
-        return self.trainer.load_checkpoint(path)
 
     def resumed(self, step: int) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())

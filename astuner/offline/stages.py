@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from astuner.stages import Stages, Validation
+from astuner.stages import LocalTrainerStages, Validation
 
 log = logging.getLogger(__name__)
 
 
-class OfflineStages(Stages):
+class OfflineStages(LocalTrainerStages):
     score_name = "loss"
 
     def __init__(self, trainer, tokenizer, kind: str, beta: float, experiment_dir: Path) -> None:
@@ -49,12 +49,3 @@ class OfflineStages(Stages):
         stats = preference_step(self.trainer, tasks, self.kind, self.beta, train=False)
         return Validation({f"val/{k}": v for k, v in stats.items()
                            if k not in ("train_tokens", "train_tokens_per_s", "num_pairs")}, "loss")
-
-    def save_checkpoint(self, step: int, run_state: dict) -> Path:
-        path = self.experiment_dir / f"global_step_{step}"
-        self.trainer.save_checkpoint(path, tokenizer=self.tokenizer, run_state=run_state)
-        log.info("saved checkpoint %s", path)
-        return path
-
-    def load_checkpoint(self, path: Path) -> dict:
-        return self.trainer.load_checkpoint(path)

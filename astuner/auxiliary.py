@@ -5,7 +5,9 @@ never trained) or an OpenAI-compatible endpoint (`base_url`, the key read from t
 `api_key_env` at call time, so it never reaches a log or the saved config). Either way the workflow and the
 judge get an object with the interface of `model`: `await m(messages, tools=...)` returns an AgentScope
 `ChatResponse`, `await m.chat(messages, tools)` an OpenAI-shaped message. Their calls are never samples; each
-episode logs `aux/<name>/calls` and `aux/<name>/tokens`.
+episode logs `aux/<name>/calls` and `aux/<name>/tokens`. A model served by astuner stops at the episode's
+deadline while the workflow runs, and at the judge's (`task_judge.timeout` from when judging starts) once the
+episode is being judged (`judging_deadline`).
 """
 
 from __future__ import annotations
@@ -147,6 +149,15 @@ class AuxiliaryPool:
     def shutdown(self) -> None:
         for engine, *_ in self.served.values():
             engine.shutdown()
+
+
+def judging_deadline(models: dict[str, Any], deadline: float) -> None:
+    """From here on the episode's models served by astuner stop at `deadline` (time.monotonic()), the judge's,
+    not at the episode's: an episode that used most of its time is still judged in full. (Endpoint models have
+    only their own per-call timeout.)"""
+    for model in models.values():
+        if hasattr(model, "deadline"):
+            model.deadline = deadline
 
 
 async def with_deadline(coro, seconds: float, what: str):

@@ -12,11 +12,16 @@ The deadline is enforced where astuner has control, because a workflow may not l
 ModelTuner expires (its pending engine requests are aborted and every later call raises `EpisodeTimeout` at once),
 the workflow task is cancelled, and the episode is flagged timeout whatever the workflow returns. A workflow that
 still does not finish within `CANCEL_GRACE_S` is abandoned. Likewise an overflow the ModelTuner recorded flags the
-episode even when the workflow caught the exception.
+episode even when the workflow caught the exception, and so does a tool that could not start (its sandbox:
+astuner/tools/failures.py): flagged `tool_infra_failed` and `failed`, not trained on, even when the agent's framework
+handed the error to the model as a tool result; `TOOL_INFRA_FAILURES_TO_STOP` such episodes in a row stop the run.
+A workflow cancelled by anything but that deadline (its own code, its framework, an AgentScope `interrupt()` the
+agent swallowed) is flagged `failed`: its reward 0 is not the model's.
 
 Judging has its own deadline, `task_judge.timeout` seconds from when the episode's judging starts (after the
 workflow returned), shared by every judge that scores the episode: the terms of `task_judge.combine` run in turn
-inside it, each with what the earlier ones left. Episodes are judged concurrently, as they finished, so judging
+inside it, each with what the earlier ones left; a judge's calls to an auxiliary model served by astuner stop at
+it too, not at the episode's deadline. Episodes are judged concurrently, as they finished, so judging
 adds at most `task_judge.timeout` to a step beyond its last workflow. Past the deadline an async judge is
 cancelled, and a sync judge's worker thread (which cannot be killed) is abandoned, still running, and never
 waited for, not even at shutdown (`base_judge.in_daemon_thread`). The episode is flagged `judge_timeout` (and
@@ -27,7 +32,10 @@ All rollouts of a run (training steps and validations) run on one event loop, ke
 that SDKs and users build once per process (`langchain_openai` caches one `httpx.AsyncClient` per base URL; an
 `openai.AsyncOpenAI` made at import time) bind their connections to the loop of their first request and would
 fail on any other ("Event loop is closed"). Episodes stay isolated by their own keys, deadlines and
-cancellation; whatever a step leaves running is cancelled when it ends (`_cancel_leftovers`).
+cancellation; whatever a step leaves running is cancelled when it ends (`_cancel_leftovers`). The loop's default
+executor (`asyncio.to_thread`, where synchronous agents run) starts a daemon thread per call
+(`daemon_threads.DaemonExecutor`): an agent stuck in a blocking call past its deadline holds only its own thread,
+which nothing waits for (not later episodes, not the loop's close, not the exit), and is logged as abandoned.
 
 Sampling seeds are derived from (astuner.seed, step, episode uid), so an episode samples the same tokens whatever
 else runs beside it, and a resumed run repeats the run it continues.
@@ -36,7 +44,6 @@ else runs beside it, and a resumed run repeats the run it continues.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import inspect
 import logging
@@ -45,15 +52,19 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from astuner import daemon_threads
+from astuner.auxiliary import judging_deadline
 from astuner.engine.base import InferenceEngine
-from astuner.errors import UserError
+from astuner.errors import TrainingStalled, UserError
 from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
 from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.task_judge.base_judge import BaseJudge, call_judge
-from astuner.types import FLAG_FAILED, FLAG_JUDGE_TIMEOUT, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, Task
+from astuner.tools import failures as tool_failures
+from astuner.types import (FLAG_FAILED, FLAG_JUDGE_TIMEOUT, FLAG_OVERFLOW, FLAG_TIMEOUT, FLAG_TOOL_INFRA_FAILED,
+                           Episode, Task)
 from astuner.watchdog import watch
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
@@ -61,6 +72,9 @@ log = logging.getLogger(__name__)
 
 # Seconds a cancelled workflow gets to unwind after its deadline before the rollout stops waiting for it.
 CANCEL_GRACE_S = 5.0
+# Episodes in a row whose tool could not start (its sandbox) before the run stops: one is a hiccup, this many a
+# broken machine, on which every episode would be thrown away.
+TOOL_INFRA_FAILURES_TO_STOP = 3
 
 
 class JudgeTimeout(Exception):
@@ -134,6 +148,7 @@ class RolloutRunner:
         self.stop_token_ids = stop_token_ids
         self.config = config
         self._seen_errors: set[str] = set()
+        self._tool_infra_streak = 0  # episodes in a row whose tool could not start
         self.renderer = ChatRenderer(tokenizer, settings.tool_prompt)
         self.chat_format = detect_formats(template_source(tokenizer), self.renderer.uses_builtin_tool_prompt,
                                           settings.tool_call_parser, settings.reasoning_parser)
@@ -141,6 +156,7 @@ class RolloutRunner:
         self.reasoning_parser = REASONING_PARSERS[self.chat_format.reasoning_parser]()
         self.gateway = Gateway()
         self._loop: asyncio.AbstractEventLoop | None = None  # every rollout of the run (module docstring)
+        self._executor: daemon_threads.DaemonExecutor | None = None  # the loop's default executor
 
     def stop_texts(self) -> tuple[str, ...]:
         """End-of-turn markers as text (the stop tokens and the tokenizer's eos)."""
@@ -169,10 +185,10 @@ class RolloutRunner:
         `sampled_repeats` (pass@k), that many episodes per task sampled at the training temperature."""
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
-            # A thread per concurrent episode: synchronous agents (smolagents) run in `asyncio.to_thread`, and
-            # asyncio's default pool (cores + 4 threads) would silently cap how many episodes make progress.
-            self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.settings.max_env_worker + 4, thread_name_prefix="astuner-episode"))
+            # Synchronous agents (smolagents) run in `asyncio.to_thread`: a daemon thread per call, so neither a
+            # pool's cap nor an agent stuck past its deadline holds up other episodes, the loop's close or the exit.
+            self._executor = daemon_threads.DaemonExecutor("astuner-episode")
+            self._loop.set_default_executor(self._executor)
         try:
             return self._loop.run_until_complete(
                 self.run_async(tasks, validation=validation, on_episode_done=on_episode_done, step=step,
@@ -207,6 +223,9 @@ class RolloutRunner:
         tag = ("val" if temperature == 0 else "val-sampled") if validation else "train"
         episode = Episode(task=task, repeat_index=repeat_index, episode_uid=f"{tag}:{task.task_id}#{repeat_index}")
         timeout = self.settings.episode_timeout
+        # This episode's task: its blocking calls are named after it (uids repeat across steps, the step tells).
+        thread_owner = f"{episode.episode_uid} (step {step})"
+        daemon_threads.owner.set(thread_owner)
         tuner = ModelTuner(
             self.engine,
             self.tokenizer,
@@ -232,7 +251,8 @@ class RolloutRunner:
         workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation, aux_models)
         start = time.perf_counter()
         output: WorkflowOutput | None = None
-        job = asyncio.ensure_future(self._execute(workflow_task, tuner))
+        with tool_failures.for_episode() as tools:  # the workflow's task reports its tools' start failures here
+            job = asyncio.ensure_future(self._execute(workflow_task, tuner))
         done, _ = await asyncio.wait({job}, timeout=timeout)
         if not done:
             tuner.expire(f"episode timed out after {timeout:g}s")
@@ -254,7 +274,19 @@ class RolloutRunner:
             episode.error_summary = f"the workflow raised {describe_exception(exc)}"
             episode.error_source = "workflow"
             self._log_error(episode, "failed")
+        if not tuner.expired and FLAG_FAILED not in episode.flags and _cancelled_from_inside(job):
+            output = None
+            episode.flags.append(FLAG_FAILED)
+            episode.error = episode.error_summary = (
+                "the workflow was cancelled, not by astuner's deadline but by its own code or its framework (an "
+                "AgentScope agent's interrupt() cancels the task awaiting it, and AgentBase.__call__ then answers "
+                "'interrupted' instead of raising); not trained on as a zero. To stop an agent on purpose, run it "
+                "in a task of its own (asyncio.create_task) and let the workflow return its reward")
+            episode.error_source = "workflow"
+            self._log_error(episode, "was cancelled")
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
+        if self._executor is not None:
+            self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
         episode.calls = list(tuner.calls)
         episode.seconds = time.perf_counter() - start
 
@@ -268,6 +300,8 @@ class RolloutRunner:
         elif tuner.overflowed:
             output = None
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_OVERFLOW]
+        if self._tool_infra_failed(episode, tools):
+            output = None
 
         if output is not None:
             episode.output_metadata = dict(output.metadata)
@@ -304,6 +338,24 @@ class RolloutRunner:
             )
         return result
 
+    def _tool_infra_failed(self, episode: Episode, tools: tool_failures.ToolHealth) -> bool:
+        """Flag an episode whose tool could not start: its tool results were the infrastructure's errors, not the
+        model's, so it is not trained on. Stop the run at TOOL_INFRA_FAILURES_TO_STOP such episodes in a row."""
+        if not tools.failures:
+            self._tool_infra_streak = 0 if tools.started else self._tool_infra_streak
+            return False
+        self._tool_infra_streak += 1
+        episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_FAILED, FLAG_TOOL_INFRA_FAILED]
+        episode.error = episode.error_summary = f"a tool could not start: {tools.failures[-1]}"
+        episode.error_source = "workflow"
+        self._log_error(episode, "could not run its tool")
+        if self._tool_infra_streak >= TOOL_INFRA_FAILURES_TO_STOP:
+            raise TrainingStalled(
+                f"{self._tool_infra_streak} episodes in a row could not run their tool (its sandbox did not start), "
+                f"so they were not trained on; stopping rather than throw every episode away. The last error: "
+                f"{tools.failures[-1]}")
+        return True
+
     def _log_error(self, episode: Episode, what: str) -> None:
         """Every error goes to the log file; the console gets each distinct error once, not once per episode."""
         summary = episode.error_summary or ""
@@ -335,6 +387,9 @@ class RolloutRunner:
         in a daemon thread: a slow one (a verifier, a sandbox, a remote model) must not stall the episodes still
         running on this event loop, and a hung one is left behind."""
         timeout = self.settings.judge_timeout
+        # A judge's calls to auxiliary models served by astuner have the judge's deadline, not the episode's
+        # (which a long but successful episode may have all but used up).
+        judging_deadline(workflow_task.auxiliary_models, time.monotonic() + timeout)
         job = asyncio.ensure_future(call_judge(self.judge.compute_reward, workflow_task, output))
         done, _ = await asyncio.wait({job}, timeout=timeout)
         if not done:
@@ -359,6 +414,15 @@ def describe_exception(exc: BaseException) -> str:
     with name ..."), which a traceback prints after the message and so would otherwise stand in for it."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return text + "".join(f" [note: {note}]" for note in getattr(exc, "__notes__", None) or [])
+
+
+def _cancelled_from_inside(job: asyncio.Future) -> bool:
+    """Whether the workflow's task ended cancelled, or finished after a cancellation its code swallowed (Python
+    3.11+ counts the requests: `Task.cancelling`). The rollout's own cancellation, past the deadline, is told
+    apart by the expired tuner."""
+    if not job.done():
+        return False
+    return job.cancelled() or bool(getattr(job, "cancelling", lambda: 0)())
 
 
 def _episode_seed(seed: int, step: int, episode_uid: str) -> int:

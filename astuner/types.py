@@ -22,6 +22,8 @@ FLAG_OVERFLOW = "overflow"  # context (max_model_len) or episode budget (max_res
 FLAG_FAILED = "failed"  # workflow raised
 FLAG_TIMEOUT = "timeout"  # workflow exceeded rollout.episode_timeout
 FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the episode also carries FLAG_FAILED)
+# A tool's sandbox could not start (astuner/tools/failures.py); the episode also carries FLAG_FAILED.
+FLAG_TOOL_INFRA_FAILED = "tool_infra_failed"
 
 
 @dataclass

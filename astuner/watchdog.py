@@ -10,8 +10,16 @@ thread polls every `poll_s` seconds:
   - slow: once the step has run longer than `factor` x the median of the completed steps (after `min_steps` of
     them), a warning names the step, the stage, the oldest pending item, where it is now and how long each has
     waited; it repeats each time the step's time doubles. The monitor's progress bar shows the same line.
-  - deadline: a stage that runs past `deadline_s` is stopped: the main thread is interrupted and the stage
+  - deadline: a stage that runs past `deadline_s` is stopped: the thread running it is interrupted and the stage
     raises StageTimeout with that message, so a hang becomes an error that says where it was.
+
+The stop does not depend on SIGINT, which a run started in the background (`nohup ... &`) ignores and which a
+framework may have taken over: a stage run by the main thread installs a handler of its own for STOP_SIGNAL (a
+real-time signal that astuner, vLLM, Ray and torch leave alone; torch's c10 takes SIGUSR2, SLURM sends SIGUSR1/2)
+and puts the previous one back when the stage ends (SIG_IGN for the default, which would end the process on a
+stop sent just as the stage ended). The signal, sent to the main thread, also ends a blocking wait (sleep,
+select, a lock): the handler raises, so PEP 475's retry does not happen. A stage run by another thread gets the
+exception asynchronously, at its next Python instruction, since only the main thread runs Python signal handlers.
 """
 
 from __future__ import annotations
@@ -112,16 +120,43 @@ def _describe(item: Item, now: float) -> str:
     return f"{item.kind} {item.label} for {now - item.started:.0f} s"
 
 
-def _interrupt(thread_id: int) -> None:
-    """Raise KeyboardInterrupt in the thread running the stage (the stage turns it into StageTimeout). The main
-    thread gets a real SIGINT, which also ends a blocking wait (sleep, select), when Python's own handler takes
-    SIGINT; otherwise (SIGINT ignored, as in a job started in the background, or a handler of the user's), and in
-    another thread (a run started from a thread of the user's), the exception lands at the thread's next Python
-    instruction, so a wait inside C code is ended only when it returns."""
-    if thread_id == threading.main_thread().ident and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.pthread_kill(thread_id, signal.SIGINT)
+# The watchdog's own signal (module docstring); None where the platform has neither (Windows).
+STOP_SIGNAL: int | None = (signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN")
+                           else getattr(signal, "SIGUSR2", None))
+
+
+class StageDeadline(KeyboardInterrupt):
+    """Raised inside a stage the watchdog stops; the stage turns it into StageTimeout. A KeyboardInterrupt, so
+    that neither `except Exception` in user code nor asyncio (which re-raises it out of the loop) keeps it."""
+
+
+def _raise_deadline(signum, frame) -> None:
+    raise StageDeadline
+
+
+def _interrupt(thread_id: int, by_signal: bool) -> None:
+    """Raise StageDeadline in the thread running the stage: by STOP_SIGNAL when that thread is the main one and
+    the stage installed its handler (it ends a blocking call too), else asynchronously (it lands at the thread's
+    next Python instruction, so a wait inside C code ends only when it returns)."""
+    if by_signal:
+        signal.pthread_kill(thread_id, STOP_SIGNAL)
     else:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(KeyboardInterrupt))
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(StageDeadline))
+
+
+@contextlib.contextmanager
+def _stop_handler():
+    """STOP_SIGNAL's handler for the block, when run by the main thread (yields whether it is installed)."""
+    if STOP_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(STOP_SIGNAL, _raise_deadline)
+    try:
+        yield True
+    finally:
+        # A real-time signal's default action ends the process: a stop sent just before the stage ended but not
+        # yet delivered must find it ignored, not fatal. (signal.signal runs pending Python handlers first.)
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN if previous in (signal.SIG_DFL, None) else previous)
 
 
 class Watchdog:
@@ -140,6 +175,7 @@ class Watchdog:
         self._next_warn = 0.0
         self._expired: str | None = None
         self._owner = threading.get_ident()  # the thread running the stages
+        self._by_signal = False  # whether the running stage is stopped by STOP_SIGNAL (its handler is installed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,16 +202,18 @@ class Watchdog:
     @contextlib.contextmanager
     def stage(self, name: str):
         """Run one stage of the current step; past `deadline_s` it raises StageTimeout naming what it waited on."""
-        with self._lock:
-            self._stage, self._stage_start, self._expired = name, time.monotonic(), None
-            self._owner = threading.get_ident()
         try:
-            try:
-                yield
-            finally:
-                with self._lock:  # no interrupt is sent once the stage has ended
-                    self._stage = None
+            with _stop_handler() as by_signal:
+                with self._lock:
+                    self._stage, self._stage_start, self._expired = name, time.monotonic(), None
+                    self._owner, self._by_signal = threading.get_ident(), by_signal
+                try:
+                    yield
+                finally:
+                    with self._lock:  # no interrupt is sent once the stage has ended
+                        self._stage = None
         except KeyboardInterrupt:  # also one that landed while the stage was ending
+            self._stage = None  # in case it landed in the lock above
             if self._expired is None:
                 raise  # the user's Ctrl-C
             raise StageTimeout(self._expired) from None
@@ -206,7 +244,7 @@ class Watchdog:
                                  f"{self.deadline_s:g} s, so the run stops here (raise that key if the stage is "
                                  "only slow)")
                 log.error("watchdog: %s", self._expired)
-                _interrupt(self._owner)
+                _interrupt(self._owner, self._by_signal)
             return
         if not self._timing or len(self.durations) < self.min_steps:
             return

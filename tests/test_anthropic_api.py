@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import anthropic
+import httpx
 import pytest
 from test_model_tuner import ANSWER_TURN, TOOL_TURN, assert_recorded_exactly, make_tuner
 
+from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import ThinkReasoningParser
 
 TOOLS = [{"name": "execute_python_code", "description": "Run Python code.",
@@ -79,3 +81,101 @@ def test_thinking_blocks_stop_sequences_and_errors(demo_tokenizer, gateway):
     assert (stopped.stop_reason, stopped.stop_sequence, stopped.content[0].text) == ("stop_sequence", "STOP",
                                                                                       "one two ")
     assert len(tuner.calls) == 2  # refused requests recorded nothing
+
+
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues_token_exactly(demo_tokenizer, gateway):
+    continuation = " 72, since six twelves are seventy-two."
+    tuner, engine = make_tuner(demo_tokenizer, [continuation, ANSWER_TURN], gateway=gateway)
+    prefill = "The answer is"
+
+    async def main():
+        client = tuner.get_anthropic_client()
+        first = await client.messages.create(model="p", max_tokens=64,
+                                             messages=[*QUESTION, {"role": "assistant", "content": prefill}])
+        # As clients send it back: the prefill and its continuation, one assistant turn.
+        history = [*QUESTION, {"role": "assistant", "content": prefill + first.content[0].text},
+                   {"role": "user", "content": "And 7*8?"}]
+        await client.messages.create(model="p", max_tokens=64, messages=history)
+        return first
+
+    first = asyncio.run(main())
+    assert first.content[0].text == continuation  # only the continuation, as Anthropic's API answers
+    prefill_ids = demo_tokenizer.encode(prefill, add_special_tokens=False)
+    call = tuner.calls[0]
+    # The generation prompt, then the prefill's tokens: one assistant turn, begun and not closed.
+    assert call.prompt_ids == ChatRenderer(demo_tokenizer).render(QUESTION) + prefill_ids
+    assert demo_tokenizer.decode(call.prompt_ids).endswith("<|im_start|>assistant\n" + prefill)
+    assert demo_tokenizer.decode(call.prompt_ids).count("<|im_start|>assistant") == 1
+    assert demo_tokenizer.decode(call.prompt_ids + call.response_ids, skip_special_tokens=True).endswith(
+        prefill + continuation)
+    # The next turn extends the prefilled one with its exact ids.
+    later = tuner.calls[1]
+    assert later.extends_previous and later.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == (
+        call.prompt_ids + call.response_ids)
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_count_tokens_counts_the_prompt_a_call_would_get_and_records_nothing(demo_tokenizer, gateway):
+    tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)
+    prefill = [{"role": "assistant", "content": "The answer is"}]
+
+    async def main():
+        client = tuner.get_anthropic_client()
+        plain = await client.messages.count_tokens(model="p", system="Use tools.", messages=QUESTION, tools=TOOLS)
+        prefilled = await client.messages.count_tokens(model="p", messages=QUESTION + prefill)
+        wrong = anthropic.AsyncAnthropic(base_url=tuner.anthropic_base_url, api_key="nope", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            await wrong.messages.count_tokens(model="p", messages=QUESTION)
+        return plain, prefilled
+
+    plain, prefilled = asyncio.run(main())
+    renderer = ChatRenderer(demo_tokenizer)
+    chat = [{"role": "system", "content": "Use tools."}, *QUESTION]
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in TOOLS]
+    assert plain.input_tokens == len(renderer.render(chat, tools))
+    assert prefilled.input_tokens == len(renderer.render(QUESTION)) + len(
+        demo_tokenizer.encode("The answer is", add_special_tokens=False))
+    assert tuner.calls == []
+
+
+def test_stop_sequences_as_a_string_is_refused_not_split_into_letters(demo_tokenizer, gateway):
+    tuner, _ = make_tuner(demo_tokenizer, ["Nine ENDS here"], gateway=gateway)
+
+    async def main():
+        with pytest.raises(anthropic.BadRequestError, match="'stop_sequences' must be a list of strings"):
+            await tuner.get_anthropic_client().messages.create(model="p", max_tokens=64, messages=QUESTION,
+                                                               stop_sequences="END")
+
+    asyncio.run(main())
+    assert tuner.calls == []
+
+
+def test_image_and_document_blocks_are_refused_naming_the_block(demo_tokenizer, gateway):
+    tuner, _ = make_tuner(demo_tokenizer, [ANSWER_TURN], gateway=gateway)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+
+    async def main():
+        client = tuner.get_anthropic_client()
+        for block in (image, document):
+            with pytest.raises(anthropic.BadRequestError, match=f"'{block['type']}' blocks are refused"):
+                await client.messages.create(model="p", max_tokens=64, messages=[{"role": "user", "content": [
+                    block]}])
+
+    asyncio.run(main())
+    assert tuner.calls == []
+
+
+def test_models_accepts_the_anthropic_key_header(demo_tokenizer, gateway):
+    tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app), base_url="http://t") as http:
+            ok = await http.get("/v1/models", headers={"x-api-key": tuner.api_key})
+            wrong = await http.get("/v1/models", headers={"x-api-key": "nope"})
+        return ok, wrong
+
+    ok, wrong = asyncio.run(main())
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == tuner.model_name
+    assert wrong.status_code == 401

@@ -229,3 +229,78 @@ def test_the_judges_of_an_episode_share_one_deadline(demo_tokenizer):
     runner.settings.judge_timeout = 2.0
     (episode,) = runner.run([Task("t", "q")])
     assert episode.flags == [] and episode.reward == 2.0
+
+
+class LongWorkflow(Workflow):
+    """Uses most of its episode's time, then succeeds (and leaves the reward to the judge)."""
+
+    async def execute(self, workflow_task, model_tuner):
+        await asyncio.sleep(0.8)
+        return WorkflowOutput(reward=None, metadata={"final_answer": "x"})
+
+
+class CriticJudge(BaseJudge):
+    """Asks an auxiliary model served by astuner, after the episode's own deadline has passed."""
+
+    async def compute_reward(self, workflow_task, workflow_output):
+        await asyncio.sleep(0.5)
+        reply = await workflow_task.auxiliary_models["critic"].chat([{"role": "user", "content": "Correct?"}])
+        return float(bool(reply)), True
+
+
+def test_a_judges_calls_to_a_served_auxiliary_model_have_the_judges_deadline(demo_tokenizer):
+    from types import SimpleNamespace
+
+    from astuner.auxiliary import AuxiliaryPool
+    from astuner.model_tuner import ChatRenderer
+    from astuner.model_tuner.tool_parser import TOOL_PARSERS
+
+    critic = SlowScriptedEngine(demo_tokenizer, fast_calls=100)
+    typed = SimpleNamespace(astuner=SimpleNamespace(auxiliary_models={
+        "critic": SimpleNamespace(max_tokens=32, temperature=0.0)}))
+    served = {"critic": (critic, demo_tokenizer, ChatRenderer(demo_tokenizer), TOOL_PARSERS["hermes"](),
+                         (demo_tokenizer.eos_token_id,), 2048)}
+    runner = make_runner(demo_tokenizer, LongWorkflow, SlowScriptedEngine(demo_tokenizer), 1.0, judge_timeout=5.0)
+    runner.judge, runner.auxiliary = CriticJudge(None), AuxiliaryPool(typed, served)
+    (episode,) = runner.run([Task("t", "q")])  # judged 1.3 s into a 1 s episode, within its 5 s judging
+    assert episode.flags == [] and episode.reward == 1.0, episode.error_summary
+    assert len(critic.started) == 1 and episode.metrics["aux/critic/calls"] == 1.0
+
+
+class CancelsItself(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        asyncio.current_task().cancel()  # e.g. a "stop" path of the user's own
+        await asyncio.sleep(1)
+        return WorkflowOutput(reward=1.0)
+
+
+class FrameworkCancels(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        raise asyncio.CancelledError  # as a framework does when its own run is torn down
+
+
+class InterruptedAgent(Workflow):
+    """An AgentScope agent interrupted while it waits for the model: AgentBase.__call__ swallows the
+    CancelledError and answers "interrupted", and the workflow returns as if the agent had answered."""
+
+    async def execute(self, workflow_task, model_tuner):
+        agent = ReActAgent(name="a", sys_prompt="Use tools.", model=model_tuner, formatter=DashScopeChatFormatter(),
+                           toolkit=Toolkit(), memory=InMemoryMemory(), max_iters=3)
+        agent.set_console_output_enabled(False)
+
+        async def interrupt_soon():
+            await asyncio.sleep(0.2)
+            await agent.interrupt()
+
+        interrupter = asyncio.ensure_future(interrupt_soon())
+        reply = await agent(Msg("user", workflow_task.task.main_query, role="user"))
+        await interrupter
+        return WorkflowOutput(reward=0.0, metadata={"final_answer": reply.get_text_content()})
+
+
+@pytest.mark.parametrize("workflow", [CancelsItself, FrameworkCancels, InterruptedAgent])
+def test_a_workflow_cancelled_by_anything_but_its_deadline_is_flagged_not_trained(demo_tokenizer, workflow):
+    engine = SlowScriptedEngine(demo_tokenizer, fast_calls=0)  # every model call waits: the agent is mid-call
+    (episode,) = make_runner(demo_tokenizer, workflow, engine, 10.0).run([Task("t", "q")])
+    assert episode.flags == ["failed"] and not episode.trainable
+    assert episode.error_summary.startswith("the workflow was cancelled, not by astuner's deadline")

@@ -3,32 +3,184 @@ was sent (astuner/engine/fingerprint.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from astuner.engine.fingerprint import SyncMismatch, differences, fingerprint, group_of
-
-
-def test_groups_and_sums_by_hand():
-    assert group_of("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn"
-    assert group_of("model.layers.3.input_layernorm.weight") == "model.layers.3"
-    assert group_of("lm_head.weight") == "<top>"
-    fp = fingerprint([("m.l.q.weight", torch.tensor([1.0, -2.0])), ("m.l.k.weight", torch.tensor([[0.5], [-0.25]])),
-                      ("m.n.weight", torch.tensor([3.0]))])
-    assert fp == {"m": (3.0, 3.0), "m.l": (-0.75, 3.75)}  # m.l: 1 - 2 + 0.5 - 0.25; |.|: 1 + 2 + 0.5 + 0.25
+from astuner.engine.fingerprint import (CHUNK, SyncMismatch, TensorPrint, changed, compared, differences, fingerprint,
+                                        probe_columns, signs)
+from tolerances import rounding_rtol
 
 
-def test_a_fused_layout_holds_the_same_fingerprint_and_a_skipped_tensor_does_not():
+def test_sums_by_hand():
+    fp = fingerprint([("m.q.weight", torch.tensor([[1.0, -2.0], [0.5, 4.0]])), ("m.n.weight", torch.tensor([3.0]))])
+    sigma = signs(0, 4, "cpu").tolist()
+    assert fp["m.n.weight"] == TensorPrint((1,), 3.0, 3.0, 3.0 * sigma[0])
+    q = fp["m.q.weight"]
+    assert (q.shape, q.s, q.a) == ((2, 2), 3.5, 7.5)
+    assert q.p == sum(s * x for s, x in zip(sigma, [1.0, -2.0, 0.5, 4.0]))
+    assert probe_columns(2) == [0, 1] and q.q == q.p  # a 2-wide tensor: every column is a probe column
+
+
+def _llama_like(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"m.layers.0.mlp.gate_proj.weight": torch.randn(24, 16, generator=g),
+            "m.layers.0.mlp.up_proj.weight": torch.randn(24, 16, generator=g),
+            "m.layers.0.attn.o_proj.weight": torch.randn(16, 16, generator=g),
+            "m.layers.0.attn.k_proj.weight": torch.randn(8, 16, generator=g),
+            "m.norm.weight": torch.randn(16, generator=g)}
+
+
+def test_swapped_same_shape_tensors_and_transposed_ones_fail_the_sync_check():
+    weights = _llama_like()
+    sent = fingerprint(weights.items())
+    assert differences(sent, fingerprint(weights.items())) == []
+    gate, up = "m.layers.0.mlp.gate_proj.weight", "m.layers.0.mlp.up_proj.weight"
+    swapped = dict(weights, **{gate: weights[up], up: weights[gate]})  # a loader that mixes up gate and up
+    assert [p.split(":")[0] for p in differences(sent, fingerprint(swapped.items()))] == [gate, up]
+    o = "m.layers.0.attn.o_proj.weight"
+    square = dict(weights, **{o: weights[o].t()})  # square: same shape, same sums, other positions
+    problems = differences(sent, fingerprint(square.items()))
+    assert len(problems) == 1 and problems[0].startswith(f"{o}: sent sum")
+    k = "m.layers.0.attn.k_proj.weight"
+    wide = dict(weights, **{k: weights[k].t()})
+    assert differences(sent, fingerprint(wide.items())) == [f"{k}: sent with shape [8, 16], the engine holds shape "
+                                                            "[16, 8]"]
+    with pytest.raises(SyncMismatch, match=rf"(?s)vLLM engine does not serve.*\n  {o}: sent sum"):
+        raise SyncMismatch("vLLM", problems)
+
+
+def test_a_stale_tensor_and_a_missing_one_are_named():
+    weights = _llama_like()
+    sent = fingerprint(weights.items())
+    k = "m.layers.0.attn.k_proj.weight"
+    stale = dict(weights, **{k: weights[k] - 1e-4})  # the engine missed k's update of 1e-4
+    assert [p.split(":")[0] for p in differences(sent, fingerprint(stale.items()))] == [k]
+    del stale[k]
+    assert differences(sent, fingerprint(stale.items())) == [f"{k}: sent, but the engine holds no such weights"]
+    assert differences(fingerprint(stale.items()), sent) == [
+        f"{k}: the engine holds it, but this sync did not send it (it keeps its old value)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_fingerprint_equals_a_float64_reference_beyond_one_chunk(dtype):
     torch.manual_seed(0)
-    q, k, v = torch.randn(8, 4), torch.randn(2, 4), torch.randn(2, 4)
-    sent = fingerprint([("m.layers.0.attn.q_proj.weight", q), ("m.layers.0.attn.k_proj.weight", k),
-                        ("m.layers.0.attn.v_proj.weight", v)])
-    fused = fingerprint([("m.layers.0.attn.qkv_proj.weight", torch.cat([q, k, v]))])  # as vLLM holds them
-    assert differences(sent, fused) == []
-    stale_k = k - 1e-4  # the engine missed k's update of 1e-4
-    problems = differences(sent, fingerprint([("m.layers.0.attn.qkv_proj.weight", torch.cat([q, stale_k, v]))]))
-    assert len(problems) == 1 and problems[0].startswith("m.layers.0.attn: sent sum")
-    assert differences(sent, {}) == ["m.layers.0.attn: sent, but the engine holds no such weights"]
+    t = (torch.randn(3 * CHUNK // 512 + 3, 512) + 0.1).to(dtype)  # three chunks and a part
+    wide = t.double().view(-1)
+    sigma = signs(0, wide.numel(), "cpu")  # the whole index space at once: the reference may be large
+    ref_s, ref_a, ref_p = wide.sum().item(), wide.abs().sum().item(), (wide * sigma).sum().item()
+    tol = rounding_rtol(torch.float64, wide.numel()) * ref_a  # same values, float64 sums in another order
+    for print_ in (fingerprint([("w", t)])["w"], fingerprint([("w", t.t().contiguous().t())])["w"]):  # + strided
+        assert abs(print_.s - ref_s) <= tol and abs(print_.a - ref_a) <= tol and abs(print_.p - ref_p) <= tol
+    block = t.double()[:, probe_columns(512)]
+    ref_q = (block.reshape(-1) * signs(0, block.numel(), "cpu")).sum().item()
+    assert abs(print_.q - ref_q) <= rounding_rtol(torch.float64, block.numel()) * block.abs().sum().item()
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the element count of the largest tensor any torch operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self._inputs:
+                self.largest = max(self.largest, value.numel())
+        return out
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_the_fingerprint_allocates_one_chunk_at_a_time_never_the_whole_tensor(contiguous):
+    t = torch.randn(8 * CHUNK // 1024, 1024, dtype=torch.bfloat16)
+    t = t if contiguous else t.t()  # a strided view is copied a block of rows at a time
+    mode = _LargestAllocation()
+    mode._inputs = {t.untyped_storage().data_ptr()}  # views of the input are no allocation
+    with mode:
+        fingerprint([("w", t)])
+    assert 0 < mode.largest <= CHUNK, f"an operation made a tensor of {mode.largest} elements (chunk {CHUNK})"
+
+
+def test_a_sync_that_compares_no_changed_weight_is_not_verified(caplog):
+    """LoRA on an engine that cannot read its linear layers back: only frozen weights (norms, embeddings) would
+    be compared, so a passing check proves nothing and the sync is reported unverified, said once."""
+    from astuner.engine.vllm_engine import VLLMEngine
+
+    base = _llama_like()
+    first = fingerprint(base.items())
+    trained = dict(base, **{n: w + 1e-3 for n, w in base.items() if n.endswith("_proj.weight")})  # merged LoRA
+    sent = fingerprint(trained.items())
+    assert changed(first, sent) == {n for n in base if n.endswith("_proj.weight")}
+    opaque = {n: TensorPrint(e.shape, None, None, None) if n.endswith("_proj.weight") else e for n, e in sent.items()}
+    assert differences(sent, opaque) == [] and compared(sent, opaque) == {"m.norm.weight"}
+
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng._said_unseen = False
+    with caplog.at_level(logging.WARNING, logger="astuner.engine.vllm_engine"):
+        assert eng._judge_coverage(changed(first, sent), compared(sent, opaque)) is False
+        assert eng._judge_coverage(changed(first, sent), compared(sent, opaque)) is False
+    assert [r.getMessage() for r in caplog.records if "not verified" in r.getMessage()] == [
+        "weight sync not verified: none of the 4 tensors this sync changed can be read back from the engine (1 "
+        "others were compared and match), so sync/verified is 0. The engine holds them in a form astuner cannot "
+        "read; compare logprobs of engine and trainer to be sure."]
+    read_back = {n: TensorPrint(e.shape, None, None, None, e.q, e.qa) for n, e in sent.items()}  # probe columns
+    assert eng._judge_coverage(changed(first, sent), compared(sent, read_back)) is True
+    assert eng._judge_coverage(changed(sent, sent), compared(sent, opaque)) is True  # nothing changed, nothing to see
+
+
+class _Packed(torch.nn.Module):
+    """A linear layer as vLLM's CPU backend leaves it: the weight packed away, an empty parameter, and the kernel
+    that computes with the packed copy."""
+
+    def __init__(self, weight: torch.Tensor, output_sizes=None, org_vocab_size=None, kernel=True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.input_size_per_partition = weight.shape[1]
+        packed = weight.clone()
+        if kernel:
+            self.cpu_linear = lambda x, w, bias: x @ packed.t()
+        if output_sizes:
+            self.output_sizes = output_sizes
+        if org_vocab_size:
+            self.org_vocab_size = org_vocab_size
+
+
+def test_the_vllm_worker_reads_fused_packed_and_padded_weights_back_under_checkpoint_names():
+    from astuner.engine.vllm_worker import served_fingerprint
+
+    w = _llama_like()
+    gate, up = "m.layers.0.mlp.gate_proj.weight", "m.layers.0.mlp.up_proj.weight"
+    embed = torch.randn(50, 16)
+
+    def engine(gate_up: torch.Tensor, head_rows: torch.Tensor, kernel: bool = True):
+        model = torch.nn.Module()
+        model.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+        model.m = torch.nn.Module()
+        model.m.norm = torch.nn.Module()
+        model.m.norm.weight = torch.nn.Parameter(w["m.norm.weight"].clone())
+        model.m.embed = torch.nn.Module()  # a vocabulary padded to 64 rows, and a tied head packed separately
+        model.m.embed.weight = torch.nn.Parameter(torch.cat([embed, torch.zeros(14, 16)]))
+        model.m.embed.org_vocab_size = 50
+        model.m.layers = torch.nn.ModuleList([torch.nn.Module()])
+        model.m.layers[0].mlp = torch.nn.Module()
+        model.m.layers[0].mlp.gate_up_proj = _Packed(gate_up, output_sizes=[24, 24], kernel=kernel)
+        model.lm_head = _Packed(torch.cat([head_rows, torch.zeros(14, 16)]), org_vocab_size=50)
+        model.lm_head.weight = model.m.embed.weight  # tied: the same parameter
+        return model
+
+    sent = fingerprint([(gate, w[gate]), (up, w[up]), ("m.norm.weight", w["m.norm.weight"]), ("m.embed.weight", embed)])
+    served = served_fingerprint(engine(torch.cat([w[gate], w[up]]), embed))
+    assert differences(sent, served) == [] and compared(sent, served) == set(sent)
+    swapped = served_fingerprint(engine(torch.cat([w[up], w[gate]]), embed))
+    assert [p.split(":")[0] for p in differences(sent, swapped)] == [gate, up]
+    stale_head = served_fingerprint(engine(torch.cat([w[gate], w[up]]), embed - 1e-3))  # head not re-packed
+    assert [p.split(":")[0] for p in differences(sent, stale_head)] == ["m.embed.weight"]
+    unreadable = served_fingerprint(engine(torch.cat([w[up], w[gate]]), embed, kernel=False))  # no kernel to ask
+    assert differences(sent, unreadable) == [] and compared(sent, unreadable) == {"m.norm.weight", "m.embed.weight"}
 
 
 def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_model_dir):
@@ -49,6 +201,7 @@ def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_mode
     engine.load_weights(new.named_parameters())
     assert engine.last_sync["verified"] == 1.0 and engine.last_sync["verify_s"] > 0
     faulty = SkipsOne(str(tiny_model_dir), device="cpu")
-    with pytest.raises(SyncMismatch, match=r"(?s)hf engine does not serve.*\n  model.layers.1.mlp: sent sum") as info:
+    with pytest.raises(SyncMismatch, match=r"(?s)hf engine does not serve.*\n  model.layers.1.mlp.down_proj.weight: "
+                                           r"sent sum") as info:
         faulty.load_weights(new.named_parameters())
-    assert "model.layers.0" not in str(info.value)  # only the group that missed its update
+    assert "model.layers.0" not in str(info.value)  # only the tensor that missed its update

@@ -225,10 +225,12 @@ def test_malformed_tool_call_flags_wrong_toolcall(demo_tokenizer):
     assert tuner.calls[0].flags == ["wrong_toolcall"]
     assert tuner.flag_reasons[0][:2] == (0, "wrong_toolcall") and "invalid JSON" in tuner.flag_reasons[0][2]
 
-    # A tool call when no tools were offered is flagged too, and not returned as a call.
+    # A tool call when no tools were offered is flagged too, and not returned as a call; its markers never reach
+    # the agent (the recorded call keeps the raw text).
     reply = asyncio.run(tuner.chat([{"role": "user", "content": "go"}]))
-    assert "tool_calls" not in reply and "<tool_call>" in reply["content"]
+    assert "tool_calls" not in reply and "<tool_call>" not in reply["content"]
     assert tuner.calls[1].flags == ["wrong_toolcall"]
+    assert "<tool_call>" in tuner.calls[1].response_text
 
 
 def test_madness_checks_respect_the_checklist(demo_tokenizer):

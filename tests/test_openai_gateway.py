@@ -13,7 +13,8 @@ from test_model_tuner import ANSWER_TURN, PY_TOOL, TOOL_TURN, assert_recorded_ex
 
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.model_tuner.formats import ThinkReasoningParser
-from astuner.types import Episode, Task
+from astuner.model_tuner.tuner import TunerLimits
+from astuner.types import Episode, GenerateResult, Task
 
 QUESTION = [{"role": "user", "content": "What is 6*12?"}]
 
@@ -273,3 +274,127 @@ def test_agentscope_tool_choice_names_a_function(demo_tokenizer):
                       tool_choice="search"))
     assert tuner.calls[0].flags == ["wrong_toolcall"]
     assert "required a call to 'search', the model called 'execute_python_code'" in tuner.flag_reasons[0][2]
+
+
+class GatedEngine:
+    """Holds every request until the test releases it, then answers `max_tokens` tokens (the most it may)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.held, self.samplings = tokenizer, [], []
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        self.samplings.append(sampling)
+        gate = asyncio.get_running_loop().create_future()
+        self.held.append(gate)
+        await gate
+        ids = self.tokenizer.encode(" seventy" * sampling.max_tokens, add_special_tokens=False)
+        ids = ids[: sampling.max_tokens]
+        return GenerateResult(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="length")
+
+    def abort(self, request_id):
+        pass
+
+
+async def _settle(rounds: int = 300) -> None:
+    """Let every task on the loop run as far as it can (the ASGI transport does no I/O: only scheduling)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+def test_parallel_calls_on_one_key_together_stay_within_the_episode_token_budget(demo_tokenizer, gateway):
+    limits = TunerLimits(max_model_len=4096, max_tokens_per_turn=256, max_response_tokens=40, max_prompt_length=2048)
+    tuner, _ = make_tuner(demo_tokenizer, [], limits=limits, gateway=gateway)
+    tuner.engine = engine = GatedEngine(demo_tokenizer)
+
+    async def main():
+        client = tuner.get_openai_client()
+        asks = [{"max_tokens": 10}, {}, {}]
+        tasks = [asyncio.ensure_future(client.chat.completions.create(model="p", messages=QUESTION, **ask))
+                 for ask in asks]
+        while not all(t.done() for t in tasks):
+            await _settle()
+            if engine.held:
+                engine.held.pop(0).set_result(None)  # the oldest call finishes; the rest wait their turn
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, second, third = asyncio.run(main())
+    # The first reserved its 10 tokens, the second the 30 left; the third waited for them and found none.
+    assert [s.max_tokens for s in engine.samplings] == [10, 30]
+    assert first.usage.completion_tokens == 10 and second.usage.completion_tokens == 30
+    assert isinstance(third, openai.BadRequestError) and "budget 40" in str(third)
+    assert sum(len(c.response_ids) for c in tuner.calls) == 40
+
+
+def _http_scope(path: str, key: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80),
+            "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")]}
+
+
+async def _hang_up(app, path: str, key: str, body: dict, when: str) -> list[dict]:
+    """One request from a client that leaves: "while generating" (the server reads http.disconnect once the
+    call is done), or "while sending" (the connection fails as the answer is written)."""
+    incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        if incoming:
+            return incoming.pop(0)
+        if when == "while generating":
+            return {"type": "http.disconnect"}
+        await asyncio.get_running_loop().create_future()  # still connected: nothing more to read
+
+    async def send(message):
+        if when == "while sending" and message["type"] == "http.response.body":
+            raise OSError("connection reset by peer")
+        sent.append(message)
+
+    await app(_http_scope(path, key), receive, send)  # a client gone is no error of the server's
+    return sent
+
+
+@pytest.mark.parametrize("path, body, when", [
+    ("/v1/chat/completions", {"model": "p", "messages": QUESTION}, "while generating"),
+    ("/v1/chat/completions", {"model": "p", "messages": QUESTION, "stream": True}, "while sending"),
+    ("/v1/messages", {"model": "p", "max_tokens": 64, "messages": QUESTION}, "while generating"),
+    ("/v1/messages", {"model": "p", "max_tokens": 64, "messages": QUESTION, "stream": True}, "while sending"),
+])
+def test_a_call_whose_client_hung_up_is_not_trained_and_its_retry_is(demo_tokenizer, gateway, path, body, when):
+    tuner, engine = make_tuner(demo_tokenizer, ["An answer nobody read.", ANSWER_TURN], gateway=gateway)
+
+    async def main():
+        await _hang_up(gateway.app, path, tuner.api_key, body, when)
+        assert tuner.calls == []  # un-recorded before the retry comes
+        return await tuner.get_openai_client().chat.completions.create(model="p", messages=QUESTION)
+
+    retry = asyncio.run(main())
+    assert retry.choices[0].message.content == ANSWER_TURN
+    (call,) = tuner.calls
+    assert call.response_ids == engine.responses[1] and tuner.generated_tokens == len(engine.responses[1])
+    episodes = [Episode(Task("t", "q"), i, f"e{i}", calls=list(tuner.calls), reward=float(i)) for i in range(2)]
+    samples = episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                                  max_sample_per_task=4)
+    assert [s.response_ids for s in samples] == [engine.responses[1]] * 2  # only the delivered answer trains
+
+
+def test_a_refusal_carries_x_should_retry_false_so_the_sdk_does_not_retry_it(demo_tokenizer, gateway):
+    """The SDKs retry 408 by default; an expired episode's 408 fails the same way every time."""
+    tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)
+    tuner.expire("episode timed out after 1s")
+    seen: list[int] = []
+
+    async def count(request):
+        seen.append(1)
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app), event_hooks={"request": [count]})
+        client = openai.AsyncOpenAI(api_key=tuner.api_key, base_url="http://astuner.local/v1", http_client=http,
+                                    max_retries=2)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(model="p", messages=QUESTION)
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.status_code == 408 and refused.response.headers["x-should-retry"] == "false"
+    assert len(seen) == 1

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from astuner.tools import execute_python_code, python_exec, run_python
-from astuner.tools.python_exec import SandboxRefused, describe_sandbox, sandbox_level
+from astuner.tools import bubblewrap, execute_python_code, failures, python_exec, run_python
+from astuner.tools.python_exec import SandboxRefused, SandboxUnavailable, describe_sandbox, sandbox_level
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
@@ -29,19 +30,27 @@ def run(coro):
 
 def force_level(monkeypatch, level: str):
     """Makes run_python use `level`; returns the process level's plan (user, landlock) or None for bubblewrap.
-    As root with an interpreter uid 65534 cannot run (pyenv's, under /root) the process level refuses; a system
-    Python that uid can run then stands in, when there is one, so the checks see that level as it runs."""
+    The process level runs as if bubblewrap were not installed and the fallback opted in. As root, where uid 65534
+    cannot run this interpreter (pyenv's, under /root) the plan would fall to root; a system Python that uid can run
+    then stands in, when there is one, so the checks see that level as it runs."""
     if level == "bubblewrap":
         if sandbox_level() != "bubblewrap":
             pytest.fail("bubblewrap is not usable here: install it (apt-get install bubblewrap)")
         return None
-    monkeypatch.setattr(python_exec, "sandbox_level", lambda: "process")
-    plan = python_exec._process_plan(sys.executable, False)
-    for candidate in SYSTEM_PYTHONS if not plan.user else ():
-        if os.path.exists(candidate) and python_exec._process_plan(candidate, False).user:
+    no_bubblewrap(monkeypatch)
+    monkeypatch.setattr(python_exec, "_allow_unsandboxed", True)
+    plan = python_exec._process_plan(sys.executable, True)
+    for candidate in SYSTEM_PYTHONS if plan.user in ("", "root") else ():
+        if os.path.exists(candidate) and python_exec._process_plan(candidate, True).user == "nobody":
             monkeypatch.setattr(sys, "executable", candidate)
-            return python_exec._process_plan(candidate, False)
+            return python_exec._process_plan(candidate, True)
     return plan
+
+
+def no_bubblewrap(monkeypatch):
+    """The sandbox as on a machine without bwrap."""
+    monkeypatch.setattr(python_exec, "sandbox_level", lambda: "process")
+    monkeypatch.setattr(python_exec, "_bubblewrap_problem", lambda: bubblewrap.NOT_INSTALLED)
 
 
 def test_prints_output_and_stderr():
@@ -190,9 +199,7 @@ def test_escape_opening_a_socket():
 
 @pytest.mark.parametrize("level", ["bubblewrap", "process"])
 def test_exit_while_a_child_holds_the_output_returns_at_once(monkeypatch, level):
-    plan = force_level(monkeypatch, level)
-    if plan is not None and not plan.user:  # refused here: this test is about pipes, not files
-        monkeypatch.setattr(python_exec, "_allow_unsandboxed", True)
+    force_level(monkeypatch, level)
     started = time.monotonic()
     code = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\nsys.exit(3)"
     result = run(run_python(code, timeout=10.0))
@@ -272,11 +279,6 @@ def test_process_level_shows_model_code_nothing_of_the_users(monkeypatch, users_
         monkeypatch.setattr(python_exec, "_landlock_abi", lambda: 0)
     plan = force_level(monkeypatch, "process")
     description = describe_sandbox()
-    if not plan.user:  # as root, only root could run this interpreter: the tool refuses
-        with pytest.raises(SandboxRefused, match="apt-get install bubblewrap"):
-            run(run_python("print(1)"))
-        assert "REFUSED" in description
-        return
     uid, found = _read_all(users_files)
     read = {name for name, text in found.items() if text is not None}
     assert uid != 0
@@ -289,22 +291,30 @@ def test_process_level_shows_model_code_nothing_of_the_users(monkeypatch, users_
         assert "YOUR FILES ARE READABLE" in description
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="only root has to leave root to run model code")
-def test_process_level_never_runs_model_code_as_root_unless_told(monkeypatch, fresh_plans):
-    # uid 65534 cannot start the interpreter (as with pyenv under /root): refuse, naming bubblewrap and the opt-in.
-    monkeypatch.setattr(python_exec, "sandbox_level", lambda: "process")
-    monkeypatch.setattr(python_exec, "_probe_process", lambda exe, user, landlock: "denied" if user == "nobody" else "")
-    try:
-        description = describe_sandbox()
-        assert description.startswith("python tool sandbox: REFUSED")
-        assert "apt-get install bubblewrap" in description and "python_tool_unsandboxed: true" in description
-        with pytest.raises(SandboxRefused, match="apt-get install bubblewrap"):
-            run(run_python("print(1)"))
-        python_exec.allow_unsandboxed(True)
+def test_process_fallback_is_refused_unless_opted_in(monkeypatch, fresh_plans):
+    # Without bubblewrap, model code would run on this machine's network and (not as root) as the user who can
+    # kill the run: refused, and the start-up line says why and how to get bubblewrap.
+    no_bubblewrap(monkeypatch)
+    description = describe_sandbox()
+    assert description.startswith("python tool sandbox: REFUSED: bubblewrap is not installed")
+    assert "apt-get install bubblewrap" in description and "python_tool_unsandboxed: true" in description
+    assert "loopback" in description
+    with failures.for_episode() as health, pytest.raises(SandboxRefused, match="apt-get install bubblewrap"):
+        run(run_python("print(1)"))
+    assert len(health.failures) == 1 and health.started == 0  # the episode learns it: not a tool result
+
+    monkeypatch.setattr(python_exec, "_allow_unsandboxed", True)
+    opted_in = describe_sandbox()
+    assert "process level" in opted_in and "THE NETWORK IS REACHABLE" in opted_in
+    if os.geteuid() == 0:
+        # uid 65534 cannot start the interpreter (as with pyenv under /root): opted in, root is the last resort.
+        monkeypatch.setattr(python_exec, "_probe_process", lambda exe, user, landlock: "denied" * (user == "nobody"))
+        python_exec._process_plan.cache_clear()
         assert "RUNS AS ROOT, UNSANDBOXED" in describe_sandbox()
         assert run(run_python("import os\nprint(os.getuid())")).stdout == "0\n"
-    finally:
-        python_exec.allow_unsandboxed(False)
+    else:
+        assert "IT CAN KILL THIS RUN" in opted_in
+        assert run(run_python("print(1)")).stdout == "1\n"
 
 
 def _alive(pid: int) -> bool:
@@ -361,3 +371,191 @@ def test_execute_python_code_registers_with_agentscope():
     response = run(execute_python_code("print(6 * 12)", language="python"))  # invented kwargs are ignored
     text = response.content[0]["text"]
     assert text == "<returncode>0</returncode><stdout>72\n</stdout><stderr></stderr>"
+
+
+# --- the users we failed: a non-root user, a trainer's hundreds of threads, bombs, a sandbox that cannot start ---
+
+SANDBOX_USER = "astuner-sandbox-test"
+DISK_BOMB = """
+import json, os
+chunk = b"\\0" * (8 << 20)
+def fill(folder):  # 4 x 200 MiB per folder: more than its cap, far less than the host has
+    written = 0
+    try:
+        for i in range(4):
+            with open(os.path.join(folder, f"bomb{i}"), "wb") as f:
+                for _ in range(25):
+                    f.write(chunk)
+                    written += 8
+    except OSError as exc:
+        return [written, exc.strerror]
+    return [written, None]
+st = os.statvfs(".")
+print(json.dumps({"tmp": fill("/tmp"), "work": fill("."), "dev": fill("/dev/shm"),
+                  "work_fs_mib": st.f_blocks * st.f_frsize >> 20}))
+open("one-more", "wb").write(chunk)  # uncaught: the model gets the error
+"""
+MEMORY_BOMB = "x = bytearray(2 * 1024 ** 3)\nprint('allocated')"
+SNIPPETS = {"hello": "print(6 * 7)", "disk bomb": DISK_BOMB, "memory bomb": MEMORY_BOMB,
+            "after the bombs": "print('the run goes on')"}
+NON_ROOT_CHILD = """
+import asyncio, json, sys, threading
+sys.path.insert(0, sys.argv[1])
+from astuner.tools import bubblewrap, failures, python_exec
+stop = threading.Event()
+for _ in range(300):  # what torch pools, tokenizers, vLLM and Ray hold in a trainer
+    threading.Thread(target=stop.wait, daemon=True).start()
+out = {"threads": threading.active_count(), "level": python_exec.sandbox_level(), "results": {}}
+for name, code in json.loads(sys.argv[2]).items():
+    result = asyncio.run(python_exec.run_python(code))
+    out["results"][name] = [result.returncode, result.stdout, result.stderr]
+python_exec._threads_of = lambda uid: 0  # RLIMIT_NPROC below the threads this user runs: bwrap cannot clone
+with failures.for_episode() as health:
+    try:
+        out["undercounted"] = repr(asyncio.run(python_exec.run_python("print(1)")))
+    except python_exec.SandboxUnavailable as exc:
+        out["undercounted"] = str(exc)
+out["undercounted_recorded"] = len(health.failures)
+python_exec._bubblewrap_problem.cache_clear()  # the start-up probe runs under the same limits as a call
+out["probe_undercounted"] = python_exec._bubblewrap_problem()
+python_exec.sandbox_level = lambda: "process"
+python_exec._bubblewrap_problem = lambda: bubblewrap.NOT_INSTALLED
+out["without_bubblewrap"] = python_exec.describe_sandbox()
+print(json.dumps(out))
+"""
+
+
+def _sandbox_user() -> tuple[int, int]:
+    """(uid, gid) of a non-root user (made once, as CI runs as root), or this user's own when not root."""
+    import pwd
+
+    if os.geteuid() != 0:
+        return os.getuid(), os.getgid()
+    try:
+        entry = pwd.getpwnam(SANDBOX_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SANDBOX_USER],
+                       check=True)
+        entry = pwd.getpwnam(SANDBOX_USER)
+    return entry.pw_uid, entry.pw_gid
+
+
+@pytest.fixture(scope="module")
+def non_root_run():
+    """SNIPPETS run by a non-root user's process holding 300 threads, with Debian's Python (the venv's links into
+    /root, which only root may enter) and a copy of the package that user may read."""
+    python = "/usr/bin/python3"
+    if not os.path.exists(python):
+        pytest.fail(f"{python} is missing: the non-root sandbox test runs the tool with the system's Python")
+    uid, gid = _sandbox_user()
+    base = Path(tempfile.mkdtemp(prefix="astuner-non-root-"))
+    try:
+        shutil.copytree(REPO / "astuner", base / "astuner", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [base, *base.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        child = subprocess.run([python, "-c", NON_ROOT_CHILD, str(base), json.dumps(SNIPPETS)], cwd=base,
+                               env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, user=uid, group=gid,
+                               extra_groups=[], capture_output=True, text=True, timeout=240)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout)
+
+
+def test_a_non_root_user_with_hundreds_of_threads_runs_code_under_bubblewrap(non_root_run):
+    assert non_root_run["threads"] > 300 and non_root_run["level"] == "bubblewrap"
+    assert non_root_run["results"]["hello"] == [0, "42\n", ""]
+
+
+def _results(who: str, non_root_run) -> dict[str, list]:
+    if who == "a non-root user":
+        return non_root_run["results"]
+    return {name: (lambda r: [r.returncode, r.stdout, r.stderr])(run(run_python(code)))
+            for name, code in SNIPPETS.items()}
+
+
+@pytest.mark.parametrize("who", ["astuner's user", "a non-root user"])
+def test_disk_and_memory_bombs_are_contained_and_the_run_goes_on(who, request, monkeypatch):
+    force_level(monkeypatch, "bubblewrap")
+    results = _results(who, request.getfixturevalue("non_root_run") if who == "a non-root user" else None)
+    returncode, stdout, stderr = results["disk bomb"]
+    filled = json.loads(stdout)
+    cap = python_exec._SCRATCH_BYTES >> 20
+    assert filled["work_fs_mib"] == cap  # the working folder is the capped tmpfs, not the host's disk
+    for folder in ("tmp", "work"):
+        written, error = filled[folder]
+        assert written <= cap and error == "No space left on device", filled
+    assert filled["dev"][0] == 0  # /dev is a tmpfs too, with no cap: read-only
+    assert returncode == 1 and "No space left on device" in stderr  # the model is told, as for any error
+    returncode, stdout, stderr = results["memory bomb"]
+    assert returncode != 0 and "MemoryError" in stderr and "allocated" not in stdout
+    assert results["after the bombs"] == [0, "the run goes on\n", ""]
+
+
+def test_the_rlimit_counts_threads_and_a_sandbox_that_cannot_start_is_not_a_tool_result(non_root_run):
+    # With RLIMIT_NPROC below the user's threads (the old process count), bwrap cannot clone: the call raises
+    # SandboxUnavailable quoting bwrap and recorded for the episode, instead of answering the model with it.
+    assert "could not start" in non_root_run["undercounted"], non_root_run["undercounted"]
+    assert "Resource temporarily unavailable" in non_root_run["undercounted"]
+    assert non_root_run["undercounted_recorded"] == 1
+    assert "Resource temporarily unavailable" in non_root_run["probe_undercounted"]  # start-up says so too
+
+
+def test_a_non_root_user_without_bubblewrap_is_refused_naming_who_could_kill_the_run(non_root_run):
+    description = non_root_run["without_bubblewrap"]
+    assert description.startswith("python tool sandbox: REFUSED: bubblewrap is not installed")
+    assert "able to kill this run" in description and "apt-get install bubblewrap" in description
+
+
+def _broken_bubblewrap(monkeypatch):
+    """bwrap that fails while building the sandbox, after it has started its child (a missing mount source)."""
+    force_level(monkeypatch, "bubblewrap")
+    real = bubblewrap.command
+    monkeypatch.setattr(bubblewrap, "command", lambda *args: (lambda argv: [argv[0], "--ro-bind",
+                        "/nonexistent-astuner-test", "/nonexistent", *argv[1:]])(real(*args)))
+
+
+def test_a_sandbox_that_cannot_start_raises_and_the_episode_records_it(monkeypatch):
+    _broken_bubblewrap(monkeypatch)
+    with failures.for_episode() as health:
+        with pytest.raises(SandboxUnavailable, match="nonexistent-astuner-test"):
+            run(python_exec.python_tool_text("print(1)"))  # no bwrap error handed to the model as its output
+    assert len(health.failures) == 1 and health.started == 0
+
+
+def test_code_that_prints_a_sandbox_error_is_an_ordinary_tool_result():
+    # Only a start that never happened is an infrastructure failure: the model cannot fake one to skip training.
+    code = "import sys\nsys.stderr.write('bwrap: Creating new namespace failed: Resource temporarily unavailable')\n" \
+           "sys.exit(1)"
+    with failures.for_episode() as health:
+        result = run(run_python(code))
+    assert result.returncode == 1 and result.stderr.startswith("bwrap:")
+    assert health.failures == [] and health.started == 1
+
+
+def test_tool_infra_failures_flag_episodes_leave_them_out_of_training_and_repeated_stop_the_run(
+        monkeypatch, demo_tokenizer):
+    from astuner.errors import TrainingStalled
+    from astuner.rollout import TOOL_INFRA_FAILURES_TO_STOP
+    from astuner.types import FLAG_TOOL_INFRA_FAILED, Task
+    from astuner.workflow import Workflow, WorkflowOutput
+    from tests.test_rollout import runner
+
+    class ToolAgent(Workflow):
+        async def execute(self, workflow_task, model_tuner):
+            await model_tuner.chat([{"role": "user", "content": "What is 2 + 2?"}])
+            try:
+                text = await python_exec.python_tool_text("print(2 + 2)")
+            except Exception as exc:  # as agent frameworks do: the tool's error becomes its answer
+                text = f"Error: {exc}"
+            return WorkflowOutput(reward=1.0 if "<stdout>4" in text else 0.0)
+
+    r, _ = runner(demo_tokenizer, ToolAgent, num_repeat=TOOL_INFRA_FAILURES_TO_STOP - 1, max_env_worker=1)
+    assert all(e.trainable and e.reward == 1.0 for e in r.run([Task("t1", "2 + 2")]))
+    _broken_bubblewrap(monkeypatch)
+    episodes = r.run([Task("t2", "2 + 2")])
+    assert all(FLAG_TOOL_INFRA_FAILED in e.flags and not e.trainable for e in episodes)
+    assert "nonexistent-astuner-test" in episodes[0].error_summary
+    with pytest.raises(TrainingStalled, match=f"{TOOL_INFRA_FAILURES_TO_STOP} episodes in a row.*nonexistent-astuner"):
+        r.run([Task("t3", "2 + 2")])
+    r.close()

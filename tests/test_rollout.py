@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -250,3 +252,92 @@ def test_every_concurrent_episode_gets_a_thread_for_a_synchronous_agent(demo_tok
     episodes = r.run(TASKS)
     assert len(episodes) == 8 and not any(e.flags for e in episodes), [e.error_summary for e in episodes]
     r.close()
+
+
+STUCK = threading.Event()  # released at the end of a test, so that its stuck agents' threads end
+
+
+class MaybeStuckSyncAgent(ChatWorkflow):
+    """A synchronous agent (run by asyncio.to_thread) whose blocking call never returns for task "stuck"."""
+
+    async def execute(self, workflow_task, model_tuner):
+        if workflow_task.task.task_id == "stuck":
+            await asyncio.to_thread(STUCK.wait)
+        await asyncio.to_thread(time.sleep, 0.01)
+        return await super().execute(workflow_task, model_tuner)
+
+
+def test_synchronous_agents_stuck_past_their_deadline_do_not_starve_later_episodes(demo_tokenizer, caplog):
+    """More stuck episodes than the old pool had threads (max_env_worker + 4): later synchronous episodes still
+    start, and the abandoned threads are counted and named in a warning."""
+    import logging
+
+    STUCK.clear()
+    r, _ = runner(demo_tokenizer, MaybeStuckSyncAgent, num_repeat=7, max_env_worker=2, episode_timeout=0.4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="astuner.daemon_threads"):
+            stuck = r.run([Task("stuck", "q")])
+        assert all(e.flags == ["timeout"] for e in stuck)
+        assert len(r._executor.abandoned()) == 7
+        assert ("7 abandoned thread(s) in this process, of episodes train:stuck#0 (step 0), train:stuck#1 (step 0)"
+                in caplog.text)
+        r.settings.episode_timeout = 10.0
+        episodes = r.run(TASKS)
+        assert [e.flags for e in episodes] == [[]] * 14 and all(e.reward == 1.0 for e in episodes)
+    finally:
+        STUCK.set()
+    r.close()
+
+
+EXIT_SCRIPT = """
+import asyncio, sys, threading
+from transformers import AutoTokenizer
+from astuner.model_tuner import TunerLimits
+from astuner.rollout import RolloutRunner, RolloutSettings
+from astuner.task_judge.base_judge import BaseJudge
+from astuner.types import Task
+from astuner.watchdog import Watchdog
+from astuner.workflow import Workflow
+
+class Stuck(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        await asyncio.to_thread(threading.Event().wait)  # never returns
+
+class Judge(BaseJudge):
+    def compute_reward(self, workflow_task, workflow_output):
+        return 0.0, False
+
+def runner(episode_timeout):
+    settings = RolloutSettings(num_repeat=2, max_env_worker=2, temperature=1.0, agent_madness_reward=0.0,
+                               episode_timeout=episode_timeout, madness_checks=(), tool_prompt="auto",
+                               limits=TunerLimits(max_model_len=256, max_tokens_per_turn=8, max_response_tokens=8,
+                                                  max_prompt_length=128))
+    return RolloutRunner(settings, None, tokenizer, Stuck, Judge(None), (tokenizer.eos_token_id,))
+
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+first = runner(0.3)
+episodes = first.run([Task("t", "q")])
+assert [e.flags for e in episodes] == [["timeout"]] * 2, episodes
+first.close()
+print("closed", flush=True)
+try:  # the stage's deadline stops the run with the agents' threads still stuck, and the process exits
+    with Watchdog(deadline_s=0.5) as dog, dog.stage("rollout"):
+        runner(60.0).run([Task("t", "q")])
+except Exception as exc:
+    print(type(exc).__name__, flush=True)
+"""
+
+
+def test_a_process_with_stuck_synchronous_agents_closes_its_loop_and_exits_promptly(demo_model_dir):
+    """Nothing joins an abandoned agent's thread: not the loop's close, not interpreter exit after a stage
+    timeout (each hung for ever before)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(demo_model_dir)], capture_output=True,
+                              text=True, timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError("the process did not exit within 90 s: something joins a stuck agent's thread") from None
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed", "StageTimeout"]

@@ -1,10 +1,21 @@
-"""Hermes tool-call parsing: well-formed calls, and every malformation reported as an error."""
+"""Tool-call parsing: Hermes' well-formed calls and every malformation reported as an error; for every family,
+Gemma 4's quoting wherever whitespace stands, deep nesting reported instead of raised, and markers kept from the
+agent. (tests/test_parser_fuzz.py fuzzes the same properties.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from astuner.model_tuner.tool_parser import TOOL_PARSERS, HermesToolParser, get_tool_parser
+from astuner.model_tuner.formats import ChannelReasoningParser, ThinkReasoningParser
+from astuner.model_tuner.tool_parser import (
+    MAX_NESTING,
+    TOOL_PARSERS,
+    Gemma4ToolParser,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    get_tool_parser,
+)
 
 TOOLS = {"search", "calc"}
 
@@ -58,7 +69,8 @@ def test_unclosed_call(parser):
     out = parser.parse('Thinking <tool_call>{"name": "calc", "arguments": {"expr": "1+', TOOLS)
     assert out.tool_calls == []
     assert any("unclosed" in e for e in out.errors)
-    assert out.content.startswith("Thinking <tool_call>")  # the fragment stays visible
+    # The fragment stays visible, without the marker (the call's record keeps the raw text).
+    assert out.content == 'Thinking {"name": "calc", "arguments": {"expr": "1+'
 
 
 def test_unknown_tool_is_an_error_but_still_returned(parser):
@@ -107,3 +119,85 @@ def test_one_bad_call_does_not_drop_the_good_one(parser):
     out = parser.parse(text, TOOLS)
     assert [c.name for c in out.tool_calls] == ["calc"]
     assert len(out.errors) == 1
+
+
+Q = '<|"|>'
+
+
+def test_gemma4_quotes_after_whitespace_are_quotes():
+    out = Gemma4ToolParser().parse(f"<|tool_call>call:lookup{{name: {Q}Ada{Q}}}<tool_call|>", {"lookup"})
+    assert out.errors == [] and out.tool_calls[0].arguments == {"name": "Ada"}
+    # Whitespace wherever it may stand: around keys, values, ':' and ',', inside lists and nested maps.
+    text = (f"<|tool_call> call : lookup {{ \n name : {Q}Ada, Countess{Q} ,\n\ttags : [ {Q}a{Q} , 2 ] ,"
+            f" opts : {{ deep : None , {Q}quoted key{Q} : true }} \n}} <tool_call|>")
+    out = Gemma4ToolParser().parse(text, {"lookup"})
+    assert out.errors == []
+    assert out.tool_calls[0].arguments == {"name": "Ada, Countess", "tags": ["a", 2],
+                                           "opts": {"deep": None, "quoted key": True}}
+
+
+def test_gemma4_a_quote_marker_inside_an_unquoted_value_is_an_error():
+    out = Gemma4ToolParser().parse(f"<|tool_call>call:lookup{{name:Ada{Q}Lovelace{Q}}}<tool_call|>", {"lookup"})
+    assert out.tool_calls == [] and "marker" in out.errors[0]
+
+
+# A call of each family whose arguments hold `nested` (brackets the family's decoder has to descend into).
+DEEP_CALL = {
+    "hermes": lambda nested: f'<tool_call>{{"name": "f", "arguments": {{"x": {nested}}}}}</tool_call>',
+    "qwen3_coder": lambda nested: f"<tool_call><function=f><parameter=x>{nested}</parameter></function></tool_call>",
+    "llama3_json": lambda nested: f'<|python_tag|>{{"name": "f", "parameters": {{"x": {nested}}}}}',
+    "mistral": lambda nested: f'[TOOL_CALLS][{{"name": "f", "arguments": {{"x": {nested}}}}}]',
+    "gemma4": lambda nested: f"<|tool_call>call:f{{x:{nested}}}<tool_call|>",
+}
+
+
+def test_every_parser_has_a_deep_call():
+    assert set(DEEP_CALL) == set(TOOL_PARSERS)
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_CALL))
+@pytest.mark.parametrize("nested", ["[" * 5000 + "]" * 5000, "[" * 5000, '{"a":' * 5000, "[" * (MAX_NESTING + 1) +
+                                    "]" * (MAX_NESTING + 1)], ids=["balanced", "open", "braces", "just-too-deep"])
+def test_5000_deep_brackets_are_a_parse_failure_not_an_exception(name, nested):
+    out = TOOL_PARSERS[name]().parse(DEEP_CALL[name](nested), {"f"})
+    assert out.tool_calls == [] and out.errors, out
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_CALL))
+def test_nesting_within_the_bound_is_read(name):
+    depth = MAX_NESTING - 2  # the call's own map and the argument's level count too
+    out = TOOL_PARSERS[name]().parse(DEEP_CALL[name]("[" * depth + "]" * depth), {"f"})
+    assert out.errors == [] and len(out.tool_calls) == 1
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    (HermesToolParser(), "Done.</tool_call>", "Done."),
+    (HermesToolParser(), 'A <tool_call>{"name": "f", "arguments": {"x": "<tool_call>"}}</tool_call>', "A"),
+    (Llama3JsonToolParser(), 'Sure. <|python_tag|>{"name": "f", "parameters": {}}',
+     'Sure. {"name": "f", "parameters": {}}'),
+    (MistralToolParser(), '[TOOL_CALLS][{"name": "f", "arguments": {"x": "[TOOL_CALLS]"}}]', ""),
+    (Gemma4ToolParser(), f"<|tool_call>call:f{{x:{Q}a{Q}}}<tool_call|> then {Q}", "then"),
+    (Gemma4ToolParser(), "<|tool_call>call:f{x:<|<|tool_call>tool_call>", "call:f{x:"),
+])
+def test_markers_never_reach_the_agent_and_the_call_is_flagged(parser, text, content):
+    out = parser.parse(text, {"f"})
+    assert out.errors and out.content == content
+    assert not any(m in (c.name + repr(c.arguments)) for c in out.tool_calls for m in parser.markers)
+
+
+def test_mistral_text_after_the_calls_is_content_and_a_second_marker_more_calls():
+    text = '[TOOL_CALLS][{"name": "f", "arguments": {}}] and [TOOL_CALLS][{"name": "g", "arguments": {}}] done'
+    out = MistralToolParser().parse(text, {"f", "g"})
+    assert out.errors == [] and [c.name for c in out.tool_calls] == ["f", "g"] and out.content == "and  done"
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    (ThinkReasoningParser(), "<think>a</think>b</think>c", "a", "bc"),
+    (ThinkReasoningParser(), "Hi <think>plan, then cut", "plan, then cut", "Hi "),
+    (ThinkReasoningParser(), "<think>a</think>b<think>c</think>d", "a\nc", "bd"),
+    (ThinkReasoningParser(), "a<think>b</think>", "b", "a"),
+    (ChannelReasoningParser(), "<|channel>thought\nplan<channel|>answer<channel|>", "plan", "answer"),
+])
+def test_reasoning_markers_never_reach_the_agent(parser, text, reasoning, content):
+    split = parser.split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)

@@ -116,7 +116,7 @@ def test_a_sync_resets_the_prefix_cache_so_cached_prompts_use_the_new_weights(en
 
 def test_each_sync_is_verified_and_a_skipped_tensor_stops_it(engine, trainer):
     """A sync that leaves out one trained tensor leaves the engine serving its old value, and the check names
-    its group. (On CPU vLLM keeps linear weights packed, unreadable: the norms and embeddings are compared.)"""
+    it. (On CPU vLLM keeps linear weights packed: they are read back through their kernel, fingerprint.py.)"""
     from astuner.engine.fingerprint import SyncMismatch
 
     t = trainer()
@@ -125,7 +125,8 @@ def test_each_sync_is_verified_and_a_skipped_tensor_stops_it(engine, trainer):
     res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=8))[0]
     assert t.train_step([Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")])["grad_norm"] > 0
     skipped = "model.layers.1.post_attention_layernorm.weight"
-    with pytest.raises(SyncMismatch, match=r"vLLM engine does not serve.*\n  model.layers.1: sent sum"):
+    with pytest.raises(SyncMismatch, match=rf"vLLM engine does not serve.*\n  {skipped}: the engine holds it, but "
+                                          r"this sync did not send it"):
         engine.load_weights((n, w) for n, w in t.named_parameters_for_sync() if n != skipped)
     engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
     assert engine.last_sync["verified"] == 1.0
@@ -158,6 +159,30 @@ def test_lora_sync_gives_the_same_equality(engine, trainer):
     after = engine.sequence_logprobs(sequence, len(PROMPT))
     assert _mean_abs(after, t.compute_logprobs(PROMPT, res.token_ids, 1.0)) < LOGPROB_ATOL
     assert _mean_abs(after, res.logprobs) > 1e-2  # the adapters moved the policy
+    assert engine.last_sync["verified"] == 1.0
+
+
+def test_a_lora_sync_whose_merged_linear_did_not_take_stops_it(engine, trainer):
+    """Under LoRA only the merged linear layers change, and vLLM's CPU backend holds them packed: they are read
+    back through their kernel, so a merged layer the engine did not take is caught (not a pass on the frozen
+    norms alone)."""
+    from astuner.engine.fingerprint import SyncMismatch
+    from astuner.lora import LoraSettings
+
+    t = trainer(lora=LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear"), lr=1e-2)
+    engine.load_weights(t.named_parameters_for_sync())
+    res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=8))[0]
+    t.train_step([Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")])
+    merged = dict(t.named_parameters_for_sync())
+    name = "model.layers.0.mlp.up_proj.weight"
+    base = {n: w for n, w in trainer().named_parameters_for_sync()}
+    engine._shared.write(dict(merged, **{name: base[name]}).items())  # the engine gets the old weight ...
+    engine._call(engine._llm.collective_rpc("astuner_load_shared", timeout=60,
+                                            args=(engine._shared.path, engine._shared._manifest)), 65, "load")
+    engine._shared.write(merged.items())  # ... while the trainer's fingerprint is of the merged one
+    with pytest.raises(SyncMismatch, match=rf"(?s)vLLM engine does not serve.*\n  {name}: sent sum .* over its probe"):
+        engine._verify()
+    engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
 
 
 def test_cancelling_the_caller_stops_the_request(engine):

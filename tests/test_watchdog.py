@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from test_loop import TASKS, FakeMonitor, FakeStages, settings
 
 from astuner.errors import StageTimeout
 from astuner.loop import run_loop
-from astuner.watchdog import Watchdog, pending, watch
+from astuner.watchdog import STOP_SIGNAL, Watchdog, pending, watch
 
 
 def test_pending_names_the_oldest_item_and_where_it_is_now():
@@ -173,23 +174,39 @@ def test_an_interrupt_that_lands_as_the_stage_ends_is_still_the_timeout():
         pass
 
 
-def test_a_run_whose_sigint_is_ignored_still_meets_its_deadline():
-    import signal
+class BlockedInC(FakeStages):
+    def train(self, samples, objective="policy"):
+        time.sleep(30)  # one blocking call: an exception sent to the thread would land only after it returns
+        return {}
 
-    class Stuck(FakeStages):
-        def train(self, samples, objective="policy"):
-            for _ in range(300):
-                time.sleep(0.1)
-            return {}
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job started in the background
+@pytest.mark.parametrize("sigint", ["ignored", "foreign handler"])
+def test_a_blocking_stage_meets_its_deadline_whatever_sigint_does(sigint):
+    """SIGINT ignored is what `nohup ... &` leaves; a foreign handler is what a framework (or pytest) installs.
+    Either way the watchdog's own signal ends the blocking sleep, and the run stops in about the deadline."""
+    handler = signal.SIG_IGN if sigint == "ignored" else (lambda signum, frame: None)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         started = time.monotonic()
         with pytest.raises(StageTimeout, match="step 1 stage train"):
-            run_loop(settings(total_training_steps=2, stage_timeout_s=0.4), Stuck(), TASKS, [], FakeMonitor())
+            run_loop(settings(total_training_steps=2, stage_timeout_s=0.4), BlockedInC(), TASKS, [], FakeMonitor())
         assert time.monotonic() - started < 10
+        assert signal.getsignal(signal.SIGINT) is handler  # SIGINT left as it was
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_stop_signal_handler_is_the_stages_only():
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(STOP_SIGNAL, mine)
+    try:
+        with Watchdog(deadline_s=100).stage("train"):
+            assert signal.getsignal(STOP_SIGNAL) is not mine
+        assert signal.getsignal(STOP_SIGNAL) is mine
+    finally:
+        signal.signal(STOP_SIGNAL, previous)
 
 
 def test_validation_after_the_step_is_not_timed_as_the_step_but_still_named():

@@ -182,9 +182,10 @@ class RolloutSection(Section):
         ge=1,
     )
     python_tool_unsandboxed: bool = key(
-        False, "Only without bubblewrap, as root, with an interpreter uid 65534 cannot run (e.g. pyenv's under /root): "
-        "true runs model-written Python (execute_python_code) as root, able to read and write all astuner can; "
-        "false refuses the tool, naming apt-get install bubblewrap.")
+        False, "Only where bubblewrap cannot run: true runs model-written Python (execute_python_code) in a process "
+        "sandbox that reaches the network, loopback services included, and, for a user other than root, runs as "
+        "you: the code can kill the run and, without Landlock, read your files (as root: uid 65534, or root where "
+        "that uid cannot run the interpreter); false refuses the tool, saying how to get bubblewrap.")
     tool_prompt: Literal["auto", "template", "builtin"] = key(
         "auto",
         "How tools reach the model: auto (the chat template if it renders tools, else the built-in tool prompt) | "

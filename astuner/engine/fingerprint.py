@@ -1,54 +1,155 @@
 """Weight fingerprints: every sync checks that the engine now serves what the trainer sent.
 
-A sync that silently drops a tensor (a name the engine's loader does not know, a LoRA layer left unmerged) leaves
-the engine sampling from a policy nobody trains, and nothing else would notice for weeks. So after each sync the
-engine fingerprints the weights it holds and compares them with the fingerprint of the tensors it was handed
-(cast to its own dtype, as it stores them).
+A sync that silently drops a tensor (a name the engine's loader does not know, a LoRA layer left unmerged), swaps
+two tensors or loads one transposed leaves the engine sampling from a policy nobody trains, and nothing else would
+notice for weeks. So after each sync the engine fingerprints the weights it holds and compares them with the
+fingerprint of the tensors it was handed (cast to its own dtype, as it stores them).
 
-The fingerprint of a module: for each group of tensors (a parameter's module path without its last two parts,
-e.g. `model.layers.3.self_attn` for q/k/v/o), the float64 sums
-    S = sum(x)        A = sum(|x|)
-over the group's elements. Sums do not depend on layout, so they hold where an engine fuses tensors (vLLM's
-qkv_proj and gate_up_proj hold the same elements as q/k/v_proj and gate/up_proj) or pads a vocabulary with zero
-rows. Two fingerprints agree on a group when |S_e - S_t| and |A_e - A_t| are at most rtol * A_t (RTOL: the
-values are the same numbers, summed in another order). A skipped tensor changes its group's sums by the
-update it missed; a tensor whose update is below the engine dtype's resolution is unchanged, and harmless.
+The fingerprint holds one entry per tensor, keyed by its checkpoint name (an engine that fuses q/k/v or gate/up
+splits them back, see `vllm_worker.py`): its shape and, over its n elements x_k in row-major order,
+    S = sum_k x_k        A = sum_k |x_k|        P = sum_k sigma(k) x_k
+with sigma(k) = +-1 a fixed pseudo-random sign of the flat index k (bit 31 of k * 2654435761, Knuth's
+multiplicative hash; k taken modulo 2^31). Name and shape catch a swap of two tensors and a transposed
+non-square one; P catches a transposed square tensor, rows or columns swapped within a tensor (sums do not).
+For a 2-D tensor W (rows x cols) it also holds Q, the same signed sum over a fixed sample of its columns
+    B = W[:, J],  J = {floor((2t + 1) cols / 2m) : t < m},  m = min(16, cols),
+    Q = sum_{i,t} sigma(i m + t) B[i, t]       QA = sum |B|,
+which an engine can read back exactly from a layer whose weights it keeps only in packed form (vLLM's CPU
+backend): multiplying the layer by m one-hot rows returns those columns, each output one exact product.
 
-Where an engine keeps weights in a form that cannot be read back (vLLM's CPU backend repacks linear layers into
-oneDNN handles and empties their parameters), those groups are left out and the rest compared: on CPU that is
-the embeddings and the norms, on GPU every weight.
+Memory: each tensor is reduced CHUNK elements at a time, each chunk cast to float64 on its own device (about 32
+bytes per chunk element in flight, 8 MiB), never the whole tensor. Both sides sum the same values (the engine's
+dtype, exact in float64), so they differ by float64 rounding in another order only: at most
+rtol(n) = C * eps(float64) * sqrt(n) relative to A (tests/tolerances.py's probabilistic bound). A tensor whose
+update is below the engine dtype's resolution is unchanged, and harmless.
+
+A check that compared only weights this sync did not change (frozen ones, where the changed ones cannot be read
+back) proves nothing: `changed` and `compared` let the engine report such a sync unverified.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
-RTOL = 1e-9  # the same fp32/bf16 values summed in float64 in another order differ by far less
+CHUNK = 1 << 18  # elements reduced at a time: 2 MiB of float64 per buffer
+PROBE_COLUMNS = 16
+C = 8.0  # the constant of tests/tolerances.py: a few roundings per term
+EPS64 = 2.0 ** -52
+_HASH = 2654435761  # < 2^32, so k * _HASH < 2^63 for k < 2^31: no int64 overflow
+_MASK31 = (1 << 31) - 1
 
-Fingerprint = dict[str, tuple[float, float]]  # group -> (S, A)
+
+def rtol(n: int) -> float:
+    """Relative (to A) tolerance of two float64 sums of the same n values taken in different orders."""
+    return C * EPS64 * math.sqrt(max(n, 1))
 
 
-def group_of(name: str) -> str:
-    parts = name.split(".")
-    return ".".join(parts[:-2]) if len(parts) > 2 else "<top>"
+@dataclass(frozen=True)
+class TensorPrint:
+    """One tensor's fingerprint; `s`, `a`, `p` are None where the engine cannot read the whole tensor, `q`, `qa`
+    None for tensors that are not 2-D."""
+
+    shape: tuple[int, ...]
+    s: float | None
+    a: float | None
+    p: float | None
+    q: float | None = None
+    qa: float | None = None
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape)
+
+
+Fingerprint = dict[str, TensorPrint]
+UNREADABLE = TensorPrint((), None, None, None)  # an engine holds the tensor but cannot read it: not compared
+
+
+def from_wire(prints: dict) -> Fingerprint:
+    """A fingerprint back from an RPC, which carries each TensorPrint as a dict (vLLM's collective_rpc)."""
+    return {name: v if isinstance(v, TensorPrint) else TensorPrint(**dict(v, shape=tuple(v["shape"])))
+            for name, v in prints.items()}
+
+
+def probe_columns(cols: int) -> list[int]:
+    """The columns J whose values Q sums (evenly spread, the same on every side for a given width)."""
+    m = min(PROBE_COLUMNS, cols)
+    return [((2 * t + 1) * cols) // (2 * m) for t in range(m)]
+
+
+def signs(start: int, count: int, device):
+    """sigma(k) for k in [start, start + count), as float64 +-1."""
+    import torch
+
+    k = torch.arange(start, start + count, dtype=torch.int64, device=device) & _MASK31
+    return 1.0 - 2.0 * ((k * _HASH) >> 31 & 1).to(torch.float64)
+
+
+def _chunks(tensor, start: int = 0) -> Iterator[tuple[int, object]]:
+    """(flat index of its first element, 1-D chunk of at most CHUNK elements) over `tensor` in row-major order;
+    a non-contiguous tensor is copied one bounded block of rows at a time, never whole."""
+    if tensor.is_contiguous():
+        flat = tensor.view(-1)
+        for lo in range(0, flat.numel(), CHUNK):
+            yield start + lo, flat[lo : lo + CHUNK]
+        return
+    row = tensor[0].numel() if tensor.dim() else 1
+    if row > CHUNK:  # one row alone is too big to copy: descend into it
+        for i in range(tensor.shape[0]):
+            yield from _chunks(tensor[i], start + i * row)
+        return
+    step = max(1, CHUNK // row)
+    for lo in range(0, tensor.shape[0], step):
+        yield start + lo * row, tensor[lo : lo + step].contiguous().view(-1)
+
+
+def signed_sums(tensor) -> tuple[float, float, float]:
+    """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device."""
+    import torch
+
+    tensor = tensor.detach()
+    acc = torch.zeros(3, dtype=torch.float64, device=tensor.device)
+    for start, chunk in _chunks(tensor):
+        wide = chunk.to(torch.float64)
+        acc[0] += wide.sum()
+        acc[2] += (wide * signs(start, wide.numel(), wide.device)).sum()
+        acc[1] += wide.abs_().sum()
+    s, a, p = acc.tolist()  # one device sync per tensor, not per chunk
+    return s, a, p
+
+
+def column_sums(columns) -> tuple[float, float]:
+    """(Q, QA) of the probe columns B (rows x m), as gathered by `probe_block` or read back by an engine."""
+    _, a, p = signed_sums(columns)
+    return p, a
+
+
+def probe_block(tensor):
+    """B = W[:, J] of a 2-D tensor (rows x m, a small copy)."""
+    return tensor.detach()[:, probe_columns(tensor.shape[1])]
+
+
+def tensor_print(tensor) -> TensorPrint:
+    s, a, p = signed_sums(tensor)
+    q = qa = None
+    if tensor.dim() == 2 and tensor.numel():
+        q, qa = column_sums(probe_block(tensor))
+    return TensorPrint(tuple(tensor.shape), s, a, p, q, qa)
 
 
 class FingerprintBuilder:
     """Accumulates a fingerprint one tensor at a time (a sync streams its tensors)."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, list[float]] = {}
+        self._prints: Fingerprint = {}
 
     def add(self, name: str, tensor) -> None:
-        import torch
-
-        wide = tensor.detach().to(torch.float64, copy=True)  # one float64 copy serves both sums
-        sums = self._sums.setdefault(group_of(name), [0.0, 0.0])
-        sums[0] += float(wide.sum())
-        sums[1] += float(wide.abs_().sum())
+        self._prints[name] = tensor_print(tensor)
 
     def result(self) -> Fingerprint:
-        return {group: (s, a) for group, (s, a) in self._sums.items()}
+        return dict(self._prints)
 
 
 def fingerprint(named_tensors: Iterable[tuple[str, object]]) -> Fingerprint:
@@ -58,17 +159,53 @@ def fingerprint(named_tensors: Iterable[tuple[str, object]]) -> Fingerprint:
     return builder.result()
 
 
-def differences(sent: Fingerprint, served: Fingerprint, rtol: float = RTOL) -> list[str]:
-    """The groups whose served weights are not the ones sent, each with both fingerprints."""
-    out = []
-    for group, (s, a) in sorted(sent.items()):
-        if group not in served:
-            out.append(f"{group}: sent, but the engine holds no such weights")
+def _close(x: float, y: float, scale: float, n: int) -> bool:
+    return abs(x - y) <= rtol(n) * max(scale, EPS64)
+
+
+def _whole_compared(sent: TensorPrint, served: TensorPrint) -> bool:
+    return served.s is not None and sent.s is not None
+
+
+def _columns_compared(sent: TensorPrint, served: TensorPrint) -> bool:
+    return served.q is not None and sent.q is not None
+
+
+def differences(sent: Fingerprint, served: Fingerprint) -> list[str]:
+    """The tensors whose served weights are not the ones sent, each with both fingerprints. A tensor the engine
+    holds but the sync left out keeps its old value: named too (every sync sends every weight)."""
+    out = [f"{name}: the engine holds it, but this sync did not send it (it keeps its old value)"
+           for name in sorted(served) if name not in sent]
+    for name, t in sorted(sent.items()):
+        e = served.get(name)
+        if e is None:
+            out.append(f"{name}: sent, but the engine holds no such weights")
+        elif e == UNREADABLE:
             continue
-        s2, a2 = served[group]
-        if abs(s2 - s) > rtol * a or abs(a2 - a) > rtol * a:
-            out.append(f"{group}: sent sum {s:.6g} (|.| {a:.6g}), engine holds sum {s2:.6g} (|.| {a2:.6g})")
+        elif e.shape != t.shape:
+            out.append(f"{name}: sent with shape {list(t.shape)}, the engine holds shape {list(e.shape)}")
+        elif _whole_compared(t, e) and not all(_close(x, y, t.a, t.n) for x, y in ((e.s, t.s), (e.a, t.a),
+                                                                                 (e.p, t.p))):
+            out.append(f"{name}: sent sum {t.s:.6g} (|.| {t.a:.6g}, signed {t.p:.6g}), engine holds sum "
+                       f"{e.s:.6g} (|.| {e.a:.6g}, signed {e.p:.6g})")
+        elif _columns_compared(t, e) and not all(_close(x, y, t.qa, t.shape[0] * PROBE_COLUMNS)
+                                                 for x, y in ((e.q, t.q), (e.qa, t.qa))):
+            out.append(f"{name}: sent sum {t.q:.6g} over its probe columns (|.| {t.qa:.6g}), engine holds "
+                       f"{e.q:.6g} (|.| {e.qa:.6g})")
     return out
+
+
+def compared(sent: Fingerprint, served: Fingerprint) -> set[str]:
+    """The sent tensors whose values the engine's fingerprint could be compared with (wholly or by columns)."""
+    return {name for name, t in sent.items() if name in served and served[name].shape == t.shape
+            and (_whole_compared(t, served[name]) or _columns_compared(t, served[name]))}
+
+
+def changed(previous: Fingerprint | None, sent: Fingerprint) -> set[str]:
+    """The tensors this sync sent with other values than the last one (all of them on the first sync)."""
+    if previous is None:
+        return set(sent)
+    return {name for name, t in sent.items() if name not in previous or previous[name] != t}
 
 
 class SyncMismatch(RuntimeError):

@@ -84,6 +84,7 @@ class SharedWeightFile:
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self.sent: Fingerprint = {}  # the fingerprint of the last write (what the engine must now serve)
+        self.previous: Fingerprint | None = None  # ... and of the write before it (what changed)
         self.fingerprint_s = 0.0  # ... and the seconds it took
         self.path: str | None = None
         self._buf = None
@@ -135,7 +136,7 @@ class SharedWeightFile:
             self.fingerprint_s += time.perf_counter() - started
         if on_gpu:
             torch.cuda.synchronize()
-        self.sent = sent.result()
+        self.previous, self.sent = self.sent or None, sent.result()
         return self.path, manifest
 
     def _unpin(self) -> None:

@@ -45,15 +45,73 @@ class WeightSyncExtension:
         return time.perf_counter() - started
 
 
-    def astuner_fingerprint(self) -> tuple[dict, list[str]]:
-        """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py), and the groups it
-        cannot see: vLLM's CPU backend repacks linear weights into oneDNN handles and leaves the parameters
-        empty."""
-        from astuner.engine.fingerprint import fingerprint, group_of
+    def astuner_fingerprint(self) -> dict:
+        """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py), under the
+        checkpoint's names (see `served_fingerprint`)."""
+        return served_fingerprint(self.model_runner.get_model())
 
-        params = list(self.model_runner.get_model().named_parameters())
-        opaque = sorted({group_of(name) for name, p in params if p.numel() == 0})
-        return fingerprint((n, p) for n, p in params if p.numel() > 0), opaque
+
+def served_fingerprint(model) -> dict:
+    """Fingerprint entries under the checkpoint's names: fused layers (qkv_proj, gate_up_proj: the model's
+    `packed_modules_mapping`) are split back by their `output_sizes`, and a padded vocabulary is cut to its real
+    rows. Each tensor is reduced in bounded chunks (it runs right after the KV cache wakes).
+
+    A layer that vLLM's CPU backend holds only packed (oneDNN, an empty `weight`) is read back through its own
+    kernel (`cpu_linear`) on m one-hot rows: the probe columns of fingerprint.py, exact, so the weights that
+    actually compute (LoRA's merged linears among them) are compared. A tied LM head's packed copy is read the
+    same way, so a head left with the old weights is caught too."""
+    import torch
+
+    from astuner.engine.fingerprint import UNREADABLE, TensorPrint, column_sums, probe_columns, tensor_print
+
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    names = {id(p): n for n, p in model.named_parameters()}  # the first name of each (tied) parameter
+    prints: dict[str, TensorPrint] = {}
+    for mod_name, module in model.named_modules():
+        leaf = mod_name.rsplit(".", 1)[-1]
+        rows = getattr(module, "org_vocab_size", None)  # vocabulary layers: the rows past it are padding
+        for pname, param in module.named_parameters(recurse=False):
+            name = names.get(id(param), f"{mod_name}.{pname}")
+            if param.numel() == 0:  # packed away: unreadable unless its kernel reads it back below
+                prefix = name[: -len(f"{leaf}.{pname}")]
+                for part in packed.get(leaf) or [leaf]:
+                    prints[f"{prefix}{part}.{pname}"] = UNREADABLE
+                continue
+            parts = _split(name, leaf, pname, packed.get(leaf), getattr(module, "output_sizes", None), param)
+            for part_name, tensor in parts:
+                prints[part_name] = tensor_print(tensor[:rows] if rows is not None else tensor)
+        linear = getattr(module, "cpu_linear", None)
+        weight = getattr(module, "weight", None)
+        if linear is None or not isinstance(weight, torch.Tensor):
+            continue
+        in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+        if in_features is None:
+            continue
+        columns = probe_columns(in_features)
+        dtype = getattr(module, "params_dtype", weight.dtype)
+        one_hot = torch.zeros(len(columns), in_features, dtype=dtype, device=weight.device)
+        one_hot[torch.arange(len(columns)), columns] = 1
+        with torch.no_grad():
+            block = linear(one_hot, weight, None).t()  # (out, m): W[:, J], each entry one exact product
+        if rows is not None:
+            block = block[:rows]
+        name = names.get(id(weight), f"{mod_name}.weight")
+        sizes = getattr(module, "output_sizes", None)
+        for part_name, part in _split(name, leaf, "weight", packed.get(leaf), sizes, block):
+            q, qa = column_sums(part)
+            whole = prints.get(part_name)
+            whole = None if whole == UNREADABLE else whole
+            shape = whole.shape if whole is not None else (part.shape[0], in_features)
+            prints[part_name] = TensorPrint(shape, whole and whole.s, whole and whole.a, whole and whole.p, q, qa)
+    return prints
+
+
+def _split(name: str, leaf: str, pname: str, parts: list[str] | None, sizes, tensor):
+    """(checkpoint name, rows) of a fused parameter's parts, or [(name, tensor)] for an unfused one."""
+    if not parts or not sizes or len(parts) != len(sizes) or sum(sizes) != tensor.shape[0]:
+        return [(name, tensor)]
+    prefix = name[: -len(f"{leaf}.{pname}")]
+    return [(f"{prefix}{part}.{pname}", rows) for part, rows in zip(parts, tensor.split(list(sizes)))]
 
 
 def _repack_tied_head(model) -> None:

@@ -4,7 +4,9 @@ Reasoning parsers (`REASONING_PARSERS`, named by `rollout.reasoning_parser`):
   none   the whole output is content;
   think  `<think>...</think>` is reasoning, the rest content (Qwen3, QwQ, DeepSeek-R1). A template whose
          generation prompt already opens `<think>` makes the model write only `...</think>answer`; that is
-         handled too. An unclosed `<think>` (generation cut at max_tokens) is all reasoning, no content.
+         handled too. An unclosed `<think>` (generation cut at max_tokens) is all reasoning, no content. Text
+         before a block stays content, later blocks are reasoning too, and a stray tag is dropped: the
+         markers never reach the agent.
   channel  Gemma 4's `<|channel>thought\n...<channel|>`, split the same way.
 Reasoning is kept out of the content handed back to the agent, returned as `reasoning_content`, and kept in the
 recorded tokens (training sees exactly what was sampled).
@@ -39,14 +41,37 @@ class ThinkReasoningParser:
     markers = (open_tag, close_tag)
 
     def split(self, text: str) -> ReasoningSplit:
-        if self.close_tag in text:
-            head, _, tail = text.partition(self.close_tag)
-            reasoning = head.split(self.open_tag, 1)[-1]
-            return ReasoningSplit(reasoning.strip("\n"), tail.lstrip("\n"))
-        stripped = text.lstrip()
-        if stripped.startswith(self.open_tag):
-            return ReasoningSplit(stripped[len(self.open_tag):].strip("\n"), "")
-        return ReasoningSplit(None, text)
+        if not any(m in text for m in self.markers):
+            return ReasoningSplit(None, text)
+        reasoning, content, rest = [], [], text
+        close = rest.find(self.close_tag)
+        if close >= 0 and self.open_tag not in rest[:close]:  # the generation prompt opened the block
+            reasoning.append(rest[:close])
+            rest = rest[close + len(self.close_tag):].lstrip("\n")
+        while (start := rest.find(self.open_tag)) >= 0:
+            content.append(rest[:start])
+            rest = rest[start + len(self.open_tag):]
+            close = rest.find(self.close_tag)
+            if close < 0:  # generation cut at max_tokens: the rest is reasoning
+                reasoning.append(rest)
+                rest = ""
+                break
+            reasoning.append(rest[:close])
+            rest = rest[close + len(self.close_tag):].lstrip("\n")
+        content.append(rest)
+        # A stray tag (a second </think>, an open tag inside the reasoning) reaches neither side.
+        thought = "\n".join(self._reasoning(self._clean(r)) for r in reasoning) if reasoning else None
+        answer = self._clean("".join(content))
+        return ReasoningSplit(thought, answer if answer.strip() else "")
+
+    def _clean(self, text: str) -> str:
+        while any(m in text for m in self.markers):
+            for marker in self.markers:
+                text = text.replace(marker, "")
+        return text
+
+    def _reasoning(self, text: str) -> str:
+        return text.strip("\n")
 
 
 class ChannelReasoningParser(ThinkReasoningParser):
@@ -55,11 +80,9 @@ class ChannelReasoningParser(ThinkReasoningParser):
     open_tag, close_tag = "<|channel>", "<channel|>"
     markers = (open_tag, close_tag)
 
-    def split(self, text: str) -> ReasoningSplit:
-        split = super().split(text)
-        if split.reasoning is not None and split.reasoning.startswith("thought"):
-            split.reasoning = split.reasoning[len("thought"):].lstrip("\n")
-        return split
+    def _reasoning(self, text: str) -> str:
+        text = text.strip("\n")
+        return text[len("thought"):].lstrip("\n") if text.startswith("thought") else text
 
 
 REASONING_PARSERS: dict[str, type] = {"none": NoReasoningParser, "think": ThinkReasoningParser,

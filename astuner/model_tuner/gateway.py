@@ -1,6 +1,8 @@
 """The OpenAI front ends of ModelTuner: an OpenAI-compatible ASGI app, in-process clients and a loopback server.
 
-One Starlette (ASGI) app serves `POST /v1/chat/completions` (with and without `stream=true`) and `GET /v1/models`. Every
+One Starlette (ASGI) app serves `POST /v1/chat/completions` (with and without `stream=true`), `POST /v1/responses`
+(the Responses API: responses_api.py), `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic's:
+anthropic_api.py) and `GET /v1/models`. Every
 request carries an episode's key (`Authorization: Bearer <key>`): keys are issued per (episode, agent) and revoked
 when the episode ends; an unknown or revoked key gets 401 and nothing is recorded. A request runs the episode's
 `ModelTuner._complete` on the episode's event loop, so it is recorded exactly like an AgentScope call.
@@ -26,6 +28,13 @@ Sampling filters are the run's (`rollout.top_p` / `rollout.top_k`, applied by th
 alike); a request's own `top_p` / `top_k` is ignored with a warning, since the trainer must score every call with
 the filter it was sampled with. The clients do not retry (`max_retries=0`): a retried call would be a second
 sampled call in the record.
+
+Errors come in the API's own shape (OpenAI's `{"error": {...}}`; Anthropic's `{"type": "error", ...}` under
+/v1/messages), unknown routes and wrong methods included. A request is type-checked before anything is rendered
+(request_checks.py): a malformed body gets 400 and records nothing. Every 4xx carries `x-should-retry: false`,
+which the openai and anthropic SDKs obey, since the same request would fail the same way. Either auth header
+(`Authorization: Bearer` or `x-api-key`) works on every route. A call whose client hung up before its answer was
+delivered (a client-side timeout it will retry) is un-recorded (`ModelTuner.discard`): it is never trained.
 """
 
 from __future__ import annotations
@@ -41,8 +50,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from astuner.model_tuner import anthropic_api
+from astuner.model_tuner import anthropic_api, responses_api
 from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
+from astuner.model_tuner.request_checks import read_chat_request, read_json_object
 from astuner.model_tuner.turn import (
     CallOptions,
     EpisodeOverflow,
@@ -221,16 +231,24 @@ class _LoopTransport:
 def build_app(gateway: Gateway):
     """The Starlette app (Starlette is the ASGI toolkit FastAPI is built on; two routes need nothing more)."""
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    def error(status: int, message: str, code: str, kind: str = "invalid_request_error"):
-        return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}}, status)
+    def error(status: int, message: str, code: str | None, kind: str = "invalid_request_error",
+              param: str | None = None, headers: dict | None = None):
+        return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}}, status,
+                            headers=_retry_headers(status, headers))
+
+    def refuse(status: int, message: str, kind: str, headers: dict | None = None):
+        """An error in the Messages API's shape."""
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status,
+                            headers=_retry_headers(status, headers))
 
     def authorized(request) -> _Entry | None:
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else None
-        return gateway.lookup(key)
+        return gateway.lookup(key) or gateway.lookup(request.headers.get("x-api-key"))
 
     async def models(request):
         entry = authorized(request)
@@ -244,64 +262,111 @@ def build_app(gateway: Gateway):
         if entry is None:
             return error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
         try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            return error(400, f"request body is not JSON: {exc}", "invalid_json")
-        try:
-            messages, tools, options, stream, usage_chunk = _read_request(body, entry, gateway)
-        except ValueError as exc:
-            return error(400, str(exc), "invalid_request")
-        turn, failure = await _complete(entry, messages, tools, options)
+            chat = read_chat_request(read_json_object(await request.body()), entry.options)
+            read_tool_choice(normalize_tools(chat.tools), chat.options.tool_choice)  # naming no offered tool
+        except ValueError as exc:  # RequestError, and read_tool_choice's
+            return error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
+        for name, value in chat.ignored.items():
+            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
+                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
+        turn, failure = await _complete(entry, chat.messages, chat.tools, chat.options)
         if failure is not None:
             status, message, code, kind = failure
             return error(status, message, code, kind)
+        if await request.is_disconnected():
+            return _hung_up(entry, turn)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = entry.tuner.model_name
-        if stream:
-            chunks = _stream_chunks(turn, completion_id, model, usage_chunk)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        return JSONResponse(_completion(turn, completion_id, model))
+        if chat.stream:
+            chunks = _stream_chunks(turn, completion_id, model, chat.usage_chunk)
+            return _Delivery(entry, turn, StreamingResponse(chunks, media_type="text/event-stream"))
+        return _Delivery(entry, turn, JSONResponse(_completion(turn, completion_id, model)))
 
     async def messages(request):
         """Anthropic's Messages API (anthropic_api.py); its own error shape."""
-        def refuse(status: int, message: str, kind: str):
-            return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
-
-        entry = gateway.lookup(request.headers.get("x-api-key")) or authorized(request)
+        entry = authorized(request)
         if entry is None:
             return refuse(401, "invalid or revoked API key", "authentication_error")
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise anthropic_api.MessagesRequestError("request body must be a JSON object")
-            chat = anthropic_api.to_openai_messages(body)
-            tools, choice = anthropic_api.to_openai_tools(body)
-            read_tool_choice(normalize_tools(tools), choice)
-        except (ValueError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            call = anthropic_api.read_messages_request(read_json_object(await request.body()), entry.options)
+        except ValueError as exc:
             return refuse(400, str(exc), "invalid_request_error")
-        stops = tuple(str(s) for s in body.get("stop_sequences") or ())
-        temperature, max_tokens = body.get("temperature"), body.get("max_tokens")
-        options = CallOptions(
-            agent=entry.options.agent, trainable=entry.options.trainable,
-            temperature=float(temperature) if isinstance(temperature, (int, float)) else None,
-            max_tokens=int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
-            stop=stops, tool_choice=choice)
-        turn, failure = await _complete(entry, chat, tools, options)
+        turn, failure = await _complete(entry, call.chat, call.tools, call.options)
         if failure is not None:
             status, message, _, kind = failure
             kinds = {"invalid_request_error": "invalid_request_error", "timeout": "timeout_error"}
             return refuse(status, message, kinds.get(kind, "api_error"))
-        model, tokenizer = entry.tuner.model_name, entry.tuner.tokenizer
-        if body.get("stream"):
-            return StreamingResponse(anthropic_api.message_events(turn, model, tokenizer, stops),
-                                     media_type="text/event-stream")
-        return JSONResponse(anthropic_api.message_response(turn, model, tokenizer, stops))
+        if await request.is_disconnected():
+            return _hung_up(entry, turn)
+        model, tokenizer, stops = entry.tuner.model_name, entry.tuner.tokenizer, call.options.stop
+        if call.stream:
+            return _Delivery(entry, turn, StreamingResponse(
+                anthropic_api.message_events(turn, model, tokenizer, stops), media_type="text/event-stream"))
+        return _Delivery(entry, turn, JSONResponse(anthropic_api.message_response(turn, model, tokenizer, stops)))
+
+    async def count_tokens(request):
+        """`/v1/messages/count_tokens`: the prompt a call with this body would get, rendered, and counted."""
+        entry = authorized(request)
+        if entry is None:
+            return refuse(401, "invalid or revoked API key", "authentication_error")
+        try:
+            call = anthropic_api.read_messages_request(read_json_object(await request.body()), entry.options,
+                                                       count_only=True)
+            count = entry.tuner.prompt_length(call.chat, call.tools, call.options)
+        except ValueError as exc:
+            return refuse(400, str(exc), "invalid_request_error")
+        except Exception as exc:  # noqa: BLE001 - a template that refuses the messages, as for a call
+            status, message, _, kind = _failure(exc)
+            return refuse(status, message, "invalid_request_error" if status == 400 else "api_error")
+        return JSONResponse({"input_tokens": count})
+
+    async def http_error(request, exc: HTTPException):
+        """Unknown routes and wrong methods, in the API's own error shape (Starlette's are plain text)."""
+        what = f"{request.method} {request.url.path}"
+        message = {404: f"no such route: {what}", 405: f"method not allowed: {what}"}.get(exc.status_code,
+                                                                                           str(exc.detail))
+        if exc.status_code == 405:
+            message += f"; use {exc.headers.get('Allow', '')}"
+        if request.url.path.startswith("/v1/messages"):
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return refuse(exc.status_code, message, kind, headers=exc.headers)
+        return error(exc.status_code, message, {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
+                     headers=exc.headers)
+
+    async def server_error(request, exc: Exception):
+        """A bug of ours, still in the API's shape (Starlette logs the traceback)."""
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        if request.url.path.startswith("/v1/messages"):
+            return refuse(500, message, "api_error")
+        return error(500, message, "internal_error", "server_error")
+
+    async def responses(request):
+        """OpenAI's Responses API (responses_api.py): the chat route's keys, checks, errors and delivery."""
+        entry = authorized(request)
+        if entry is None:
+            return error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
+        try:
+            call = responses_api.read_responses_request(read_json_object(await request.body()), entry.options)
+        except ValueError as exc:  # RequestError, and read_tool_choice's
+            return error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
+        for name, value in call.ignored.items():
+            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
+                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
+        turn, failure = await _complete(entry, call.messages, call.tools, call.options)
+        if failure is not None:
+            status, message, code, kind = failure
+            return error(status, message, code, kind)
+        if await request.is_disconnected():
+            return _hung_up(entry, turn)
+        return _Delivery(entry, turn, responses_api.answer(turn, entry.tuner.model_name, call))
 
     return Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-    ])
+    ], exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 async def _complete(entry: _Entry, messages: list[dict], tools, options):
@@ -316,12 +381,78 @@ async def _complete(entry: _Entry, messages: list[dict], tools, options):
             raise
         return None, (408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
     except Exception as exc:  # noqa: BLE001 - every failure becomes an API-shaped error
-        if isinstance(exc, EpisodeOverflow):
-            return None, (400, str(exc), "context_length_exceeded", "invalid_request_error")
-        if isinstance(exc, EpisodeTimeout):
-            return None, (408, str(exc), "episode_timeout", "timeout")
-        log.exception("gateway: call failed")
-        return None, (500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error")
+        return None, _failure(exc)
+
+
+def _failure(exc: Exception) -> tuple[int, str, str, str]:
+    """(status, message, code, error type) for a call that raised."""
+    import jinja2
+
+    if isinstance(exc, EpisodeOverflow):
+        return 400, str(exc), "context_length_exceeded", "invalid_request_error"
+    if isinstance(exc, EpisodeTimeout):
+        return 408, str(exc), "episode_timeout", "timeout"
+    if isinstance(exc, jinja2.TemplateError):  # e.g. a template that requires alternating roles
+        return 400, f"the model's chat template refused these messages: {exc}", "invalid_request", \
+            "invalid_request_error"
+    log.exception("gateway: call failed")
+    return 500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error"
+
+
+def _retry_headers(status: int, headers: dict | None) -> dict:
+    """A 4xx would fail the same way again (a bad body, a revoked key, an expired episode): `x-should-retry:
+    false` stops the openai and anthropic SDKs from retrying it (they retry 408 and 429 by default)."""
+    out = dict(headers or {})
+    if 400 <= status < 500:
+        out["x-should-retry"] = "false"
+    return out
+
+
+def _discard_on_episode_loop(entry: _Entry, call) -> None:
+    loop = entry.loop
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is None or loop is running or loop.is_closed():
+        entry.tuner.discard(call)
+    else:
+        loop.call_soon_threadsafe(entry.tuner.discard, call)  # the tuner's state belongs to its loop
+
+
+def _hung_up(entry: _Entry, turn):
+    """The client left while the call generated: nobody will read the answer (a retry may come)."""
+    from starlette.responses import Response
+
+    _discard_on_episode_loop(entry, turn.call)
+    return Response(status_code=499)  # nginx's "client closed request"; no client is left to read it
+
+
+class _Delivery:
+    """An ASGI response that un-records its call when the answer did not reach the client: a send that failed,
+    or a stream Starlette stopped on the client's disconnect."""
+
+    def __init__(self, entry: _Entry, turn, response) -> None:
+        self.entry, self.turn, self.response = entry, turn, response
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.requests import ClientDisconnect
+
+        delivered = False
+
+        async def tracked(message) -> None:
+            nonlocal delivered
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                delivered = True
+
+        try:
+            await self.response(scope, receive, tracked)
+        except (ClientDisconnect, OSError):
+            pass  # the client is gone: there is nobody to answer, and nothing went wrong here
+        finally:
+            if not delivered:
+                _discard_on_episode_loop(self.entry, self.turn.call)
 
 
 async def _run_on_episode_loop(entry: _Entry, coro):
@@ -333,43 +464,6 @@ async def _run_on_episode_loop(entry: _Entry, coro):
         coro.close()
         raise RuntimeError("the episode this key belongs to has ended")
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
-
-
-def _read_request(body: Any, entry: _Entry, gateway: Gateway):
-    if not isinstance(body, dict):
-        raise ValueError("request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("'messages' must be a non-empty list of message objects")
-    if body.get("n", 1) != 1:
-        raise ValueError("only n=1 is supported: each sampled call is one recorded training sample")
-    tools = body.get("tools") or None
-    read_tool_choice(normalize_tools(tools), body.get("tool_choice"))  # a choice naming no offered tool: 400
-    for name in ("top_p", "top_k"):
-        value = body.get(name)
-        if value is not None and not (name == "top_p" and value == 1):
-            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
-                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise ValueError(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding); "
-                         "ask for JSON in the prompt or use tools")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    temperature = body.get("temperature")
-    base = entry.options
-    options = CallOptions(
-        agent=base.agent,
-        trainable=base.trainable,
-        temperature=float(temperature) if isinstance(temperature, (int, float)) else None,
-        max_tokens=int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
-        stop=stop,
-        tool_choice=body.get("tool_choice"),
-    )
-    stream = bool(body.get("stream"))
-    usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))
-    return messages, tools, options, stream, usage_chunk
 
 
 def _message(turn) -> dict:

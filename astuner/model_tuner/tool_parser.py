@@ -14,6 +14,11 @@ Formats (what the model writes; each is what the family's own chat template rend
 
 Each parser names its `markers`: the strings it reads. Where a family's tokenizer makes them special tokens
 (`<|python_tag|>`, `[TOOL_CALLS]`), the response is decoded with them kept (decoding.py).
+
+Markers never reach the agent: a call whose name or arguments hold one is an error (not returned), and a marker
+left in the content (a stray one, or the open tag of a call cut at max_tokens, whose fragment stays visible as
+plain text) is removed from it and reported. The call's record keeps the raw text. Arguments nested deeper than
+`MAX_NESTING` levels are an error too: no tool means them, and JSON encoders downstream recurse.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+MAX_NESTING = 100
 
 
 @dataclass
@@ -53,67 +60,61 @@ class ToolParser(Protocol):
         """Whether the text contains anything this parser would treat as a tool call attempt."""
 
 
-class HermesToolParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as in Hermes / Qwen models."""
+_DECODER = json.JSONDecoder()
+_TOO_DEEP = "nested too deeply"
 
-    open_tag = "<tool_call>"
-    close_tag = "</tool_call>"
-    markers = (open_tag, close_tag)
 
-    def __init__(self) -> None:
-        self._block = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
+def _raw_decode(text: str, pos: int = 0) -> tuple[Any, int]:
+    """`JSONDecoder.raw_decode` whose every failure is a JSONDecodeError: Python's decoder recurses (RecursionError
+    on deep nesting) and refuses integers of more than 4,300 digits (ValueError)."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError(_TOO_DEEP, text, pos) from None
+    except ValueError as exc:
+        raise json.JSONDecodeError(str(exc), text, pos) from None
 
-    def has_tool_call(self, text: str) -> bool:
-        return self.open_tag in text
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out = ParsedOutput(content="")
-        outside: list[str] = []
-        pos = 0
-        index = 0
-        for match in self._block.finditer(text):
-            outside.append(text[pos : match.start()])
-            pos = match.end()
-            call, error = self._parse_block(match.group(1), index, tool_names, id_prefix)
-            index += 1
-            if error:
-                out.errors.append(error)
-            if call is not None:
-                out.tool_calls.append(call)
-        tail = text[pos:]
-        if self.open_tag in tail:
-            # Usually generation hit max_tokens mid-call; the fragment stays visible as plain text.
-            out.errors.append(f"unclosed {self.open_tag} at the end of the output")
-        outside.append(tail)
-        out.content = "".join(outside).strip()
-        return out
+def _loads(text: str) -> Any:
+    """json.loads with the failures of `_raw_decode`."""
+    stripped = text.strip()
+    value, end = _raw_decode(stripped)
+    if end != len(stripped):
+        raise json.JSONDecodeError("Extra data", stripped, end)
+    return value
 
-    def _parse_block(
-        self, body: str, index: int, tool_names: set[str] | None, id_prefix: str
-    ) -> tuple[ParsedToolCall | None, str | None]:
-        where = f"tool call {index}"
-        try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError as exc:
-            return None, f"{where}: invalid JSON ({exc.msg})"
-        if not isinstance(obj, dict):
-            return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            return None, f"{where}: missing or non-string 'name'"
-        arguments = obj.get("arguments", {})
-        if arguments is None:
-            arguments = {}
-        if isinstance(arguments, str):
-            # Some models double-encode the arguments, as the OpenAI API does; accept it when it holds an object.
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                return None, f"{where} ({name}): 'arguments' is a string that is not valid JSON"
-        if not isinstance(arguments, dict):
-            return None, f"{where} ({name}): 'arguments' must be a JSON object, got {type(arguments).__name__}"
-        return _checked_call(ParsedToolCall(id=f"{id_prefix}_{index}", name=name, arguments=arguments),
-                             where, tool_names)
+
+def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern:
+    return re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+
+
+def _remove_markers(text: str, pattern: re.Pattern) -> str:
+    """The text without any marker; repeated, since removing one can join the pieces of another."""
+    while pattern.search(text):
+        text = pattern.sub("", text)
+    return text
+
+
+def _argument_problem(call: ParsedToolCall, markers: tuple[str, ...]) -> str | None:
+    """Why the call cannot reach the agent (a marker in its name or arguments, too deep a nesting), or None.
+    Iterative: the arguments may be as deep as the decoder allows."""
+    stack: list[tuple[Any, int]] = [(call.arguments, 1)]
+    strings = [call.name]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return f"arguments nested deeper than {MAX_NESTING} levels"
+        if isinstance(value, dict):
+            strings.extend(k for k in value if isinstance(k, str))
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            strings.append(value)
+    found = [m for m in markers if any(m in s for s in strings)]
+    return f"the call holds the format's marker {found[0]!r} (a malformed call)" if found else None
 
 
 def _checked_call(call: ParsedToolCall, where: str, tool_names: set[str] | None):
@@ -127,48 +128,97 @@ def _checked_call(call: ParsedToolCall, where: str, tool_names: set[str] | None)
     return call, None
 
 
-def _add_call(out: ParsedOutput, call: ParsedToolCall, where: str, tool_names: set[str] | None) -> None:
-    """Append the call to `out`, and the name check's error when it has one (_checked_call)."""
+def _add_call(out: ParsedOutput, call: ParsedToolCall, where: str, tool_names: set[str] | None,
+              markers: tuple[str, ...]) -> None:
+    """Append the call to `out` with the name check's error when it has one (_checked_call); a call that holds
+    a marker or nests too deeply is only an error."""
+    problem = _argument_problem(call, markers)
+    if problem:
+        out.errors.append(f"{where} ({call.name[:40]!r}): {problem}")
+        return
     call, err = _checked_call(call, where, tool_names)
     if err:
         out.errors.append(err)
     out.tool_calls.append(call)
 
 
+def _finish(out: ParsedOutput, markers: tuple[str, ...]) -> ParsedOutput:
+    """Remove what is left of the format's markers from the content, reporting those that were stray."""
+    found = [m for m in markers if m in out.content]
+    if found:
+        out.content = _remove_markers(out.content, _marker_pattern(markers)).strip()
+        out.errors.append(f"{', '.join(found)} outside a tool call (removed from the content)")
+    return out
+
+
 def _arguments_object(arguments: Any, where: str, name: str) -> tuple[dict | None, str | None]:
-    """Arguments as a dict; a JSON string holding an object is accepted (some models double-encode them)."""
+    """Arguments as a dict; a JSON string holding an object is accepted (some models double-encode them, as the
+    OpenAI API does)."""
     if arguments is None:
         return {}, None
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = _loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
-            return None, f"{where} ({name}): arguments are a string that is not valid JSON"
+            return None, f"{where} ({name}): 'arguments' is a string that is not valid JSON"
     if not isinstance(arguments, dict):
-        return None, f"{where} ({name}): arguments must be a JSON object, got {type(arguments).__name__}"
+        return None, f"{where} ({name}): 'arguments' must be a JSON object, got {type(arguments).__name__}"
     return arguments, None
 
 
-def _split_blocks(text: str, block: re.Pattern, open_tag: str):
-    """(text outside the blocks, [block bodies], error for an unclosed trailing open tag or None)."""
+def _blocks_output(text: str, block: re.Pattern, open_tag: str,
+                   markers: tuple[str, ...]) -> tuple[ParsedOutput, list[str]]:
+    """(the output holding the text outside the blocks and an unclosed-tag error, if any; the block bodies)."""
     outside, bodies, pos = [], [], 0
     for match in block.finditer(text):
         outside.append(text[pos : match.start()])
         bodies.append(match.group(1))
         pos = match.end()
     tail = text[pos:]
-    error = None
-    if open_tag in tail:
-        # Usually generation hit max_tokens mid-call; the fragment stays visible as plain text.
-        error = f"unclosed {open_tag} at the end of the output"
+    errors = []
+    cut = tail.find(open_tag)
+    if cut >= 0:
+        # Usually generation hit max_tokens mid-call; the fragment stays visible as plain text, without markers.
+        errors.append(f"unclosed {open_tag} at the end of the output")
+        tail = tail[:cut] + _remove_markers(tail[cut:], _marker_pattern(markers))
     outside.append(tail)
-    return "".join(outside).strip(), bodies, error
+    return ParsedOutput(content="".join(outside).strip(), errors=errors), bodies
 
 
-def _blocks_output(text: str, block: re.Pattern, open_tag: str) -> tuple[ParsedOutput, list[str]]:
-    """(the output holding the text outside the blocks and an unclosed-tag error, if any; the block bodies)."""
-    content, bodies, error = _split_blocks(text, block, open_tag)
-    return ParsedOutput(content=content, errors=[error] if error else []), bodies
+class HermesToolParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as in Hermes / Qwen models."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+    markers = (open_tag, close_tag)
+    _block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
+
+    def has_tool_call(self, text: str) -> bool:
+        return any(m in text for m in self.markers)
+
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
+        for index, body in enumerate(bodies):
+            where = f"tool call {index}"
+            try:
+                obj = _loads(body)
+            except json.JSONDecodeError as exc:
+                out.errors.append(f"{where}: invalid JSON ({exc.msg})")
+                continue
+            if not isinstance(obj, dict):
+                out.errors.append(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                continue
+            name = obj.get("name")
+            if not isinstance(name, str) or not name:
+                out.errors.append(f"{where}: missing or non-string 'name'")
+                continue
+            arguments, err = _arguments_object(obj.get("arguments"), where, name)
+            if err:
+                out.errors.append(err)
+                continue
+            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names,
+                      self.markers)
+        return _finish(out, self.markers)
 
 
 class Qwen3CoderToolParser:
@@ -184,10 +234,10 @@ class Qwen3CoderToolParser:
     _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
     def has_tool_call(self, text: str) -> bool:
-        return self.open_tag in text or "<function=" in text
+        return any(m in text for m in self.markers) or "<function=" in text
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out, bodies = _blocks_output(text, self._block, self.open_tag)
+        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             match = self._function.match(body)
@@ -195,21 +245,28 @@ class Qwen3CoderToolParser:
                 out.errors.append(f"{where}: expected <function=NAME>...</function> inside <tool_call>")
                 continue
             name, inner = match.group(1).strip(), match.group(2)
-            arguments = {}
-            for param in self._parameter.finditer(inner):
-                arguments[param.group(1).strip()] = _xml_value(param.group(2))
+            try:
+                arguments = {p.group(1).strip(): _xml_value(p.group(2)) for p in self._parameter.finditer(inner)}
+            except ValueError as exc:
+                out.errors.append(f"{where} ({name}): {exc}")
+                continue
             leftover = self._parameter.sub("", inner).strip()
             if leftover:
                 out.errors.append(f"{where} ({name}): text outside <parameter=...> tags: {leftover[:40]!r}")
                 continue
-            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
-        return out
+            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names,
+                      self.markers)
+        return _finish(out, self.markers)
 
 
 def _xml_value(raw: str) -> Any:
+    """The parameter's JSON value, else its text; ValueError when it is JSON too deep to decode (left as text it
+    would pass for a string)."""
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+        return _loads(raw)
+    except json.JSONDecodeError as exc:
+        if exc.msg == _TOO_DEEP:
+            raise ValueError("a value nested deeper than JSON decoding allows") from None
         return raw
 
 
@@ -222,23 +279,24 @@ class Llama3JsonToolParser:
 
     def has_tool_call(self, text: str) -> bool:
         stripped = text.strip()
-        return stripped.startswith(self.python_tag) or (stripped.startswith("{") and '"name"' in stripped)
+        return self.python_tag in stripped or (stripped.startswith("{") and '"name"' in stripped)
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
         stripped = text.strip()
-        if not self.has_tool_call(stripped):
-            return ParsedOutput(content=stripped)
+        if not (stripped.startswith(self.python_tag) or (stripped.startswith("{") and '"name"' in stripped)):
+            return _finish(ParsedOutput(content=stripped), self.markers)
         body = stripped.removeprefix(self.python_tag).strip()
         out = ParsedOutput(content="")
-        decoder = json.JSONDecoder()
+        if not body:
+            out.errors.append(f"no call after {self.python_tag}")
         pos, index = 0, 0
         while pos < len(body):
             try:
-                obj, end = decoder.raw_decode(body, pos)
+                obj, end = _raw_decode(body, pos)
             except json.JSONDecodeError as exc:
                 out.errors.append(f"tool call {index}: invalid JSON ({exc.msg})")
-                out.content = stripped if not out.tool_calls else body[pos:].strip()
-                return out
+                out.content = body[pos:].strip()
+                return _finish(out, self.markers)
             where = f"tool call {index}"
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 out.errors.append(f"{where}: expected an object with a string 'name'")
@@ -248,23 +306,21 @@ class Llama3JsonToolParser:
                 if err:
                     out.errors.append(err)
                 else:
-                    call, err = _checked_call(ParsedToolCall(f"{id_prefix}_{index}", obj["name"], arguments),
-                                              where, tool_names)
-                    if err:
-                        out.errors.append(err)
-                    out.tool_calls.append(call)
+                    _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", obj["name"], arguments), where,
+                              tool_names, self.markers)
             index += 1
             pos = end
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        return out
+        return _finish(out, self.markers)
 
 
 class MistralToolParser:
     """Mistral's [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}] (a JSON list after the marker).
 
     Mistral's templates require call ids of exactly 9 alphanumeric characters; an id the model wrote is kept
-    when it has that shape, otherwise one is derived from the call's position (stable, so prompts repeat)."""
+    when it has that shape, otherwise one is derived from the call's position (stable, so prompts repeat).
+    Text after a list is content; a second marker starts another list."""
 
     marker = "[TOOL_CALLS]"
     markers = (marker,)
@@ -273,111 +329,172 @@ class MistralToolParser:
         return self.marker in text
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        if self.marker not in text:
-            return ParsedOutput(content=text.strip())
-        head, _, body = text.partition(self.marker)
-        out = ParsedOutput(content=head.strip())
-        try:
-            obj, end = json.JSONDecoder().raw_decode(body.strip())
-        except json.JSONDecodeError as exc:
-            out.errors.append(f"tool calls: invalid JSON after {self.marker} ({exc.msg})")
-            return out
-        if isinstance(obj, dict):
-            obj = [obj]
-        if not isinstance(obj, list):
-            out.errors.append(f"tool calls: expected a JSON list after {self.marker}")
-            return out
-        for index, item in enumerate(obj):
-            where = f"tool call {index}"
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                out.errors.append(f"{where}: expected an object with a string 'name'")
+        head, *segments = text.split(self.marker)
+        out = ParsedOutput(content="")
+        content, index = [head], 0
+        for segment in segments:
+            body = segment.lstrip()
+            try:
+                obj, end = _raw_decode(body)
+            except json.JSONDecodeError as exc:
+                out.errors.append(f"tool calls: invalid JSON after {self.marker} ({exc.msg})")
                 continue
-            arguments, err = _arguments_object(item.get("arguments"), where, item["name"])
-            if err:
-                out.errors.append(err)
+            content.append(body[end:])
+            items = [obj] if isinstance(obj, dict) else obj
+            if not isinstance(items, list):
+                out.errors.append(f"tool calls: expected a JSON list after {self.marker}")
                 continue
-            given = item.get("id")
-            call_id = given if isinstance(given, str) and re.fullmatch(r"[A-Za-z0-9]{9}", given) else (
-                mistral_call_id(f"{id_prefix}_{index}"))
-            call, err = _checked_call(ParsedToolCall(call_id, item["name"], arguments), where, tool_names)
-            if err:
-                out.errors.append(err)
-            out.tool_calls.append(call)
-        return out
+            for item in items:
+                self._add(out, item, f"tool call {index}", index, tool_names, id_prefix)
+                index += 1
+        out.content = "".join(content).strip()
+        return _finish(out, self.markers)
+
+    def _add(self, out: ParsedOutput, item: Any, where: str, index: int, tool_names: set[str] | None,
+             id_prefix: str) -> None:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            out.errors.append(f"{where}: expected an object with a string 'name'")
+            return
+        arguments, err = _arguments_object(item.get("arguments"), where, item["name"])
+        if err:
+            out.errors.append(err)
+            return
+        given = item.get("id")
+        call_id = given if isinstance(given, str) and re.fullmatch(r"[A-Za-z0-9]{9}", given) else (
+            mistral_call_id(f"{id_prefix}_{index}"))
+        _add_call(out, ParsedToolCall(call_id, item["name"], arguments), where, tool_names, self.markers)
 
 
 class Gemma4ToolParser:
     """Gemma 4's calls, as its template writes them: `<|tool_call>call:NAME{key:value,...}<tool_call|>`.
 
-    Values: a string between `<|"|>` quotes, a nested `{key:value}` map, a `[...]` list, or a bare number,
-    true/false/null. Keys are bare (or quoted with `<|"|>`)."""
+    The template (`format_argument`) writes a string between `<|"|>` quotes, a map as `{key:value,...}` with
+    bare keys, a list as `[a,b]`, booleans as true/false, numbers as Python prints them and None as `None`, with
+    no spaces. Models add spaces and newlines anyway, so whitespace may stand around every key, value, `:` and
+    `,`. Keys may also be `<|"|>`-quoted; an unquoted value is a number, true/false/null/None or, failing that,
+    its text."""
 
     open_tag, close_tag, quote = "<|tool_call>", "<tool_call|>", '<|"|>'
     markers = (open_tag, close_tag, quote)
     _block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
+    _call = re.compile(r"\s*call\s*:\s*([^{\s]+)\s*(\{.*\})\s*$", re.DOTALL)
 
     def has_tool_call(self, text: str) -> bool:
-        return self.open_tag in text
+        return any(m in text for m in self.markers)
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out, bodies = _blocks_output(text, self._block, self.open_tag)
+        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
-            match = re.match(r"\s*call:([^{\s]+)\s*(\{.*\})\s*$", body, re.DOTALL)
+            match = self._call.match(body)
             if match is None:
                 out.errors.append(f"{where}: expected call:NAME{{...}} inside {self.open_tag}")
                 continue
             name = match.group(1)
             try:
-                arguments, end = self._value(match.group(2), 0)
-                if end != len(match.group(2)):
-                    raise ValueError(f"unexpected text after the arguments: {match.group(2)[end:][:40]!r}")
-            except (ValueError, IndexError) as exc:
+                arguments = _GemmaReader(match.group(2)).read()
+            except ValueError as exc:
                 out.errors.append(f"{where} ({name}): {exc}")
                 continue
-            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names)
+            _add_call(out, ParsedToolCall(f"{id_prefix}_{index}", name, arguments), where, tool_names,
+                      self.markers)
+        return _finish(out, self.markers)
+
+
+_GEMMA_BARE = {"true": True, "false": False, "null": None, "None": None}
+
+
+class _GemmaReader:
+    """Reads one Gemma 4 argument map; every failure is a ValueError. Recursion is bounded by MAX_NESTING."""
+
+    quote = Gemma4ToolParser.quote
+    _bare = re.compile(r"[^,}\]]*")
+    _key = re.compile(r"[^:,{}\[\]]*")
+
+    def __init__(self, s: str) -> None:
+        self.s, self.i = s, 0
+
+    def read(self) -> dict:
+        value = self._value(0)
+        self._space()
+        if self.i != len(self.s):
+            raise ValueError(f"unexpected text after the arguments: {self.s[self.i:][:40]!r}")
+        return value
+
+    def _space(self) -> None:
+        while self.i < len(self.s) and self.s[self.i].isspace():
+            self.i += 1
+
+    def _peek(self) -> str:
+        self._space()
+        if self.i >= len(self.s):
+            raise ValueError("the arguments end too early")
+        return self.s[self.i]
+
+    def _string(self) -> str:
+        start = self.i + len(self.quote)
+        end = self.s.find(self.quote, start)
+        if end < 0:
+            raise ValueError(f"unclosed {self.quote} string")
+        self.i = end + len(self.quote)
+        return self.s[start:end]
+
+    def _value(self, depth: int) -> Any:
+        if depth >= MAX_NESTING:
+            raise ValueError(f"arguments nested deeper than {MAX_NESTING} levels")
+        head = self._peek()
+        if self.s.startswith(self.quote, self.i):
+            return self._string()
+        if head == "{":
+            return self._map(depth)
+        if head == "[":
+            return self._list(depth)
+        raw = self._bare.match(self.s, self.i).group(0)
+        self.i += len(raw)
+        raw = raw.strip()
+        if not raw:
+            raise ValueError(f"a missing value at {self.s[self.i:][:20]!r}")
+        if raw in _GEMMA_BARE:
+            return _GEMMA_BARE[raw]
+        try:
+            return _loads(raw)
+        except json.JSONDecodeError:
+            return raw
+
+    def _map(self, depth: int) -> dict:
+        out: dict = {}
+        self.i += 1
+        while self._peek() != "}":
+            if self.s.startswith(self.quote, self.i):
+                key = self._string()
+            else:
+                key = self._key.match(self.s, self.i).group(0)
+                self.i += len(key)
+                key = key.strip()
+                if not key:
+                    raise ValueError(f"a missing key at {self.s[self.i:][:20]!r}")
+            if self._peek() != ":":
+                raise ValueError(f"expected ':' after key {key!r}")
+            self.i += 1
+            out[key] = self._value(depth + 1)
+            if self._peek() == ",":
+                self.i += 1
+            elif self._peek() != "}":
+                raise ValueError(f"expected ',' or '}}' after {key!r}")
+        self.i += 1
         return out
 
-    def _value(self, s: str, i: int) -> tuple[Any, int]:
-        if s.startswith(self.quote, i):
-            end = s.find(self.quote, i + len(self.quote))
-            if end < 0:
-                raise ValueError("unclosed <|\"|> string")
-            return s[i + len(self.quote):end], end + len(self.quote)
-        if s[i] == "{":
-            out, i = {}, i + 1
-            while s[i] != "}":
-                if s.startswith(self.quote, i):
-                    key, i = self._value(s, i)
-                else:
-                    colon = s.find(":", i)
-                    if colon < 0:
-                        raise ValueError("a key without ':'")
-                    key, i = s[i:colon].strip(), colon
-                if s[i] != ":":
-                    raise ValueError(f"expected ':' after key {key!r}")
-                out[key], i = self._value(s, i + 1)
-                if s[i] == ",":
-                    i += 1
-                elif s[i] != "}":
-                    raise ValueError(f"expected ',' or '}}' after {key!r}")
-            return out, i + 1
-        if s[i] == "[":
-            items, i = [], i + 1
-            while s[i] != "]":
-                item, i = self._value(s, i)
-                items.append(item)
-                if s[i] == ",":
-                    i += 1
-                elif s[i] != "]":
-                    raise ValueError("expected ',' or ']' in a list")
-            return items, i + 1
-        match = re.compile(r"[^,}\]]*").match(s, i)
-        raw = match.group(0).strip()
-        try:
-            return json.loads(raw), match.end()
-        except json.JSONDecodeError:
-            return raw, match.end()
+    def _list(self, depth: int) -> list:
+        items = []
+        self.i += 1
+        while self._peek() != "]":
+            items.append(self._value(depth + 1))
+            if self._peek() == ",":
+                self.i += 1
+            elif self._peek() != "]":
+                raise ValueError("expected ',' or ']' in a list")
+        self.i += 1
+        return items
 
 
 def mistral_call_id(seed: str) -> str:

@@ -20,6 +20,7 @@ rendered (`ChatRenderer.render_extension`); the call is marked `extends_previous
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -64,6 +65,7 @@ class _Conversation:
     tools_key: str
     prompt_ids: list[int]
     response_ids: list[int]
+    call: LLMCall | None = None  # the call that produced it (`discard` forgets both)
 
 
 class ModelTuner:
@@ -120,6 +122,10 @@ class ModelTuner:
         self.overflowed = False
         self.overflow_reason: str | None = None
         self.generated_tokens = 0
+        # New tokens promised to calls still generating: parallel calls reserve their share of the episode's
+        # budget before generating, so together they never exceed it (`_reserve`).
+        self._reserved = 0
+        self._budget_freed: asyncio.Event | None = None
         # Response text keeps the parsers' markers even where they are special tokens (decoding.py).
         self._decoder = ResponseDecoder(tokenizer, (*getattr(tool_parser, "markers", ()),
                                                      *getattr(self.reasoning_parser, "markers", ())))
@@ -248,7 +254,29 @@ class ModelTuner:
         room = lim.max_model_len - prompt_len
         if room <= 0:
             raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}")
-        return min(lim.max_tokens_per_turn, room, budget_left)
+        # 0: what is left is reserved by calls still generating; they may hand some back (`_reserve` waits).
+        return max(0, min(lim.max_tokens_per_turn, room, budget_left - self._reserved))
+
+    async def _reserve(self, prompt_len: int, first: bool, requested: int | None) -> int:
+        """This call's new tokens, taken from the episode's budget before it generates. The check and the
+        reservation run without an await between them, and every call of an episode runs on its loop, so
+        parallel calls never promise more than the budget together."""
+        while True:
+            max_tokens = self._max_tokens(prompt_len, first)
+            if max_tokens > 0:
+                if requested is not None:
+                    max_tokens = max(1, min(max_tokens, int(requested)))
+                self._reserved += max_tokens
+                return max_tokens
+            self._budget_freed = self._budget_freed or asyncio.Event()
+            await self._budget_freed.wait()
+            self._check_deadline()
+
+    def _release(self, reserved: int) -> None:
+        self._reserved -= reserved
+        if self._budget_freed is not None:
+            self._budget_freed.set()  # waiting calls look again: what this call did not use is theirs
+            self._budget_freed = None
 
     async def _complete(self, messages: list[dict], tools: list[dict] | None,
                         options: CallOptions | None = None) -> Turn:
@@ -256,10 +284,10 @@ class ModelTuner:
         self._check_deadline()
         tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
         prompt_ids, extends, canonical, tools_key, new_from = self._prompt_ids(messages, tools)
-        index = self._started
-        max_tokens = self._max_tokens(len(prompt_ids), first=index == 0)
-        if options.max_tokens is not None:
-            max_tokens = max(1, min(max_tokens, int(options.max_tokens)))
+        if options.prefill:  # the turn is already begun: the model continues the prefill's own tokens
+            prompt_ids = prompt_ids + self.tokenizer.encode(options.prefill, add_special_tokens=False)
+        max_tokens = await self._reserve(len(prompt_ids), self._started == 0, options.max_tokens)
+        index = self._started  # read after the reservation, which may wait for parallel calls
         temperature = self.temperature
         if options.temperature is not None and options.temperature > 0 and self.temperature > 0:
             temperature = float(options.temperature)  # validation stays greedy whatever the agent asks
@@ -282,6 +310,7 @@ class ModelTuner:
                 result = await self.engine.generate(list(prompt_ids), sampling, request_id=request_id)
         finally:
             self._in_flight.discard(request_id)
+            self._release(max_tokens)
         self._check_deadline()  # a call that outlived the deadline is not handed back to the agent
         seconds = time.perf_counter() - started
         response_ids = [int(i) for i in result.token_ids]
@@ -324,6 +353,8 @@ class ModelTuner:
         for flag, reason in fired.items():
             self.flag_reasons.append((len(self.calls), flag, reason))
         call.messages = [_brief(m) for m in messages[new_from:]]
+        if options.prefill:
+            call.messages.append({"role": "assistant", "content": options.prefill})
         self.calls.append(call)
         reasoning = None if split.reasoning is None else self._decoder.strip_markers(split.reasoning)
         turn = Turn(call=call, content=self._decoder.strip_markers(parsed.content), tool_calls=parsed.tool_calls,
@@ -332,10 +363,35 @@ class ModelTuner:
         call.reply = assistant_message(turn)
         if parsed.tool_calls and self._watch_parent is not None:  # within a rollout's episode
             self._tool_item = open_item("tool", ", ".join(c.name for c in parsed.tool_calls), self._watch_parent)
+        # Sent back, a prefilled turn is the prefill and its continuation in one assistant message.
+        reply = {**assistant_message(turn), "content": options.prefill + turn.content}
         self._conversations.append(_Conversation(
-            canonical + canonical_messages([assistant_message(turn)], self.reasoning_parser),
-            tools_key, list(prompt_ids), list(response_ids)))
+            canonical + canonical_messages([reply], self.reasoning_parser),
+            tools_key, list(prompt_ids), list(response_ids), call))
         return turn
+
+    def prompt_length(self, messages: list[dict], tools: list[dict] | None, options: CallOptions) -> int:
+        """Tokens of the prompt a call with these arguments would get now (`/v1/messages/count_tokens`)."""
+        tools, _ = read_tool_choice(normalize_tools(tools), options.tool_choice)
+        prefill = self.tokenizer.encode(options.prefill, add_special_tokens=False) if options.prefill else []
+        return len(self._prompt_ids(messages, tools)[0]) + len(prefill)
+
+    def discard(self, call: LLMCall) -> None:
+        """Un-record a call whose answer never reached the agent (its client hung up first, e.g. a client-side
+        timeout it will retry). Un-recorded rather than kept untrained: the episode's record stays exactly the
+        conversation the agent had, where no later prompt holds this response, its tokens leave the episode's
+        budget and metrics, and the retry is the one call with this prompt."""
+        index = next((i for i, c in enumerate(self.calls) if c is call), None)
+        if index is None:
+            return
+        last = index == len(self.calls) - 1
+        del self.calls[index]
+        self.flag_reasons = [(i - (i > index), flag, reason) for i, flag, reason in self.flag_reasons if i != index]
+        self._conversations = [c for c in self._conversations if c.call is not call]
+        self.generated_tokens -= len(call.response_ids)
+        if last and call.tool_call_attempted:  # the agent will not run tools it never saw
+            close_item(self._tool_item)
+            self._tool_item = None
 
     def _prompt_ids(self, messages: list[dict], tools: list[dict] | None):
         """(prompt ids, whether they extend an earlier call exactly, canonical messages, tools key, index of the
@@ -357,8 +413,10 @@ class ModelTuner:
             return ParsedOutput(content=text)
         parsed = self.tool_parser.parse(text, tool_names_of(tools), id_prefix=f"call_{call_index}")
         if not tools:
-            # A call nobody offered is flagged but not returned: the agent has nothing to run it with.
-            return ParsedOutput(content=text.strip(), errors=parsed.errors)
+            # A call nobody offered is flagged but not returned: the agent has nothing to run it with. Its text
+            # stays out of the content too, so the family's markers never reach the agent.
+            errors = parsed.errors or [f"tool call {c.name!r} but no tools were offered" for c in parsed.tool_calls]
+            return ParsedOutput(content=parsed.content, errors=errors)
         return parsed
 
 

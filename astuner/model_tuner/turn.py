@@ -47,6 +47,9 @@ class CallOptions:
     max_tokens: int | None = None  # honoured up to rollout.max_response_length_in_one_turn
     stop: tuple[str, ...] = ()  # the response is cut after the token that completes a stop string
     tool_choice: Any = None  # OpenAI/AgentScope tool_choice (chat_format.read_tool_choice)
+    # The start of the assistant turn the response continues (Anthropic's prefill): its tokens end the prompt,
+    # after the generation prompt, and the returned content is only the continuation.
+    prefill: str = ""
 
 
 def assistant_message(turn: Turn) -> dict:

@@ -1,35 +1,42 @@
-"""Run model-written Python in a sandboxed child process with a time, memory, process and output limit.
+"""Run model-written Python in a sandboxed child process with a time, memory, process, file and output limit.
 
 The code must see nothing of the user's: a policy that can read the training data learns to read the answer
 instead of computing it. What it may read is this interpreter (its venv and its base installation, each bound
 alone, never the folder holding it: a venv inside the project exposes the venv, not the project), the system's
-/usr and the few /etc files the loader and SSL need (`_visible`). Its only writable place is an empty scratch
-folder, deleted after the call.
+/usr and the few /etc files the loader and SSL need (`_visible`). It must not be able to stop the run either.
 
 Two levels, chosen once per process and named at start (`describe_sandbox()`):
 
-  bubblewrap  (Debian's `bubblewrap`, when installed and usable): the code's file system is built from those
-              paths alone, read-only, plus the scratch folder and a private /tmp: no home, no project, no data,
-              no other users' files. New PID, network, IPC and UTS namespaces: it sees only its own processes
-              (not the trainer's /proc/<pid>/environ), has no network (loopback included), and every process it
-              starts dies with it; killed if astuner dies. As root, it runs as uid 65534 inside.
-  process     (fallback): its own session and process group, killed as a group at the end; a scrubbed
-              environment; rlimits. Never as root: as root it runs as uid 65534, which must be able to run this
-              interpreter (it cannot run one under /root, e.g. pyenv's); if it cannot, the tool refuses
-              (`SandboxRefused`, naming bubblewrap) unless `allow_unsandboxed(True)` was called. Where the kernel
-              offers Landlock, reads are limited to the same paths as above and writes to the scratch folder;
-              without it, every file that user may read is readable (as uid 65534: world-readable files). The
-              network is reachable, and a grandchild that starts its own session escapes the group kill.
+  bubblewrap  (Debian's `bubblewrap`, when installed and usable; astuner/tools/bubblewrap.py): the code's file
+              system is built from those paths alone, read-only, plus two private tmpfs, the working folder and
+              /tmp, the only places it can write: no home, no project, no data, no other users' files, and
+              nothing it writes reaches the host's disk. New PID, network, IPC and UTS namespaces: it sees only
+              its own processes (not the trainer's /proc/<pid>/environ), cannot signal them, has no network
+              (loopback included), and every process it starts dies with it; killed if astuner dies. As root, it
+              runs as uid 65534 inside. All it can hold is bounded: `memory_mb` of address space (RLIMIT_AS) plus
+              `_SCRATCH_BYTES` in each tmpfs (1024 + 2 x 256 MiB by default).
+  process     (fallback, REFUSED unless `astuner.rollout.python_tool_unsandboxed: true`, see `allow_unsandboxed`):
+              its own session and process group, a scrubbed environment, rlimits; as root it runs as uid 65534
+              when that uid can run this interpreter, else as root; otherwise as the user running astuner, who
+              can kill the run (`os.kill(-1, 9)`). Where the kernel offers Landlock, reads are limited to the same
+              paths and writes to its working folder (on the host's temp disk, only each file capped). The network,
+              loopback services included (the log viewer), is reachable, and a grandchild that starts its own
+              session escapes the group kill.
 
-At both levels: address space, processes, file size and core dumps are limited (uid 65534 or a non-root user, so
-RLIMIT_NPROC holds); stdin is closed; the call returns when the snippet exits, even if something it started still
-holds its output.
+At both levels: address space, threads (RLIMIT_NPROC, which Linux counts per real uid, threads included: the
+limit is the threads that uid already runs + `_MAX_PROCESSES`), file size and core dumps are limited; stdin is
+closed; the call returns when the snippet exits, even if something it started still holds its output.
+
+A sandbox that cannot start is not a tool result: the snippet's interpreter reports its start on a pipe before
+running the code (`_BOOT`), and when that never comes the call raises `SandboxUnavailable` (a `ToolInfraError`,
+recorded for the episode: astuner/tools/failures.py) instead of handing bwrap's error to the model.
 """
 
 # No `from __future__ import annotations` here: AgentScope's Toolkit builds the tool's JSON schema from the
 # runtime annotations of `execute_python_code`, and string annotations would not resolve.
 
 import asyncio
+import contextlib
 import functools
 import glob
 import logging
@@ -43,10 +50,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from astuner.errors import UserError
+from astuner.tools import bubblewrap as bw
 from astuner.tools import landlock as lsm
+from astuner.tools.failures import ToolInfraError, record_failure, record_start
 from astuner.watchdog import watch
 
 if TYPE_CHECKING:
@@ -54,27 +63,38 @@ if TYPE_CHECKING:
 
 # The model chooses the timeout of its own tool calls; cap it so one call cannot stall an episode.
 MAX_TOOL_TIMEOUT = 120.0
+DEFAULT_MEMORY_MB = 1024
 _FILE_SIZE_LIMIT = 256 * 1024 * 1024  # bytes one file written by the code may reach
+_SCRATCH_BYTES = 256 * 1024 * 1024  # each tmpfs of the bubblewrap sandbox (/tmp, the working folder)
 _READ_CHUNK = 65536
-_MAX_PROCESSES = 64  # processes (threads count too) the snippet's user may run at once, beyond those it has
-_NOBODY = 65534
-_INSTALL = "apt-get install bubblewrap"
+_MAX_PROCESSES = 64  # threads (processes count as one each) the snippet may add to those its uid already runs
+_NOBODY = bw.NOBODY
 _OPT_IN_KEY = "astuner.rollout.python_tool_unsandboxed"
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # The loader's cache, SSL certificates, time zone, fonts, Debian's sitecustomize: system files, nothing of a user's.
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "pki", "ca-certificates",
         "crypto-policies", "localtime", "fonts", "mime.types", "python3*")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# Run by `python -c` before the snippet: report the start on fd {fd} (then close it, so the code never holds it),
+# and run the snippet as `python snippet.py` would (its own __main__, __file__ and argv). One line, so tracebacks
+# gain one frame, `_BOOT_FRAME`, which is taken out of what the model sees.
+_BOOT = ("import os, sys; os.write({fd}, b'1'); os.close({fd}); sys.argv[:] = sys.argv[1:]; __file__ = sys.argv[0]; "
+         "__code = compile(open(__file__, 'rb').read(), __file__, 'exec'); del os, sys; exec(globals().pop('__code'))")
+_BOOT_FRAME = 'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\n'
 log = logging.getLogger(__name__)
 _allow_unsandboxed = False
 
 
-class SandboxRefused(UserError):
-    """No sandbox can keep model-written code from running as root here; the message says how to get one."""
+class SandboxRefused(UserError, ToolInfraError):
+    """The process fallback was not opted in; the message says what it would allow and how to get bubblewrap."""
+
+
+class SandboxUnavailable(ToolInfraError):
+    """The sandbox could not start the snippet's interpreter; the message quotes its error and what to do."""
 
 
 def allow_unsandboxed(allowed: bool) -> None:
-    """Let the process level run model code as root when uid 65534 cannot run this interpreter (the config key
+    """Let the process level run model code where bubblewrap cannot (the config key
     `astuner.rollout.python_tool_unsandboxed`). Call it at start, in every process that runs episodes."""
     global _allow_unsandboxed
     _allow_unsandboxed = bool(allowed)
@@ -117,85 +137,146 @@ def _own_folders(executable: str) -> list[str]:
     return [d for _, d in _visible(executable) if not any(_within(d, s) for s in (*_SYSTEM, "/etc"))]
 
 
+# --- one launch, the same for a call and for the start-up probes --------------------------------------------
+
+
+def _threads_of(uid: int) -> int:
+    """Threads `uid` runs now, which RLIMIT_NPROC counts (per real uid; a trainer holds hundreds); 0 for root,
+    whom the limit does not bind."""
+    if uid == 0:
+        return 0
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue
+        real_uid = threads = 0
+        for line in status.splitlines():
+            if line.startswith(b"Uid:"):
+                real_uid = int(line.split()[1])
+            elif line.startswith(b"Threads:"):
+                threads = int(line.split()[1])
+        count += threads if real_uid == uid else 0
+    return count
+
+
+def _snippet_uid(user: str) -> int:
+    """The uid the code runs as: user "" is bubblewrap's (nobody as root), else the process level's plan."""
+    if user in ("nobody", "") and os.geteuid() == 0:
+        return _NOBODY
+    return 0 if user == "root" else os.getuid()
+
+
+def _enter_process_sandbox(user: str, ruleset: int, memory_mb: int, base_threads: int) -> None:
+    """Runs in the child between fork and exec: leave root, enter the Landlock ruleset, set the rlimits."""
+    if user == "nobody":
+        os.setgroups([])
+        os.setgid(_NOBODY)
+        os.setuid(_NOBODY)  # rlimits are enforced and root-owned files (/proc/<pid>/environ) are unreadable
+    if ruleset >= 0:
+        lsm.restrict_self(ruleset)
+    memory = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
+    nproc = base_threads + _MAX_PROCESSES
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+@dataclass
+class _Launch:
+    """What starts one snippet: argv, cwd, environment, the child's set-up, and the pipe its start is reported on."""
+
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    preexec: Callable[[], None]
+    started_fd: int  # read end
+    report_fd: int  # write end, handed to the child
+
+    def started(self) -> bool:
+        """Whether the interpreter reached the snippet (call once the child has exited)."""
+        os.set_blocking(self.started_fd, False)
+        try:
+            return os.read(self.started_fd, 1) == b"1"
+        except BlockingIOError:
+            return False
+
+
+@contextlib.contextmanager
+def _launch(level: str, user: str, executable: str, code: str, memory_mb: int, landlock: bool) -> Iterator[_Launch]:
+    """A fresh folder holding the snippet and an empty working folder (deleted afterwards), and how to start
+    `code` in it at `level` (as `user` at the process level)."""
+    root = tempfile.mkdtemp(prefix="astuner_py_")
+    ruleset = -1
+    read_fd, write_fd = os.pipe()
+    try:
+        script, workdir = os.path.join(root, "snippet.py"), os.path.join(root, "work")
+        os.mkdir(workdir)
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        if os.geteuid() == 0 and user != "root":
+            for path in (root, workdir, script):
+                os.chown(path, _NOBODY, _NOBODY)
+        env = _child_env(workdir)
+        # -I: no PYTHON* variables, no user site, no script folder on sys.path.
+        argv = [executable, "-I", "-X", "utf8", "-u", "-c", _BOOT.format(fd=write_fd), script]
+        if level == "bubblewrap":  # bwrap gets the rlimits; setpriv leaves root inside it
+            argv = bw.command(_visible(executable), _SCRATCH_BYTES, root, workdir, env, argv)
+        elif landlock:
+            ruleset = _landlock_ruleset(executable, root)
+        preexec = partial(_enter_process_sandbox, user, ruleset, memory_mb, _threads_of(_snippet_uid(user)))
+        yield _Launch(argv, workdir, env, preexec, read_fd, write_fd)
+    finally:
+        for fd in (read_fd, write_fd, ruleset):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_probe(level: str, user: str, executable: str, landlock: bool = False) -> str:
+    """'' when `executable` starts at this level, under the limits of a real call, else why not."""
+    try:
+        with _launch(level, user, executable, "import encodings, site", DEFAULT_MEMORY_MB, landlock) as launch:
+            probe = subprocess.run(launch.argv, capture_output=True, timeout=30, cwd=launch.cwd, env=launch.env,
+                                   stdin=subprocess.DEVNULL, preexec_fn=launch.preexec, pass_fds=(launch.report_fd,))
+            started = launch.started()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    if probe.returncode != 0 or not started:
+        return probe.stderr.decode(errors="replace").strip()[-300:] or f"exit status {probe.returncode}"
+    return ""
+
+
 # --- bubblewrap --------------------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=1)
 def _bubblewrap_problem() -> str:
-    """'' when bwrap is installed and can build its sandbox here, else why not."""
+    """'' when bwrap is installed and can start this interpreter here, else why not."""
     if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed"
+        return bw.NOT_INSTALLED
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        return "setpriv (util-linux), which bubblewrap needs to leave root, is missing"
-    probe_root = tempfile.mkdtemp(prefix="astuner_py_")
-    try:
-        command = _bwrap_command(probe_root, probe_root, {}, [sys.executable, "-I", "-c", "pass"])
-        probe = subprocess.run(command, capture_output=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"bubblewrap cannot run here ({exc})"
-    finally:
-        shutil.rmtree(probe_root, ignore_errors=True)
-    if probe.returncode != 0:
-        why = probe.stderr.decode(errors="replace").strip()[:200]
-        log.warning("bubblewrap is installed but cannot run here (%s); falling back to the process sandbox", why)
+        return bw.NO_SETPRIV
+    why = _run_probe("bubblewrap", "", sys.executable)
+    if why:
+        log.warning("bubblewrap is installed but cannot run here (%s)", why)
         return f"bubblewrap cannot run here ({why})"
     return ""
 
 
 @functools.lru_cache(maxsize=1)
 def sandbox_level() -> str:
-    """'bubblewrap' when bwrap is installed and can create its namespaces here, else 'process'."""
+    """'bubblewrap' when bwrap is installed and can start the interpreter here, else 'process'."""
     return "process" if _bubblewrap_problem() else "bubblewrap"
 
 
-@functools.lru_cache(maxsize=None)
-def _bwrap_mounts(executable: str) -> tuple[tuple[str, ...], frozenset[str]]:
-    """bwrap's namespaces and its file system, built from an empty root: `_visible` read-only, /dev, /proc and a
-    private /tmp; and the folders that exist in it (so per-call mounts know what to create)."""
-    args = [shutil.which("bwrap") or "bwrap"]
-    # As root, bwrap mounts with its own privileges (no user namespace) and `setpriv` then becomes nobody inside,
-    # so the snippet runs as a real unprivileged uid; otherwise bwrap runs unprivileged in a user namespace.
-    if os.geteuid() == 0:
-        args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    else:
-        args += ["--unshare-all"]
-    args += ["--die-with-parent", "--new-session"]
-    made = {"/", "/dev", "/proc", "/tmp"}
-    args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp"]
-    for src, dst in _visible(executable):
-        if dst in _SYSTEM and os.path.islink(dst):
-            args += ["--symlink", os.readlink(dst), dst]
-        else:
-            args += _make_parents(dst, made) + ["--ro-bind", src, dst]
-        made.add(dst)
-    return tuple(args), frozenset(made)
-
-
-def _make_parents(path: str, made: set[str]) -> list[str]:
-    """Folders above `path` that the sandbox lacks, made enterable (bwrap would create them 0700)."""
-    args: list[str] = []
-    parts = path.split(os.sep)
-    for i in range(2, len(parts)):
-        folder = os.sep.join(parts[:i])
-        if folder not in made:
-            made.add(folder)
-            args += ["--perms", "0755", "--dir", folder]
-    return args
-
-
-def _bwrap_command(root: str, workdir: str, env: dict[str, str], command: list[str]) -> list[str]:
-    mounts, made = _bwrap_mounts(sys.executable)
-    made = set(made)
-    setenv = [arg for key, value in env.items() for arg in ("--setenv", key, value)]
-    user = []
-    if os.geteuid() == 0:
-        user = [shutil.which("setpriv") or "setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all"]
-    return [*mounts, *_make_parents(root, made), "--bind", root, root, "--remount-ro", "/", "--chdir", workdir,
-            "--clearenv", *setenv, "--", *user, *command]
-
-
-# --- process level: uid 65534 and Landlock -----------------------------------------------------------------
+# --- process level: opted in only; uid 65534 and Landlock --------------------------------------------------
 
 def _landlock_abi() -> int:
     return lsm.abi()
@@ -209,39 +290,20 @@ def _landlock_ruleset(executable: str, scratch: str) -> int:
     return lsm.ruleset(rules, scratch)
 
 
-def _drop_privileges() -> None:
-    """As root, become nobody: rlimits are enforced and root-owned files (/proc/<pid>/environ) are unreadable."""
-    os.setgroups([])
-    os.setgid(_NOBODY)
-    os.setuid(_NOBODY)
-
-
-def _enter_process_sandbox(user: str, ruleset: int, memory_mb: int, base_processes: int) -> None:
-    """Runs in the child between fork and exec: leave root, enter the Landlock ruleset, set the rlimits."""
-    if user == "nobody":
-        _drop_privileges()
-    if ruleset >= 0:
-        lsm.restrict_self(ruleset)
-    memory = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
-    # Counted per real user: nobody's other processes (or, not as root, the user's own) count against it.
-    nproc = base_processes + _MAX_PROCESSES
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-
 @dataclass(frozen=True)
 class _ProcessPlan:
-    user: str  # "nobody" (uid 65534), "self" (not root: the user running astuner), "root" (opted in), "" (refused)
+    user: str  # "nobody" (uid 65534), "self" (not root: the user running astuner), "root", "" (refused)
     landlock: bool
-    why: str = ""  # when refused: why uid 65534 cannot run the interpreter
+    why: str = ""  # when refused: why
 
 
 @functools.lru_cache(maxsize=None)
-def _process_plan(executable: str, allow_root: bool) -> _ProcessPlan:
-    """Who runs the code at the process level, and whether Landlock holds: the first that starts the interpreter."""
-    users = ["nobody", *(["root"] if allow_root else [])] if os.geteuid() == 0 else ["self"]
+def _process_plan(executable: str, opted_in: bool) -> _ProcessPlan:
+    """Who runs the code at the process level, and whether Landlock holds: refused unless opted in, else the
+    first that starts the interpreter (as root: uid 65534 before root)."""
+    if not opted_in:
+        return _ProcessPlan("", False, f"{_OPT_IN_KEY} is false")
+    users = ["nobody", "root"] if os.geteuid() == 0 else ["self"]
     errors = []
     for user in users:
         for landlock in ([True, False] if _landlock_abi() else [False]):
@@ -257,59 +319,37 @@ def _process_plan(executable: str, allow_root: bool) -> _ProcessPlan:
 
 def _probe_process(executable: str, user: str, landlock: bool) -> str:
     """'' when `executable` starts under this process-level setup, else why not."""
-    root = tempfile.mkdtemp(prefix="astuner_py_")
-    ruleset = -1
-    try:
-        if user == "nobody":
-            os.chown(root, _NOBODY, _NOBODY)
-        ruleset = _landlock_ruleset(executable, root) if landlock else -1
-        probe = subprocess.run(
-            [executable, "-I", "-c", "import encodings, site"], capture_output=True, timeout=30, cwd=root,
-            env=_child_env(root), stdin=subprocess.DEVNULL,
-            preexec_fn=partial(_enter_process_sandbox, user, ruleset, 1024, _other_processes()),
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return str(exc)
-    finally:
-        if ruleset >= 0:
-            os.close(ruleset)
-        shutil.rmtree(root, ignore_errors=True)
-    if probe.returncode != 0:
-        return probe.stderr.decode(errors="replace").strip()[-300:] or f"exit status {probe.returncode}"
-    return ""
-
-
-def _other_processes() -> int:
-    """Processes the snippet's user already runs (RLIMIT_NPROC counts them): none for nobody, root ignores it."""
-    if os.geteuid() == 0:
-        return 0
-    uid = os.getuid()
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                count += os.stat(f"/proc/{entry}").st_uid == uid
-            except OSError:
-                pass
-    return count
+    return _run_probe("process", user, executable, landlock)
 
 
 def describe_sandbox() -> str:
     """The start-up line: exactly what model-written code can and cannot reach here."""
     folders = ", ".join(_own_folders(sys.executable)) or "in /usr"
+    mib = 1024 * 1024
     if sandbox_level() == "bubblewrap":
         uid = _NOBODY if os.geteuid() == 0 else os.getuid()
         return (f"python tool sandbox: bubblewrap: the code sees only this interpreter ({folders}) and the system's "
-                f"/usr, read-only, an empty working folder and a private /tmp; no home, no project, no data, no "
-                f"other users' files; uid {uid}, no network, own PID namespace, process and memory limits")
-    plan = _process_plan(sys.executable, _allow_unsandboxed)
+                f"/usr, read-only, and writes only to its working folder and a private /tmp, both in memory; no "
+                f"home, no project, no data, no other users' files, nothing written to disk; uid {uid}, no network, "
+                f"own PID namespace; at most {DEFAULT_MEMORY_MB} MiB of address space + 2 x "
+                f"{_SCRATCH_BYTES // mib} MiB of files, {_MAX_PROCESSES} more threads")
     why = _bubblewrap_problem() or "bubblewrap not in use"
+    plan = _process_plan(sys.executable, _allow_unsandboxed)
     if not plan.user:
-        return (f"python tool sandbox: REFUSED: {why}, and uid {_NOBODY} cannot run this interpreter "
-                f"({sys.executable}: {plan.why.splitlines()[-1] if plan.why else 'no access'}), so model code would "
-                f"run as root. Install bubblewrap ({_INSTALL}), or set {_OPT_IN_KEY}: true to run it as root")
-    who = {"nobody": f"runs as uid {_NOBODY} (nobody)", "self": f"runs as you (uid {os.getuid()})",
-           "root": f"RUNS AS ROOT, UNSANDBOXED ({_OPT_IN_KEY}: true)"}[plan.user]
+        if os.geteuid() == 0:
+            risk = ("as uid 65534 (or as root where that uid cannot run this interpreter), and reach this machine's "
+                    "loopback services (the log viewer included)")
+        else:
+            risk = (f"as you (uid {os.getuid()}): able to kill this run and its workers (os.kill(-1, 9)), read your "
+                    f"files where the kernel lacks Landlock, and reach this machine's loopback services (the log "
+                    f"viewer included)")
+        opted = (f"; {_OPT_IN_KEY} is true but no user could start {sys.executable} ({plan.why.splitlines()[-1]})"
+                 if _allow_unsandboxed and plan.why else "")
+        return (f"python tool sandbox: REFUSED: {why}{opted}. Without bubblewrap the code would run {risk}. To use "
+                f"bubblewrap: {bw.how_to_enable(why)}; or set {_OPT_IN_KEY}: true to accept the process sandbox")
+    who = {"nobody": f"runs as uid {_NOBODY} (nobody), which cannot signal this run",
+           "self": f"RUNS AS YOU (uid {os.getuid()}): IT CAN KILL THIS RUN (os.kill(-1, 9))",
+           "root": "RUNS AS ROOT, UNSANDBOXED"}[plan.user]
     if plan.landlock:
         files = (f"Landlock limits its reads to this interpreter ({folders}) and /usr, and its writes to an empty "
                  f"working folder")
@@ -318,8 +358,11 @@ def describe_sandbox() -> str:
                            "project or data set under /srv, /opt or a home folder others may enter)",
                  "self": "YOUR FILES ARE READABLE (the project, its data, your home)",
                  "root": "EVERY FILE IS READABLE AND WRITABLE"}[plan.user]
-    return (f"python tool sandbox: process level ({why}): {who}; {files}; the network is reachable; own session, "
-            f"scrubbed environment, process and memory limits. Install bubblewrap ({_INSTALL}) for isolation")
+    return (f"python tool sandbox: process level ({why}; {_OPT_IN_KEY}: true): {who}; {files}; THE NETWORK IS "
+            f"REACHABLE, loopback services included (the log viewer); its files go to {tempfile.gettempdir()}, "
+            f"{_FILE_SIZE_LIMIT // mib} MiB each, with no total bound; own session, scrubbed environment, "
+            f"{DEFAULT_MEMORY_MB} MiB of address space, {_MAX_PROCESSES} more threads. For isolation: "
+            f"{bw.how_to_enable(why)}")
 
 
 @dataclass
@@ -389,53 +432,37 @@ async def _drain(stream: asyncio.StreamReader, capture: _Capture) -> None:
 
 
 async def run_python(
-    code: str, timeout: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000
+    code: str, timeout: float = 10.0, memory_mb: int = DEFAULT_MEMORY_MB, max_output_chars: int = 8000
 ) -> PythonResult:
-    """Run `code` with this interpreter in the sandbox (module docstring), in a fresh scratch directory (deleted
+    """Run `code` with this interpreter in the sandbox (module docstring), in a fresh working folder (deleted
     afterwards), killed with everything it started after `timeout` seconds. stdout and stderr are each cut to
-    `max_output_chars` (head and tail kept). Raises `SandboxRefused` where only root could run it (see
-    `describe_sandbox`)."""
+    `max_output_chars` (head and tail kept). Raises `SandboxRefused` where the process fallback is not opted in
+    and `SandboxUnavailable` where the sandbox cannot start the interpreter (both `ToolInfraError`, recorded for
+    the running episode)."""
     with watch("tool", "python"):
         return await _run_python(code, timeout, memory_mb, max_output_chars)
 
 
 async def _run_python(code: str, timeout: float, memory_mb: int, max_output_chars: int) -> PythonResult:
     level = sandbox_level()
-    is_root = os.geteuid() == 0
-    user = "" if level == "bubblewrap" else _process_plan(sys.executable, _allow_unsandboxed).user
-    if level == "process" and not user:
-        raise SandboxRefused(describe_sandbox().removeprefix("python tool sandbox: "))
-    root = tempfile.mkdtemp(prefix="astuner_py_")
-    ruleset = -1
-    try:
-        script = os.path.join(root, "snippet.py")
-        workdir = os.path.join(root, "work")
-        os.mkdir(workdir)
-        with open(script, "w", encoding="utf-8") as f:
-            f.write(code)
-        if is_root and user != "root":
-            for path in (root, workdir, script):
-                os.chown(path, _NOBODY, _NOBODY)
-        env = _child_env(workdir)
-        command = [sys.executable, "-I", "-X", "utf8", "-u", script]  # -I: no PYTHON* variables, no user site
-        if level == "bubblewrap":  # bwrap gets the rlimits; setpriv leaves root inside it
-            command = _bwrap_command(root, workdir, env, command)
-        elif _process_plan(sys.executable, _allow_unsandboxed).landlock:
-            ruleset = _landlock_ruleset(sys.executable, root)
+    plan = _process_plan(sys.executable, _allow_unsandboxed) if level == "process" else _ProcessPlan("", False)
+    if level == "process" and not plan.user:
+        raise record_failure(SandboxRefused(describe_sandbox().removeprefix("python tool sandbox: ")))
+    with _launch(level, plan.user, sys.executable, code, memory_mb, plan.landlock) as launch:
         try:
             proc = await asyncio.create_subprocess_exec(
-                *command,
+                *launch.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                cwd=workdir,
-                env=env,
+                cwd=launch.cwd,
+                env=launch.env,
                 start_new_session=True,
-                preexec_fn=partial(_enter_process_sandbox, user, ruleset, memory_mb, _other_processes()),
+                preexec_fn=launch.preexec,
+                pass_fds=(launch.report_fd,),
             )
-        finally:
-            if ruleset >= 0:
-                os.close(ruleset)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise record_failure(_unavailable(level, -1, str(exc))) from exc
         limit = max_output_chars * 4  # utf-8 needs at most 4 bytes a character
         out, err = _Capture(limit), _Capture(limit)
         readers = [asyncio.ensure_future(_drain(proc.stdout, out)), asyncio.ensure_future(_drain(proc.stderr, err))]
@@ -451,13 +478,25 @@ async def _run_python(code: str, timeout: float, memory_mb: int, max_output_char
             _, pending = await asyncio.wait(readers, timeout=2.0)
             for task in pending:
                 task.cancel()
-        stderr = err.text(max_output_chars)
-        if timed_out:
-            note = f"TimeoutError: execution exceeded {timeout:g} seconds and was killed."
-            stderr = f"{stderr}\n{note}" if stderr else note
-        return PythonResult(proc.returncode, out.text(max_output_chars), stderr, timed_out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        started = launch.started()
+    stderr = err.text(max_output_chars)
+    if not started:  # bwrap, setpriv or the interpreter failed before the code ran: not the model's doing
+        raise record_failure(_unavailable(level, proc.returncode, stderr))
+    record_start()
+    stderr = stderr.replace(_BOOT_FRAME, _BOOT_FRAME.split("\n")[0] + "\n")
+    if timed_out:
+        note = f"TimeoutError: execution exceeded {timeout:g} seconds and was killed."
+        stderr = f"{stderr}\n{note}" if stderr else note
+    return PythonResult(proc.returncode, out.text(max_output_chars), stderr, timed_out)
+
+
+def _unavailable(level: str, returncode: int | None, stderr: str) -> SandboxUnavailable:
+    fix = (f"check that bwrap can start it here as this user ({bw.how_to_enable('')})" if level == "bubblewrap"
+           else "check the process sandbox's start-up line")
+    return SandboxUnavailable(
+        f"the Python tool's sandbox ({level}) could not start the interpreter {sys.executable} (exit status "
+        f"{returncode}): {stderr.strip()[-500:] or 'no error output'}. This is not the model's doing: {fix}; the "
+        f"start-up block's 'python tool sandbox' line says what was found at start")
 
 
 async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:

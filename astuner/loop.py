@@ -202,9 +202,9 @@ def run_loop(
                     break
                 run.step(step, tasks, batches, epoch, position)
     except WorkerLost as exc:
+        log.error("%s", exc)  # in the run's log too: a background run's console may be nobody's
         # Checkpoint the last completed step if the trainer still holds exactly it, so a resume continues there.
         if exc.trainer_ok and state.step > run.saved_step and not exc.trained_past_state:
-            log.error("%s", exc)
             try:
                 summary.last_checkpoint = stages.save_checkpoint(state.step, asdict(state))
                 log.error("saved the last completed step as %s before stopping", summary.last_checkpoint)

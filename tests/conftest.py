@@ -33,14 +33,17 @@ else:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for one test module: 2 CPUs, a small object store (drivers started in subprocesses
-    join it through the address Ray records)."""
+    """A new local Ray cluster for one test module: 2 CPUs, a small object store. Drivers started in subprocesses
+    join it through RAY_ADDRESS, set for the module: `address="auto"` alone could pick any other cluster running on
+    the machine (tests/test_ray_multinode.py starts one of two nodes)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
-             log_to_driver=False)
-    yield
+    started = ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+                       logging_level="WARNING", log_to_driver=False)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_ADDRESS", started.address_info["gcs_address"])
+        yield
     ray.shutdown()
 
 

@@ -111,8 +111,11 @@ class RayStages(Stages):
         return actor
 
     def wait_ready(self, actors: list, names: list[str]) -> None:
-        ray_cluster.get([a.ready.remote() for a in actors], self.timeout_s, "the driver", names,
-                        "load the model", trainer_ok=False)
+        nodes = ray_cluster.get([a.ready.remote() for a in actors], self.timeout_s, "the driver", names,
+                                "load the model", trainer_ok=False)
+        # Where each actor runs, by Ray node id (as `ray status` and `ray list nodes` name nodes): a lost node's
+        # workers can then be told from the message that names them.
+        log.info("placement: %s", ", ".join(f"{name} on node {node} ({ip})" for name, (node, ip) in zip(names, nodes)))
 
     def init_data_parallel(self) -> None:
         if self.world == 1:

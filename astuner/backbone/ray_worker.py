@@ -45,8 +45,11 @@ class Worker:
         if "trainer" in roles:
             self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens)
 
-    def ready(self) -> str:
-        return self.name
+    def ready(self) -> tuple[str, str]:
+        """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     # --- data parallel ---------------------------------------------------------------------------------------
 

@@ -7,30 +7,118 @@ and returns warnings:
     warning names the parser and quotes one response it could not read;
   - silent tools: for SILENT_STEPS steps in a row the workflow offered tools but no tool call was parsed, while
     train/reward_mean rose; the warning names the parser and quotes one response. It repeats every SILENT_STEPS
-    steps while the streak lasts.
+    steps while the streak lasts;
+  - tools never used: for UNUSED_STEPS steps in a row the workflow offered tools and the model made no tool call,
+    or every call it made lacked a required argument of the offered schema, whatever the reward does. A base model
+    that never calls its tools gives GRPO nothing to learn about them; the warning says so and names the remedy
+    (a warm start), and the run's summary repeats it while it holds (`standing`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from astuner.types import Episode
 
 PARSE_FAILURE_WARN = 0.2
 SILENT_STEPS = 3
+# Two steps, not one: a single step of a small batch can miss tools by chance; a base model that cannot call them
+# misses every step, and a user reading the console early should hear it before the run ends.
+UNUSED_STEPS = 2
 QUOTE_CHARS = 240
+WARM_START_ADVICE = (
+    "A model that makes no usable call to the offered tools gives GRPO nothing to learn about them: warm-start "
+    "it first, an SFT run on demonstrations of tool calls in its chat format with arguments shaped as your tools' "
+    "(tutorial/agent_quickstart/README.md, 'The recipe', step 1), then train from that checkpoint "
+    "(astuner.model.path).")
 
 
 def _quote(text: str) -> str:
     return repr(text[:QUOTE_CHARS] + ("..." if len(text) > QUOTE_CHARS else ""))
 
 
+def missing_arguments(name: str, arguments: dict[str, Any], tools: list[dict] | None) -> list[str]:
+    """The parameters the offered tool `name` lists as `required` (its JSON schema) that `arguments` lacks; []
+    for a tool that was not offered (the parser flags those) or a schema without `required`."""
+    for tool in tools or []:
+        function = tool.get("function", tool)
+        if function.get("name") == name:
+            required = (function.get("parameters") or {}).get("required") or []
+            return [r for r in required if not isinstance(arguments, dict) or r not in arguments]
+    return []
+
+
+@dataclass(frozen=True)
+class ToolUseFacts:
+    """One step's tool use: model calls that offered tools, tool calls parsed from them, and those of the tool
+    calls that lacked a required argument (one example, "name(missing, ...)")."""
+
+    step: int
+    offered: int
+    tool_calls: int
+    incomplete: int
+    example: str = ""
+
+    @classmethod
+    def of(cls, step: int, episodes: list[Episode]) -> "ToolUseFacts":
+        offered = [c for e in episodes for c in e.calls if c.tools_offered]
+        missing = [m for c in offered for m in c.missing_tool_arguments]
+        called = sum(len((c.reply or {}).get("tool_calls") or []) for c in offered)
+        return cls(step, len(offered), called, len(missing), missing[0] if missing else "")
+
+    @property
+    def unused(self) -> bool:
+        """Tools offered, and no call the tools could run: none made, or every one missing a required argument."""
+        return self.offered > 0 and self.incomplete >= self.tool_calls
+
+
+def unused_tools_warning(history: list[ToolUseFacts], steps: int = UNUSED_STEPS) -> str | None:
+    """The warning when the last `steps` steps of `history` (one entry per step, in order) all offered tools and got
+    no usable tool call; None otherwise. Counts over the whole streak, which may be longer than `steps`."""
+    streak: list[ToolUseFacts] = []
+    for facts in reversed(history):
+        if not facts.unused:
+            break
+        streak.insert(0, facts)
+    if len(streak) < steps:
+        return None
+    offered, called = sum(f.offered for f in streak), sum(f.tool_calls for f in streak)
+    span = f"steps {streak[0].step}-{streak[-1].step}" if len(streak) > 1 else f"step {streak[0].step}"
+    if called == 0:
+        fact = f"the workflow offered tools in {offered} model calls and the model made no tool call " \
+               "(rollout/tool_call_rate 0)"
+    else:
+        example = next((f.example for f in reversed(streak) if f.example), "")
+        fact = f"every one of the model's {called} tool calls lacked a required argument of the offered schema " \
+               f"(e.g. {example}), in {offered} model calls that offered tools"
+    return f"{span}: {fact}, whatever the reward does. {WARM_START_ADVICE}"
+
+
 @dataclass
 class ToolUseAlarm:
     silent_steps: int = SILENT_STEPS
+    unused_steps: int = UNUSED_STEPS
     _streak: list[tuple[int, float]] = field(default_factory=list)  # (step, reward mean) with tools unused
+    _history: list[ToolUseFacts] = field(default_factory=list)  # the steps of the current streak of unused tools
+
+    def standing(self) -> str | None:
+        """The tools-never-used warning if it still holds at the last step observed (for the run's summary)."""
+        return unused_tools_warning(self._history, self.unused_steps)
 
     def observe(self, step: int, episodes: list[Episode], reward_mean: float) -> list[str]:
+        warnings = self._observe_unused(step, episodes)
+        return warnings + self._observe_parsing(step, episodes, reward_mean)
+
+    def _observe_unused(self, step: int, episodes: list[Episode]) -> list[str]:
+        """Said once per streak, when it reaches `unused_steps` steps; the summary repeats it while it holds."""
+        facts = ToolUseFacts.of(step, episodes)
+        self._history = self._history + [facts] if facts.unused else []  # the current streak only
+        if len(self._history) != self.unused_steps:
+            return []
+        return [unused_tools_warning(self._history, self.unused_steps)]
+
+    def _observe_parsing(self, step: int, episodes: list[Episode], reward_mean: float) -> list[str]:
         calls = [c for e in episodes for c in e.calls]
         offered = [c for c in calls if c.tools_offered]
         if not offered:

@@ -126,7 +126,9 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     start = plan_start(loaded)
     loaded = start.loaded
     print(f"astuner: {start.message}", file=sys.stderr)
-    save_config(loaded)
+    if start.note:
+        print(f"astuner: {start.note}", file=sys.stderr)
+    save_config(loaded, resumed_at=start.resumed_step)
     print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
 
     # Runs must not reach for the Hugging Face hub (offline clusters, reproducibility); a user can still opt in.
@@ -196,40 +198,55 @@ def evaluate(
                                                           show_default=False)] = None,
     model: Annotated[list[str] | None, typer.Option(
         "--model", "-m", help="A checkpoint (launcher_record/<run>/global_step_N) or model folder; repeat to "
-        "compare (the first is the baseline); 'base' is the config's model. Default: the config's model.",
-        show_default=False)] = None,
+        "compare; 'base' is the config's model. Default: the config's model.", show_default=False)] = None,
+    baseline: Annotated[str | None, typer.Option(
+        "--baseline", "-b", help="The model the others are compared to: its label in the table (or its --model "
+        "value); 'all': every pair. Default: the first --model.", show_default=False)] = None,
+    all_pairs: Annotated[bool, typer.Option("--all-pairs", help="Compare every pair of models (--baseline all).")]
+    = False,
     num_repeat: Annotated[int | None, typer.Option(
         "--num-repeat", "-k", help="Sampled episodes per task for pass@k (0: greedy only). Default: "
         "astuner.rollout.num_repeat.", show_default=False)] = None,
     split: Annotated[str, typer.Option(help="Which tasks: val | train.")] = "val",
-    out: Annotated[str | None, typer.Option(help="Folder for eval_tasks.csv and eval_summary.json. Default: "
-                                            "<experiment_dir>/eval.", show_default=False)] = None,
+    out: Annotated[str | None, typer.Option(help="Folder for eval_tasks.csv, eval_summary.json and eval.log. "
+                                            "Default: <experiment_dir>/eval.", show_default=False)] = None,
 ) -> None:
     """Evaluate models on a config's tasks: greedy accuracy, pass@1..k, tokens, failures; side by side.
 
     Example: astuner eval --conf tutorial/quickstart/quickstart.yaml --model base
     --model launcher_record/quickstart/global_step_20 --num-repeat 4
+
+    The console shows progress and the table; vLLM's output and the workflows' logs go to eval.log in --out.
     """
     from pathlib import Path
 
     from astuner.config import load_config
-    from astuner.evaluation.runner import evaluate as run_eval, table
+    from astuner.evaluation.runner import ALL_PAIRS, choose_pairs, evaluate as run_eval, table
+    from astuner.logs import announce, setup_logging
 
+    if all_pairs and baseline not in (None, ALL_PAIRS):
+        raise UserError(f"eval: --all-pairs compares every pair, --baseline {baseline} one model with the others; "
+                        "give one of the two")
+    baseline = ALL_PAIRS if all_pairs else baseline
     loaded = load_config(conf, list(overrides or []))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     folder = Path(out) if out else Path(loaded.experiment_dir) / "eval"
     models = [None if m == "base" else m for m in (model or ["base"])]
+    pairs = choose_pairs(models, baseline)  # a wrong --baseline fails before any model loads
+    log_file = setup_logging(folder, "eval.log")
+    announce(f"eval: {len(models)} model(s); vLLM's output and the workflows' logs go to {log_file}")
 
     def progress(desc: str, total: int):
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit="episode", file=sys.stderr, dynamic_ncols=True)
 
-    reports = run_eval(loaded, models, split=split, num_repeat=num_repeat, out_dir=folder, progress=progress)
-    print(table(reports))
-    print(f"astuner: per-task results in {folder / 'eval_tasks.csv'}, summary in {folder / 'eval_summary.json'}",
-          file=sys.stderr)
+    reports = run_eval(loaded, models, split=split, num_repeat=num_repeat, out_dir=folder, progress=progress,
+                       baseline=baseline)
+    print(table(reports, pairs))
+    print(f"astuner: per-task results in {folder / 'eval_tasks.csv'}, summary in {folder / 'eval_summary.json'}, "
+          f"log in {log_file}", file=sys.stderr)
 
 
 export_app = _subcommand_app()

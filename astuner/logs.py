@@ -1,14 +1,22 @@
-"""The run's log: loguru with a file sink (<experiment_dir>/astuner.log, INFO and up) and a console sink (WARNING
-and up, written with tqdm.write so the progress bars stay whole). Records of the standard `logging` module
-(astuner's own modules, libraries) are routed into loguru, and a workflow that does `from loguru import logger`
-logs into the same file. Low in the layers: engines and checks log through it too.
+"""The run's log: loguru with a file sink (<experiment_dir>/astuner.log) and a console sink (WARNING and up, written
+with tqdm.write so the progress bars stay whole). Records of the standard `logging` module (astuner's own modules,
+libraries) are routed into loguru, and a workflow that does `from loguru import logger` logs into the same file.
+Low in the layers: engines and checks log through it too.
+
+What the file keeps: INFO and up from everyone, and DEBUG from the user's code only: loguru lines from a file
+outside the installed packages and astuner, and the standard loggers of the workflow's and judge's modules (set to
+DEBUG by `debug_from_user_modules` when they load). Libraries' DEBUG (HTTP clients, torch, vLLM) stays out: it
+would bury the user's lines, and the root logger stays at INFO so libraries never build those records at all.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import sysconfig
 from pathlib import Path
+from types import ModuleType
 
 _SINKS: list[int] = []  # loguru sink ids added by setup_logging, removed on the next call
 _LOG_PATH: list[Path] = []  # the run's log file, once setup_logging ran in this process
@@ -27,12 +35,62 @@ def _for_console(record) -> bool:
     return record["level"].no >= 40 or not name.split(".")[0] in _FILE_ONLY
 
 
-def setup_logging(experiment_dir: Path) -> Path:
-    """Log INFO and above to <experiment_dir>/astuner.log; the console shows warnings and the progress bar."""
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose code is not the user's: the standard library, installed packages, astuner itself."""
+    import site
+
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    dirs.add(site.getusersitepackages())
+    dirs.add(str(Path(__file__).resolve().parent))
+    return tuple(str(Path(d).resolve()) + "/" for d in dirs if d)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_user_file(path: str | None) -> bool:
+    """Whether `path` is user code: a file outside the standard library, installed packages and astuner."""
+    return bool(path) and not str(Path(path).resolve()).startswith(_library_dirs())
+
+
+def _for_file(record) -> bool:
+    level = record["level"].no
+    if level >= logging.INFO:
+        return True
+    if level < logging.DEBUG:
+        return False
+    # A standard record reaches DEBUG only from a logger set to DEBUG: the user's modules, or one the user chose.
+    return record["extra"].get("stdlib", False) or is_user_file(record["file"].path)
+
+
+def user_module_names(module: ModuleType | None) -> list[str]:
+    """The names of a workflow's (or judge's) modules: its own and the modules loaded from its folder (the
+    siblings it imports); none when it is library or astuner code."""
+    path = getattr(module, "__file__", None)
+    if not is_user_file(path):
+        return []
+    folder = Path(path).resolve().parent
+    names = {module.__name__}
+    for name, other in list(sys.modules.items()):
+        other_path = getattr(other, "__file__", None)
+        if other_path and Path(other_path).resolve().parent == folder:
+            names.add(name)
+    return sorted(names)
+
+
+def debug_from_user_modules(module: ModuleType | None) -> None:
+    """Let the standard loggers of `module` and its siblings emit DEBUG (into the log file, never the console)."""
+    for name in user_module_names(module):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+
+
+def setup_logging(experiment_dir: Path, file_name: str = "astuner.log") -> Path:
+    """Log INFO and above, and the user's DEBUG, to <experiment_dir>/<file_name>; the console shows warnings and
+    the progress bar."""
     from loguru import logger
 
     experiment_dir.mkdir(parents=True, exist_ok=True)
-    path = experiment_dir / "astuner.log"
+    path = experiment_dir / file_name
     for sink in _SINKS:
         logger.remove(sink)
     _SINKS.clear()
@@ -40,7 +98,7 @@ def setup_logging(experiment_dir: Path) -> Path:
         logger.remove(0)  # loguru's own default stderr sink would print every INFO line a second time
     except ValueError:
         pass
-    _SINKS.append(logger.add(path, level="INFO", encoding="utf-8", enqueue=False,
+    _SINKS.append(logger.add(path, level="DEBUG", encoding="utf-8", enqueue=False, filter=_for_file,
                              format="{time:YYYY-MM-DD HH:mm:ss.SSS} {level} {name}: {message}"))
     _SINKS.append(logger.add(_console, level="WARNING", format="astuner: {level}: {message}", colorize=False,
                              filter=_for_console))
@@ -84,4 +142,4 @@ class _InterceptHandler(logging.Handler):
             import traceback
 
             text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
-        logger.patch(lambda r: r.update(name=record.name)).log(level, text)
+        logger.patch(lambda r: r.update(name=record.name)).bind(stdlib=True).log(level, text)

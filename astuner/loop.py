@@ -132,8 +132,10 @@ class RunSummary:
     val_scores: dict[int, float] = field(default_factory=dict)  # step -> validation score
     last_checkpoint: Path | None = None
     score_name: str = "accuracy"  # or "loss" (offline objectives)
+    warnings: list[str] = field(default_factory=list)  # what still held at the last step (tools never used)
 
     def line(self, name: str) -> str:
+        """The run in one line, then each standing warning on its own line (a reader of the end sees both)."""
         minutes, seconds = divmod(int(self.seconds), 60)
         text = f"{name}: {self.steps} steps in {minutes}m{seconds:02d}s"
         if self.val_scores:
@@ -144,7 +146,7 @@ class RunSummary:
                      f"(step {last}), {end - start:+.{digits}f}")
         if self.last_checkpoint is not None:
             text += f"; checkpoint {self.last_checkpoint}"
-        return text
+        return "\n".join([text] + [f"warning: {w}" for w in self.warnings])
 
 
 def count_steps(num_tasks: int, settings: LoopSettings) -> int:
@@ -277,7 +279,7 @@ class _Run:
         self.monitor.log_metrics(step, metrics)
         if chosen.episodes:
             self.monitor.save_episodes(step, chosen.episodes, "train", samples)
-        self.summary.steps = step
+        self.summary.steps, self.summary.warnings = step, self.selection.standing_warnings()
         state.step, state.epoch, state.position = step, chosen.epoch, chosen.position
         self.selection.check_idle(state, samples, metrics, step)
         watchdog.step_finished()  # the median step: rollout to sync (validation and checkpoints are occasional)

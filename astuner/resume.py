@@ -10,11 +10,18 @@ A checkpoint is complete when `global_step_N/astuner_resume/state.json` exists: 
 a temporary folder that is renamed into place, so a run killed at any moment never leaves a half checkpoint that
 looks complete. A run never appends silently to another run's metrics or tensorboard: a resumed run first cuts
 them back to the checkpoint's step (`Monitor(resume_step=...)`).
+
+A resume first compares this run's config with the one the checkpoint was trained with (`config.yaml` beside it,
+or the `config.resumed_<s>.yaml` of the resumed run that wrote it): a change to the model, the data, the rollout
+shape, the reward or the algorithm refuses (the table: `astuner.config.resume_keys`); allowed changes (the run's
+length, logging, checkpoint and validation frequency, placement, deadlines) are named. The resumed run saves its
+own config as `config.resumed_<step>.yaml`, so the checkpoint's stays as it was.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ from astuner.errors import UserError
 
 RESUME_DIR = "astuner_resume"  # inside a checkpoint folder: what a resumed run needs beyond the HF weights
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
+_RESUMED_CONFIG = re.compile(r"config\.resumed_(\d+)\.yaml$")
 
 
 @dataclass(frozen=True)
@@ -30,10 +38,71 @@ class RunStart:
     loaded: object  # LoadedConfig, with experiment_dir possibly moved to a fresh folder
     checkpoint: Path | None  # the checkpoint to continue from, or None
     message: str  # what was decided, for the console
+    note: str | None = None  # the allowed config changes a resume carries (or why none were checked)
+
+    @property
+    def resumed_step(self) -> int | None:
+        return None if self.checkpoint is None else step_of(self.checkpoint)
 
 
 def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / RESUME_DIR / "state.json").is_file()
+
+
+def step_of(checkpoint: Path) -> int:
+    match = _STEP_DIR.match(checkpoint.name)
+    return int(match.group(1)) if match else int(_read_state_step(checkpoint))
+
+
+def _read_state_step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / RESUME_DIR / "state.json").read_text(encoding="utf-8")).get("step", 0)
+
+
+def checkpoint_config(checkpoint: Path) -> Path | None:
+    """The config `checkpoint` was trained with: that of the latest run in its folder that started before it."""
+    step = step_of(checkpoint)
+    resumed = [(int(m.group(1)), p) for p in checkpoint.parent.glob("config.resumed_*.yaml")
+               if (m := _RESUMED_CONFIG.match(p.name)) and int(m.group(1)) < step]
+    if resumed:
+        return max(resumed)[1]
+    first = checkpoint.parent / "config.yaml"
+    return first if first.is_file() else None
+
+
+def check_resume(loaded, checkpoint: Path) -> str | None:
+    """Refuse (UserError) to continue `checkpoint` under a config that changes what it was trained with;
+    returns the line naming the allowed changes, or None when there are none."""
+    # Deferred: the trainer's workers import this module for RESUME_DIR and need no config machinery.
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from astuner.config.resume_keys import config_changes, flatten
+    from astuner.config.validate import default_tree
+
+    saved = checkpoint_config(checkpoint)
+    if saved is None:
+        return f"no config.yaml beside {checkpoint} to compare this run's config with; resuming unchecked"
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        old = exc
+    if not isinstance(old, dict):
+        raise UserError(f"cannot read {saved}, the config {checkpoint} was trained with ({old}); restore it, or "
+                        "set astuner.trainer_common.resume_mode=disable to start a fresh run.")
+    changes = config_changes(old, OmegaConf.to_container(loaded.cfg, resolve=True), flatten(default_tree()))
+    refused = [c for c in changes if not c.allowed]
+    if refused:
+        raise UserError(
+            f"resume refused: this run's config changes what {checkpoint} was trained with ({saved}): "
+            f"{'; '.join(map(str, refused))}. Continuing it would report one run under another's config. To start "
+            "fresh, set astuner.trainer_common.resume_mode=disable (the run goes to "
+            f"{fresh_folder(loaded.experiment_dir)}) or another astuner.experiment_dir; to continue the checkpoint, "
+            "set these keys back."
+        )
+    if not changes:
+        return None
+    return f"resuming with allowed config changes: {'; '.join(map(str, changes))}"
 
 
 def latest_checkpoint(experiment_dir: Path) -> Path | None:
@@ -73,11 +142,13 @@ def plan_start(loaded) -> RunStart:
                 f"astuner.trainer_common.resume_mode={mode!r}: {path} is not a complete astuner checkpoint (a "
                 f"global_step_N folder holding {RESUME_DIR}/state.json). Use auto, disable, or such a folder."
             )
-        return RunStart(loaded, path.resolve(), f"resuming from {path.resolve()} (resume_mode is a path)")
+        path = path.resolve()
+        return RunStart(loaded, path, f"resuming from {path} (resume_mode is a path)", check_resume(loaded, path))
     if mode == "auto":
         checkpoint = latest_checkpoint(out) if out.is_dir() else None
         if checkpoint is not None:
-            return RunStart(loaded, checkpoint, f"resuming from {checkpoint} (resume_mode auto)")
+            return RunStart(loaded, checkpoint, f"resuming from {checkpoint} (resume_mode auto)",
+                            check_resume(loaded, checkpoint))
     if out.is_dir() and holds_a_run(out):
         new = fresh_folder(out)
         why = "has no complete checkpoint to resume" if mode == "auto" else "holds a run and resume_mode is disable"

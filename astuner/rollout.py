@@ -14,9 +14,13 @@ the workflow task is cancelled, and the episode is flagged timeout whatever the 
 still does not finish within `CANCEL_GRACE_S` is abandoned. Likewise an overflow the ModelTuner recorded flags the
 episode even when the workflow caught the exception, and so does a tool that could not start (its sandbox:
 astuner/tools/failures.py): flagged `tool_infra_failed` and `failed`, not trained on, even when the agent's framework
-handed the error to the model as a tool result; `TOOL_INFRA_FAILURES_TO_STOP` such episodes in a row stop the run.
+handed the error to the model as a tool result. The run stops after `TOOL_INFRA_BATCHES_TO_STOP` batches in a row
+(a `run`: a step's rollout, or a validation) in which some tool could not start and none did: counted per batch, not
+per episode, since one brief hiccup hits every episode running at that moment.
 A workflow cancelled by anything but that deadline (its own code, its framework, an AgentScope `interrupt()` the
-agent swallowed) is flagged `failed`: its reward 0 is not the model's.
+agent swallowed) is flagged `failed`: its reward 0 is not the model's. Who sent a cancellation the workflow
+swallowed is known from its task (`_WorkflowJob`): asyncio's and anyio's primitives (timeouts, task groups) take
+back their own, so a count they leave (CPython 3.11's TaskGroup) is not one.
 
 Judging has its own deadline, `task_judge.timeout` seconds from when the episode's judging starts (after the
 workflow returned), shared by every judge that scores the episode: the terms of `task_judge.combine` run in turn
@@ -35,7 +39,8 @@ fail on any other ("Event loop is closed"). Episodes stay isolated by their own 
 cancellation; whatever a step leaves running is cancelled when it ends (`_cancel_leftovers`). The loop's default
 executor (`asyncio.to_thread`, where synchronous agents run) starts a daemon thread per call
 (`daemon_threads.DaemonExecutor`): an agent stuck in a blocking call past its deadline holds only its own thread,
-which nothing waits for (not later episodes, not the loop's close, not the exit), and is logged as abandoned.
+which nothing waits for (not later episodes, not the loop's close, not the exit), and is logged as abandoned;
+past `ABANDONED_THREADS_PER_WORKER` x max_env_worker such threads still running, the run stops.
 
 Sampling seeds are derived from (astuner.seed, step, episode uid), so an episode samples the same tokens whatever
 else runs beside it, and a resumed run repeats the run it continues.
@@ -47,6 +52,7 @@ import asyncio
 import hashlib
 import inspect
 import logging
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -72,9 +78,12 @@ log = logging.getLogger(__name__)
 
 # Seconds a cancelled workflow gets to unwind after its deadline before the rollout stops waiting for it.
 CANCEL_GRACE_S = 5.0
-# Episodes in a row whose tool could not start (its sandbox) before the run stops: one is a hiccup, this many a
-# broken machine, on which every episode would be thrown away.
-TOOL_INFRA_FAILURES_TO_STOP = 3
+# Threads abandoned by ended episodes (stuck in a blocking call) that may run on, per rollout.max_env_worker,
+# before the run stops (daemon_threads): a few stuck calls are an agent's bad luck, more a leak that grows each step.
+ABANDONED_THREADS_PER_WORKER = 4
+# Batches in a row in which tools could not start (their sandbox) and none started, before the run stops: one is a
+# hiccup, this many a broken machine, on which every episode would be thrown away.
+TOOL_INFRA_BATCHES_TO_STOP = 2
 
 
 class JudgeTimeout(Exception):
@@ -148,7 +157,7 @@ class RolloutRunner:
         self.stop_token_ids = stop_token_ids
         self.config = config
         self._seen_errors: set[str] = set()
-        self._tool_infra_streak = 0  # episodes in a row whose tool could not start
+        self._tool_infra_streak = 0  # batches in a row whose tools could not start, none starting
         self.renderer = ChatRenderer(tokenizer, settings.tool_prompt)
         self.chat_format = detect_formats(template_source(tokenizer), self.renderer.uses_builtin_tool_prompt,
                                           settings.tool_call_parser, settings.reasoning_parser)
@@ -187,7 +196,9 @@ class RolloutRunner:
             self._loop = asyncio.new_event_loop()
             # Synchronous agents (smolagents) run in `asyncio.to_thread`: a daemon thread per call, so neither a
             # pool's cap nor an agent stuck past its deadline holds up other episodes, the loop's close or the exit.
-            self._executor = daemon_threads.DaemonExecutor("astuner-episode")
+            self._executor = daemon_threads.DaemonExecutor(
+                "astuner-episode", max_abandoned=ABANDONED_THREADS_PER_WORKER * self.settings.max_env_worker,
+                limit_source=f"{ABANDONED_THREADS_PER_WORKER} x astuner.rollout.max_env_worker")
             self._loop.set_default_executor(self._executor)
         try:
             return self._loop.run_until_complete(
@@ -215,7 +226,11 @@ class RolloutRunner:
             return episode
 
         jobs = [one(task, i) for task in tasks for i in range(repeats)]
-        return list(await asyncio.gather(*jobs))
+        healths: list[tool_failures.ToolHealth] = []
+        with tool_failures.for_batch(healths):
+            episodes = list(await asyncio.gather(*jobs))
+        self._check_tool_infra(healths)
+        return episodes
 
     async def _episode(
         self, task: Task, repeat_index: int, temperature: float, validation: bool, step: int = 0
@@ -252,7 +267,7 @@ class RolloutRunner:
         start = time.perf_counter()
         output: WorkflowOutput | None = None
         with tool_failures.for_episode() as tools:  # the workflow's task reports its tools' start failures here
-            job = asyncio.ensure_future(self._execute(workflow_task, tuner))
+            job = _WorkflowJob(self._execute(workflow_task, tuner), loop=asyncio.get_running_loop())
         done, _ = await asyncio.wait({job}, timeout=timeout)
         if not done:
             tuner.expire(f"episode timed out after {timeout:g}s")
@@ -274,12 +289,13 @@ class RolloutRunner:
             episode.error_summary = f"the workflow raised {describe_exception(exc)}"
             episode.error_source = "workflow"
             self._log_error(episode, "failed")
-        if not tuner.expired and FLAG_FAILED not in episode.flags and _cancelled_from_inside(job):
+        cancelled_by = None if tuner.expired or FLAG_FAILED in episode.flags else _cancelled_from_inside(job)
+        if cancelled_by is not None:
             output = None
             episode.flags.append(FLAG_FAILED)
             episode.error = episode.error_summary = (
-                "the workflow was cancelled, not by astuner's deadline but by its own code or its framework (an "
-                "AgentScope agent's interrupt() cancels the task awaiting it, and AgentBase.__call__ then answers "
+                f"the workflow was cancelled, not by astuner's deadline but by {cancelled_by} (an AgentScope "
+                "agent's interrupt() cancels the task awaiting it, and AgentBase.__call__ then answers "
                 "'interrupted' instead of raising); not trained on as a zero. To stop an agent on purpose, run it "
                 "in a task of its own (asyncio.create_task) and let the workflow return its reward")
             episode.error_source = "workflow"
@@ -287,6 +303,7 @@ class RolloutRunner:
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
         if self._executor is not None:
             self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
+            episode.abandoned_threads = len(self._executor.abandoned())
         episode.calls = list(tuner.calls)
         episode.seconds = time.perf_counter() - start
 
@@ -340,21 +357,28 @@ class RolloutRunner:
 
     def _tool_infra_failed(self, episode: Episode, tools: tool_failures.ToolHealth) -> bool:
         """Flag an episode whose tool could not start: its tool results were the infrastructure's errors, not the
-        model's, so it is not trained on. Stop the run at TOOL_INFRA_FAILURES_TO_STOP such episodes in a row."""
+        model's, so it is not trained on."""
         if not tools.failures:
-            self._tool_infra_streak = 0 if tools.started else self._tool_infra_streak
             return False
-        self._tool_infra_streak += 1
         episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_FAILED, FLAG_TOOL_INFRA_FAILED]
         episode.error = episode.error_summary = f"a tool could not start: {tools.failures[-1]}"
         episode.error_source = "workflow"
         self._log_error(episode, "could not run its tool")
-        if self._tool_infra_streak >= TOOL_INFRA_FAILURES_TO_STOP:
-            raise TrainingStalled(
-                f"{self._tool_infra_streak} episodes in a row could not run their tool (its sandbox did not start), "
-                f"so they were not trained on; stopping rather than throw every episode away. The last error: "
-                f"{tools.failures[-1]}")
         return True
+
+    def _check_tool_infra(self, healths: list[tool_failures.ToolHealth]) -> None:
+        """Stop the run at TOOL_INFRA_BATCHES_TO_STOP batches in a row whose tools failed to start and never
+        started; a batch in which any tool started resets the count."""
+        failed = [h for h in healths if h.failures]
+        if any(h.started for h in healths) or not failed:
+            self._tool_infra_streak = 0 if any(h.started for h in healths) else self._tool_infra_streak
+            return
+        self._tool_infra_streak += 1
+        if self._tool_infra_streak >= TOOL_INFRA_BATCHES_TO_STOP:
+            raise TrainingStalled(
+                f"{self._tool_infra_streak} batches in a row could not run their tools (the sandbox did not start "
+                f"in {len(failed)} episodes of the last and started in none), so they were not trained on; stopping "
+                f"rather than throw every episode away. The last error: {failed[-1].failures[-1]}")
 
     def _log_error(self, episode: Episode, what: str) -> None:
         """Every error goes to the log file; the console gets each distinct error once, not once per episode."""
@@ -416,13 +440,39 @@ def describe_exception(exc: BaseException) -> str:
     return text + "".join(f" [note: {note}]" for note in getattr(exc, "__notes__", None) or [])
 
 
-def _cancelled_from_inside(job: asyncio.Future) -> bool:
-    """Whether the workflow's task ended cancelled, or finished after a cancellation its code swallowed (Python
-    3.11+ counts the requests: `Task.cancelling`). The rollout's own cancellation, past the deadline, is told
-    apart by the expired tuner."""
+# Packages whose primitives cancel a task and take their own request back (timeouts, task groups, cancel scopes):
+# a cancellation count they leave is bookkeeping, not a cancellation the workflow swallowed. CPython 3.11's
+# TaskGroup never takes back the one it sends when a child fails while the parent waits in its exit, so a workflow
+# that catches that child's error with `except*` ends with `cancelling() == 1` and nothing cancelled.
+_SELF_CANCELLING = ("asyncio", "anyio")
+
+
+class _WorkflowJob(asyncio.Task):
+    """The workflow's task; it records the module of each caller of `cancel`, so that the rollout can tell who
+    cancelled it (an AgentScope interrupt is `agentscope.agent._agent_base`)."""
+
+    def __init__(self, coro, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.cancellers: list[str] = []
+        super().__init__(coro, loop=loop)
+
+    def cancel(self, msg: Any = None) -> bool:
+        self.cancellers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return super().cancel(msg)
+
+
+def _cancelled_from_inside(job: _WorkflowJob) -> str | None:
+    """Who cancelled the workflow's task, when it ended cancelled, or when it returned with a cancellation still
+    counted (`Task.cancelling`) that code outside `_SELF_CANCELLING` sent: one the workflow or its framework
+    swallowed. None otherwise. The rollout's own cancellation, past the deadline, is told apart by the expired
+    tuner."""
     if not job.done():
-        return False
-    return job.cancelled() or bool(getattr(job, "cancelling", lambda: 0)())
+        return None
+    foreign = list(dict.fromkeys(m for m in job.cancellers if m.partition(".")[0] not in _SELF_CANCELLING))
+    if job.cancelled():
+        return ", ".join(foreign or dict.fromkeys(job.cancellers)) or "its own code or its framework"
+    if job.cancelling() > 0 and foreign:
+        return ", ".join(foreign)
+    return None
 
 
 def _episode_seed(seed: int, step: int, episode_uid: str) -> int:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import inspect
 import logging
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from astuner.config.applicability import OFFLINE_TYPES
 from astuner.errors import UserError, user_code_error
+from astuner.logs import debug_from_user_modules
 from astuner.tokenizer import load_tokenizer, stop_token_ids
 from astuner.types import Task
 from astuner.workflow import ClassSpecError, Workflow, load_class
@@ -38,6 +40,7 @@ def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None
         raise UserError(f"{key}: {exc}") from None
     except Exception as exc:  # the user's module itself raised at import: show their traceback, not ours
         raise user_code_error(f"{key}: your {what} module", _module_file(str(spec), exc), exc) from None
+    debug_from_user_modules(sys.modules.get(getattr(cls, "__module__", ""), None))  # its DEBUG: the log file
     if base is not None and not isinstance(cls, type) and inspect.isfunction(cls):
         return cls  # a function workflow or judge: the caller wraps it
     if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):

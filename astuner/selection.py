@@ -7,8 +7,8 @@
     OfflineSFT, OfflinePreference   sft | dpo | orpo: the batch is read from offline data, no rollouts
 
 `choose_selection(settings)` picks one from the config. The loop calls `gather` (roll out and keep), `learn`
-(-> samples; stops a run whose episodes all failed), `report` (the step's metrics, assembled by the monitor) and
-`check_idle`, and never branches on the algorithm itself.
+(-> samples; stops a run whose episodes all failed), `report` (the step's metrics, assembled by the monitor),
+`check_idle` and `standing_warnings` (for the summary), and never branches on the algorithm itself.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ class Plain:
                seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
         return self.metrics.of_step(step, chosen.episodes, samples, train_metrics, seconds, extra)
 
+    def standing_warnings(self) -> list[str]:
+        """Warnings that still hold after the last step, repeated in the run's summary."""
+        return self.metrics.standing_warnings()
+
     def check_idle(self, state, samples: list[Sample], metrics: dict[str, float], step: int) -> None:
         """Never silently idle: `max_idle_steps` steps in a row without a sample that carries a gradient stop
         the run."""
@@ -95,7 +99,7 @@ class Plain:
                 f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
                 f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
                 "the task may be too hard (all 0) or too easy (all 1) for this model, or raise "
-                "astuner.trainer_common.max_idle_steps."
+                "astuner.trainer_common.max_idle_steps." + "".join(f" Also: {w}" for w in self.standing_warnings())
             )
 
     @staticmethod
@@ -199,6 +203,9 @@ class OfflineSFT:
 
     def check_idle(self, state, samples: list, metrics: dict[str, float], step: int) -> None:
         """Every offline example carries a gradient."""
+
+    def standing_warnings(self) -> list[str]:
+        return []
 
 
 class OfflinePreference(OfflineSFT):

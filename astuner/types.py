@@ -74,6 +74,8 @@ class LLMCall:
     tool_call_parse_failed: bool = False  # ... and the parser could not use some of it
     tools_offered: bool = False  # the request offered tools (the tool-use alarms watch these calls)
     tool_parser: str = ""  # the parser that read the response (rollout.tool_call_parser, as resolved)
+    # One entry per parsed tool call that lacks a `required` argument of the offered schema: "name(arg, ...)".
+    missing_tool_arguments: list[str] = field(default_factory=list)
     # For the log viewer: the request's messages (only those after the call it extends, when it extends one)
     # and the assistant message handed back.
     messages: list[dict] | None = None
@@ -102,6 +104,9 @@ class Episode:
     # Trainer steps behind the weights that generated it (0: the initial model); the trinity backbone's explorers
     # may run on older weights than the trainer's, and the step's staleness is trainer step - 1 - this.
     policy_version: int = 0
+    # Threads of ended episodes still stuck in a blocking call in its rollout process when it ended, itself
+    # included (daemon_threads); a step's rollout/abandoned_threads is the most of its episodes.
+    abandoned_threads: int = 0
 
     @property
     def group_id(self) -> str:

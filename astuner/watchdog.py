@@ -14,12 +14,15 @@ thread polls every `poll_s` seconds:
     raises StageTimeout with that message, so a hang becomes an error that says where it was.
 
 The stop does not depend on SIGINT, which a run started in the background (`nohup ... &`) ignores and which a
-framework may have taken over: a stage run by the main thread installs a handler of its own for STOP_SIGNAL (a
-real-time signal that astuner, vLLM, Ray and torch leave alone; torch's c10 takes SIGUSR2, SLURM sends SIGUSR1/2)
-and puts the previous one back when the stage ends (SIG_IGN for the default, which would end the process on a
-stop sent just as the stage ended). The signal, sent to the main thread, also ends a blocking wait (sleep,
-select, a lock): the handler raises, so PEP 475's retry does not happen. A stage run by another thread gets the
-exception asynchronously, at its next Python instruction, since only the main thread runs Python signal handlers.
+framework may have taken over: a watchdog entered by the main thread installs one handler of its own for
+STOP_SIGNAL (a real-time signal that astuner, vLLM, Ray and torch leave alone; torch's c10 takes SIGUSR2, SLURM
+sends SIGUSR1/2) for the whole run, and puts the previous disposition back when it exits. The handler raises only
+inside a stage that has expired and drops any other delivery (a stop that lands just as its stage ended), so the
+handler is never swapped mid-run. It is a handler, never SIG_IGN: exec resets a handled signal to its default in
+every child the run starts, whereas an ignored one would be inherited by every later subprocess. The signal, sent
+to the main thread, also ends a blocking wait (sleep, select, a lock): the handler raises, so PEP 475's retry does
+not happen. A stage run by another thread gets the exception asynchronously, at its next Python instruction, since
+only the main thread runs Python signal handlers.
 """
 
 from __future__ import annotations
@@ -130,13 +133,9 @@ class StageDeadline(KeyboardInterrupt):
     that neither `except Exception` in user code nor asyncio (which re-raises it out of the loop) keeps it."""
 
 
-def _raise_deadline(signum, frame) -> None:
-    raise StageDeadline
-
-
 def _interrupt(thread_id: int, by_signal: bool) -> None:
     """Raise StageDeadline in the thread running the stage: by STOP_SIGNAL when that thread is the main one and
-    the stage installed its handler (it ends a blocking call too), else asynchronously (it lands at the thread's
+    the watchdog installed its handler (it ends a blocking call too), else asynchronously (it lands at the thread's
     next Python instruction, so a wait inside C code ends only when it returns)."""
     if by_signal:
         signal.pthread_kill(thread_id, STOP_SIGNAL)
@@ -144,19 +143,30 @@ def _interrupt(thread_id: int, by_signal: bool) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(StageDeadline))
 
 
-@contextlib.contextmanager
-def _stop_handler():
-    """STOP_SIGNAL's handler for the block, when run by the main thread (yields whether it is installed)."""
+def _install_stop_handler(handler):
+    """Install `handler` for STOP_SIGNAL; returns the disposition to put back, or None where it cannot be installed
+    (another thread than the main one, no such signal, or a handler set from C, which could not be put back)."""
     if STOP_SIGNAL is None or threading.current_thread() is not threading.main_thread():
-        yield False
+        return None
+    previous = signal.getsignal(STOP_SIGNAL)
+    if previous is None:
+        return None
+    signal.signal(STOP_SIGNAL, handler)
+    return previous
+
+
+def _restore_stop_handler(previous) -> None:
+    """Put `previous` back. A stop sent but not yet delivered is consumed first (blocked, then taken), so it never
+    meets the default disposition, which would end the process."""
+    if not hasattr(signal, "sigtimedwait"):
+        signal.signal(STOP_SIGNAL, previous)
         return
-    previous = signal.signal(STOP_SIGNAL, _raise_deadline)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
     try:
-        yield True
+        signal.sigtimedwait([STOP_SIGNAL], 0)
+        signal.signal(STOP_SIGNAL, previous)
     finally:
-        # A real-time signal's default action ends the process: a stop sent just before the stage ended but not
-        # yet delivered must find it ignored, not fatal. (signal.signal runs pending Python handlers first.)
-        signal.signal(STOP_SIGNAL, signal.SIG_IGN if previous in (signal.SIG_DFL, None) else previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class Watchdog:
@@ -176,11 +186,13 @@ class Watchdog:
         self._expired: str | None = None
         self._owner = threading.get_ident()  # the thread running the stages
         self._by_signal = False  # whether the running stage is stopped by STOP_SIGNAL (its handler is installed)
+        self._previous_handler = None  # STOP_SIGNAL's disposition before __enter__; None: ours is not installed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Watchdog:
+        self._previous_handler = _install_stop_handler(self._on_stop_signal)
         self._thread = threading.Thread(target=self._run, name="astuner-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -189,6 +201,15 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s + 1)
+        if self._previous_handler is not None:  # after the join: no stop is sent from here on
+            _restore_stop_handler(self._previous_handler)
+            self._previous_handler = None
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        """STOP_SIGNAL's handler for the run: the stop of an expired stage; any other delivery is dropped (the
+        stage ended meanwhile, and raises StageTimeout itself on seeing `_expired`)."""
+        if self._stage is not None and self._expired is not None:
+            raise StageDeadline
 
     def step_started(self, step: int) -> None:
         self._step, self._step_start, self._timing = step, time.monotonic(), True
@@ -202,16 +223,16 @@ class Watchdog:
     @contextlib.contextmanager
     def stage(self, name: str):
         """Run one stage of the current step; past `deadline_s` it raises StageTimeout naming what it waited on."""
+        by_signal = self._previous_handler is not None and threading.current_thread() is threading.main_thread()
         try:
-            with _stop_handler() as by_signal:
-                with self._lock:
-                    self._stage, self._stage_start, self._expired = name, time.monotonic(), None
-                    self._owner, self._by_signal = threading.get_ident(), by_signal
-                try:
-                    yield
-                finally:
-                    with self._lock:  # no interrupt is sent once the stage has ended
-                        self._stage = None
+            with self._lock:
+                self._stage, self._stage_start, self._expired = name, time.monotonic(), None
+                self._owner, self._by_signal = threading.get_ident(), by_signal
+            try:
+                yield
+            finally:
+                with self._lock:  # no interrupt is sent once the stage has ended
+                    self._stage = None
         except KeyboardInterrupt:  # also one that landed while the stage was ending
             self._stage = None  # in case it landed in the lock above
             if self._expired is None:

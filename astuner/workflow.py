@@ -117,7 +117,51 @@ def load_class(spec: str, search_dirs: list[Path] | None = None) -> type:
     try:
         return getattr(module, class_name)
     except AttributeError:
-        raise ClassSpecError(f"{spec!r}: module {module.__name__!r} has no attribute {class_name!r}") from None
+        raise ClassSpecError(missing_name_message(spec, target, module, class_name)) from None
+
+
+def missing_name_message(spec: str, target: str, module, name: str) -> str:
+    """What a `target->name` that names nothing in its module says: the user's file (as written and resolved,
+    never the internal module name a file is loaded under), the closest name it defines, and what it defines,
+    workflows and judges first."""
+    from astuner.config.validate import closest_name
+
+    where = getattr(module, "__file__", None)
+    place = f"{target} ({Path(where).resolve()})" if where else target
+    agents, others = defined_names(module)
+    public = [n for n in dir(module) if not n.startswith("_")]
+    hint = closest_name(name, agents + others) or closest_name(name, public)
+    text = f"{spec!r}: {place} defines no {name!r}"
+    text += f"; did you mean {hint!r}?" if hint else "."
+    if agents:
+        text += f" Its workflows and judges: {_names(agents)}."
+    if others:
+        text += f" {'Its other' if agents else 'Its'} classes and functions: {_names(others)}."
+    if not agents and not others:
+        text += " It defines no class or function of its own."
+    return text + f" Write '{target}->Name' with a name it defines."
+
+
+def _names(names: list[str], most: int = 12) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def defined_names(module) -> tuple[list[str], list[str]]:
+    """(workflows and judges, other classes and functions) a module defines itself, not those it imports, each
+    sorted. A workflow or judge: a Workflow subclass, a class with `compute_reward`, or an async function (a
+    function workflow); a judge function is an ordinary function and lands in the second list."""
+    import inspect
+
+    agents, others = [], []
+    for n, v in sorted(vars(module).items()):
+        if n.startswith("_") or not (inspect.isclass(v) or inspect.isfunction(v)):
+            continue
+        if getattr(v, "__module__", None) != module.__name__:
+            continue
+        is_agent = (issubclass(v, Workflow) or callable(getattr(v, "compute_reward", None))) if inspect.isclass(v) \
+            else inspect.iscoroutinefunction(v)
+        (agents if is_agent else others).append(n)
+    return agents, others
 
 
 def _load_shipped(target: str, name: str, dirs: list[Path], spec: str):

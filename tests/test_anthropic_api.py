@@ -5,18 +5,25 @@ the OpenAI route."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import anthropic
 import httpx
 import pytest
+from real_vocab import end_of_turn_ids
 from test_model_tuner import ANSWER_TURN, TOOL_TURN, assert_recorded_exactly, make_tuner
+from test_real_vocabularies import _tuner as family_tuner
 
-from astuner.model_tuner.chat_format import ChatRenderer
+from astuner.model_tuner.anthropic_api import to_openai_tools
+from astuner.model_tuner.chat_format import ChatRenderer, normalize_ids
+from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.formats import ThinkReasoningParser
 
 TOOLS = [{"name": "execute_python_code", "description": "Run Python code.",
           "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}]
 QUESTION = [{"role": "user", "content": "What is 6*12?"}]
+RUN = {"name": "run", "description": "Run Python code.",
+       "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}
 
 
 
@@ -113,6 +120,60 @@ def test_a_final_assistant_message_is_a_prefill_the_answer_continues_token_exact
     assert later.extends_previous and later.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == (
         call.prompt_ids + call.response_ids)
     assert_recorded_exactly(tuner, engine)
+
+
+# family -> (the continuation sampled after the prefill, the next turn's new messages, the tools offered).
+# Qwen3.5's template keeps a finished turn as written only until the next user message (it drops the <think>
+# block of older turns), so there the turn is continued by a tool call and the next turn is its result.
+_QWEN_CALL = "\n\n<tool_call>\n<function=run>\n<parameter=code>\n6*12\n</parameter>\n</function>\n</tool_call>"
+_NEXT_USER = [{"role": "user", "content": "And 7*8?"}]
+PREFILL_TURNS = {
+    "llama3.1": (" 72, since six twelves are seventy-two.", _NEXT_USER, []),
+    "qwen3.5": (_QWEN_CALL, [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "{id}",
+                                                            "content": "72"}]}], [RUN]),
+    "gemma4": (" 72, since six twelves are seventy-two.", _NEXT_USER, []),
+    "mistral": (" 72, since six twelves are seventy-two.", _NEXT_USER, []),
+}
+
+
+@pytest.mark.parametrize("family", list(PREFILL_TURNS))
+def test_a_prefill_continues_the_turn_as_each_family_template_writes_it_and_the_next_turn_extends_it(
+        family, real_tokenizers):
+    """The prefill follows what the template writes for a finished assistant turn (transformers'
+    continue_final_message): on Qwen3.5 after the closed empty <think> block, not inside the generation prompt's
+    open one, where the model would read the prefill as its reasoning."""
+    tokenizer = real_tokenizers[family]
+    continuation, after, tools = PREFILL_TURNS[family]
+    sampled = tokenizer.encode(continuation, add_special_tokens=False) + [end_of_turn_ids(family, tokenizer)[0]]
+    answer = tokenizer.encode("It is 56.", add_special_tokens=False) + [end_of_turn_ids(family, tokenizer)[0]]
+    tuner, engine = family_tuner(family, tokenizer, [sampled, answer])
+    tuner.gateway = Gateway()
+    prefill = "The answer is"
+
+    async def main():
+        client = tuner.get_anthropic_client()
+        first = await client.messages.create(model="p", max_tokens=64, tools=tools,
+                                             messages=[*QUESTION, {"role": "assistant", "content": prefill}])
+        # As clients send it back: the prefill and its continuation, one assistant turn.
+        blocks = [b.model_dump(exclude_none=True) for b in first.content]
+        blocks = [{"type": "text", "text": prefill + (blocks[0]["text"] if blocks[0]["type"] == "text" else "")},
+                  *(b for b in blocks if b["type"] == "tool_use")]
+        ids = [b["id"] for b in blocks if b["type"] == "tool_use"]
+        later = json.loads(json.dumps(after).replace("{id}", ids[0] if ids else ""))
+        await client.messages.create(model="p", max_tokens=64, tools=tools,
+                                     messages=[*QUESTION, {"role": "assistant", "content": blocks}, *later])
+
+    asyncio.run(main())
+    call, later = tuner.calls
+    assert call.response_ids == sampled and (family != "qwen3.5" or call.reply["tool_calls"])
+    template_tools = tuner.renderer.prepare(QUESTION, to_openai_tools({"tools": tools})[0])[1]
+    expected = normalize_ids(tokenizer.apply_chat_template([*QUESTION, {"role": "assistant", "content": prefill}],
+                                                           tools=template_tools, continue_final_message=True,
+                                                           tokenize=True))
+    assert call.prompt_ids == expected, tokenizer.decode(call.prompt_ids[-12:])
+    assert tokenizer.decode(call.prompt_ids).endswith(prefill)
+    assert later.extends_previous and later.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == (
+        call.prompt_ids + call.response_ids)
 
 
 def test_count_tokens_counts_the_prompt_a_call_would_get_and_records_nothing(demo_tokenizer, gateway):

@@ -298,9 +298,61 @@ class InterruptedAgent(Workflow):
         return WorkflowOutput(reward=0.0, metadata={"final_answer": reply.get_text_content()})
 
 
-@pytest.mark.parametrize("workflow", [CancelsItself, FrameworkCancels, InterruptedAgent])
-def test_a_workflow_cancelled_by_anything_but_its_deadline_is_flagged_not_trained(demo_tokenizer, workflow):
+class SwallowsItsCancel(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        asyncio.current_task().cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass  # swallowed, never taken back (Task.uncancel)
+        return WorkflowOutput(reward=1.0)
+
+
+async def _tool(fails: bool) -> None:
+    await asyncio.sleep(0.01 if fails else 0.1)
+    if fails:
+        raise ValueError("tool failed")
+
+
+class ParallelTools(Workflow):
+    """Tools run in parallel in a TaskGroup (a common agent pattern); the parent waits in the group's exit. With
+    `one_fails`, one tool raises and the agent handles it: CPython 3.11 leaves the parent's `cancelling()` at 1."""
+
+    one_fails = False
+
+    async def execute(self, workflow_task, model_tuner):
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(_tool(self.one_fails))
+                tg.create_task(_tool(False))
+        except* ValueError:
+            pass
+        async with asyncio.timeout(0.05):  # a timeout the workflow sets itself, not reached
+            await asyncio.sleep(0)
+        try:
+            async with asyncio.timeout(0.01):  # ... and one it reaches and handles
+                await asyncio.sleep(1)
+        except TimeoutError:
+            pass
+        return WorkflowOutput(reward=1.0)
+
+
+class ParallelToolsOneFails(ParallelTools):
+    one_fails = True
+
+
+@pytest.mark.parametrize("workflow, flagged", [(CancelsItself, True), (FrameworkCancels, True),
+                                               (InterruptedAgent, True), (SwallowsItsCancel, True),
+                                               (ParallelTools, False), (ParallelToolsOneFails, False)])
+def test_a_workflow_cancelled_by_anything_but_its_deadline_is_flagged_not_trained(demo_tokenizer, workflow, flagged):
+    """Cancelled (ended cancelled, or a cancellation swallowed, as AgentScope's interrupt() is) is flagged;
+    asyncio's own task groups and timeouts, which cancel and take it back, are not."""
     engine = SlowScriptedEngine(demo_tokenizer, fast_calls=0)  # every model call waits: the agent is mid-call
     (episode,) = make_runner(demo_tokenizer, workflow, engine, 10.0).run([Task("t", "q")])
+    if not flagged:
+        assert episode.flags == [] and episode.reward == 1.0, episode.error_summary
+        return
     assert episode.flags == ["failed"] and not episode.trainable
     assert episode.error_summary.startswith("the workflow was cancelled, not by astuner's deadline")
+    if workflow is InterruptedAgent:
+        assert "by agentscope.agent._agent_base (" in episode.error_summary

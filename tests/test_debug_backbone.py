@@ -133,6 +133,33 @@ def test_bad_workflow_path_is_a_clean_error(tmp_path, tiny_model_dir, capsys):
     assert code == 2 and "missing.py" in err and "Traceback" not in err
 
 
+def test_misspelt_workflow_class_names_the_file_its_workflows_and_the_closest_name(tmp_path, capsys):
+    """Checked before any model loads: the model folder does not even exist."""
+    yaml = write_run(tmp_path, tmp_path / "no_such_model")
+    yaml.write_text(yaml.read_text().replace("wf.py->EchoWorkflow", "agent.py->UnitAgnet"))  # as a user writes it
+    (tmp_path / "agent.py").write_text(WORKFLOW.replace("EchoWorkflow", "UnitAgent") + JUDGE + "\ndef helper():\n"
+                                       "    pass\n")
+    code = main(["--conf", str(yaml), "--backbone", "debug", f"astuner.experiment_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "astuner_user_" not in err
+    assert f"agent.py ({(tmp_path / 'agent.py').resolve()}) defines no 'UnitAgnet'; did you mean 'UnitAgent'?" in err
+    assert "Its workflows and judges: LengthJudge, UnitAgent. Its other classes and functions: helper." in err
+
+
+def test_misspelt_class_of_a_module_names_the_module_file_and_the_closest_name(tmp_path):
+    from astuner.workflow import ClassSpecError, load_class
+
+    (tmp_path / "unit_pkg").mkdir()
+    (tmp_path / "unit_pkg" / "__init__.py").write_text("")
+    (tmp_path / "unit_pkg" / "agents.py").write_text(WORKFLOW.replace("EchoWorkflow", "UnitAgent"))
+    with pytest.raises(ClassSpecError) as caught:
+        load_class("unit_pkg.agents->UnitAgnet", [tmp_path])
+    assert str(caught.value) == (
+        f"'unit_pkg.agents->UnitAgnet': unit_pkg.agents ({tmp_path.resolve() / 'unit_pkg' / 'agents.py'}) defines no "
+        "'UnitAgnet'; did you mean 'UnitAgent'? Its workflows and judges: UnitAgent. Write 'unit_pkg.agents->Name' "
+        "with a name it defines.")
+
+
 def test_rollout_progress_counts_every_episode():
     from types import SimpleNamespace
 

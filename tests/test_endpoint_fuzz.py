@@ -6,13 +6,16 @@ ever a 500 (the ASGI transport raises any exception the app lets through)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from real_vocab import FAMILIES
 from test_model_tuner import make_tuner
+from test_responses_api import MALFORMED as RESPONSES_MALFORMED
 
 from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tuner import TunerLimits
@@ -90,6 +93,27 @@ def user(content) -> dict:
     return {"model": "p", "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
 
 
+def _called(arguments="{}", call_id="abcdefghi") -> dict:
+    call = {"type": "function", "function": {"name": "run", "arguments": arguments}}
+    return {"role": "assistant", "content": "", "tool_calls": [call if call_id is None else {**call, "id": call_id}]}
+
+
+def _result(call_id="abcdefghi") -> dict:  # nine alphanumerics: the id Mistral's template takes
+    return {"role": "tool", "content": "72", **({} if call_id is None else {"tool_call_id": call_id})}
+
+
+def _tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "run", "parameters": parameters}}
+
+
+def _used(**block) -> list[dict]:
+    """A conversation whose assistant turn holds one tool_use block (`block` overrides its fields)."""
+    use = {k: v for k, v in {"type": "tool_use", "id": "abcdefghi", "name": "run", "input": {}, **block}.items()
+           if v is not None}
+    return [*QUESTION, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "abcdefghi", "content": "72"}]}]
+
+
 OPENAI_MALFORMED = {
     "not UTF-8": b'{"messages": "\xff\xfe"}',
     "not JSON": b"{messages: [",
@@ -123,6 +147,19 @@ OPENAI_MALFORMED = {
     "response_format: json_object": chat(response_format={"type": "json_object"}),
     "response_format: 'json'": chat(response_format="json"),
     "top_p: 'all'": chat(top_p="all"),
+    # Fields chat templates index as they come: each raised inside a real family's template (tested below).
+    "arguments not JSON": chat(messages=[*QUESTION, _called(arguments="not json"), _result()]),
+    "arguments a JSON list": chat(messages=[*QUESTION, _called(arguments="[1, 2]"), _result()]),
+    "arguments a JSON number": chat(messages=[*QUESTION, _called(arguments="5"), _result()]),
+    "a call id that is a number": chat(messages=[*QUESTION, _called(call_id=5), _result()]),
+    "a call without an id": chat(messages=[*QUESTION, _called(call_id=None), _result()]),
+    "a tool message without tool_call_id": chat(messages=[*QUESTION, _called(), _result(call_id=None)]),
+    "tool_call_id a number": chat(messages=[*QUESTION, _called(), _result(call_id=7)]),
+    "parameters.properties: 5": chat(tools=[_tool({"type": "object", "properties": 5})]),
+    "parameters.properties: a list": chat(tools=[_tool({"type": "object", "properties": [1]})]),
+    "parameters.required: 5": chat(tools=[_tool({"type": "object", "properties": {}, "required": 5})]),
+    "a nested required: [1]": chat(tools=[_tool({"type": "object", "properties": {
+        "x": {"type": "object", "properties": {}, "required": [1]}}})]),
 }
 
 ANTHROPIC_MALFORMED = {
@@ -161,6 +198,11 @@ ANTHROPIC_MALFORMED = {
     "a prefill with a tool_use": claude(messages=[*QUESTION, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "run", "input": {}}]}]),
     "stream: 1": claude(stream=1),
+    "tool_use without an id": claude(tools=[CLAUDE_TOOL], messages=_used(id=None)),
+    "tool_use id: 5": claude(tools=[CLAUDE_TOOL], messages=_used(id=5)),
+    "input_schema.properties: 5": claude(tools=[{"name": "run", "input_schema": {"type": "object", "properties": 5}}]),
+    "input_schema.required: 'code'": claude(tools=[{"name": "run", "input_schema": {"type": "object",
+                                                                                    "required": "code"}}]),
 }
 
 
@@ -183,6 +225,72 @@ def test_malformed_anthropic_bodies_get_400_in_anthropic_shape_and_record_nothin
         assert_refused(response, anthropic_shape=True)
         assert response.status_code == 400, (path, response.text)
     assert len(served[1].calls) == before
+
+
+@pytest.fixture(scope="module")
+def family_served(real_tokenizers):
+    """{family: (gateway, tuner)} over each real family's tokenizer and chat template: stricter than SmolLM2's,
+    they raise on fields of the wrong type that SmolLM2's prints."""
+    out = {}
+    for family, tokenizer in real_tokenizers.items():
+        gateway = Gateway()
+        out[family] = (gateway, make_tuner(tokenizer, [], gateway=gateway)[0])
+    yield out
+    for gateway, _ in out.values():
+        gateway.close()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_malformed_bodies_get_400_under_each_real_familys_template_never_a_500(family_served, family):
+    served = family_served[family]
+    cases = [("/v1/chat/completions", case, body) for case, body in OPENAI_MALFORMED.items()]
+    cases += [(path, case, body) for case, body in ANTHROPIC_MALFORMED.items()
+              for path in ("/v1/messages", "/v1/messages/count_tokens")
+              if not (case == "max_tokens missing" and path.endswith("count_tokens"))]
+    cases += [("/v1/responses", named, body) for body, named in RESPONSES_MALFORMED]
+    wrong = []
+    for path, case, body in cases:
+        response = send(served, "POST", path, body)
+        if response.status_code != 400:
+            wrong.append(f"{path} {case}: {response.status_code} {response.text[:160]}")
+            continue
+        assert_refused(response, anthropic_shape=path.startswith("/v1/messages"))
+    assert not wrong, "\n".join(wrong)
+    assert served[1].calls == []
+
+
+_FRAGILE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                     "{% if m.content == 'boom' %}{{ m.content + 5 }}{% endif %}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class _BrokenEngine(SteadyEngine):
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        raise TypeError("a bug of ours")
+
+
+def test_an_exception_inside_the_chat_template_is_a_400_naming_it_and_one_outside_stays_a_500(demo_tokenizer):
+    """Templates raise whatever their code hits (a TypeError here, as Qwen3.5's on arguments that are not an
+    object): the request's fault, answered 400 on every route. The same exception from our own code is not
+    hidden as the client's fault."""
+    tokenizer = copy.copy(demo_tokenizer)
+    tokenizer.chat_template = _FRAGILE_TEMPLATE
+    gateway = Gateway()
+    tuner, _ = make_tuner(tokenizer, [], gateway=gateway)
+    tuner.engine = SteadyEngine(tokenizer)
+    served = (gateway, tuner)
+    boom = [{"role": "user", "content": "boom"}]
+    for path, body in (("/v1/chat/completions", chat(messages=boom)), ("/v1/messages", claude(messages=boom)),
+                       ("/v1/messages/count_tokens", claude(messages=boom)),
+                       ("/v1/responses", {"model": "p", "input": "boom"})):
+        response = send(served, "POST", path, body)
+        assert response.status_code == 400, (path, response.text)
+        assert_refused(response, anthropic_shape=path.startswith("/v1/messages"))
+        assert "chat template refused" in response.text and "TypeError" in response.text, response.text
+    assert send(served, "POST", "/v1/chat/completions", chat()).status_code == 200  # the template works
+    tuner.engine = _BrokenEngine(tokenizer)
+    response = send(served, "POST", "/v1/chat/completions", chat())
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
 
 
 @pytest.mark.parametrize("method, path, status, anthropic_shape", [

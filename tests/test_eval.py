@@ -77,7 +77,9 @@ def test_eval_command_compares_two_models(tmp_path, tiny_model_dir, capsys, monk
     first, second = summary["models"]
     assert first["label"] != second["label"]
     # The same weights, greedy: identical per-task outcomes, so the paired difference is exactly 0.
-    assert summary["differences_from_first"][second["label"]]["greedy/success_rate"] == [0.0, 0.0, 0.0]
+    (difference,) = summary["differences"]
+    assert (difference["model"], difference["baseline"]) == (second["label"], first["label"])
+    assert difference["greedy/success_rate"] == [0.0, 0.0, 0.0]
     rows = list(csv.DictReader(open(out / "eval_tasks.csv")))
     n_tasks = int(first["tasks"])
     assert len(rows) == 2 * n_tasks and all(r["samples"] == "2" for r in rows)
@@ -94,3 +96,62 @@ def test_eval_command_bad_input(tmp_path, tiny_model_dir, capsys, monkeypatch):
     assert "not a model folder" in capsys.readouterr().err
     assert main(["eval", "--conf", str(yaml), "--split", "test"]) == 2
     assert "val, train" in capsys.readouterr().err
+
+
+def test_choose_pairs_default_named_and_every_pair():
+    from astuner.errors import UserError
+    from astuner.evaluation.runner import choose_pairs
+
+    models = [None, "runs/warm/global_step_8", "runs/grpo/global_step_20"]
+    warm, grpo = "warm/global_step_8", "grpo/global_step_20"
+    assert choose_pairs(models) == [("base", warm), ("base", grpo)]  # against the first, as before
+    assert choose_pairs(models, warm) == [(warm, "base"), (warm, grpo)]
+    assert choose_pairs(models, "runs/grpo/global_step_20") == [(grpo, "base"), (grpo, warm)]  # the --model value
+    assert choose_pairs(models, "all") == [("base", warm), ("base", grpo), (warm, grpo)]
+    assert choose_pairs(["m", "m"], "m'") == [("m'", "m")]  # a repeated model's label carries a prime
+    with pytest.raises(UserError, match=f"the models are base, {warm}, {grpo}"):
+        choose_pairs(models, "sft")
+
+
+def _report(label, successes):
+    from astuner.evaluation.metrics import TaskResult
+    from astuner.evaluation.runner import ModelReport
+
+    tasks = [TaskResult(f"t{i}", float(s), bool(s)) for i, s in enumerate(successes)]
+    return ModelReport(label, label, tasks, {"greedy/success_rate": sum(successes) / len(successes)})
+
+
+def test_differences_against_a_named_baseline_by_hand():
+    from astuner.evaluation.runner import choose_pairs, comparisons, table
+
+    reports = [_report("base", [0, 0, 0, 1]), _report("warm", [1, 0, 0, 1]), _report("grpo", [1, 1, 1, 1])]
+    pairs = choose_pairs(["base", "warm", "grpo"], "warm")
+    diffs = comparisons(reports, pairs)
+    assert [d.name for d in diffs] == ["base - warm", "grpo - warm"]
+    # base - warm: per task (-1, 0, 0, 0), mean -1/4; grpo - warm: (0, 1, 1, 0), mean +1/2.
+    (m1, low1, high1), (m2, low2, high2) = (d.metrics["greedy/success_rate"] for d in diffs)
+    assert m1 == pytest.approx(-0.25) and -1.0 <= low1 <= m1 <= high1 <= 0.0
+    assert m2 == pytest.approx(0.5) and 0.0 <= low2 <= m2 <= high2 <= 1.0
+    every = comparisons(reports, choose_pairs(["base", "warm", "grpo"], "all"))
+    assert [(d.name, d.metrics["greedy/success_rate"][0]) for d in every] == [
+        ("warm - base", 0.25), ("grpo - base", 0.75), ("grpo - warm", 0.5)]
+    header = table(reports, pairs).splitlines()[0]
+    assert "base - warm [95% CI]" in header and "grpo - warm [95% CI]" in header and "warm - base" not in header
+
+
+def test_eval_unknown_baseline_exits_2_naming_the_models_before_any_model_runs(tmp_path, tiny_model_dir, capsys,
+                                                                             monkeypatch):
+    from tests.test_run_contract import write_run
+    from astuner.cli import main
+
+    yaml = write_run(tmp_path, tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval_out"
+    code = main(["eval", "--conf", str(yaml), "--model", "base", "--model", str(tiny_model_dir),
+                 "--baseline", "sft", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--baseline sft: no such model; the models are base, {tiny_model_dir.name}" in err
+    assert not out.exists()  # refused before the log file or any model
+    assert main(["eval", "--conf", str(yaml), "--baseline", "base", "--all-pairs"]) == 2
+    assert "give one of the two" in capsys.readouterr().err

@@ -9,18 +9,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from astuner.engine.fingerprint import (CHUNK, SyncMismatch, TensorPrint, changed, compared, differences, fingerprint,
-                                        probe_columns, signs)
+from astuner.engine.fingerprint import (BLOCK, CHUNK, SyncMismatch, TensorPrint, changed, chunk_elements, compared,
+                                        differences, fingerprint, probe_columns, sigma, signed_sums)
 from tolerances import rounding_rtol
 
 
 def test_sums_by_hand():
     fp = fingerprint([("m.q.weight", torch.tensor([[1.0, -2.0], [0.5, 4.0]])), ("m.n.weight", torch.tensor([3.0]))])
-    sigma = signs(0, 4, "cpu").tolist()
-    assert fp["m.n.weight"] == TensorPrint((1,), 3.0, 3.0, 3.0 * sigma[0])
+    sig = sigma(0, 4, "cpu").tolist()
+    assert fp["m.n.weight"] == TensorPrint((1,), 3.0, 3.0, 3.0 * sig[0])
     q = fp["m.q.weight"]
     assert (q.shape, q.s, q.a) == ((2, 2), 3.5, 7.5)
-    assert q.p == sum(s * x for s, x in zip(sigma, [1.0, -2.0, 0.5, 4.0]))
+    assert q.p == sum(s * x for s, x in zip(sig, [1.0, -2.0, 0.5, 4.0]))
     assert probe_columns(2) == [0, 1] and q.q == q.p  # a 2-wide tensor: every column is a probe column
 
 
@@ -69,13 +69,13 @@ def test_the_chunked_fingerprint_equals_a_float64_reference_beyond_one_chunk(dty
     torch.manual_seed(0)
     t = (torch.randn(3 * CHUNK // 512 + 3, 512) + 0.1).to(dtype)  # three chunks and a part
     wide = t.double().view(-1)
-    sigma = signs(0, wide.numel(), "cpu")  # the whole index space at once: the reference may be large
-    ref_s, ref_a, ref_p = wide.sum().item(), wide.abs().sum().item(), (wide * sigma).sum().item()
+    sigma_k = sigma(0, wide.numel(), "cpu")  # the whole index space at once: the reference may be large
+    ref_s, ref_a, ref_p = wide.sum().item(), wide.abs().sum().item(), (wide * sigma_k).sum().item()
     tol = rounding_rtol(torch.float64, wide.numel()) * ref_a  # same values, float64 sums in another order
     for print_ in (fingerprint([("w", t)])["w"], fingerprint([("w", t.t().contiguous().t())])["w"]):  # + strided
         assert abs(print_.s - ref_s) <= tol and abs(print_.a - ref_a) <= tol and abs(print_.p - ref_p) <= tol
     block = t.double()[:, probe_columns(512)]
-    ref_q = (block.reshape(-1) * signs(0, block.numel(), "cpu")).sum().item()
+    ref_q = (block.reshape(-1) * sigma(0, block.numel(), "cpu")).sum().item()
     assert abs(print_.q - ref_q) <= rounding_rtol(torch.float64, block.numel()) * block.abs().sum().item()
 
 
@@ -98,11 +98,77 @@ class _LargestAllocation(TorchDispatchMode):
 def test_the_fingerprint_allocates_one_chunk_at_a_time_never_the_whole_tensor(contiguous):
     t = torch.randn(8 * CHUNK // 1024, 1024, dtype=torch.bfloat16)
     t = t if contiguous else t.t()  # a strided view is copied a block of rows at a time
+    fingerprint([("w", t)])  # builds the device's cached sign pattern (at most BLOCK, once): not per tensor
     mode = _LargestAllocation()
     mode._inputs = {t.untyped_storage().data_ptr()}  # views of the input are no allocation
     with mode:
         fingerprint([("w", t)])
     assert 0 < mode.largest <= CHUNK, f"an operation made a tensor of {mode.largest} elements (chunk {CHUNK})"
+
+
+def test_fingerprinting_a_float64_tensor_leaves_it_unchanged():
+    t = torch.tensor([[-1.0, 2.0], [-3.0, 4.0]], dtype=torch.float64)  # its float64 chunk is a view of it
+    fingerprint([("w", t)])
+    assert t.tolist() == [[-1.0, 2.0], [-3.0, 4.0]]
+
+
+def test_the_cpu_and_accelerator_chunkings_agree_with_the_definition_beyond_one_block():
+    """The chunk size is not part of the definition: a CPU trainer and a GPU engine may compare their prints.
+    Rows of 1027 elements: a strided tensor's chunks straddle the block boundary."""
+    assert chunk_elements(torch.device("cpu")) == CHUNK and chunk_elements(torch.device("cuda", 0)) == BLOCK
+    torch.manual_seed(0)
+    t = torch.randn(BLOCK // 1027 + 3, 1027)
+    wide = t.double().view(-1)
+    ref = (wide.sum().item(), wide.abs().sum().item(), (wide * sigma(0, wide.numel(), "cpu")).sum().item())
+    tol = rounding_rtol(torch.float64, wide.numel()) * ref[1]
+    strided = t.t().contiguous().t()
+    for got in (signed_sums(t), signed_sums(t, BLOCK), signed_sums(strided), signed_sums(strided, BLOCK)):
+        assert all(abs(x - y) <= tol for x, y in zip(got, ref)), (got, ref)
+
+
+def test_two_whole_blocks_swapped_change_the_print():
+    a, b = torch.randn(BLOCK), torch.randn(BLOCK)
+    sent = fingerprint([("w", torch.cat([a, b]))])
+    assert [p.split(":")[0] for p in differences(sent, fingerprint([("w", torch.cat([b, a]))]))] == ["w"]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the torch operations run, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_chunk_costs_a_few_operations_and_the_signs_are_computed_once_per_device():
+    chunks = 6
+    t = torch.randn(chunks * CHUNK)
+    fingerprint([("w", t)])
+    with _Ops() as ops:
+        fingerprint([("w", t)])
+    assert "arange" not in " ".join(ops.names), "the sign pattern was recomputed instead of taken from the cache"
+    assert len(ops.names) <= 12 * chunks, f"{len(ops.names)} operations for {chunks} chunks: {ops.names[:40]}"
+
+
+def test_the_vllm_worker_reduces_a_tied_parameter_once(monkeypatch):
+    from astuner.engine import fingerprint as fingerprint_module
+    from astuner.engine.vllm_worker import served_fingerprint
+
+    reduced = []
+    real = fingerprint_module.tensor_print
+    monkeypatch.setattr(fingerprint_module, "tensor_print", lambda t: reduced.append(t.data_ptr()) or real(t))
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(32, 8)
+    model.norm = torch.nn.LayerNorm(8, bias=False)
+    model.lm_head = torch.nn.Linear(8, 32, bias=False)
+    model.lm_head.weight = model.embed.weight  # tied: the same Parameter, found again under the head
+    prints = served_fingerprint(model)
+    assert sorted(prints) == ["embed.weight", "norm.weight"]
+    assert sorted(reduced) == sorted({p.data_ptr() for p in model.parameters()}), "a parameter was reduced twice"
 
 
 def test_a_sync_that_compares_no_changed_weight_is_not_verified(caplog):

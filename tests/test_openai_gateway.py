@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ from test_model_tuner import ANSWER_TURN, PY_TOOL, TOOL_TURN, assert_recorded_ex
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.model_tuner.formats import ThinkReasoningParser
 from astuner.model_tuner.tuner import TunerLimits
+from astuner.model_tuner.turn import EpisodeOverflow
 from astuner.types import Episode, GenerateResult, Task
 
 QUESTION = [{"role": "user", "content": "What is 6*12?"}]
@@ -325,29 +327,118 @@ def test_parallel_calls_on_one_key_together_stay_within_the_episode_token_budget
     assert sum(len(c.response_ids) for c in tuner.calls) == 40
 
 
+class LoopEngine(HangingEngine):
+    """Answers at once, noting the event loop each call ran on."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.ids, self.loops = tokenizer.encode("It is 72.", add_special_tokens=False), []
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        self.loops.append(asyncio.get_running_loop())
+        return GenerateResult(token_ids=self.ids, logprobs=[-0.1] * len(self.ids), finish_reason="stop")
+
+
+def test_a_key_first_taken_in_a_worker_thread_still_runs_its_calls_on_the_episodes_loop(demo_tokenizer, gateway):
+    """A sync agent in asyncio.to_thread reading tuner.base_url / tuner.api_key (the documented pattern): its
+    calls run on the episode's loop, with the episode's budget and its waiters, not on the server's thread."""
+
+    async def episode():
+        tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)  # built in the episode, as the rollout does
+        tuner.engine = engine = LoopEngine(demo_tokenizer)
+
+        def sync_agent():
+            client = openai.OpenAI(base_url=tuner.base_url, api_key=tuner.api_key, max_retries=0)
+            return client.chat.completions.create(model="p", messages=QUESTION).choices[0].message.content
+
+        return await asyncio.to_thread(sync_agent), engine.loops, asyncio.get_running_loop()
+
+    answer, loops, episode_loop = asyncio.run(episode())
+    assert answer == "It is 72." and loops == [episode_loop]
+
+
+@pytest.mark.parametrize("path, body, anthropic_shape", [
+    ("/v1/chat/completions", {"model": "p", "messages": QUESTION}, False),
+    ("/v1/messages", {"model": "p", "max_tokens": 16, "messages": QUESTION}, True),
+    ("/v1/responses", {"model": "p", "input": "What is 6*12?"}, False),
+])
+def test_a_call_still_running_when_its_episode_ends_gets_408_in_the_apis_shape(demo_tokenizer, gateway, path, body,
+                                                                               anthropic_shape):
+    """The episode ended (its workflow returned) while an agent's HTTP call was generating: the rollout cancels
+    what the episode left on its loop. The client reads a 408 it will not retry, not a plain-text 500."""
+    from astuner.rollout import _cancel_leftovers
+
+    loop, answered = asyncio.new_event_loop(), {}
+
+    async def episode():
+        tuner, _ = make_tuner(demo_tokenizer, [], gateway=gateway)
+        tuner.engine = engine = HangingEngine()
+        url, key = tuner.base_url.removesuffix("/v1"), tuner.api_key
+        agent = threading.Thread(target=lambda: answered.update(response=httpx.post(
+            url + path, json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)))
+        agent.start()
+        while not engine.waiting:
+            await asyncio.sleep(0.01)
+        return tuner, agent  # the workflow returns, its agent's call still running
+
+    tuner, agent = loop.run_until_complete(episode())
+    _cancel_leftovers(loop)
+    agent.join(timeout=30)
+    loop.close()
+    response = answered["response"]
+    assert response.status_code == 408 and response.headers["x-should-retry"] == "false", response.text
+    error = response.json()["error"]
+    assert error["type"] == ("timeout_error" if anthropic_shape else "timeout") and "episode ended" in error["message"]
+    assert tuner.calls == []
+
+
+def test_a_call_refused_while_another_held_the_budget_does_not_overflow_the_episode_once_that_one_is_discarded(
+        demo_tokenizer):
+    limits = TunerLimits(max_model_len=4096, max_tokens_per_turn=40, max_response_tokens=40, max_prompt_length=2048)
+    tuner, engine = make_tuner(demo_tokenizer, ["word " * 60, ANSWER_TURN], limits=limits)
+
+    async def main():
+        unread = await tuner._complete(QUESTION, None)  # spends the whole budget; its client hangs up next
+        with pytest.raises(EpisodeOverflow):
+            await tuner._complete(QUESTION, None)  # a parallel call arriving before the hang-up is handled
+        tuner.discard(unread.call)
+        return await tuner._complete(QUESTION, None)  # the retry
+
+    retry = asyncio.run(main())
+    assert retry.content == ANSWER_TURN and not tuner.overflowed
+    assert [c.response_ids for c in tuner.calls] == [engine.responses[1]]
+
+
 def _http_scope(path: str, key: str) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+    # What uvicorn sends (its HTTP/1.1 implementations declare ASGI spec 2.3, where Starlette streams while
+    # listening for http.disconnect, and a send after the client left is dropped without an error).
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
             "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80),
             "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")]}
 
 
 async def _hang_up(app, path: str, key: str, body: dict, when: str) -> list[dict]:
-    """One request from a client that leaves: "while generating" (the server reads http.disconnect once the
-    call is done), or "while sending" (the connection fails as the answer is written)."""
+    """One request from a client that leaves: "while generating" (as uvicorn reports it: http.disconnect is
+    there to read once the call is done, and a send to the client that left is dropped), or "while sending"
+    (a server whose send fails once the connection is reset, after the first chunk of a stream)."""
     incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    gone = asyncio.Event()
+    if when == "while generating":
+        gone.set()
     sent: list[dict] = []
 
     async def receive():
         if incoming:
             return incoming.pop(0)
-        if when == "while generating":
-            return {"type": "http.disconnect"}
-        await asyncio.get_running_loop().create_future()  # still connected: nothing more to read
+        await gone.wait()  # still connected: nothing more to read
+        return {"type": "http.disconnect"}
 
     async def send(message):
-        if when == "while sending" and message["type"] == "http.response.body":
+        if when == "while sending" and message["type"] == "http.response.body" and sent[1:]:
             raise OSError("connection reset by peer")
+        if gone.is_set():
+            return  # uvicorn drops a send to a client that left
         sent.append(message)
 
     await app(_http_scope(path, key), receive, send)  # a client gone is no error of the server's
@@ -359,6 +450,9 @@ async def _hang_up(app, path: str, key: str, body: dict, when: str) -> list[dict
     ("/v1/chat/completions", {"model": "p", "messages": QUESTION, "stream": True}, "while sending"),
     ("/v1/messages", {"model": "p", "max_tokens": 64, "messages": QUESTION}, "while generating"),
     ("/v1/messages", {"model": "p", "max_tokens": 64, "messages": QUESTION, "stream": True}, "while sending"),
+    ("/v1/responses", {"model": "p", "input": QUESTION}, "while generating"),
+    ("/v1/responses", {"model": "p", "input": QUESTION, "stream": True}, "while generating"),
+    ("/v1/responses", {"model": "p", "input": QUESTION, "stream": True}, "while sending"),
 ])
 def test_a_call_whose_client_hung_up_is_not_trained_and_its_retry_is(demo_tokenizer, gateway, path, body, when):
     tuner, engine = make_tuner(demo_tokenizer, ["An answer nobody read.", ANSWER_TURN], gateway=gateway)

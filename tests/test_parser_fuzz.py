@@ -35,6 +35,10 @@ SLOTTED = [('<tool_call>{"name": "f", "arguments": {"x": ', "}}</tool_call>"),
            ("<|tool_call>call:f{x:", "}<tool_call|>")]
 
 
+# Numbers at the edges of JSON: no encoder downstream may be handed NaN or an infinity.
+EDGE_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "[1, 1e400]", "1e308", "-0.0", "1" * 60]
+
+
 @st.composite
 def hostile_text(draw) -> str:
     opening = st.sampled_from(["[", "{", '{"a":', "{a:", "[<|\"|>"])
@@ -43,6 +47,8 @@ def hostile_text(draw) -> str:
     parts = draw(st.lists(piece, max_size=24))
     if draw(st.booleans()):  # in the value slot of a call, so that deep nesting reaches the decoders
         head, tail = draw(st.sampled_from(SLOTTED))
+        if draw(st.booleans()):
+            return head + draw(st.sampled_from(EDGE_NUMBERS)) + tail
         nested = draw(opening) * draw(st.sampled_from([101, 1200, 5000]))
         return head + nested + "".join(parts) + tail
     seed = draw(st.sampled_from(["", *SEEDS]))
@@ -76,7 +82,7 @@ def test_a_tool_parser_never_raises_and_no_marker_reaches_the_agent(name, text, 
     for call in out.tool_calls:
         assert isinstance(call, ParsedToolCall) and isinstance(call.id, str) and isinstance(call.name, str)
         assert isinstance(call.arguments, dict)
-        json.dumps(call.arguments)  # what the gateway does with them next
+        json.dumps(call.arguments, allow_nan=False)  # what the gateway does with them next (strict JSON)
     seen = [out.content, *(s for c in out.tool_calls for s in [c.name, *_strings(c.arguments)])]
     leaked = [m for m in parser.markers if any(m in s for s in seen)]
     assert not leaked, (leaked, out)

@@ -193,6 +193,10 @@ MALFORMED = [
     ({"input": "hi", "stream": "yes"}, "stream"),
     ({"input": "hi", "metadata": {"n": 1}}, "metadata"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "nope"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].arguments"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"properties": [1]}}]},
+     "tools[0].parameters.properties"),
 ]
 
 

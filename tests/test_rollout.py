@@ -289,6 +289,44 @@ def test_synchronous_agents_stuck_past_their_deadline_do_not_starve_later_episod
     r.close()
 
 
+def test_abandoned_threads_are_a_step_metric_of_those_still_running(demo_tokenizer):
+    """Each episode carries the live count when it ended; the step logs the most; threads that finished since
+    (the stuck call returned) drop out of it."""
+    from astuner.monitor import pipeline_metrics
+
+    STUCK.clear()
+    r, _ = runner(demo_tokenizer, MaybeStuckSyncAgent, num_repeat=3, max_env_worker=3, episode_timeout=0.4)
+    try:
+        stuck = r.run([Task("stuck", "q")])
+        assert sorted(e.abandoned_threads for e in stuck)[-1] == 3
+        assert pipeline_metrics(stuck, {})["rollout/abandoned_threads"] == 3.0
+    finally:
+        STUCK.set()
+    deadline = time.monotonic() + 10
+    while r._executor.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    episodes = r.run(TASKS[:1])
+    assert [e.abandoned_threads for e in episodes] == [0] * 3 and r._executor._abandoned == set()
+    assert pipeline_metrics(episodes, {})["rollout/abandoned_threads"] == 0.0
+    r.close()
+
+
+def test_the_run_stops_when_abandoned_threads_pass_their_limit_naming_where_they_are_stuck(demo_tokenizer):
+    """4 x max_env_worker threads stuck may run on; one more stops the run with the function they wait in."""
+    from astuner.errors import TrainingStalled
+
+    STUCK.clear()
+    r, _ = runner(demo_tokenizer, MaybeStuckSyncAgent, num_repeat=5, max_env_worker=1, episode_timeout=0.2)
+    try:
+        with pytest.raises(TrainingStalled, match=r"5 threads of episodes that ended are still running in this "
+                           r"process, more than 4 \(4 x astuner.rollout.max_env_worker\); they are stuck in "
+                           r"Event.wait \(5\)\. .* Give that blocking call a timeout of its own"):
+            r.run([Task("stuck", "q")])
+    finally:
+        STUCK.set()
+    r.close()
+
+
 EXIT_SCRIPT = """
 import asyncio, sys, threading
 from transformers import AutoTokenizer

@@ -4,6 +4,8 @@ agent. (tests/test_parser_fuzz.py fuzzes the same properties.)"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from astuner.model_tuner.formats import ChannelReasoningParser, ThinkReasoningParser
@@ -168,6 +170,31 @@ def test_nesting_within_the_bound_is_read(name):
     depth = MAX_NESTING - 2  # the call's own map and the argument's level count too
     out = TOOL_PARSERS[name]().parse(DEEP_CALL[name]("[" * depth + "]" * depth), {"f"})
     assert out.errors == [] and len(out.tool_calls) == 1
+
+
+# NaN and Infinity are not JSON: where a value is JSON-or-text (Qwen3-Coder, Gemma 4) they stay the model's text.
+JSON_VALUE_PARSERS = ["hermes", "llama3_json", "mistral"]
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_CALL))
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "[1, 2e400]"])
+def test_a_number_beyond_the_float_range_is_a_parse_failure_in_every_family(name, number):
+    out = TOOL_PARSERS[name]().parse(DEEP_CALL[name](number), {"f"})
+    assert out.tool_calls == [] and "beyond the float range" in out.errors[0], out
+
+
+@pytest.mark.parametrize("name", JSON_VALUE_PARSERS)
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "[1, NaN]"])
+def test_nan_and_infinity_in_json_arguments_are_a_parse_failure(name, constant):
+    out = TOOL_PARSERS[name]().parse(DEEP_CALL[name](constant), {"f"})
+    assert out.tool_calls == [] and "NaN and Infinity are not JSON" in out.errors[0], out
+
+
+@pytest.mark.parametrize("name", sorted(set(DEEP_CALL) - set(JSON_VALUE_PARSERS)))
+def test_nan_where_a_value_may_be_text_stays_the_text_never_a_float(name):
+    out = TOOL_PARSERS[name]().parse(DEEP_CALL[name]("NaN"), {"f"})
+    assert out.errors == [] and out.tool_calls[0].arguments == {"x": "NaN"}
+    json.dumps(out.tool_calls[0].arguments, allow_nan=False)
 
 
 @pytest.mark.parametrize("parser, text, content", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 
 import pytest
@@ -196,17 +197,62 @@ def test_a_blocking_stage_meets_its_deadline_whatever_sigint_does(sigint):
         signal.signal(signal.SIGINT, previous)
 
 
-def test_the_stop_signal_handler_is_the_stages_only():
-    def mine(signum, frame):
-        pass
+def _child_ignores_stop_signal() -> bool:
+    """Whether a child started now ignores STOP_SIGNAL: its SigIgn mask, as inherited across exec."""
+    import subprocess
 
-    previous = signal.signal(STOP_SIGNAL, mine)
+    line = subprocess.run(["grep", "SigIgn", "/proc/self/status"], capture_output=True, text=True, check=True).stdout
+    return bool(int(line.split()[1], 16) >> (STOP_SIGNAL - 1) & 1)
+
+
+def _mine(signum, frame):
+    pass
+
+
+@pytest.mark.parametrize("before", [signal.SIG_DFL, signal.SIG_IGN, _mine], ids=["default", "ignored", "handler"])
+def test_the_watchdog_puts_the_stop_signals_disposition_back_and_children_never_inherit_it_ignored(before):
+    """One handler for the run (never SIG_IGN, which every later subprocess would inherit), and the disposition
+    the process had before, the default included, once the watchdog exits."""
+    previous = signal.signal(STOP_SIGNAL, before)
     try:
-        with Watchdog(deadline_s=100).stage("train"):
-            assert signal.getsignal(STOP_SIGNAL) is not mine
-        assert signal.getsignal(STOP_SIGNAL) is mine
+        with Watchdog(deadline_s=100) as dog:
+            for stage in ("rollout", "train"):
+                with dog.stage(stage):
+                    assert signal.getsignal(STOP_SIGNAL) not in (before, signal.SIG_IGN, signal.SIG_DFL)
+                    assert not _child_ignores_stop_signal()
+            assert not _child_ignores_stop_signal()  # between stages too
+        assert signal.getsignal(STOP_SIGNAL) is before
+        assert _child_ignores_stop_signal() == (before is signal.SIG_IGN)
     finally:
         signal.signal(STOP_SIGNAL, previous)
+
+
+def test_a_stop_signal_outside_an_expired_stage_is_dropped():
+    """A stop that lands after its stage ended (or any stray one) neither raises nor ends the process."""
+    with Watchdog(deadline_s=100) as dog:
+        signal.pthread_kill(threading.main_thread().ident, STOP_SIGNAL)
+        with dog.stage("train"):
+            signal.pthread_kill(threading.main_thread().ident, STOP_SIGNAL)  # running, not expired
+            time.sleep(0.05)
+
+
+PENDING_STOP_SCRIPT = """
+import signal, threading
+from astuner.watchdog import STOP_SIGNAL, Watchdog
+with Watchdog(deadline_s=100) as dog, dog.stage("train"):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+    signal.pthread_kill(threading.main_thread().ident, STOP_SIGNAL)  # sent, not yet delivered
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP_SIGNAL})  # would meet the default disposition: the end
+print("alive")
+"""
+
+
+def test_a_stop_still_undelivered_when_the_watchdog_exits_does_not_end_the_process():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PENDING_STOP_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "alive"), done.stderr
 
 
 def test_validation_after_the_step_is_not_timed_as_the_step_but_still_named():

@@ -148,23 +148,28 @@ def derive_defaults(tree: dict, user_keys: set[str]) -> list[str]:
     return []
 
 
-def save_config(loaded: LoadedConfig) -> Path:
+def save_config(loaded: LoadedConfig, resumed_at: int | None = None) -> Path:
     """Write `<experiment_dir>/config.yaml` (the composed config) and a verbatim copy of the user's YAML.
 
     The copy keeps the YAML's file name, except a YAML itself named config.yaml is copied as
-    user_config.yaml so that it does not replace the composed one. Returns the experiment folder.
+    user_config.yaml so that it does not replace the composed one. A run resumed at step `resumed_at` keeps the
+    checkpoint's files: its composed config goes to config.resumed_<step>.yaml beside them, and an existing copy
+    stays. Returns the experiment folder.
     """
     out = loaded.experiment_dir
     composed = out / "config.yaml"
     copy_name = "user_config.yaml" if loaded.yaml_path.name == "config.yaml" else loaded.yaml_path.name
     copy = out / copy_name
+    keep = resumed_at is not None and composed.exists()
+    if keep:
+        composed = out / f"config.resumed_{resumed_at}.yaml"
     header = f"# Composed by astuner from {loaded.yaml_path}\n"
     if loaded.overrides:
         header += f"# Overrides: {' '.join(loaded.overrides)}\n"
     try:
         out.mkdir(parents=True, exist_ok=True)
         composed.write_text(header + OmegaConf.to_yaml(loaded.cfg, resolve=True), encoding="utf-8")
-        if not (copy.exists() and copy.samefile(loaded.yaml_path)):
+        if not (copy.exists() and (keep or copy.samefile(loaded.yaml_path))):
             shutil.copyfile(loaded.yaml_path, copy)
     except OSError as exc:
         raise ConfigError(

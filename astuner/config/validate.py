@@ -73,7 +73,12 @@ def suggest_key(key: str) -> str | None:
     near_leaf = difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.75)
     if near_leaf:
         return closest(k for k in candidates if k.rsplit(".", 1)[-1] == near_leaf[0])
-    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return closest_name(key, candidates)
+
+
+def closest_name(word: str, options: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The option spelled most like `word` (difflib), or None: the "did you mean" of key and class-name typos."""
+    near = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
     return near[0] if near else None
 
 

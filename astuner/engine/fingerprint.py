@@ -8,20 +8,26 @@ fingerprint of the tensors it was handed (cast to its own dtype, as it stores th
 The fingerprint holds one entry per tensor, keyed by its checkpoint name (an engine that fuses q/k/v or gate/up
 splits them back, see `vllm_worker.py`): its shape and, over its n elements x_k in row-major order,
     S = sum_k x_k        A = sum_k |x_k|        P = sum_k sigma(k) x_k
-with sigma(k) = +-1 a fixed pseudo-random sign of the flat index k (bit 31 of k * 2654435761, Knuth's
-multiplicative hash; k taken modulo 2^31). Name and shape catch a swap of two tensors and a transposed
-non-square one; P catches a transposed square tensor, rows or columns swapped within a tensor (sums do not).
+with sigma(k) = h(k mod BLOCK) w(k div BLOCK): h(j) = +-1 a fixed pseudo-random sign (bit 31 of j * 2654435761,
+Knuth's multiplicative hash) and w(b) in (1/2, 1] a pseudo-random weight of each BLOCK of 2^22 elements
+(w(0) = 1), so |P| <= A and two whole blocks swapped change P too. h repeats every BLOCK elements, so each
+device computes it once and keeps it (`_pattern`): a chunk's signed sum is one dot product with a slice of it.
+Name and shape catch a swap of two tensors and a transposed non-square one; P catches a transposed square
+tensor, rows or columns swapped within a tensor (sums do not).
 For a 2-D tensor W (rows x cols) it also holds Q, the same signed sum over a fixed sample of its columns
     B = W[:, J],  J = {floor((2t + 1) cols / 2m) : t < m},  m = min(16, cols),
     Q = sum_{i,t} sigma(i m + t) B[i, t]       QA = sum |B|,
 which an engine can read back exactly from a layer whose weights it keeps only in packed form (vLLM's CPU
 backend): multiplying the layer by m one-hot rows returns those columns, each output one exact product.
 
-Memory: each tensor is reduced CHUNK elements at a time, each chunk cast to float64 on its own device (about 32
-bytes per chunk element in flight, 8 MiB), never the whole tensor. Both sides sum the same values (the engine's
-dtype, exact in float64), so they differ by float64 rounding in another order only: at most
-rtol(n) = C * eps(float64) * sqrt(n) relative to A (tests/tolerances.py's probabilistic bound). A tensor whose
-update is below the engine dtype's resolution is unchanged, and harmless.
+Cost and memory: each tensor is reduced one chunk at a time, cast to float64 on its own device, never whole; a
+chunk is `chunk_elements(device)`: 2^18 elements on a CPU (2 MiB of float64, cache-sized), BLOCK = 2^22 on an
+accelerator (32 MiB), where each chunk costs a handful of kernel launches (about 1,700 chunks for a 7B model).
+In flight: the chunk in float64, a contiguous copy of it for a strided tensor, and the cached h of at most BLOCK
+float64 per device (32 MiB, kept; built a chunk at a time). The chunk size is not part of the definition: both
+sides sum the same values (the engine's dtype, exact in float64), so they differ by float64 rounding in another
+order only: at most rtol(n) = C * eps(float64) * sqrt(n) relative to A (tests/tolerances.py's probabilistic
+bound). A tensor whose update is below the engine dtype's resolution is unchanged, and harmless.
 
 A check that compared only weights this sync did not change (frozen ones, where the changed ones cannot be read
 back) proves nothing: `changed` and `compared` let the engine report such a sync unverified.
@@ -33,12 +39,13 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-CHUNK = 1 << 18  # elements reduced at a time: 2 MiB of float64 per buffer
+CHUNK = 1 << 18  # elements reduced at a time on a CPU: 2 MiB of float64, so each pass stays in cache
+BLOCK = 1 << 22  # the period of h (part of sigma's definition), and the chunk on an accelerator: 32 MiB of float64
 PROBE_COLUMNS = 16
 C = 8.0  # the constant of tests/tolerances.py: a few roundings per term
 EPS64 = 2.0 ** -52
-_HASH = 2654435761  # < 2^32, so k * _HASH < 2^63 for k < 2^31: no int64 overflow
-_MASK31 = (1 << 31) - 1
+_HASH = 2654435761  # < 2^32, so j * _HASH < 2^54 for j < BLOCK: no int64 overflow
+_PATTERNS: dict[str, object] = {}  # device -> h(0 .. len-1) as float64, grown on demand up to BLOCK
 
 
 def rtol(n: int) -> float:
@@ -79,43 +86,97 @@ def probe_columns(cols: int) -> list[int]:
     return [((2 * t + 1) * cols) // (2 * m) for t in range(m)]
 
 
-def signs(start: int, count: int, device):
-    """sigma(k) for k in [start, start + count), as float64 +-1."""
+def chunk_elements(device) -> int:
+    """Elements reduced at a time on `device`: few, large chunks where each operation is a kernel launch."""
+    return CHUNK if str(device).startswith("cpu") else BLOCK
+
+
+def _h(lo: int, hi: int, device):
+    """h(j) for j in [lo, hi), as float64 +-1."""
     import torch
 
-    k = torch.arange(start, start + count, dtype=torch.int64, device=device) & _MASK31
-    return 1.0 - 2.0 * ((k * _HASH) >> 31 & 1).to(torch.float64)
+    j = torch.arange(lo, hi, dtype=torch.int64, device=device)
+    return 1.0 - 2.0 * ((j * _HASH) >> 31 & 1).to(torch.float64)
 
 
-def _chunks(tensor, start: int = 0) -> Iterator[tuple[int, object]]:
-    """(flat index of its first element, 1-D chunk of at most CHUNK elements) over `tensor` in row-major order;
+def _w(block: int) -> float:
+    """w(b) in (1/2, 1], w(0) = 1 (Python integers: no overflow for any b)."""
+    return 1.0 - ((block * _HASH) % (1 << 32)) / float(1 << 33)
+
+
+def sigma(start: int, count: int, device):
+    """sigma(k) for k in [start, start + count), as float64: the definition, computed directly (a reference)."""
+    import torch
+
+    k = torch.arange(start, start + count, dtype=torch.int64)
+    weights = torch.tensor([_w(b) for b in range(start // BLOCK, (start + count - 1) // BLOCK + 1)],
+                           dtype=torch.float64) if count else torch.ones(0, dtype=torch.float64)
+    h = 1.0 - 2.0 * ((k % BLOCK * _HASH) >> 31 & 1).to(torch.float64)
+    return (h * weights[k // BLOCK - start // BLOCK]).to(device)
+
+
+def _pattern(length: int, device):
+    """h(0 .. length-1) on `device`, computed once per device (grown by powers of two, at most BLOCK long) and
+    kept, so a chunk's signs are a slice of it rather than ~8 operations of their own."""
+    import torch
+
+    key = str(device)
+    cached = _PATTERNS.get(key)
+    if cached is None or cached.numel() < length:
+        size = min(BLOCK, 1 << max(length - 1, 1).bit_length())
+        cached = torch.empty(size, dtype=torch.float64, device=device)
+        for lo in range(0, size, CHUNK):  # built a chunk at a time: its int64 temporaries stay small
+            cached[lo : lo + CHUNK] = _h(lo, min(lo + CHUNK, size), device)
+        _PATTERNS[key] = cached
+    return cached
+
+
+def _chunks(tensor, chunk: int, start: int = 0) -> Iterator[tuple[int, object]]:
+    """(flat index of its first element, 1-D chunk of at most `chunk` elements) over `tensor` in row-major order;
     a non-contiguous tensor is copied one bounded block of rows at a time, never whole."""
     if tensor.is_contiguous():
         flat = tensor.view(-1)
-        for lo in range(0, flat.numel(), CHUNK):
-            yield start + lo, flat[lo : lo + CHUNK]
+        for lo in range(0, flat.numel(), chunk):
+            yield start + lo, flat[lo : lo + chunk]
         return
     row = tensor[0].numel() if tensor.dim() else 1
-    if row > CHUNK:  # one row alone is too big to copy: descend into it
+    if row > chunk:  # one row alone is too big to copy: descend into it
         for i in range(tensor.shape[0]):
-            yield from _chunks(tensor[i], start + i * row)
+            yield from _chunks(tensor[i], chunk, start + i * row)
         return
-    step = max(1, CHUNK // row)
+    step = max(1, chunk // row)
     for lo in range(0, tensor.shape[0], step):
         yield start + lo * row, tensor[lo : lo + step].contiguous().view(-1)
 
 
-def signed_sums(tensor) -> tuple[float, float, float]:
-    """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device."""
+def _signed_sum(wide, start: int):
+    """sum_k sigma(start + k) wide[k] (a 0-d tensor): one dot product per BLOCK the chunk touches (at most two,
+    since a chunk is at most BLOCK long)."""
+    import torch
+
+    total, pos, n = None, 0, wide.numel()
+    while pos < n:
+        offset = (start + pos) % BLOCK
+        take = min(n - pos, BLOCK - offset)
+        h = _pattern(offset + take, wide.device)[offset : offset + take]
+        part = torch.dot(wide[pos : pos + take], h) * _w((start + pos) // BLOCK)
+        total = part if total is None else total + part
+        pos += take
+    return total
+
+
+def signed_sums(tensor, chunk: int | None = None) -> tuple[float, float, float]:
+    """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device; `chunk` (elements)
+    defaults to the device's `chunk_elements` and changes the result by rounding only. The tensor is only
+    read: a float64 tensor's chunk is a view of it, so nothing here works in place."""
     import torch
 
     tensor = tensor.detach()
+    chunk = min(chunk or chunk_elements(tensor.device), BLOCK)
     acc = torch.zeros(3, dtype=torch.float64, device=tensor.device)
-    for start, chunk in _chunks(tensor):
-        wide = chunk.to(torch.float64)
-        acc[0] += wide.sum()
-        acc[2] += (wide * signs(start, wide.numel(), wide.device)).sum()
-        acc[1] += wide.abs_().sum()
+    for start, part in _chunks(tensor, chunk):
+        wide = part.to(torch.float64)
+        acc += torch.stack((wide.sum(), torch.linalg.vector_norm(wide, 1), _signed_sum(wide, start)))
     s, a, p = acc.tolist()  # one device sync per tensor, not per chunk
     return s, a, p
 

@@ -67,10 +67,14 @@ def served_fingerprint(model) -> dict:
     packed = getattr(model, "packed_modules_mapping", None) or {}
     names = {id(p): n for n, p in model.named_parameters()}  # the first name of each (tied) parameter
     prints: dict[str, TensorPrint] = {}
+    seen: set[int] = set()  # a tied parameter (the LM head's weight is the embedding's) is reduced once
     for mod_name, module in model.named_modules():
         leaf = mod_name.rsplit(".", 1)[-1]
         rows = getattr(module, "org_vocab_size", None)  # vocabulary layers: the rows past it are padding
         for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             name = names.get(id(param), f"{mod_name}.{pname}")
             if param.numel() == 0:  # packed away: unreadable unless its kernel reads it back below
                 prefix = name[: -len(f"{leaf}.{pname}")]

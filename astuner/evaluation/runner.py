@@ -2,8 +2,9 @@
 
 Per model: one greedy episode per task (accuracy) and, with K > 0, K episodes per task sampled at
 `rollout.temperature` (pass@1 ... pass@K, `metrics.py`). Writes `eval_tasks.csv` (one row per model and task) and
-`eval_summary.json`; prints the models side by side, each later one with its difference from the first and a
-95% interval over tasks. Same rollout code as training (`RolloutRunner`), so an eval number means what the
+`eval_summary.json`; prints the models side by side, and the paired difference of each pair compared (every model
+against the baseline: `--baseline NAME`, the first by default, or every pair: `--all-pairs`) with a 95% interval
+over tasks. Same rollout code as training (`RolloutRunner`), so an eval number means what the
 validation number of a run means.
 """
 
@@ -15,12 +16,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from astuner.errors import UserError
 from astuner.evaluation.metrics import TaskResult, ks_for, paired_difference, summarize, task_results
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "train")
+ALL_PAIRS = "all"  # --baseline all: every pair of models
 
 
 @dataclass
@@ -29,6 +32,19 @@ class ModelReport:
     path: str
     tasks: list[TaskResult]
     summary: dict[str, float]
+
+
+@dataclass
+class Difference:
+    """`model` minus `baseline`, paired over tasks: {metric: [mean difference, low, high]} (95% interval)."""
+
+    model: str
+    baseline: str
+    metrics: dict[str, list[float]]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} - {self.baseline}"
 
 
 def model_label(spec: str | None, taken: set[str]) -> str:
@@ -41,14 +57,44 @@ def model_label(spec: str | None, taken: set[str]) -> str:
     return label
 
 
+def model_labels(models: Sequence[str | None]) -> list[str]:
+    """The label of every model, in order (a repeated one gets a prime: `x`, `x'`)."""
+    labels: list[str] = []
+    for spec in models:
+        labels.append(model_label(spec, set(labels)))
+    return labels
+
+
+def choose_pairs(models: Sequence[str | None], baseline: str | None = None) -> list[tuple[str, str]]:
+    """The (baseline, model) label pairs to compare. `baseline` None: every later model against the first;
+    'all': every model against every earlier one; else the model of that label (or that --model value, 'base' for
+    the config's model) against each other one. An unknown name is a UserError listing the models."""
+    labels = model_labels(models)
+    if baseline is None:
+        return [(labels[0], label) for label in labels[1:]]
+    if baseline == ALL_PAIRS:
+        return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
+    given = ["base" if spec is None else spec for spec in models]
+    if baseline in labels:
+        base = baseline
+    elif baseline in given:
+        base = labels[given.index(baseline)]
+    else:
+        raise UserError(f"eval --baseline {baseline}: no such model; the models are {', '.join(labels)} (give one "
+                        f"of these, or --all-pairs to compare every pair)")
+    return [(base, label) for label in labels if label != base]
+
+
 def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: int | None = None,
-             out_dir: Path | None = None, progress=None) -> list[ModelReport]:
-    """Run the evaluation of every model in `models` (None: the config's model); write and return the reports."""
+             out_dir: Path | None = None, progress=None, baseline: str | None = None) -> list[ModelReport]:
+    """Run the evaluation of every model in `models` (None: the config's model); write and return the reports.
+    `baseline`: which pairs the written summary compares (`choose_pairs`), checked before any model runs."""
     from astuner.runtime import _auxiliary_pool, quiet_library_progress, build_judge, load_workflow
     from astuner.task_reader import build_task_reader
 
     if split not in SPLITS:
         raise UserError(f"eval --split {split!r}: choose one of {', '.join(SPLITS)}")
+    pairs = choose_pairs(models, baseline)
     typed = loaded.typed
     k_samples = typed.astuner.rollout.num_repeat if num_repeat is None else num_repeat
     if k_samples < 0:
@@ -72,7 +118,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
         if auxiliary is not None:
             auxiliary.shutdown()
     if out_dir is not None:
-        write_reports(reports, out_dir, split, k_samples)
+        write_reports(reports, out_dir, split, k_samples, pairs)
     return reports
 
 
@@ -124,40 +170,44 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     return ModelReport(label, str(path), results, summary)
 
 
-def comparisons(reports: list[ModelReport]) -> dict[str, dict[str, list[float]]]:
-    """For every model after the first: {metric: [mean difference, low, high]} over tasks, paired."""
-    out: dict[str, dict[str, list[float]]] = {}
-    if len(reports) < 2:
-        return out
-    base = reports[0]
-    per_task = {"greedy/success_rate": lambda r: float(r.greedy_success),
-                "greedy/reward_mean": lambda r: r.greedy_reward}
-    if any(r.samples for r in base.tasks):
-        per_task["sampled/pass@1"] = lambda r: r.pass_at.get(1, 0.0)
-    for other in reports[1:]:
+def comparisons(reports: list[ModelReport], pairs: list[tuple[str, str]] | None = None) -> list[Difference]:
+    """The paired difference of each (baseline, model) pair (default: every later model against the first)."""
+    by_label = {r.label: r for r in reports}
+    if pairs is None:
+        pairs = [(reports[0].label, r.label) for r in reports[1:]]
+    out = []
+    for base_label, label in pairs:
+        base, other = by_label[base_label], by_label[label]
         if [r.task_id for r in other.tasks] != [r.task_id for r in base.tasks]:
             raise RuntimeError("models were evaluated on different tasks")
-        out[other.label] = {name: list(paired_difference([fn(r) for r in base.tasks], [fn(r) for r in other.tasks]))
-                            for name, fn in per_task.items()}
+        per_task = {"greedy/success_rate": lambda r: float(r.greedy_success),
+                    "greedy/reward_mean": lambda r: r.greedy_reward}
+        if any(r.samples for r in base.tasks):
+            per_task["sampled/pass@1"] = lambda r: r.pass_at.get(1, 0.0)
+        out.append(Difference(label, base_label, {
+            name: list(paired_difference([fn(r) for r in base.tasks], [fn(r) for r in other.tasks]))
+            for name, fn in per_task.items()}))
     return out
 
 
-def table(reports: list[ModelReport]) -> str:
-    """The models side by side; a column per later model's difference from the first, with its 95% interval."""
+def table(reports: list[ModelReport], pairs: list[tuple[str, str]] | None = None) -> str:
+    """The models side by side; a column per pair compared (`comparisons`), with its 95% interval."""
     names = list(dict.fromkeys(k for r in reports for k in r.summary))
-    diffs = comparisons(reports)
-    header = ["metric", *[r.label for r in reports], *[f"{label} - {reports[0].label} [95% CI]" for label in diffs]]
+    diffs = comparisons(reports, pairs)
+    header = ["metric", *[r.label for r in reports], *[f"{d.name} [95% CI]" for d in diffs]]
     rows = [header]
     for name in names:
         row = [name, *[_fmt(r.summary.get(name)) for r in reports]]
-        for d in diffs.values():
-            row.append(f"{d[name][0]:+.3f} [{d[name][1]:+.3f}, {d[name][2]:+.3f}]" if name in d else "")
+        for d in diffs:
+            m = d.metrics.get(name)
+            row.append(f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]" if m else "")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def write_reports(reports: list[ModelReport], out_dir: Path, split: str, k_samples: int) -> None:
+def write_reports(reports: list[ModelReport], out_dir: Path, split: str, k_samples: int,
+                  pairs: list[tuple[str, str]] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     ks = sorted({k for r in reports for t in r.tasks for k in t.pass_at})
     with open(out_dir / "eval_tasks.csv", "w", newline="") as f:
@@ -171,7 +221,8 @@ def write_reports(reports: list[ModelReport], out_dir: Path, split: str, k_sampl
                                  *[round(t.pass_at[k], 6) if k in t.pass_at else "" for k in ks]])
     summary = {"split": split, "num_repeat": k_samples,
                "models": [{"label": r.label, "path": r.path, **r.summary} for r in reports],
-               "differences_from_first": comparisons(reports)}
+               "differences": [{"model": d.model, "baseline": d.baseline, **d.metrics}
+                               for d in comparisons(reports, pairs)]}
     (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -11,9 +11,10 @@ calls token-exactly like any other. Conversions:
                                             constrained: see chat_format.read_tool_choice)
   max_tokens, temperature, stop_sequences -> the same limits the OpenAI route honours (max_tokens required,
                                             stop_sequences a list of strings, as the API defines them)
-  a final assistant message (a prefill)  -> the start of the answer: the prompt ends with the generation prompt
-                                            and the prefill's tokens (no end of turn), the model continues it, and
-                                            the answer's content is only the continuation
+  a final assistant message (a prefill)  -> the start of the answer: the prompt is the conversation with that
+                                            message, cut right after its text (no end of turn; transformers'
+                                            continue_final_message), the model continues it, and the answer's
+                                            content is only the continuation
 Image and document blocks are refused with 400 naming the block (the model reads text only), as is any field of
 the wrong type (request_checks.py). `POST /v1/messages/count_tokens` renders a request as a call would and
 answers `{"input_tokens": N}`.
@@ -34,9 +35,11 @@ from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
 from astuner.model_tuner.request_checks import (
     RequestError,
     boolean,
+    call_id,
     integer,
     number,
     string_list,
+    tool_schema,
 )
 from astuner.model_tuner.turn import CallOptions
 
@@ -101,8 +104,7 @@ def _user_messages(blocks: list[dict], where: str) -> list[dict]:
         if block["type"] == "text":
             texts.append(_text(block, "text", at))
             continue
-        if not isinstance(block.get("tool_use_id"), str):
-            raise RequestError(f"'{at}.tool_use_id' must be a string", "messages")
+        call_id(block.get("tool_use_id"), f"{at}.tool_use_id", "messages")
         result = _text_of(block.get("content"), f"{at}.content")
         if block.get("is_error"):
             result = f"Error: {result}"
@@ -125,7 +127,8 @@ def _assistant_message(blocks: list[dict], where: str) -> dict:
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                 raise RequestError(f"'{at}' must be a tool_use block with a 'name' string and an 'input' object",
                                    "messages")
-            calls.append({"id": block.get("id"), "type": "function",
+            call_id(block.get("id"), f"{at}.id", "messages")
+            calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
     reply: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if thinking:
@@ -182,6 +185,7 @@ def to_openai_tools(body: dict) -> tuple[list[dict] | None, Any]:
                 and isinstance(tool.get("description", ""), str)):
             raise RequestError(f"'tools[{i}]' must be {{\"name\": str, \"description\": str, \"input_schema\": "
                                "{...}}", "tools")
+        tool_schema(tool.get("input_schema", {}), f"tools[{i}].input_schema", "tools")
     schemas = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                  "parameters": t.get("input_schema") or {"type": "object"}}}
                for t in tools]

@@ -171,6 +171,13 @@ def template_renders_tools(tokenizer) -> bool:
     return any(re.search(r"\btools\b", source or "") for source in sources)
 
 
+class TemplateRefused(ValueError):
+    """The chat template raised on these messages: the request's fault, refused with 400 by the endpoints."""
+
+
+_PREFILL_END = "\u2063astuner-prefill-end\u2063"  # marks where a prefill's text ends in the rendered turn
+
+
 class ChatRenderer:
     """Turns messages + tool schemas into the exact prompt ids the engine will see."""
 
@@ -197,11 +204,12 @@ class ChatRenderer:
             return self._builtin_messages(messages, tools), None
         return [self._template_message(m) for m in messages], tools
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, prefill: str = "") -> list[int]:
+        """The prompt's ids; with a `prefill`, the assistant turn already begun with that text (`prompt_text`)."""
+        if prefill:
+            return self.tokenizer.encode(self.prompt_text(messages, tools, prefill), add_special_tokens=False)
         template_messages, template_tools = self.prepare(messages, tools)
-        encoded = self.tokenizer.apply_chat_template(
-            template_messages, tools=template_tools, add_generation_prompt=True, tokenize=True
-        )
+        encoded = self._apply(template_messages, template_tools, add_generation_prompt=True, tokenize=True)
         return normalize_ids(encoded)
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None,
@@ -209,9 +217,34 @@ class ChatRenderer:
         """The conversation as the template writes it (logs, checks and the extension below; the ids of a
         first prompt always come from `render`)."""
         template_messages, template_tools = self.prepare(messages, tools)
-        return self.tokenizer.apply_chat_template(
-            template_messages, tools=template_tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        return self._apply(template_messages, template_tools, add_generation_prompt=add_generation_prompt,
+                           tokenize=False)
+
+    def prompt_text(self, messages: list[dict], tools: list[dict] | None, prefill: str = "") -> str:
+        """The text of the prompt: the generation prompt after `messages`, or, with a `prefill` (the Messages
+        API's final assistant message), the conversation with the prefill as a final assistant message, cut
+        right after its text. That is transformers' `continue_final_message`: what precedes the prefill is what
+        the template writes for a finished assistant turn (Qwen3.5's closed empty `<think>` block, not the
+        generation prompt's open one, which would put the prefill inside the reasoning)."""
+        if not prefill:
+            return self.render_text(messages, tools)
+        text = self.render_text([*messages, {"role": "assistant", "content": prefill + _PREFILL_END}], tools,
+                                add_generation_prompt=False)
+        at = text.rfind(_PREFILL_END)
+        if at < 0 or not text[:at].endswith(prefill.strip()):
+            raise TemplateRefused("the model's chat template does not write a final assistant message's text as "
+                                  "it is, so the answer cannot continue it; send the conversation without a final "
+                                  "assistant message")
+        return text[:at]
+
+    def _apply(self, messages: list[dict], tools: list[dict] | None, **kwargs):
+        """`apply_chat_template`, its failures as TemplateRefused: a template raises whatever its code hits on
+        input it does not expect (a TypeError on an int id as well as its own raise_exception)."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - only the template runs here; our own code stays outside
+            raise TemplateRefused(f"the model's chat template refused these messages: {type(exc).__name__}: "
+                                  f"{exc}") from exc
 
     def render_extension(
         self,
@@ -221,14 +254,16 @@ class ChatRenderer:
         prev_ids: list[int],
         response_ids: list[int],
         stop_texts: tuple[str, ...],
+        prev_prefill: str = "",
+        prefill: str = "",
     ) -> list[int] | None:
         """Prompt ids for `messages` that reuse the exact ids of an earlier call, or None when they cannot.
 
         The earlier call saw `messages[:k-1]` (its prompt ids are `prev_ids`) and produced `response_ids`, which
         the agent sent back as `messages[k-1]`. With the template's texts
-            A = render(messages[:k-1], generation prompt)      (the earlier prompt)
+            A = prompt_text(messages[:k-1], prev_prefill)      (the earlier prompt)
             B = render(messages[:k],   no generation prompt)   (... plus the assistant turn)
-            C = render(messages,       generation prompt)      (the new prompt)
+            C = prompt_text(messages, prefill)                 (the new prompt)
         the template extends the conversation unchanged when A is a prefix of B and B a prefix of C. Then
             ids = prev_ids + response_ids + encode(closing + C[len(B):])
         where `closing` is what B writes after the end-of-turn marker the model generated (e.g. the newline
@@ -236,9 +271,9 @@ class ChatRenderer:
         decoded and re-encoded: the model is conditioned on exactly the tokens it produced.
         """
         try:
-            a = self.render_text(messages[: k - 1], tools)
+            a = self.prompt_text(messages[: k - 1], tools, prev_prefill)
             b = self.render_text(messages[:k], tools, add_generation_prompt=False)
-            c = self.render_text(messages, tools)
+            c = self.prompt_text(messages, tools, prefill)
         except Exception:  # a template that refuses a partial conversation: render the whole prompt instead
             return None
         if not (b.startswith(a) and c.startswith(b)):

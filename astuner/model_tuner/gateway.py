@@ -23,7 +23,8 @@ Request arguments are honoured within the rollout's limits: `temperature` > 0 is
 and the episode's budget, `stop` cuts the response after the token that completes a stop string (OpenAI
 semantics: the stop text is not returned), `tool_choice: "none"` hides the tools, and `"required"` or a named
 function is checked, not constrained (a call that breaks it is flagged `wrong_toolcall`; a choice naming no
-offered tool gets 400). A call cut by the episode's deadline gets 408 (`episode_timeout`). `n` must be 1.
+offered tool gets 400). A call cut by the episode's deadline gets 408 (`episode_timeout`), as does one still
+generating when its episode ends (`episode_ended`). `n` must be 1.
 Sampling filters are the run's (`rollout.top_p` / `rollout.top_k`, applied by the engine and by the trainer
 alike); a request's own `top_p` / `top_k` is ignored with a warning, since the trainer must score every call with
 the filter it was sampled with. The clients do not retry (`max_retries=0`): a retried call would be a second
@@ -31,8 +32,9 @@ sampled call in the record.
 
 Errors come in the API's own shape (OpenAI's `{"error": {...}}`; Anthropic's `{"type": "error", ...}` under
 /v1/messages), unknown routes and wrong methods included. A request is type-checked before anything is rendered
-(request_checks.py): a malformed body gets 400 and records nothing. Every 4xx carries `x-should-retry: false`,
-which the openai and anthropic SDKs obey, since the same request would fail the same way. Either auth header
+(request_checks.py): a malformed body gets 400 and records nothing, as does one the chat template raises on.
+Every 4xx carries `x-should-retry: false`, which the openai and anthropic SDKs obey, since the same request
+would fail the same way. Either auth header
 (`Authorization: Bearer` or `x-api-key`) works on every route. A call whose client hung up before its answer was
 delivered (a client-side timeout it will retry) is un-recorded (`ModelTuner.discard`): it is never trained.
 """
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astuner.model_tuner import anthropic_api, responses_api
-from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
+from astuner.model_tuner.chat_format import TemplateRefused, normalize_tools, read_tool_choice
 from astuner.model_tuner.request_checks import read_chat_request, read_json_object
 from astuner.model_tuner.turn import (
     CallOptions,
@@ -88,10 +90,14 @@ class Gateway:
 
     # --- keys -----------------------------------------------------------------------------------------------
     def register(self, tuner, options) -> str:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        """A key for the tuner's episode. Its calls run on the loop the tuner was built on (the episode's), not
+        on whichever thread asked first: a sync agent in a worker thread reads `api_key` where no loop runs."""
+        loop = getattr(tuner, "loop", None)
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
         key = "ast-" + secrets.token_urlsafe(24)
         with self._lock:
             self._entries[key] = _Entry(tuner, options, loop)
@@ -374,27 +380,30 @@ async def _complete(entry: _Entry, messages: list[dict], tools, options):
     try:
         return await _run_on_episode_loop(entry, entry.tuner._complete(messages, tools, options)), None
     except asyncio.CancelledError:
-        # The episode's deadline aborted the call in the engine: a timeout, not a server error. A request
-        # whose own task is being cancelled (a client that hung up, the episode cancelled) stays cancelled.
+        # A request whose own task is being cancelled (a client that hung up, an in-process agent cancelled
+        # with its episode) stays cancelled. Otherwise the call was cut on the episode's side: the deadline
+        # aborted it in the engine, or the episode ended and cancelled what it left running. Either is an
+        # answer the client can read, not a server error, and a retry would meet an ended episode.
         current = asyncio.current_task()
-        if not entry.tuner.expired or (current is not None and getattr(current, "cancelling", lambda: 0)()):
+        if current is not None and getattr(current, "cancelling", lambda: 0)():
             raise
-        return None, (408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
+        if entry.tuner.expired:
+            return None, (408, f"{entry.tuner.expired_reason}: the call was cut", "episode_timeout", "timeout")
+        return None, (408, "the episode ended while this call was generating (its workflow returned or was "
+                           "cancelled): nothing was recorded, and a retry would find the episode over",
+                      "episode_ended", "timeout")
     except Exception as exc:  # noqa: BLE001 - every failure becomes an API-shaped error
         return None, _failure(exc)
 
 
 def _failure(exc: Exception) -> tuple[int, str, str, str]:
     """(status, message, code, error type) for a call that raised."""
-    import jinja2
-
     if isinstance(exc, EpisodeOverflow):
         return 400, str(exc), "context_length_exceeded", "invalid_request_error"
     if isinstance(exc, EpisodeTimeout):
         return 408, str(exc), "episode_timeout", "timeout"
-    if isinstance(exc, jinja2.TemplateError):  # e.g. a template that requires alternating roles
-        return 400, f"the model's chat template refused these messages: {exc}", "invalid_request", \
-            "invalid_request_error"
+    if isinstance(exc, TemplateRefused):  # e.g. a template that requires alternating roles, or a string id
+        return 400, str(exc), "invalid_request", "invalid_request_error"
     log.exception("gateway: call failed")
     return 500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error"
 

@@ -5,8 +5,8 @@ where a wrong type becomes a plain-text 500 or, worse, a silently different call
 stops E, N, D; `max_tokens: true` as 1, since bool is an int in Python). Pure functions: each takes the decoded
 JSON and returns typed values or raises `RequestError` naming the field and what to send instead.
 
-`read_chat_request` reads OpenAI's `POST /v1/chat/completions`; anthropic_api.py reads the Messages API with the
-same helpers.
+`read_chat_request` reads OpenAI's `POST /v1/chat/completions`; anthropic_api.py (the Messages API) and
+responses_api.py (the Responses API) read theirs with the same helpers, tool calls and schemas included.
 """
 
 from __future__ import annotations
@@ -104,6 +104,54 @@ def dict_or_none(body: dict, name: str) -> dict | None:
     return value
 
 
+# --- tool calls and tool schemas, shared by the three readers ----------------------------------------------
+# Chat templates index these fields as they come (Qwen3.5 iterates `arguments` as a mapping, Gemma 4 adds call
+# ids to strings and reads `properties` with `.items()`, Mistral measures ids with len): a wrong type there
+# would fail inside the template. Checked here, they are refused naming the field.
+
+
+def call_id(value: Any, where: str, param: str) -> str:
+    """A tool call's id (or the id a tool result answers): a string, as every API defines it."""
+    if not isinstance(value, str):
+        raise RequestError(f"'{where}' must be the tool call's id, a string; got {_kind(value)}", param)
+    return value
+
+
+def tool_arguments(value: Any, where: str, param: str) -> None:
+    """A tool call's arguments: a JSON object, as a string ("" for none) or already decoded."""
+    if isinstance(value, dict):
+        return
+    if not isinstance(value, str):
+        raise RequestError(f"'{where}' must be a JSON object as a string, got {_kind(value)}", param)
+    try:
+        decoded = json.loads(value) if value.strip() else {}
+    except (json.JSONDecodeError, RecursionError):
+        decoded = None
+    if not isinstance(decoded, dict):
+        raise RequestError(f"'{where}' must be a JSON object as a string (e.g. '{{\"code\": \"1+1\"}}'), got "
+                           f"{value[:60]!r}", param)
+
+
+def tool_schema(schema: Any, where: str, param: str) -> None:
+    """A tool's parameters: a JSON schema object whose `properties` (at any depth) are objects and whose
+    `required` lists are lists of strings."""
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{where}' must be a JSON schema object, got {_kind(schema)}", param)
+    pending = [(where, schema)]
+    while pending:  # a loop, not recursion: a schema may be nested as deep as the JSON reader allows
+        at, node = pending.pop()
+        properties, required = node.get("properties"), node.get("required")
+        if properties is not None and not isinstance(properties, dict):
+            raise RequestError(f"'{at}.properties' must be an object of property schemas, got "
+                               f"{_kind(properties)}", param)
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise RequestError(f"'{at}.required' must be a list of property names, got {_kind(required)}", param)
+        pending += [(f"{at}.properties.{name}", sub) for name, sub in (properties or {}).items()
+                    if isinstance(sub, dict)]
+        if isinstance(node.get("items"), dict):
+            pending.append((f"{at}.items", node["items"]))
+
+
 # --- OpenAI chat completions ------------------------------------------------------------------------------
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -141,6 +189,8 @@ def _check_message(i: int, message: Any) -> None:
     elif content is not None and not isinstance(content, str):
         raise RequestError(f"'{where}.content' must be a string, a list of content parts or null, got "
                            f"{_kind(content)}", "messages")
+    if role == "tool":  # the API requires it, and templates print it
+        call_id(message.get("tool_call_id"), f"{where}.tool_call_id", "messages")
     calls = message.get("tool_calls")
     if calls is None:
         return
@@ -148,10 +198,11 @@ def _check_message(i: int, message: Any) -> None:
         raise RequestError(f"'{where}.tool_calls' must be a list, on an assistant message", "messages")
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
-                function.get("arguments", ""), (str, dict)):
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise RequestError(f"'{where}.tool_calls[{j}]' must be {{\"id\", \"type\": \"function\", \"function\": "
                                "{\"name\": str, \"arguments\": str}}", "messages")
+        call_id(call.get("id"), f"{where}.tool_calls[{j}].id", "messages")
+        tool_arguments(function.get("arguments", ""), f"{where}.tool_calls[{j}].function.arguments", "messages")
 
 
 def _check_tools(tools: Any) -> list[dict] | None:
@@ -164,8 +215,7 @@ def _check_tools(tools: Any) -> list[dict] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
                                "\"parameters\": {...}}}}", "tools")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise RequestError(f"'tools[{i}].function.parameters' must be a JSON schema object", "tools")
+        tool_schema(function.get("parameters", {}), f"tools[{i}].function.parameters", "tools")
     return tools
 
 

@@ -38,7 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
-from astuner.model_tuner.request_checks import RequestError, boolean, dict_or_none, integer, number
+from astuner.model_tuner.request_checks import (
+    RequestError,
+    boolean,
+    dict_or_none,
+    integer,
+    number,
+    tool_arguments,
+    tool_schema,
+)
 from astuner.model_tuner.turn import CallOptions, assistant_message
 
 # --- the request ------------------------------------------------------------------------------------------
@@ -161,6 +169,7 @@ def to_chat_messages(input_: Any, instructions: Any = None) -> list[dict]:
             arguments = item.get("arguments")
             _need(isinstance(arguments, str), f"'{where}.arguments' must be a string (JSON), got {arguments!r}",
                   "input")
+            tool_arguments(arguments, f"{where}.arguments", "input")
             turn.setdefault("tool_calls", []).append({
                 "id": _string(item, "call_id", where), "type": "function",
                 "function": {"name": _string(item, "name", where), "arguments": arguments}})
@@ -183,8 +192,8 @@ def to_chat_tools(tools: Any) -> tuple[list[dict] | None, list[dict]]:
         description, parameters = tool.get("description"), tool.get("parameters")
         _need(description is None or isinstance(description, str), f"'tools[{i}].description' must be a string",
               "tools")
-        _need(parameters is None or isinstance(parameters, dict),
-              f"'tools[{i}].parameters' must be a JSON schema object", "tools")
+        if parameters is not None:
+            tool_schema(parameters, f"tools[{i}].parameters", "tools")
         parameters = parameters or {"type": "object", "properties": {}}
         chat.append({"type": "function",
                      "function": {"name": name, "description": description or "", "parameters": parameters}})

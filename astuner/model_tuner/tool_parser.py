@@ -18,13 +18,16 @@ Each parser names its `markers`: the strings it reads. Where a family's tokenize
 Markers never reach the agent: a call whose name or arguments hold one is an error (not returned), and a marker
 left in the content (a stray one, or the open tag of a call cut at max_tokens, whose fragment stays visible as
 plain text) is removed from it and reported. The call's record keeps the raw text. Arguments nested deeper than
-`MAX_NESTING` levels are an error too: no tool means them, and JSON encoders downstream recurse.
+`MAX_NESTING` levels are an error too: no tool means them, and JSON encoders downstream recurse. JSON is read
+strictly: NaN, Infinity and a number beyond the float range (1e999) are an error, so every returned call's
+arguments are strict JSON (`json.dumps(..., allow_nan=False)` holds) on every route of the gateway.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -60,13 +63,31 @@ class ToolParser(Protocol):
         """Whether the text contains anything this parser would treat as a tool call attempt."""
 
 
-_DECODER = json.JSONDecoder()
 _TOO_DEEP = "nested too deeply"
+_NOT_JSON_NUMBER = "NaN and Infinity are not JSON"
+_OVERFLOW = "a number beyond the float range"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(_NOT_JSON_NUMBER)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON, but no tool can receive it, nor a client decode it
+        raise ValueError(_OVERFLOW)
+    return value
+
+
+# Strict JSON: Python's decoder would take NaN/Infinity and turn 1e999 into inf, which no JSON encoder downstream
+# (the gateway's responses, Starlette's allow_nan=False) can write back.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def _raw_decode(text: str, pos: int = 0) -> tuple[Any, int]:
-    """`JSONDecoder.raw_decode` whose every failure is a JSONDecodeError: Python's decoder recurses (RecursionError
-    on deep nesting) and refuses integers of more than 4,300 digits (ValueError)."""
+    """`JSONDecoder.raw_decode` of strict JSON (every number finite) whose every failure is a JSONDecodeError:
+    Python's decoder recurses (RecursionError on deep nesting) and refuses integers of more than 4,300 digits
+    (ValueError)."""
     try:
         return _DECODER.raw_decode(text, pos)
     except json.JSONDecodeError:
@@ -95,6 +116,11 @@ def _remove_markers(text: str, pattern: re.Pattern) -> str:
     while pattern.search(text):
         text = pattern.sub("", text)
     return text
+
+
+def without_markers(text: str, markers: tuple[str, ...]) -> str:
+    """`text` with every one of `markers` removed (what an agent may see of output that was not parsed as calls)."""
+    return _remove_markers(text, _marker_pattern(markers)) if markers else text
 
 
 def _argument_problem(call: ParsedToolCall, markers: tuple[str, ...]) -> str | None:
@@ -246,7 +272,7 @@ class Qwen3CoderToolParser:
                 continue
             name, inner = match.group(1).strip(), match.group(2)
             try:
-                arguments = {p.group(1).strip(): _xml_value(p.group(2)) for p in self._parameter.finditer(inner)}
+                arguments = {p.group(1).strip(): _json_or_text(p.group(2)) for p in self._parameter.finditer(inner)}
             except ValueError as exc:
                 out.errors.append(f"{where} ({name}): {exc}")
                 continue
@@ -259,14 +285,17 @@ class Qwen3CoderToolParser:
         return _finish(out, self.markers)
 
 
-def _xml_value(raw: str) -> Any:
-    """The parameter's JSON value, else its text; ValueError when it is JSON too deep to decode (left as text it
-    would pass for a string)."""
+def _json_or_text(raw: str) -> Any:
+    """The value's JSON value, else its text (NaN and Infinity are not JSON: they stay the text the model wrote).
+    ValueError when it is JSON that cannot be used: too deep to decode, or a number beyond the float range (left
+    as text either would pass for a string)."""
     try:
         return _loads(raw)
     except json.JSONDecodeError as exc:
         if exc.msg == _TOO_DEEP:
             raise ValueError("a value nested deeper than JSON decoding allows") from None
+        if exc.msg == _OVERFLOW:
+            raise ValueError(f"{_OVERFLOW} (not finite): {raw.strip()[:40]!r}") from None
         return raw
 
 
@@ -456,10 +485,7 @@ class _GemmaReader:
             raise ValueError(f"a missing value at {self.s[self.i:][:20]!r}")
         if raw in _GEMMA_BARE:
             return _GEMMA_BARE[raw]
-        try:
-            return _loads(raw)
-        except json.JSONDecodeError:
-            return raw
+        return _json_or_text(raw)
 
     def _map(self, depth: int) -> dict:
         out: dict = {}

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from astuner.alarms import missing_arguments
 from astuner.engine.base import InferenceEngine
 from astuner.madness import CallView, run_checks, validate_checklist
 from astuner.model_tuner import agentscope2
@@ -43,7 +44,7 @@ from astuner.model_tuner.chat_format import (
 )
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
-from astuner.model_tuner.tool_parser import TOOL_PARSERS, ParsedOutput, ToolParser
+from astuner.model_tuner.tool_parser import TOOL_PARSERS, ParsedOutput, ToolParser, without_markers
 from astuner.model_tuner.turn import CallOptions, EpisodeOverflow, EpisodeTimeout, Turn, assistant_message
 from astuner.types import LLMCall, SamplingParams
 from astuner.watchdog import close_item, current_item, open_item, watch
@@ -66,6 +67,7 @@ class _Conversation:
     prompt_ids: list[int]
     response_ids: list[int]
     call: LLMCall | None = None  # the call that produced it (`discard` forgets both)
+    prefill: str = ""  # the text its prompt ended with, in the assistant turn already begun (a prefill)
 
 
 class ModelTuner:
@@ -105,6 +107,10 @@ class ModelTuner:
         self.episode_uid = episode_uid
         self.reasoning_parser = reasoning_parser or NoReasoningParser()
         self.gateway = gateway  # the OpenAI front ends (gateway.Gateway); None: not offered
+        # The episode's loop (the rollout builds the tuner inside the episode): the gateway runs every call of
+        # this episode there, whichever thread first asked for a key (a sync agent reading `api_key` in a
+        # worker thread), so the budget and its waiters live on one loop.
+        self.loop: asyncio.AbstractEventLoop | None = _running_loop()
         self.auxiliary_models: dict[str, Any] = {}  # frozen models by name (astuner.auxiliary_models)
         self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
         self._conversations: list[_Conversation] = []
@@ -121,6 +127,7 @@ class ModelTuner:
         self.flag_reasons: list[tuple[int, str, str]] = []
         self.overflowed = False
         self.overflow_reason: str | None = None
+        self._budget_overflow = False  # overflowed only because the episode's token budget was spent
         self.generated_tokens = 0
         # New tokens promised to calls still generating: parallel calls reserve their share of the episode's
         # budget before generating, so together they never exceed it (`_reserve`).
@@ -237,20 +244,22 @@ class ModelTuner:
             raise EpisodeTimeout(f"{self.expired_reason}: no more LLM calls in this episode")
 
     # --- the call itself ------------------------------------------------------------------------------------
-    def _overflow(self, reason: str) -> EpisodeOverflow:
+    def _overflow(self, reason: str, budget: bool = False) -> EpisodeOverflow:
         self.overflowed = True
         self.overflow_reason = reason
+        self._budget_overflow = budget  # `discard` may hand the budget back, and with it the episode
         return EpisodeOverflow(reason)
 
     def _max_tokens(self, prompt_len: int, first: bool) -> int:
         lim = self.limits
         if self.overflowed:
-            raise self._overflow(self.overflow_reason or "episode already overflowed")
+            raise EpisodeOverflow(self.overflow_reason or "episode already overflowed")
         if first and prompt_len > lim.max_prompt_length:
             raise self._overflow(f"first prompt has {prompt_len} tokens > max_prompt_length {lim.max_prompt_length}")
         budget_left = lim.max_response_tokens - self.generated_tokens
         if budget_left <= 0:
-            raise self._overflow(f"episode generated {self.generated_tokens} tokens, budget {lim.max_response_tokens}")
+            raise self._overflow(f"episode generated {self.generated_tokens} tokens, budget {lim.max_response_tokens}",
+                                 budget=True)
         room = lim.max_model_len - prompt_len
         if room <= 0:
             raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}")
@@ -283,9 +292,8 @@ class ModelTuner:
         options = options or CallOptions()
         self._check_deadline()
         tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
-        prompt_ids, extends, canonical, tools_key, new_from = self._prompt_ids(messages, tools)
-        if options.prefill:  # the turn is already begun: the model continues the prefill's own tokens
-            prompt_ids = prompt_ids + self.tokenizer.encode(options.prefill, add_special_tokens=False)
+        # With a prefill the turn is already begun: the model continues the prefill's own tokens.
+        prompt_ids, extends, canonical, tools_key, new_from = self._prompt_ids(messages, tools, options.prefill)
         max_tokens = await self._reserve(len(prompt_ids), self._started == 0, options.max_tokens)
         index = self._started  # read after the reservation, which may wait for parallel calls
         temperature = self.temperature
@@ -349,6 +357,8 @@ class ModelTuner:
             tool_call_parse_failed=bool(parsed.errors),
             tools_offered=bool(tools),
             tool_parser=self._parser_name,
+            missing_tool_arguments=[f"{c.name}({', '.join(m)})" for c in parsed.tool_calls
+                                    if (m := missing_arguments(c.name, c.arguments, tools))],
         )
         for flag, reason in fired.items():
             self.flag_reasons.append((len(self.calls), flag, reason))
@@ -367,14 +377,13 @@ class ModelTuner:
         reply = {**assistant_message(turn), "content": options.prefill + turn.content}
         self._conversations.append(_Conversation(
             canonical + canonical_messages([reply], self.reasoning_parser),
-            tools_key, list(prompt_ids), list(response_ids), call))
+            tools_key, list(prompt_ids), list(response_ids), call, options.prefill))
         return turn
 
     def prompt_length(self, messages: list[dict], tools: list[dict] | None, options: CallOptions) -> int:
         """Tokens of the prompt a call with these arguments would get now (`/v1/messages/count_tokens`)."""
         tools, _ = read_tool_choice(normalize_tools(tools), options.tool_choice)
-        prefill = self.tokenizer.encode(options.prefill, add_special_tokens=False) if options.prefill else []
-        return len(self._prompt_ids(messages, tools)[0]) + len(prefill)
+        return len(self._prompt_ids(messages, tools, options.prefill)[0])
 
     def discard(self, call: LLMCall) -> None:
         """Un-record a call whose answer never reached the agent (its client hung up first, e.g. a client-side
@@ -389,24 +398,29 @@ class ModelTuner:
         self.flag_reasons = [(i - (i > index), flag, reason) for i, flag, reason in self.flag_reasons if i != index]
         self._conversations = [c for c in self._conversations if c.call is not call]
         self.generated_tokens -= len(call.response_ids)
+        if self._budget_overflow and self.generated_tokens < self.limits.max_response_tokens:
+            # A call refused while this one held the budget: the record no longer spends it, so neither the
+            # episode (flagged overflowed) nor the retry that comes next is cut short.
+            self.overflowed, self.overflow_reason, self._budget_overflow = False, None, False
         if last and call.tool_call_attempted:  # the agent will not run tools it never saw
             close_item(self._tool_item)
             self._tool_item = None
 
-    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None):
+    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None, prefill: str = ""):
         """(prompt ids, whether they extend an earlier call exactly, canonical messages, tools key, index of the
-        first message that call had not seen)."""
+        first message that call had not seen). With a `prefill`, the ids end in the assistant turn begun with it
+        (ChatRenderer.prompt_text)."""
         canonical = canonical_messages(messages, self.reasoning_parser)
         tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False)
         for conv in reversed(self._conversations):
             k = len(conv.canonical)
             if conv.tools_key == tools_key and len(canonical) > k and canonical[:k] == conv.canonical:
                 ids = self.renderer.render_extension(messages, tools, k, conv.prompt_ids, conv.response_ids,
-                                                     self._stop_texts)
+                                                     self._stop_texts, conv.prefill, prefill)
                 if ids is not None:
                     return ids, True, canonical, tools_key, k
                 break
-        return self.renderer.render(messages, tools), False, canonical, tools_key, 0
+        return self.renderer.render(messages, tools, prefill), False, canonical, tools_key, 0
 
     def _parse(self, text: str, tools: list[dict] | None, call_index: int) -> ParsedOutput:
         if not tools and not self.tool_parser.has_tool_call(text):
@@ -414,10 +428,17 @@ class ModelTuner:
         parsed = self.tool_parser.parse(text, tool_names_of(tools), id_prefix=f"call_{call_index}")
         if not tools:
             # A call nobody offered is flagged but not returned: the agent has nothing to run it with. Its text
-            # stays out of the content too, so the family's markers never reach the agent.
-            errors = parsed.errors or [f"tool call {c.name!r} but no tools were offered" for c in parsed.tool_calls]
-            return ParsedOutput(content=parsed.content, errors=errors)
+            # stays, without the family's markers (a JSON answer is a call to Llama 3's parser, and an answer too).
+            return ParsedOutput(content=without_markers(text, self.tool_parser.markers).strip(),
+                                errors=parsed.errors)
         return parsed
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _brief(message: dict) -> dict:

@@ -92,8 +92,8 @@ PIPELINE_WARN = {
 
 def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -> dict[str, float]:
     """Token-pipeline health: parse failures among calls that tried a tool call, calls whose prompt extended an
-    earlier call token-exactly, the share `merge` joins, model and tool calls per episode, engine-trainer
-    logprob gap, and per-agent counts."""
+    earlier call token-exactly, the share `merge` joins, model and tool calls per episode, tool calls missing a
+    required argument, engine-trainer logprob gap, and per-agent counts."""
     calls = [c for e in episodes for c in e.calls]
     out = {
         "rollout/tool_call_parse_failure_rate": parse_failure_rate(calls),
@@ -101,6 +101,11 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
         "rollout/merge_ratio": merge_ratio(episodes),
         "rollout/calls_per_episode": len(calls) / max(len(episodes), 1),
         "rollout/tool_call_rate": tool_calls_received(calls) / max(len(episodes), 1),
+        # Threads stuck in blocking calls of ended episodes, still running (the most any rollout process had).
+        "rollout/abandoned_threads": float(max((e.abandoned_threads for e in episodes), default=0)),
+        # Parsed tool calls lacking a required argument of the offered schema, of all parsed tool calls.
+        "rollout/tool_call_missing_args_rate":
+            sum(len(c.missing_tool_arguments) for c in calls) / max(tool_calls_received(calls), 1),
     }
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:
@@ -168,3 +173,7 @@ class StepMetrics:
         })
         metrics.update(extra)
         return metrics
+
+    def standing_warnings(self) -> list[str]:
+        """Warnings that still hold at the last step (tools never used), for the run's summary."""
+        return [w for w in (self.tool_alarm.standing(),) if w]

@@ -5,8 +5,8 @@ an error it did not cause, and a run whose sandbox never starts would train for 
 So a tool that cannot start raises `ToolInfraError` (a framework that turns exceptions into tool results still
 cannot hide it) and records it in the episode's `ToolHealth`, a context variable the rollout sets per episode
 (`for_episode`); asyncio tasks and `asyncio.to_thread` carry it into the agent's code. The rollout then flags the
-episode (`FLAG_TOOL_INFRA_FAILED`), leaves it out of training, and stops the run when the failures repeat
-(astuner/rollout.py).
+episode (`FLAG_TOOL_INFRA_FAILED`), leaves it out of training, and stops the run when whole batches fail so
+(astuner/rollout.py): each batch collects its episodes' records (`for_batch`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,26 @@ class ToolHealth:
 
 
 _health: contextvars.ContextVar[ToolHealth | None] = contextvars.ContextVar("astuner_tool_health", default=None)
+_batch: contextvars.ContextVar[list[ToolHealth] | None] = contextvars.ContextVar("astuner_tool_batch", default=None)
+
+
+@contextlib.contextmanager
+def for_batch(healths: list[ToolHealth]) -> Iterator[list[ToolHealth]]:
+    """Collect into `healths` the record of every episode started inside the block (in tasks created there)."""
+    token = _batch.set(healths)
+    try:
+        yield healths
+    finally:
+        _batch.reset(token)
 
 
 @contextlib.contextmanager
 def for_episode() -> Iterator[ToolHealth]:
     """The record of the tools an episode runs: tasks created inside the block (the workflow's) report to it."""
     health = ToolHealth()
+    batch = _batch.get()
+    if batch is not None:
+        batch.append(health)
     token = _health.set(health)
     try:
         yield health

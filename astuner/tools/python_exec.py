@@ -13,19 +13,23 @@ Two levels, chosen once per process and named at start (`describe_sandbox()`):
               nothing it writes reaches the host's disk. New PID, network, IPC and UTS namespaces: it sees only
               its own processes (not the trainer's /proc/<pid>/environ), cannot signal them, has no network
               (loopback included), and every process it starts dies with it; killed if astuner dies. As root, it
-              runs as uid 65534 inside. All it can hold is bounded: `memory_mb` of address space (RLIMIT_AS) plus
-              `_SCRATCH_BYTES` in each tmpfs (1024 + 2 x 256 MiB by default).
+              runs inside as a uid of its own per call (astuner/tools/limits.py).
   process     (fallback, REFUSED unless `astuner.rollout.python_tool_unsandboxed: true`, see `allow_unsandboxed`):
-              its own session and process group, a scrubbed environment, rlimits; as root it runs as uid 65534
-              when that uid can run this interpreter, else as root; otherwise as the user running astuner, who
+              its own session and process group, a scrubbed environment, rlimits; as root it runs as a uid of its
+              own per call when such a uid can run this interpreter, else as root; otherwise as the user running astuner, who
               can kill the run (`os.kill(-1, 9)`). Where the kernel offers Landlock, reads are limited to the same
               paths and writes to its working folder (on the host's temp disk, only each file capped). The network,
               loopback services included (the log viewer), is reachable, and a grandchild that starts its own
               session escapes the group kill.
 
-At both levels: address space, threads (RLIMIT_NPROC, which Linux counts per real uid, threads included: the
-limit is the threads that uid already runs + `_MAX_PROCESSES`), file size and core dumps are limited; stdin is
-closed; the call returns when the snippet exits, even if something it started still holds its output.
+At both levels (astuner/tools/limits.py): each call gets its own cgroup where one is writable, holding everything
+it starts, its files in memory included, to `memory_mb` + 2 x `_SCRATCH_BYTES` and `MAX_PROCESSES` more tasks;
+every process is limited in address space, threads (RLIMIT_NPROC, per real uid: the threads that uid already runs
++ `MAX_PROCESSES`), open files, file size and core dumps, and is the OOM killer's first choice. stdin is closed;
+the call returns when the snippet exits, even if something it started still holds its output.
+
+The model's timeout counts from the snippet's start (the start byte below), not from bwrap's: a start that takes
+longer than `STARTUP_LIMIT_S` is the infrastructure's failure, whatever timeout the model chose.
 
 A sandbox that cannot start is not a tool result: the snippet's interpreter reports its start on a pipe before
 running the code (`_BOOT`), and when that never comes the call raises `SandboxUnavailable` (a `ToolInfraError`,
@@ -39,9 +43,9 @@ import asyncio
 import contextlib
 import functools
 import glob
+import itertools
 import logging
 import os
-import resource
 import shutil
 import signal
 import site
@@ -49,12 +53,12 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from astuner.errors import UserError
 from astuner.tools import bubblewrap as bw
 from astuner.tools import landlock as lsm
+from astuner.tools import limits
 from astuner.tools.failures import ToolInfraError, record_failure, record_start
 from astuner.watchdog import watch
 
@@ -64,11 +68,11 @@ if TYPE_CHECKING:
 # The model chooses the timeout of its own tool calls; cap it so one call cannot stall an episode.
 MAX_TOOL_TIMEOUT = 120.0
 DEFAULT_MEMORY_MB = 1024
-_FILE_SIZE_LIMIT = 256 * 1024 * 1024  # bytes one file written by the code may reach
+# Seconds bwrap and the interpreter may take to reach the snippet (the start-up probe's limit too); the model's
+# timeout starts after that.
+STARTUP_LIMIT_S = 30.0
 _SCRATCH_BYTES = 256 * 1024 * 1024  # each tmpfs of the bubblewrap sandbox (/tmp, the working folder)
 _READ_CHUNK = 65536
-_MAX_PROCESSES = 64  # threads (processes count as one each) the snippet may add to those its uid already runs
-_NOBODY = bw.NOBODY
 _OPT_IN_KEY = "astuner.rollout.python_tool_unsandboxed"
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # The loader's cache, SSL certificates, time zone, fonts, Debian's sitecustomize: system files, nothing of a user's.
@@ -140,53 +144,6 @@ def _own_folders(executable: str) -> list[str]:
 # --- one launch, the same for a call and for the start-up probes --------------------------------------------
 
 
-def _threads_of(uid: int) -> int:
-    """Threads `uid` runs now, which RLIMIT_NPROC counts (per real uid; a trainer holds hundreds); 0 for root,
-    whom the limit does not bind."""
-    if uid == 0:
-        return 0
-    count = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as f:
-                status = f.read()
-        except OSError:
-            continue
-        real_uid = threads = 0
-        for line in status.splitlines():
-            if line.startswith(b"Uid:"):
-                real_uid = int(line.split()[1])
-            elif line.startswith(b"Threads:"):
-                threads = int(line.split()[1])
-        count += threads if real_uid == uid else 0
-    return count
-
-
-def _snippet_uid(user: str) -> int:
-    """The uid the code runs as: user "" is bubblewrap's (nobody as root), else the process level's plan."""
-    if user in ("nobody", "") and os.geteuid() == 0:
-        return _NOBODY
-    return 0 if user == "root" else os.getuid()
-
-
-def _enter_process_sandbox(user: str, ruleset: int, memory_mb: int, base_threads: int) -> None:
-    """Runs in the child between fork and exec: leave root, enter the Landlock ruleset, set the rlimits."""
-    if user == "nobody":
-        os.setgroups([])
-        os.setgid(_NOBODY)
-        os.setuid(_NOBODY)  # rlimits are enforced and root-owned files (/proc/<pid>/environ) are unreadable
-    if ruleset >= 0:
-        lsm.restrict_self(ruleset)
-    memory = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
-    nproc = base_threads + _MAX_PROCESSES
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-
 @dataclass
 class _Launch:
     """What starts one snippet: argv, cwd, environment, the child's set-up, and the pipe its start is reported on."""
@@ -197,45 +154,57 @@ class _Launch:
     preexec: Callable[[], None]
     started_fd: int  # read end
     report_fd: int  # write end, handed to the child
+    cgroup: limits.CallCgroup | None
+    _started: bool = False
 
     def started(self) -> bool:
-        """Whether the interpreter reached the snippet (call once the child has exited)."""
-        os.set_blocking(self.started_fd, False)
-        try:
-            return os.read(self.started_fd, 1) == b"1"
-        except BlockingIOError:
-            return False
+        """Whether the interpreter has reached the snippet (so far: the start byte is read once, then kept)."""
+        if not self._started:
+            os.set_blocking(self.started_fd, False)
+            with contextlib.suppress(BlockingIOError):
+                self._started = os.read(self.started_fd, 1) == b"1"
+        return self._started
 
 
 @contextlib.contextmanager
 def _launch(level: str, user: str, executable: str, code: str, memory_mb: int, landlock: bool) -> Iterator[_Launch]:
     """A fresh folder holding the snippet and an empty working folder (deleted afterwards), and how to start
-    `code` in it at `level` (as `user` at the process level)."""
+    `code` in it at `level` (as `user` at the process level), in a cgroup of its own where there is one (removed
+    afterwards, with whatever still runs in it). Blocking: enter and leave it off the event loop."""
     root = tempfile.mkdtemp(prefix="astuner_py_")
     ruleset = -1
     read_fd, write_fd = os.pipe()
+    cgroup = None
     try:
-        script, workdir = os.path.join(root, "snippet.py"), os.path.join(root, "work")
-        os.mkdir(workdir)
-        with open(script, "w", encoding="utf-8") as f:
-            f.write(code)
-        if os.geteuid() == 0 and user != "root":
-            for path in (root, workdir, script):
-                os.chown(path, _NOBODY, _NOBODY)
-        env = _child_env(workdir)
-        # -I: no PYTHON* variables, no user site, no script folder on sys.path.
-        argv = [executable, "-I", "-X", "utf8", "-u", "-c", _BOOT.format(fd=write_fd), script]
-        if level == "bubblewrap":  # bwrap gets the rlimits; setpriv leaves root inside it
-            argv = bw.command(_visible(executable), _SCRATCH_BYTES, root, workdir, env, argv)
-        elif landlock:
-            ruleset = _landlock_ruleset(executable, root)
-        preexec = partial(_enter_process_sandbox, user, ruleset, memory_mb, _threads_of(_snippet_uid(user)))
-        yield _Launch(argv, workdir, env, preexec, read_fd, write_fd)
+        with limits.uid_slot() as slot:
+            script, workdir = os.path.join(root, "snippet.py"), os.path.join(root, "work")
+            os.mkdir(workdir)
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(code)
+            # As root the code runs as this call's own uid: bubblewrap's setpriv, or the process level's set-up.
+            uid = slot if user in ("nobody", "") else (0 if user == "root" else os.getuid())
+            if os.geteuid() == 0 and user != "root":
+                for path in (root, workdir, script):
+                    os.chown(path, uid, uid)
+            env = _child_env(workdir)
+            # -I: no PYTHON* variables, no user site, no script folder on sys.path.
+            argv = [executable, "-I", "-X", "utf8", "-u", "-c", _BOOT.format(fd=write_fd), script]
+            if level == "bubblewrap":  # bwrap gets the rlimits; setpriv leaves root inside it
+                argv = bw.command(_visible(executable), _SCRATCH_BYTES, root, workdir, env, argv,
+                                  uid if os.geteuid() == 0 else None)
+            elif landlock:
+                ruleset = _landlock_ruleset(executable, root)
+            cgroup = limits.call_cgroup(memory_mb * 1024 * 1024 + 2 * _SCRATCH_BYTES)
+            child = limits.ChildLimits(memory_mb, limits.nproc_limit(uid, cgroup), cgroup,
+                                       uid if level == "process" and user == "nobody" else None, ruleset)
+            yield _Launch(argv, workdir, env, child.enter, read_fd, write_fd, cgroup)
     finally:
         for fd in (read_fd, write_fd, ruleset):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -243,7 +212,8 @@ def _run_probe(level: str, user: str, executable: str, landlock: bool = False) -
     """'' when `executable` starts at this level, under the limits of a real call, else why not."""
     try:
         with _launch(level, user, executable, "import encodings, site", DEFAULT_MEMORY_MB, landlock) as launch:
-            probe = subprocess.run(launch.argv, capture_output=True, timeout=30, cwd=launch.cwd, env=launch.env,
+            probe = subprocess.run(launch.argv, capture_output=True, timeout=STARTUP_LIMIT_S, cwd=launch.cwd,
+                                   env=launch.env,
                                    stdin=subprocess.DEVNULL, preexec_fn=launch.preexec, pass_fds=(launch.report_fd,))
             started = launch.started()
     except (OSError, subprocess.SubprocessError) as exc:
@@ -261,6 +231,9 @@ def _bubblewrap_problem() -> str:
     """'' when bwrap is installed and can start this interpreter here, else why not."""
     if shutil.which("bwrap") is None:
         return bw.NOT_INSTALLED
+    too_old = bw.installed_version_problem(shutil.which("bwrap") or "bwrap")
+    if too_old:
+        return too_old
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return bw.NO_SETPRIV
     why = _run_probe("bubblewrap", "", sys.executable)
@@ -327,18 +300,16 @@ def describe_sandbox() -> str:
     folders = ", ".join(_own_folders(sys.executable)) or "in /usr"
     mib = 1024 * 1024
     if sandbox_level() == "bubblewrap":
-        uid = _NOBODY if os.geteuid() == 0 else os.getuid()
         return (f"python tool sandbox: bubblewrap: the code sees only this interpreter ({folders}) and the system's "
-                f"/usr, read-only, and writes only to its working folder and a private /tmp, both in memory; no "
-                f"home, no project, no data, no other users' files, nothing written to disk; uid {uid}, no network, "
-                f"own PID namespace; at most {DEFAULT_MEMORY_MB} MiB of address space + 2 x "
-                f"{_SCRATCH_BYTES // mib} MiB of files, {_MAX_PROCESSES} more threads")
+                f"/usr, read-only, and writes only to its working folder and a private /tmp, both in memory "
+                f"({_SCRATCH_BYTES // mib} MiB each); no home, no project, no data, no other users' files, nothing "
+                f"written to disk; {_who_and_bounds()}; no network, own PID namespace")
     why = _bubblewrap_problem() or "bubblewrap not in use"
     plan = _process_plan(sys.executable, _allow_unsandboxed)
     if not plan.user:
         if os.geteuid() == 0:
-            risk = ("as uid 65534 (or as root where that uid cannot run this interpreter), and reach this machine's "
-                    "loopback services (the log viewer included)")
+            risk = ("as a uid of its own (or as root where such a uid cannot run this interpreter), and reach this "
+                    "machine's loopback services (the log viewer included)")
         else:
             risk = (f"as you (uid {os.getuid()}): able to kill this run and its workers (os.kill(-1, 9)), read your "
                     f"files where the kernel lacks Landlock, and reach this machine's loopback services (the log "
@@ -347,7 +318,7 @@ def describe_sandbox() -> str:
                  if _allow_unsandboxed and plan.why else "")
         return (f"python tool sandbox: REFUSED: {why}{opted}. Without bubblewrap the code would run {risk}. To use "
                 f"bubblewrap: {bw.how_to_enable(why)}; or set {_OPT_IN_KEY}: true to accept the process sandbox")
-    who = {"nobody": f"runs as uid {_NOBODY} (nobody), which cannot signal this run",
+    who = {"nobody": "runs as a uid of its own per call, which cannot signal this run",
            "self": f"RUNS AS YOU (uid {os.getuid()}): IT CAN KILL THIS RUN (os.kill(-1, 9))",
            "root": "RUNS AS ROOT, UNSANDBOXED"}[plan.user]
     if plan.landlock:
@@ -360,9 +331,25 @@ def describe_sandbox() -> str:
                  "root": "EVERY FILE IS READABLE AND WRITABLE"}[plan.user]
     return (f"python tool sandbox: process level ({why}; {_OPT_IN_KEY}: true): {who}; {files}; THE NETWORK IS "
             f"REACHABLE, loopback services included (the log viewer); its files go to {tempfile.gettempdir()}, "
-            f"{_FILE_SIZE_LIMIT // mib} MiB each, with no total bound; own session, scrubbed environment, "
-            f"{DEFAULT_MEMORY_MB} MiB of address space, {_MAX_PROCESSES} more threads. For isolation: "
-            f"{bw.how_to_enable(why)}")
+            f"{limits.FILE_SIZE_LIMIT // mib} MiB each, with no total bound on that disk; own session, scrubbed "
+            f"environment; {_who_and_bounds()}. For isolation: {bw.how_to_enable(why)}")
+
+
+def _who_and_bounds() -> str:
+    """What bounds one call in total, or that nothing does (astuner/tools/limits.py), for the start-up line."""
+    mib = 1024 * 1024
+    setup = limits.cgroup_setup()
+    uid = "a uid of its own per call" if os.geteuid() == 0 else f"uid {os.getuid()}"
+    if setup.version:
+        total = DEFAULT_MEMORY_MB + 2 * _SCRATCH_BYTES // mib
+        return (f"{uid}; each call in a cgroup ({setup.version}) of its own: at most {total} MiB in all (every "
+                f"process it starts and the files it holds in memory) and {limits.MAX_PROCESSES} more tasks, each "
+                f"process {DEFAULT_MEMORY_MB} MiB of address space")
+    threads = (f"{limits.MAX_PROCESSES} more threads per call" if os.geteuid() == 0 else
+               f"{limits.MAX_PROCESSES} more threads, a budget SHARED by this user's concurrent calls")
+    return (f"{uid}; NO TOTAL MEMORY BOUND ({setup.why}): each process it starts may hold {DEFAULT_MEMORY_MB} MiB "
+            f"of address space and in-memory files (memfd) up to {limits.OPEN_FILES} open files, so a call may "
+            f"fork and hold several GiB; the OOM killer picks the sandbox first; {threads}")
 
 
 @dataclass
@@ -371,6 +358,7 @@ class PythonResult:
     stdout: str
     stderr: str
     timed_out: bool = False
+    memory_peak_bytes: int | None = None  # the most the call held at once, where it ran in a cgroup of its own
 
 
 class _Capture:
@@ -448,50 +436,74 @@ async def _run_python(code: str, timeout: float, memory_mb: int, max_output_char
     plan = _process_plan(sys.executable, _allow_unsandboxed) if level == "process" else _ProcessPlan("", False)
     if level == "process" and not plan.user:
         raise record_failure(SandboxRefused(describe_sandbox().removeprefix("python tool sandbox: ")))
-    with _launch(level, plan.user, sys.executable, code, memory_mb, plan.landlock) as launch:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=launch.cwd,
-                env=launch.env,
-                start_new_session=True,
-                preexec_fn=launch.preexec,
-                pass_fds=(launch.report_fd,),
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise record_failure(_unavailable(level, -1, str(exc))) from exc
-        limit = max_output_chars * 4  # utf-8 needs at most 4 bytes a character
-        out, err = _Capture(limit), _Capture(limit)
-        readers = [asyncio.ensure_future(_drain(proc.stdout, out)), asyncio.ensure_future(_drain(proc.stderr, err))]
-        timed_out = False
-        try:
-            timed_out = not await _exited(proc, timeout)
-        finally:
-            # Also on success or cancellation: background children of the snippet must not outlive it.
-            _kill_group(proc.pid)
-            if proc.returncode is None:
-                await proc.wait()
-            # Something that left the group could keep the pipes open; do not wait on it for long.
-            _, pending = await asyncio.wait(readers, timeout=2.0)
-            for task in pending:
-                task.cancel()
-        started = launch.started()
+    # Set-up and clean-up write files, read every /proc/*/status and wait for a cgroup to empty: off the loop.
+    stack = contextlib.ExitStack()
+    entering = asyncio.ensure_future(asyncio.to_thread(
+        stack.enter_context, _launch(level, plan.user, sys.executable, code, memory_mb, plan.landlock)))
+    try:
+        launch = await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        entering.add_done_callback(lambda _: stack.close())
+        raise
+    try:
+        return await _supervise(launch, level, timeout, max_output_chars)
+    finally:
+        await asyncio.to_thread(stack.close)
+
+
+async def _supervise(launch: _Launch, level: str, timeout: float, max_output_chars: int) -> PythonResult:
+    """Start the launch, give it `STARTUP_LIMIT_S` to reach the snippet and the snippet `timeout`, and collect."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *launch.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=launch.cwd,
+            env=launch.env,
+            start_new_session=True,
+            preexec_fn=launch.preexec,
+            pass_fds=(launch.report_fd,),
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise record_failure(_unavailable(level, -1, str(exc))) from exc
+    limit = max_output_chars * 4  # utf-8 needs at most 4 bytes a character
+    out, err = _Capture(limit), _Capture(limit)
+    readers = [asyncio.ensure_future(_drain(proc.stdout, out)), asyncio.ensure_future(_drain(proc.stderr, err))]
+    timed_out = started = missed = False
+    try:
+        started = await _start_reported(proc, launch)
+        missed = not started and proc.returncode is None
+        timed_out = started and not await _exited(proc, timeout, launch.cgroup)
+    finally:
+        # Also on success or cancellation: background children of the snippet must not outlive it.
+        _kill_group(proc.pid)
+        if proc.returncode is None:
+            await proc.wait()
+        # Something that left the group could keep the pipes open; do not wait on it for long.
+        _, pending = await asyncio.wait(readers, timeout=2.0)
+        for task in pending:
+            task.cancel()
     stderr = err.text(max_output_chars)
-    if not started:  # bwrap, setpriv or the interpreter failed before the code ran: not the model's doing
-        raise record_failure(_unavailable(level, proc.returncode, stderr))
+    if not started:  # bwrap, setpriv or the interpreter failed (or hung) before the code ran: not the model's doing
+        slow = f"it did not reach the snippet within {STARTUP_LIMIT_S:g} s (killed). " if missed else ""
+        raise record_failure(_unavailable(level, proc.returncode, slow + stderr))
     record_start()
     stderr = stderr.replace(_BOOT_FRAME, _BOOT_FRAME.split("\n")[0] + "\n")
+    notes = []
     if timed_out:
-        note = f"TimeoutError: execution exceeded {timeout:g} seconds and was killed."
-        stderr = f"{stderr}\n{note}" if stderr else note
-    return PythonResult(proc.returncode, out.text(max_output_chars), stderr, timed_out)
+        notes.append(f"TimeoutError: execution exceeded {timeout:g} seconds and was killed.")
+    if launch.cgroup is not None and launch.cgroup.oom_kills():
+        total = DEFAULT_MEMORY_MB + 2 * _SCRATCH_BYTES // (1024 * 1024)
+        notes.append(f"MemoryError: the code and the processes it started held more than {total} MiB in all "
+                     f"(memory and in-memory files) and were killed.")
+    stderr = "\n".join([stderr, *notes] if stderr else notes)
+    peak = launch.cgroup.peak_bytes() if launch.cgroup is not None else None
+    return PythonResult(proc.returncode, out.text(max_output_chars), stderr, timed_out, peak)
 
 
 def _unavailable(level: str, returncode: int | None, stderr: str) -> SandboxUnavailable:
-    fix = (f"check that bwrap can start it here as this user ({bw.how_to_enable('')})" if level == "bubblewrap"
+    fix = (f"check that bwrap can start it here as this user ({bw.how_to_enable(stderr)})" if level == "bubblewrap"
            else "check the process sandbox's start-up line")
     return SandboxUnavailable(
         f"the Python tool's sandbox ({level}) could not start the interpreter {sys.executable} (exit status "
@@ -499,16 +511,28 @@ def _unavailable(level: str, returncode: int | None, stderr: str) -> SandboxUnav
         f"start-up block's 'python tool sandbox' line says what was found at start")
 
 
-async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
-    """True once the snippet itself exited, within `timeout`. Not `proc.wait()`: that also waits for its output
-    pipes to close, which a background child still holding them would delay until the timeout."""
+async def _start_reported(proc: asyncio.subprocess.Process, launch: _Launch) -> bool:
+    """True once the interpreter reports reaching the snippet; False if it exits first or misses STARTUP_LIMIT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_LIMIT_S
+    while not launch.started() and proc.returncode is None and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return launch.started()
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float, cgroup: limits.CallCgroup | None) -> bool:
+    """True once the snippet itself exited, or the kernel killed part of it for the call's memory limit (the rest
+    is killed with the group: a call that outgrew its memory has ended), within `timeout`. Not `proc.wait()`: that
+    also waits for its output pipes to close, which a background child still holding them would delay."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while proc.returncode is None:
+    for tick in itertools.count():
+        if proc.returncode is not None or (cgroup is not None and tick % 5 == 4 and cgroup.oom_kills()):
+            return True
         if loop.time() >= deadline:
             return False
         await asyncio.sleep(0.02)
-    return True
+    return False
 
 
 # The Python tool as an OpenAI tool schema, for agents that are not AgentScope agents (run it with python_tool_text).

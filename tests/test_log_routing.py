@@ -1,0 +1,114 @@
+"""Where log lines land: the user's DEBUG lines (loguru, and the standard loggers of the workflow's modules) in the
+run's log file and never on the console, during training and in `astuner eval`; libraries' DEBUG nowhere."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from astuner.cli import main
+from astuner.logs import is_user_file, user_module_names
+
+WORKFLOW = '''
+import logging
+
+from loguru import logger
+
+import wf_helper
+from astuner import Workflow, WorkflowOutput
+
+log = logging.getLogger(__name__)
+
+
+class EchoWorkflow(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        reply = await model_tuner.chat([{"role": "user", "content": workflow_task.task.main_query}])
+        logger.debug("wf-loguru-debug {}", workflow_task.task.task_id)
+        log.debug("wf-stdlib-debug")
+        log.info("wf-stdlib-info")
+        wf_helper.note()
+        return WorkflowOutput(reward=None, metadata={"final_answer": reply["content"]})
+'''
+HELPER = '''
+import logging
+
+def note():
+    logging.getLogger(__name__).debug("wf-helper-debug")
+'''
+LINES = ("wf-loguru-debug", "wf-stdlib-debug", "wf-helper-debug")
+
+
+def _write(tmp_path: Path, model_dir: Path) -> Path:
+    from tests.test_run_contract import write_run
+
+    yaml = write_run(tmp_path, model_dir)
+    (tmp_path / "wf.py").write_text(WORKFLOW)
+    (tmp_path / "wf_helper.py").write_text(HELPER)
+    sys.modules.pop("wf_helper", None)  # an earlier test's copy, from its own folder
+    return yaml
+
+
+def test_workflow_debug_lines_land_in_the_run_log_not_on_the_console(tmp_path, tiny_model_dir, capfd,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    yaml = _write(tmp_path, tiny_model_dir)
+    assert main(["--conf", str(yaml), "astuner.trainer_common.total_training_steps=1",
+                 "astuner.rollout.num_repeat=2", "astuner.rollout.max_response_length_in_one_turn=4"]) == 0
+    console = "".join(capfd.readouterr())
+    log_text = (tmp_path / "out" / "astuner.log").read_text()
+    for line in LINES:
+        assert line in log_text, f"{line} missing from astuner.log"
+        assert line not in console, f"{line} printed on the console"
+    assert "wf-stdlib-info" in log_text and "wf-stdlib-info" not in console
+
+
+def test_eval_console_has_the_table_and_its_log_file_the_workflow_lines(tmp_path, tiny_model_dir, capfd,
+                                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    yaml = _write(tmp_path, tiny_model_dir)
+    out = tmp_path / "eval_out"
+    model = str(tiny_model_dir)
+    label = Path(model).name
+    # Three models (the same weights): the second is the baseline, so the columns are first - second and
+    # third - second.
+    code = main(["eval", "--conf", str(yaml), "--model", model, "--model", model, "--model", model,
+                 "--baseline", f"{label}'", "--num-repeat", "0", "--out", str(out),
+                 "astuner.rollout.max_response_length_in_one_turn=4"])
+    assert code == 0
+    stdout, stderr = capfd.readouterr()
+    assert "greedy/success_rate" in stdout
+    assert f"{label} - {label}' [95% CI]" in stdout and f"{label}'' - {label}' [95% CI]" in stdout
+    for line in (*LINES, "wf-stdlib-info"):
+        assert line not in stdout + stderr, f"{line} printed on the console"
+    log_file = out / "eval.log"
+    assert str(log_file) in stderr  # the console names the log file
+    log_text = log_file.read_text()
+    for line in (*LINES, "wf-stdlib-info"):
+        assert line in log_text, f"{line} missing from eval.log"
+    summary = json.loads((out / "eval_summary.json").read_text())
+    assert [(d["model"], d["baseline"]) for d in summary["differences"]] == [(label, f"{label}'"),
+                                                                             (f"{label}''", f"{label}'")]
+
+
+def test_only_user_code_counts_as_user_code(tmp_path):
+    import torch
+
+    import astuner.logs
+
+    assert is_user_file(str(tmp_path / "agent.py"))
+    assert not is_user_file(torch.__file__) and not is_user_file(astuner.logs.__file__)
+    assert not is_user_file(json.__file__) and not is_user_file(None)
+    # A library's modules never get DEBUG: their loggers would flood the log file.
+    assert user_module_names(torch) == [] and user_module_names(astuner.logs) == []
+    (tmp_path / "agent_p.py").write_text("import agent_p_tools\n")
+    (tmp_path / "agent_p_tools.py").write_text("")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import agent_p  # noqa: F401  (imports its sibling)
+
+        assert user_module_names(sys.modules["agent_p"]) == ["agent_p", "agent_p_tools"]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("agent_p", None)
+        sys.modules.pop("agent_p_tools", None)

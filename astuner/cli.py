@@ -73,6 +73,8 @@ def launch(
     --model launcher_record/quickstart/global_step_20
 
     Merge a LoRA checkpoint into a model folder: astuner export CHECKPOINT --out DIR
+
+    Warm-start a tool agent on made-up tools shaped like its own: astuner warmstart --conf x.yaml
     """
     try:
         with _sigterm_as_interrupt():
@@ -282,7 +284,44 @@ def export(
     print(f"astuner: merged model written to {folder}", file=sys.stderr)
 
 
-SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app}
+warmstart_app = _subcommand_app()
+
+
+@warmstart_app.command()
+def warmstart(
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The GRPO config of the agent (its workflow, tasks, "
+                                      "model and chat settings).", show_default=False)],
+    overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides (the dry run "
+                                                          "and the SFT both get them).", show_default=False)] = None,
+    tools: Annotated[str | None, typer.Option(
+        "--tools", help="A JSON file with the agent's tools (a list of OpenAI function schemas). Default: read "
+        "them from a dry run of the workflow.", show_default=False)] = None,
+    count: Annotated[int, typer.Option(help="Demonstrations to write.", min=1)] = 32,
+    epochs: Annotated[int, typer.Option(help="SFT passes over them.", min=1)] = 2,
+    episodes: Annotated[int, typer.Option("--dry-run-episodes", help="Episodes of the dry run.", min=1)] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the demonstrations.")] = 0,
+    out: Annotated[str | None, typer.Option(help="The SFT run's folder. Default: <experiment_dir>_warmstart.",
+                                            show_default=False)] = None,
+) -> None:
+    """Warm-start a tool agent: SFT on demonstrations of made-up tools shaped like the agent's own.
+
+    The tools' schemas come from a dry run of the workflow (or --tools FILE); the demonstrations use other tool
+    names and values with the same argument shapes and types, so GRPO still has the task to learn. Prints the
+    checkpoint to train from.
+
+    Example: astuner warmstart --conf tutorial/agent_quickstart/agent_quickstart.yaml
+    """
+    from astuner.offline.warmstart import WarmStartSettings, run_warmstart
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed)
+    checkpoint = run_warmstart(conf, list(overrides or []), tools, out, settings,
+                               say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
+    print(f"astuner: warm start done: train from astuner.model.path={checkpoint}")  # stdout: the result
+
+
+SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app}
 
 
 def _fail(message: str) -> int:

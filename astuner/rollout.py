@@ -470,7 +470,7 @@ def _cancelled_from_inside(job: _WorkflowJob) -> str | None:
     foreign = list(dict.fromkeys(m for m in job.cancellers if m.partition(".")[0] not in _SELF_CANCELLING))
     if job.cancelled():
         return ", ".join(foreign or dict.fromkeys(job.cancellers)) or "its own code or its framework"
-    if job.cancelling() > 0 and foreign:
+    if foreign and getattr(job, "cancelling", lambda: 1)() > 0:  # no Task.cancelling before 3.11: any foreign one
         return ", ".join(foreign)
     return None
 

@@ -13,8 +13,9 @@ Ray backbone (verl, trinity) the workers are other processes, where a script's `
 script: functions defined in the script are then shipped by value (pickled with Ray's cloudpickle, as Ray ships
 a `__main__` function to its workers) into `<project_name>.functions.pkl` beside the YAML, which names them as
 `<that file>->run_agent`. On a multi-node cluster that folder must be on storage every node reads.
-Outputs go where the CLI puts them: `launcher_record/<project_name>/` under the working directory (or
-`experiment_dir`): config.yaml, astuner.log, metrics.jsonl, tensorboard/, trajectories/, global_step_N/.
+Outputs go where the CLI puts them: `launcher_record/<project_name>/` under the working directory (with
+`config_path`, the YAML's file name; or `experiment_dir`): config.yaml, astuner.log, metrics.jsonl, tensorboard/,
+trajectories/, global_step_N/.
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ class LLMCall:
     tool_parser: str = ""  # the parser that read the response (rollout.tool_call_parser, as resolved)
     # One entry per parsed tool call that lacks a `required` argument of the offered schema: "name(arg, ...)".
     missing_tool_arguments: list[str] = field(default_factory=list)
+    # The tool schemas the request offered, as shown to the model (`astuner warmstart` reads them from a dry run).
+    tools: list[dict] | None = None
     # For the log viewer: the request's messages (only those after the call it extends, when it extends one)
     # and the assistant message handed back.
     messages: list[dict] | None = None

@@ -174,8 +174,9 @@ def gateway():
     gw.close()
 
 
-def serve_in_thread(app):
-    """Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) in a daemon thread; returns (url, stop)."""
+def serve_in_thread(app, socket_options=()):
+    """Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) in a daemon thread; returns (url, stop).
+    `socket_options`: (level, option, value) set on the listening socket, which its connections inherit."""
     import socket
     import threading
     import time
@@ -183,6 +184,8 @@ def serve_in_thread(app):
     import uvicorn
 
     sock = socket.socket()
+    for option in socket_options:
+        sock.setsockopt(*option)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

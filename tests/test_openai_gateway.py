@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
 import openai
 import pytest
+from conftest import serve_in_thread
 from test_model_tuner import ANSWER_TURN, PY_TOOL, TOOL_TURN, assert_recorded_exactly, make_tuner
 
 from astuner.algorithm.samples import episodes_to_samples
@@ -492,3 +494,53 @@ def test_a_refusal_carries_x_should_retry_false_so_the_sdk_does_not_retry_it(dem
     refused = asyncio.run(main())
     assert refused.status_code == 408 and refused.response.headers["x-should-retry"] == "false"
     assert len(seen) == 1
+
+
+# Small socket buffers on both ends: the stream outgrows what the connection can hold unread, so the server is
+# still sending when the client closes after its first chunk (no timing involved). A client reading it all gets
+# the usual buffers (small ones make a long stream crawl).
+_SMALL_BUFFERS = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096), (socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "p", "messages": QUESTION, "stream": True}),
+    ("/v1/messages", {"model": "p", "max_tokens": 6000, "messages": QUESTION, "stream": True}),
+    ("/v1/responses", {"model": "p", "input": QUESTION, "stream": True}),
+])
+@pytest.mark.parametrize("reads", ["one chunk", "the whole stream"])
+def test_a_stream_left_after_its_first_chunk_under_uvicorn_is_not_recorded_and_one_read_whole_is(
+        demo_tokenizer, gateway, path, body, reads):
+    """uvicorn drops sends to a client that left without an error; the gateway must hear the disconnect."""
+    limits = TunerLimits(max_model_len=8192, max_tokens_per_turn=6000, max_response_tokens=6000,
+                         max_prompt_length=2048)
+    long_answer = ("-" * 64 + " ") * 4000  # 260 kB in 4,001 tokens: far more than the buffers hold
+    tuner, engine = make_tuner(demo_tokenizer, [long_answer], limits=limits, gateway=gateway)
+    handled = threading.Event()
+
+    async def app(scope, receive, send):  # the gateway's app, telling when it is done with the request
+        try:
+            await gateway.app(scope, receive, send)
+        finally:
+            handled.set()
+
+    buffers = _SMALL_BUFFERS if reads == "one chunk" else []
+    url, stop = serve_in_thread(app, socket_options=buffers)
+
+    async def main():
+        transport = httpx.AsyncHTTPTransport(socket_options=buffers)
+        async with httpx.AsyncClient(transport=transport, timeout=60) as http:
+            async with http.stream("POST", url + path, json=body,
+                                   headers={"Authorization": f"Bearer {tuner.api_key}"}) as resp:
+                assert resp.status_code == 200
+                async for _ in resp.aiter_raw():
+                    if reads == "one chunk":
+                        break  # leaving the block closes the connection mid-stream
+        assert await asyncio.to_thread(handled.wait, 60), "the gateway never finished the request"
+        await asyncio.sleep(0)  # the un-recording is handed to this (the episode's) loop before `handled`
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop()
+    assert len(tuner.calls) == (0 if reads == "one chunk" else 1)
+    assert tuner.generated_tokens == (0 if reads == "one chunk" else len(engine.responses[0]))

@@ -290,3 +290,66 @@ def test_fuzzed_bodies_are_answered_or_refused_with_400_never_500_and_refusals_r
 def _final_event(text: str) -> dict:
     data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
     return json.loads(data[-1])["response"]
+
+
+_TWO_CALLS = (f"<think>\n{THOUGHT}\n</think>\n\n<tool_call>\n"
+              '{"name": "execute_python_code", "arguments": {"code": "print(6*12)"}}\n</tool_call>\n<tool_call>\n'
+              '{"name": "execute_python_code", "arguments": {"code": "print(12*6)"}}\n</tool_call>')
+
+
+def _outputs_listed(shape: str, items: list[dict]) -> list[dict]:
+    """A turn's output items with their calls' outputs: after all of them (the Agents SDK's shape) or each
+    right after its call (how some harnesses list them)."""
+    out = []
+    for item in items:
+        out.append(item)
+        if item["type"] == "function_call" and shape == "each after its call":
+            out.append({"type": "function_call_output", "call_id": item["call_id"], "output": "72"})
+    if shape == "all after the calls":
+        out += [{"type": "function_call_output", "call_id": item["call_id"], "output": "72"}
+                for item in items if item["type"] == "function_call"]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["all after the calls", "each after its call"])
+def test_parallel_calls_sent_back_in_either_order_extend_the_recorded_call_exactly(demo_tokenizer, gateway, shape):
+    tuner, engine = make_tuner(demo_tokenizer, [_TWO_CALLS, ANSWER_TURN], gateway=gateway,
+                               reasoning_parser=ThinkReasoningParser())
+
+    async def main():
+        client = tuner.get_openai_client()
+        first = await client.responses.create(model="p", input=QUESTION, tools=TOOLS)
+        items = [item.model_dump(exclude_none=True) for item in first.output]
+        history = [{"role": "user", "content": QUESTION}] + _outputs_listed(shape, items)
+        await client.responses.create(model="p", input=history, tools=TOOLS)
+        return first
+
+    first = asyncio.run(main())
+    assert [item.type for item in first.output] == ["reasoning", "function_call", "function_call"]
+    # One answer's two calls are one assistant turn again: the prompt goes on from the recorded ids.
+    prefix = tuner.calls[0].prompt_ids + tuner.calls[0].response_ids
+    assert tuner.calls[1].extends_previous and tuner.calls[1].prompt_ids[: len(prefix)] == prefix
+    assert_recorded_exactly(tuner, engine)
+
+
+def test_calls_of_successive_turns_listed_each_after_its_output_stay_separate_turns(demo_tokenizer, gateway):
+    """The same item shape as above, but the model saw the first output before making the second call."""
+    call_only = TOOL_TURN.removeprefix("I will compute it.\n")  # no text: each answer is one function_call item
+    tuner, engine = make_tuner(demo_tokenizer, [call_only, call_only.replace("6*12", "12*6"), ANSWER_TURN],
+                               gateway=gateway)
+
+    async def main():
+        client = tuner.get_openai_client()
+        history: list = [{"role": "user", "content": QUESTION}]
+        for _ in range(3):
+            response = await client.responses.create(model="p", input=history, tools=TOOLS)
+            history += _outputs_listed("each after its call",
+                                       [item.model_dump(exclude_none=True) for item in response.output])
+        return history
+
+    history = asyncio.run(main())
+    assert [item.get("type") for item in history[1:]] == ["function_call", "function_call_output"] * 2 + ["message"]
+    for before, after in zip(tuner.calls, tuner.calls[1:]):
+        prefix = before.prompt_ids + before.response_ids
+        assert after.extends_previous and after.prompt_ids[: len(prefix)] == prefix
+    assert_recorded_exactly(tuner, engine)

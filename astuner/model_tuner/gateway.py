@@ -36,7 +36,8 @@ Errors come in the API's own shape (OpenAI's `{"error": {...}}`; Anthropic's `{"
 Every 4xx carries `x-should-retry: false`, which the openai and anthropic SDKs obey, since the same request
 would fail the same way. Either auth header
 (`Authorization: Bearer` or `x-api-key`) works on every route. A call whose client hung up before its answer was
-delivered (a client-side timeout it will retry) is un-recorded (`ModelTuner.discard`): it is never trained.
+delivered (a client-side timeout it will retry, or a stream it closed before the last chunk was sent: `_Delivery`)
+is un-recorded (`ModelTuner.discard`): it is never trained.
 """
 
 from __future__ import annotations
@@ -352,7 +353,8 @@ def build_app(gateway: Gateway):
         if entry is None:
             return error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
         try:
-            call = responses_api.read_responses_request(read_json_object(await request.body()), entry.options)
+            call = responses_api.read_responses_request(read_json_object(await request.body()), entry.options,
+                                                        _call_origins(entry.tuner))
         except ValueError as exc:  # RequestError, and read_tool_choice's
             return error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
         for name, value in call.ignored.items():
@@ -408,6 +410,13 @@ def _failure(exc: Exception) -> tuple[int, str, str, str]:
     return 500, f"{type(exc).__name__}: {exc}", "internal_error", "server_error"
 
 
+def _call_origins(tuner) -> dict[str, int]:
+    """Call id -> the index of the recorded call whose answer issued it. The record is the episode's (every key
+    of an episode serves one tuner), and ids are unique in it (`call_<index>_<j>`)."""
+    return {tool_call["id"]: index for index, call in enumerate(list(tuner.calls))
+            for tool_call in (call.reply or {}).get("tool_calls") or []}
+
+
 def _retry_headers(status: int, headers: dict | None) -> dict:
     """A 4xx would fail the same way again (a bad body, a revoked key, an expired episode): `x-should-retry:
     false` stops the openai and anthropic SDKs from retrying it (they retry 408 and 429 by default)."""
@@ -438,8 +447,11 @@ def _hung_up(entry: _Entry, turn):
 
 
 class _Delivery:
-    """An ASGI response that un-records its call when the answer did not reach the client: a send that failed,
-    or a stream Starlette stopped on the client's disconnect."""
+    """An ASGI response that un-records its call unless its last byte was handed to the server before the client
+    was seen to leave. A send that fails says so, but uvicorn drops sends to a client that left without an error
+    and tells of it only as `http.disconnect` on receive: a watcher listens for it while the answer goes out, and
+    each chunk yields to the loop so the watcher runs between chunks (else a stream is written in one go, blind).
+    A disconnect seen after the last chunk was sent is a client closing a delivered answer: the call stays."""
 
     def __init__(self, entry: _Entry, turn, response) -> None:
         self.entry, self.turn, self.response = entry, turn, response
@@ -447,19 +459,33 @@ class _Delivery:
     async def __call__(self, scope, receive, send) -> None:
         from starlette.requests import ClientDisconnect
 
+        left = asyncio.Event()
         delivered = False
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # the body was read by the route: nothing else is expected but the disconnect
+            left.set()
 
         async def tracked(message) -> None:
             nonlocal delivered
+            if left.is_set():
+                raise ClientDisconnect()  # stop streaming to nobody
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if message["type"] != "http.response.body":
+                return
+            if not message.get("more_body", False):
                 delivered = True
+            else:
+                await asyncio.sleep(0)  # the watcher's turn: a departure is seen before the next chunk
 
+        watcher = asyncio.ensure_future(watch())
         try:
             await self.response(scope, receive, tracked)
         except (ClientDisconnect, OSError):
             pass  # the client is gone: there is nobody to answer, and nothing went wrong here
         finally:
+            watcher.cancel()
             if not delivered:
                 _discard_on_episode_loop(self.entry, self.turn.call)
 

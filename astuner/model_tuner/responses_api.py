@@ -11,6 +11,10 @@ token-exactly like any other. Conversions:
   reasoning, assistant message, function_call items of one model turn (in that order, as this endpoint
   answers them)                               -> one assistant message: reasoning_content, content, tool_calls
   function_call_output items                  -> tool messages (tool_call_id = call_id)
+  fc1, out1, fc2, out2 (each call followed by its output, as some harnesses list parallel calls)
+                                              -> one assistant message with both calls, then both outputs, when
+                                                 this episode's record shows fc1 and fc2 came from one answer;
+                                                 else two assistant turns (the model saw out1 before fc2)
   tools [{type: "function", name, description, parameters}] -> OpenAI function schemas; other tool types: 400
   tool_choice auto | none | required | {type: "function", name} -> the same checks as Chat Completions (checked,
                                               not constrained: see chat_format.read_tool_choice)
@@ -34,6 +38,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +130,10 @@ def _reasoning_text(item: dict, where: str) -> str:
     return "\n".join(texts)
 
 
-def to_chat_messages(input_: Any, instructions: Any = None) -> list[dict]:
-    """The request's instructions and input items as OpenAI chat messages."""
+def to_chat_messages(input_: Any, instructions: Any = None, origins: Mapping[str, int] | None = None) -> list[dict]:
+    """The request's instructions and input items as OpenAI chat messages. `origins`: call id -> the recorded
+    call whose answer issued it (this episode's), which tells parallel calls listed with their outputs between
+    them from calls of successive turns."""
     _need(instructions is None or isinstance(instructions, str), "'instructions' must be a string",
           "instructions")
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
@@ -136,6 +143,7 @@ def to_chat_messages(input_: Any, instructions: Any = None) -> list[dict]:
           "input")
     turn: dict | None = None  # the assistant message the next reasoning/message/function_call item may join
     rank = -1
+    answered: dict | None = None  # the last assistant message, while only its calls' outputs follow it
     for i, item in enumerate(input_):
         where = f"input[{i}]"
         _need(isinstance(item, dict), f"'{where}' must be an item object, got {type(item).__name__}", "input")
@@ -146,18 +154,20 @@ def to_chat_messages(input_: Any, instructions: Any = None) -> list[dict]:
                   f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", "input")
         if kind == "message" and role != "assistant":
             out.append({"role": _ROLES[role], "content": _text(item.get("content"), where + ".content")})
-            turn = None
+            turn = answered = None
             continue
         if kind == "function_call_output":
             call_id = _string(item, "call_id", where)
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _text(item.get("output"), where + ".output", ("input_text",))})
-            turn = None
+            answered, turn = turn or answered, None
             continue
         _need(kind in _TURN_RANK, f"'{where}' has type {kind!r}; this endpoint takes message, function_call, "
                                   "function_call_output and reasoning items", "input")
         item_rank = _TURN_RANK[kind]
-        if turn is None or item_rank < rank or (item_rank == rank and kind != "function_call"):
+        if turn is None and kind == "function_call" and _same_answer(answered, item.get("call_id"), origins):
+            turn = answered  # a parallel call listed after its sibling's output: the outputs stay after both
+        elif turn is None or item_rank < rank or (item_rank == rank and kind != "function_call"):
             turn = {"role": "assistant", "content": ""}
             out.append(turn)
         rank = item_rank
@@ -174,6 +184,17 @@ def to_chat_messages(input_: Any, instructions: Any = None) -> list[dict]:
                 "id": _string(item, "call_id", where), "type": "function",
                 "function": {"name": _string(item, "name", where), "arguments": arguments}})
     return out
+
+
+def _same_answer(message: dict | None, call_id: Any, origins: Mapping[str, int] | None) -> bool:
+    """Whether `call_id` was issued by the same recorded answer as the calls of `message`. Decided by the record,
+    not the shape: the Agents SDK lists a turn's calls then their outputs, but a harness that lists each call
+    with its output sends the same shape for one answer's parallel calls as for a call per turn. A call id the
+    record does not know (not issued in this episode) starts a new turn, as the items say."""
+    if not message or not origins or not message.get("tool_calls"):
+        return False
+    origin = origins.get(call_id) if isinstance(call_id, str) else None
+    return origin is not None and all(origins.get(c["id"]) == origin for c in message["tool_calls"])
 
 
 def to_chat_tools(tools: Any) -> tuple[list[dict] | None, list[dict]]:
@@ -213,9 +234,11 @@ def to_chat_tool_choice(choice: Any) -> Any:
                        "{\"type\": \"function\", \"name\": ...}", "tool_choice")
 
 
-def read_responses_request(body: dict, base: CallOptions) -> ResponsesRequest:
-    """A `POST /v1/responses` body (a JSON object), checked; `base`: the key's agent and trainability. Raises
-    RequestError (or read_tool_choice's ValueError) saying what to send instead."""
+def read_responses_request(body: dict, base: CallOptions, origins: Mapping[str, int] | None = None
+                           ) -> ResponsesRequest:
+    """A `POST /v1/responses` body (a JSON object), checked; `base`: the key's agent and trainability; `origins`:
+    as for to_chat_messages. Raises RequestError (or read_tool_choice's ValueError) saying what to send
+    instead."""
     for key, why in _STATEFUL.items():
         _need(body.get(key) in (None, False), why, key)
     text, reasoning, metadata = dict_or_none(body, "text"), dict_or_none(body, "reasoning"), body.get("metadata")
@@ -244,8 +267,8 @@ def read_responses_request(body: dict, base: CallOptions) -> ResponsesRequest:
                           max_tokens=max_output, tool_choice=choice)
     ignored = {name: body[name] for name in ("top_p", "top_k")
                if body.get(name) is not None and not (name == "top_p" and body[name] == 1)}
-    return ResponsesRequest(to_chat_messages(body.get("input"), body.get("instructions")), tools, options,
-                            stream, echo, ignored)
+    return ResponsesRequest(to_chat_messages(body.get("input"), body.get("instructions"), origins), tools,
+                            options, stream, echo, ignored)
 
 
 # --- the answer -------------------------------------------------------------------------------------------

@@ -356,6 +356,7 @@ class ModelTuner:
             tool_call_attempted=bool(parsed.tool_calls or parsed.errors),
             tool_call_parse_failed=bool(parsed.errors),
             tools_offered=bool(tools),
+            tools=tools,
             tool_parser=self._parser_name,
             missing_tool_arguments=[f"{c.name}({', '.join(m)})" for c in parsed.tool_calls
                                     if (m := missing_arguments(c.name, c.arguments, tools))],

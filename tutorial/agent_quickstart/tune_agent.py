@@ -30,4 +30,4 @@ async def judge(task: dict, response, auxiliary_models) -> JudgeOutput:
 
 if __name__ == "__main__":
     tune(workflow_func=run_agent, judge_func=judge, config_path=str(Path(__file__).with_name("agent_quickstart.yaml")),
-         overrides=["astuner.model.path=launcher_record/agent_quickstart_sft/global_step_16"])
+         overrides=["astuner.model.path=launcher_record/sft/global_step_16"])

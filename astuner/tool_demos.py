@@ -1,0 +1,463 @@
+"""Demonstrations for a warm start that fits the user's tools, with none of the user's tools in them.
+
+`demonstrations(tools, count, seed)` is pure and seeded: from the OpenAI function schemas an agent offers, it writes
+chat episodes (the `offline_data` jsonl rows of `algorithm.type: sft`: {"tools": [...], "messages": [...]}) with
+*made-up* tools of the same argument shapes. A twin of a tool keeps, argument by argument, the JSON type, whether
+it is required, enum-ness (with other values, as many), nested objects and arrays (recursively), and numeric
+bounds; its names, descriptions and values come from the vocabulary below, never from the user's schema. So SFT
+teaches the protocol the user's tools need (every argument, of the right type, under the schema's own names, read
+from the question; a result read back and passed on; a final answer), and GRPO still has the task to learn.
+
+Episodes, in the shape of the hand-written ones of tutorial/agent_quickstart/warmup_tools.py:
+  single  system, question, one call to one of the offered twins, its result, the boxed answer
+  chain   a first twin's result is the value of one argument of a second twin (the tutorial's flight -> gate)
+A new set of twins is drawn for every episode, so the model learns to read names from the schema, not to recall
+them. Optional arguments are passed in about half the calls, and the question names only what is passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+# Each pool: (argument name, how a question says it, values). Names and words are the vocabulary of the twins.
+STRINGS = [
+    ("city", "city", ["Lisbon", "Osaka", "Quito", "Tallinn", "Accra", "Hobart", "Bergen", "Cusco", "Dakar"]),
+    ("colour", "colour", ["teal", "amber", "crimson", "ivory", "olive", "indigo", "coral", "slate"]),
+    ("artist", "artist", ["Frida Lund", "Tomas Berg", "Ana Ruiz", "Kenji Mori", "Lea Vogel", "Omar Nasser"]),
+    ("ingredient", "ingredient", ["saffron", "lentils", "ginger", "barley", "fennel", "paprika", "quinoa"]),
+    ("planet", "planet", ["Mercury", "Venus", "Mars", "Jupiter", "Saturn", "Neptune", "Uranus"]),
+    ("language", "language", ["Welsh", "Basque", "Tagalog", "Finnish", "Swahili", "Icelandic", "Malay"]),
+    ("garment", "garment", ["raincoat", "cardigan", "kimono", "poncho", "waistcoat", "parka"]),
+    ("bird", "bird", ["heron", "puffin", "kestrel", "magpie", "wren", "albatross", "toucan"]),
+    ("instrument", "instrument", ["cello", "oboe", "sitar", "banjo", "marimba", "harp", "tuba"]),
+    ("mineral", "mineral", ["quartz", "mica", "garnet", "feldspar", "jade", "topaz", "basalt"]),
+    ("street", "street", ["Elm Row", "Dock Lane", "Mill Road", "Quay Street", "Hill Walk", "Park Crescent"]),
+    ("station", "station", ["Northgate", "Riverside", "Old Market", "Harbour", "Westfield", "Kingsbridge"]),
+]
+NUMBERS = [
+    ("weight_kg", "weight in kg", 0.5, 80.0), ("distance_km", "distance in km", 1.0, 900.0),
+    ("budget_eur", "budget in euros", 10.0, 5000.0), ("height_m", "height in metres", 0.2, 40.0),
+    ("temperature_c", "temperature in Celsius", -20.0, 45.0), ("volume_l", "volume in litres", 0.1, 60.0),
+    ("speed_kmh", "speed in km/h", 5.0, 250.0), ("area_m2", "area in square metres", 4.0, 800.0),
+]
+INTEGERS = [
+    ("quantity", "quantity", 1, 50), ("year", "year", 1950, 2024), ("floor", "floor", 0, 40),
+    ("page", "page", 1, 600), ("seats", "number of seats", 1, 9), ("nights", "number of nights", 1, 21),
+    ("guests", "number of guests", 1, 12), ("level", "level", 1, 10),
+]
+BOOLEANS = [
+    ("express", "express delivery"), ("gift_wrap", "gift wrapping"), ("refundable", "a refundable fare"),
+    ("step_free", "step-free access"), ("vegetarian", "vegetarian options"), ("insured", "insurance"),
+]
+ENUMS = [
+    ("size", "size", ["tiny", "small", "medium", "large", "huge", "giant"]),
+    ("pace", "pace", ["slow", "steady", "brisk", "fast", "urgent"]),
+    ("finish", "finish", ["bronze", "silver", "gold", "copper", "pewter", "chrome", "brass"]),
+    ("season", "season", ["spring", "summer", "autumn", "winter"]),
+    ("heading", "heading", ["north", "south", "east", "west", "northeast", "southwest", "northwest", "southeast"]),
+    ("tier", "tier", ["basic", "standard", "plus", "premium", "deluxe", "elite"]),
+    ("texture", "texture", ["smooth", "grainy", "glossy", "matte", "rough", "woven"]),
+]
+OBJECTS = [("parcel", "parcel"), ("window", "time window"), ("address", "address"), ("settings", "settings"),
+           ("route", "route"), ("box", "box"), ("profile", "profile"), ("layout", "layout")]
+ARRAYS = [("stops", "stops"), ("tags", "tags"), ("entries", "entries"), ("picks", "picks"), ("legs", "legs"),
+          ("samples", "samples")]
+# Tool names: a verb and what the tool gives.
+VERBS = ["get", "find", "check", "estimate", "lookup", "compute", "quote", "measure", "rate", "fetch"]
+NOUNS = [("shipping_cost", "shipping cost"), ("tide_level", "tide level"), ("ticket_price", "ticket price"),
+         ("paint_code", "paint code"), ("room_rate", "room rate"), ("crop_yield", "crop yield"),
+         ("locker_number", "locker number"), ("library_fine", "library fine"), ("parking_fee", "parking fee"),
+         ("recipe_score", "recipe score"), ("badge_colour", "badge colour"), ("permit_id", "permit number"),
+         ("voucher_code", "voucher code"), ("berth_number", "berth number"), ("sensor_reading", "sensor reading")]
+SYSTEMS_SINGLE = [
+    "You answer questions with tools. Call {tool} with the values the question gives, then give the {noun} "
+    "inside \\boxed{{}}.",
+    "You answer questions with the tools you are given. Call the right tool with every value the question gives, "
+    "under the names its schema uses, then give the answer inside \\boxed{{}}.",
+]
+SYSTEM_CHAIN = ("You answer questions with tools. First call {first} with the values the question gives, then call "
+                "{second} with the {carried} it returns and the other values the question gives, then give the "
+                "{noun} inside \\boxed{{}}.")
+ANSWER = "The answer is \\boxed{{{}}}."
+LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+_KEEP = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength",
+         "maxLength", "format", "additionalProperties")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One argument of a twin tool: its schema, and how to draw and say a value of it."""
+
+    name: str
+    words: str
+    schema: dict  # the JSON schema of this argument in the twin (objects and arrays: their own, recursively)
+    kind: str  # string | number | integer | boolean | enum | object | array | null | any
+    pool: tuple = ()  # strings or enum values to draw from
+    low: float = 0.0
+    high: float = 100.0
+    fields: tuple["Slot", ...] = ()  # object: its properties
+    required: frozenset = frozenset()  # object: the names of its required properties
+    items: "Slot | None" = None  # array: its items
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A made-up tool with the argument shapes of one of the user's."""
+
+    name: str
+    noun: str  # what it gives, as a question says it
+    args: Slot  # an object slot: its parameters
+    schema: dict = field(default_factory=dict)  # the OpenAI function schema offered to the model
+
+
+def function_of(tool: dict) -> dict:
+    """The function part of an OpenAI tool schema ({"type": "function", "function": {...}} or the bare function)."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"not an OpenAI function schema (no function name): {json.dumps(tool)[:200]}")
+    return function
+
+
+def user_vocabulary(tools: list[dict]) -> frozenset[str]:
+    """Lower-cased names the twins must never use: the tools' names, every argument name, every enum value."""
+    out: set[str] = set()
+
+    def walk(schema: Any) -> None:
+        if isinstance(schema, dict):
+            for name, sub in (schema.get("properties") or {}).items():
+                out.add(str(name).lower())
+                walk(sub)
+            for value in schema.get("enum") or []:
+                out.add(str(value).lower())
+            for key in ("items", "anyOf", "oneOf", "allOf"):
+                sub = schema.get(key)
+                for part in sub if isinstance(sub, list) else [sub]:
+                    walk(part)
+
+    for tool in tools:
+        function = function_of(tool)
+        out.add(function["name"].lower())
+        walk(function.get("parameters") or {})
+    return frozenset(out)
+
+
+def _json_type(schema: dict) -> tuple[str, bool]:
+    """(the JSON type a value takes, whether null is allowed too). A union (anyOf, ["string", "null"]) takes its
+    first non-null branch."""
+    for key in ("anyOf", "oneOf"):
+        branches = [b for b in schema.get(key) or [] if isinstance(b, dict)]
+        if branches:
+            kept = [b for b in branches if b.get("type") != "null"]
+            return (_json_type(kept[0])[0] if kept else "null"), len(kept) < len(branches)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kept = [k for k in kind if k != "null"]
+        return (kept[0] if kept else "null"), len(kept) < len(kind)
+    if kind is None:
+        if "properties" in schema:
+            return "object", False
+        if "items" in schema:
+            return "array", False
+        if schema.get("enum"):
+            return {bool: "boolean", int: "integer", float: "number"}.get(type(schema["enum"][0]), "string"), False
+        return "any", False
+    return str(kind), False
+
+
+class _Namer:
+    """Draws names for one object's arguments: never one of the user's, never one used twice in that object."""
+
+    def __init__(self, rng: random.Random, banned: frozenset[str], elsewhere: set[str] | None = None) -> None:
+        self.rng, self.banned, self.taken = rng, banned, set()
+        # Names other tools of the episode use: avoided while the pool allows, so a question that gives values
+        # for two tools never says "the city" twice.
+        self.elsewhere = elsewhere if elsewhere is not None else set()
+
+    def pick(self, options: list[tuple]) -> tuple:
+        free = [o for o in options if o[0] not in self.taken and o[0] not in self.banned]
+        free = [o for o in free if o[0] not in self.elsewhere] or free
+        choice = self.rng.choice(free) if free else self.rng.choice(options)
+        name, n = choice[0], 2
+        while name in self.taken or name in self.banned:  # every pool used up: number it
+            name, n = f"{choice[0]}_{n}", n + 1
+        self.taken.add(name)
+        self.elsewhere.add(name)
+        return (name, *choice[1:])
+
+
+def _twin_slot(schema: dict, namer: _Namer, rng: random.Random, banned: frozenset[str]) -> Slot:
+    """The twin of one argument schema, named by `namer` (the object that holds it)."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind, nullable = _json_type(schema)
+    kept = {k: schema[k] for k in _KEEP if k in schema and k != "additionalProperties"}
+
+    def typed(json_type: str, extra: dict) -> dict:
+        return {"type": [json_type, "null"] if nullable else json_type, **extra}
+
+    if schema.get("enum"):
+        name, words, pool = _enum_pool(schema["enum"], kind, namer, rng, banned)
+        return Slot(name, words, typed(kind, {"description": f"The {words}.", "enum": list(pool)}), "enum", pool)
+    if kind == "object":
+        name, words = namer.pick(OBJECTS)
+        inner = _twin_object(schema, rng, banned)
+        return Slot(name, words, {**inner.schema, "description": f"The {words}."} if not nullable else
+                    {**inner.schema, "type": ["object", "null"], "description": f"The {words}."},
+                    "object", fields=inner.fields, required=inner.required)
+    if kind == "array":
+        name, words = namer.pick(ARRAYS)
+        items = _twin_slot(schema.get("items") or {"type": "string"}, _Namer(rng, banned), rng, banned)
+        item_schema = {k: v for k, v in items.schema.items() if k != "description"}
+        return Slot(name, words, typed("array", {"description": f"The {words}.", "items": item_schema, **kept}),
+                    "array", items=items)
+    if kind in ("number", "integer"):
+        options = NUMBERS if kind == "number" else INTEGERS
+        name, words, low, high = namer.pick(options)
+        low = max(low, float(schema.get("minimum", schema.get("exclusiveMinimum", low - 1) + 1)))
+        high = min(high, float(schema.get("maximum", schema.get("exclusiveMaximum", high + 1) - 1)))
+        if low > high:  # the user's bounds lie outside the pool's range: keep theirs
+            low = float(schema.get("minimum", schema.get("exclusiveMinimum", 0)))
+            high = float(schema.get("maximum", schema.get("exclusiveMaximum", low + 100)))
+        return Slot(name, words, typed(kind, {"description": f"The {words}.", **kept}), kind, low=low, high=high)
+    if kind == "boolean":
+        name, words = namer.pick(BOOLEANS)
+        return Slot(name, words, typed(kind, {"description": f"Whether to ask for {words}."}), kind)
+    if kind == "null":
+        name, words, _ = namer.pick(STRINGS)
+        return Slot(name, words, {"type": "null", "description": "Always null."}, "null")
+    name, words, pool = namer.pick(STRINGS)  # strings, and arguments of no declared type
+    extra = {k: v for k, v in kept.items() if k in ("minLength", "maxLength", "format")}
+    return Slot(name, words, typed("string", {"description": f"The {words}.", **extra}) if kind != "any" else
+                {"description": f"The {words}."}, "string" if kind != "any" else "any", tuple(pool))
+
+
+def _enum_pool(values: list, kind: str, namer: _Namer, rng: random.Random,
+               banned: frozenset[str]) -> tuple[str, str, tuple]:
+    """(name, words, as many other values of the same type) for an enum argument."""
+    n = len(values)
+    if kind in ("integer", "number"):
+        name, words, *_ = namer.pick(INTEGERS if kind == "integer" else NUMBERS)
+        taken = {v for v in values}
+        step = 1 if kind == "integer" else 0.5
+        pool = [v for v in (step * k for k in range(1, 4 * n + 50)) if v not in taken]
+        drawn = sorted(rng.sample(pool, n))
+        return name, words, tuple(int(v) if kind == "integer" else v for v in drawn)
+    if kind == "boolean":
+        name, words = namer.pick(BOOLEANS)
+        return name, words, tuple(values)  # true / false are all there is
+    options = [o for o in ENUMS if len([v for v in o[2] if v not in banned]) >= n]
+    if options:
+        name, words, pool = namer.pick(options)
+        free = [v for v in pool if v not in banned]
+        return name, words, tuple(rng.sample(free, n))
+    name, words, _ = namer.pick(ENUMS)  # more values than any pool holds: numbered ones
+    return name, words, tuple(f"{words}_{k}" for k in range(1, n + 1))
+
+
+def _twin_object(schema: dict, rng: random.Random, banned: frozenset[str],
+                 elsewhere: set[str] | None = None) -> Slot:
+    """The twin of an object schema (a tool's parameters, or a nested object): its properties twinned in order."""
+    namer = _Namer(rng, banned, elsewhere)
+    required_names = set(schema.get("required") or [])
+    fields, required, properties = [], [], {}
+    for name, sub in (schema.get("properties") or {}).items():
+        slot = _twin_slot(sub, namer, rng, banned)
+        fields.append(slot)
+        properties[slot.name] = slot.schema
+        if name in required_names:
+            required.append(slot.name)
+    out: dict = {"type": "object", "properties": properties, "required": required}
+    if "additionalProperties" in schema:
+        out["additionalProperties"] = schema["additionalProperties"]
+    return Slot("", "", out, "object", fields=tuple(fields), required=frozenset(required))
+
+
+def make_twin(tool: dict, rng: random.Random, banned: frozenset[str], taken_names: set[str]) -> Twin:
+    """A made-up tool with the argument shapes of `tool`, named apart from `banned` and `taken_names` (the
+    episode's tool names, and its tools' argument names, which it adds to)."""
+    function = function_of(tool)
+    args = _twin_object(function.get("parameters") or {"type": "object", "properties": {}}, rng, banned,
+                        taken_names)
+    free = [n for n in NOUNS if f"noun:{n[0]}" not in taken_names] or NOUNS  # two tools never give one thing
+    return _named(args, rng.choice(free), rng, banned, taken_names)
+
+
+def _named(args: Slot, noun: tuple[str, str], rng: random.Random, banned: frozenset[str],
+           taken_names: set[str]) -> Twin:
+    """The twin with parameters `args` that gives `noun` ((name part, words)), under a fresh verb_noun name."""
+    verbs = [v for v in VERBS if f"{v}_{noun[0]}" not in taken_names | banned] or VERBS
+    name = f"{rng.choice(verbs)}_{noun[0]}"
+    while name in taken_names or name in banned:
+        name += "_x"
+    taken_names |= {name, f"noun:{noun[0]}"}
+    words_of = [s.words for s in args.fields]
+    described = " and ".join([", ".join(words_of[:-1]), words_of[-1]]) if len(words_of) > 1 else "".join(words_of)
+    description = f"The {noun[1]}" + (f", from the {described}." if described else ".")
+    schema = {"type": "function", "function": {"name": name, "description": description,
+                                               "parameters": args.schema}}
+    return Twin(name, noun[1], args, schema)
+
+
+def draw_value(slot: Slot, rng: random.Random, optional_rate: float = 0.5) -> Any:
+    """A value of the slot's schema; an object passes each optional property with probability `optional_rate`."""
+    if slot.kind in ("string", "any", "enum"):
+        return rng.choice(slot.pool)
+    if slot.kind == "integer":
+        return rng.randint(int(slot.low), int(slot.high))
+    if slot.kind == "number":
+        return min(max(round(rng.uniform(slot.low, slot.high), 1), slot.low), slot.high)
+    if slot.kind == "boolean":
+        return rng.random() < 0.5
+    if slot.kind == "null":
+        return None
+    if slot.kind == "array":
+        low = int(slot.schema.get("minItems", 1))
+        high = max(low, min(int(slot.schema.get("maxItems", 3)), low + 2))
+        drawn: list = []
+        for _ in range(rng.randint(low, high)):
+            for _ in range(8):  # distinct items while the pool has them: "the stops Osaka and Osaka" reads wrong
+                value = draw_value(slot.items, rng, optional_rate)
+                if value not in drawn:
+                    break
+            drawn.append(value)
+        return drawn
+    return {f.name: draw_value(f, rng, optional_rate) for f in slot.fields
+            if f.name in slot.required or rng.random() < optional_rate}
+
+
+def say(slot: Slot, value: Any) -> str:
+    """How a question gives `value` for the slot: "the city Osaka", "with express delivery", "the parcel (...)"."""
+    if slot.kind == "boolean":
+        return f"{'with' if value else 'without'} {slot.words}"
+    if slot.kind == "object":
+        return f"the {slot.words} ({say_all(slot.fields, value)})"
+    if slot.kind == "array":
+        parts = [say_item(slot.items, v) for v in value]
+        return f"the {slot.words} " + (" and ".join([", ".join(parts[:-1]), parts[-1]]) if len(parts) > 1 else
+                                       parts[0] if parts else "(none)")
+    return f"the {slot.words} {_text(value)}"
+
+
+def say_item(slot: Slot, value: Any) -> str:
+    if slot.kind == "object":
+        return f"({say_all(slot.fields, value)})"
+    if slot.kind == "array":
+        return "[" + ", ".join(say_item(slot.items, v) for v in value) + "]"
+    return _text(value)
+
+
+def say_all(fields: tuple[Slot, ...], values: dict) -> str:
+    parts = [say(f, values[f.name]) for f in fields if f.name in values]
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else (parts[0] if parts else "nothing")
+
+
+def _text(value: Any) -> str:
+    return "null" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _digest(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()[:6], "big")
+
+
+def result_value(twin: Twin, arguments: dict, slot: Slot | None = None) -> Any:
+    """What a twin returns for these arguments: a value for `slot` (a chain passes it on), else a code."""
+    h = _digest(twin.name, arguments)
+    if slot is None:
+        return f"{LETTERS[h % 24]}{LETTERS[h // 24 % 24]}-{h // 576 % 9000 + 1000}"
+    if slot.kind == "integer":
+        return int(slot.low) + h % (int(slot.high) - int(slot.low) + 1)
+    if slot.kind == "number":
+        return round(slot.low + (h % 10_000) / 10_000 * (slot.high - slot.low), 1)
+    if slot.kind == "boolean":
+        return bool(h % 2)
+    return slot.pool[h % len(slot.pool)]
+
+
+def _call_id(index: int) -> str:
+    return f"call{index:05d}"  # nine letters and digits: the ids Mistral's template accepts, fine for all others
+
+
+def _call(index: int, twin: Twin, arguments: dict) -> dict:
+    return {"id": _call_id(index), "type": "function",
+            "function": {"name": twin.name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _episode(system: str, question: str, steps: list[tuple[Twin, dict, str]], answer: Any, offered: list[Twin],
+             answer_format: str) -> dict:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    for i, (twin, arguments, result) in enumerate(steps):
+        messages.append({"role": "assistant", "content": "", "tool_calls": [_call(i, twin, arguments)]})
+        messages.append({"role": "tool", "tool_call_id": _call_id(i), "content": result})
+    messages.append({"role": "assistant", "content": answer_format.format(_text(answer))})
+    return {"tools": [t.schema for t in offered], "messages": messages}
+
+
+def _passable(twin: Twin) -> list[Slot]:
+    """Top-level arguments a chain can fill with an earlier tool's result: scalars, the required ones if any."""
+    scalars = [s for s in twin.args.fields if s.kind in ("string", "integer", "number", "enum")]
+    return [s for s in scalars if s.name in twin.args.required] or scalars
+
+
+def demonstrations(tools: list[dict], count: int = 32, seed: int = 0, chain_share: float = 0.25,
+                   answer_format: str = ANSWER) -> list[dict]:
+    """`count` episodes ({"tools", "messages"} rows) with made-up twins of `tools` (module docstring); a share
+    `chain_share` of them chains two calls when some twin has a scalar argument to pass a result to.
+    The same (tools, count, seed) always gives the same rows."""
+    if not tools:
+        raise ValueError("no tool schemas to make demonstrations for")
+    banned = user_vocabulary(tools)
+    rng = random.Random(seed)
+    chains = round(count * chain_share)
+    rows = []
+    for i in range(count):
+        names: set[str] = set()
+        offered = [make_twin(t, rng, banned, names) for t in tools]
+        if i < chains:
+            row = _chain(offered, tools, rng, banned, names, answer_format)
+            if row is not None:
+                rows.append(row)
+                continue
+        twin = offered[i % len(offered)]
+        arguments = draw_value(twin.args, rng)
+        question = f"What is the {twin.noun} for {say_all(twin.args.fields, arguments)}?"
+        answer = result_value(twin, arguments)
+        system = rng.choice(SYSTEMS_SINGLE).format(tool=twin.name, noun=twin.noun)
+        rows.append(_episode(system, question, [(twin, arguments, f"The {twin.noun} is {answer}.")], answer,
+                             offered, answer_format))
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: frozenset[str], names: set[str],
+           answer_format: str) -> dict | None:
+    """A two-call episode: the first twin's result is the value of a scalar argument of the second."""
+    seconds = [t for t in offered if _passable(t)]
+    if not seconds:
+        return None
+    second = rng.choice(seconds)
+    carried = rng.choice(_passable(second))
+    others = [t for t in offered if t is not second]
+    if not others:  # one tool: a second twin of the same shape gives the value
+        others = [make_twin(tools[0], rng, banned, names)]
+        offered = [*offered, others[0]]
+    first = rng.choice(others)
+    # The first tool gives what the second one takes: its name and description say so.
+    renamed = _named(first.args, (carried.name, carried.words), rng, banned, names)
+    offered = [renamed if t is first else t for t in offered]
+    first = renamed
+    first_args = draw_value(first.args, rng)
+    passed = result_value(first, first_args, carried)
+    second_args = draw_value(second.args, rng)
+    second_args[carried.name] = passed
+    answer = result_value(second, second_args)
+    told = [s for s in second.args.fields if s.name in second_args and s.name != carried.name]
+    given = " and ".join(p for p in (say_all(first.args.fields, first_args) if first_args else "",
+                                     say_all(tuple(told), second_args) if told else "") if p)
+    question = f"What is the {second.noun} for {given or 'this'}?"
+    system = SYSTEM_CHAIN.format(first=first.name, second=second.name, carried=carried.words, noun=second.noun)
+    steps = [(first, first_args, f"The {carried.words} is {_text(passed)}."),
+             (second, second_args, f"The {second.noun} is {answer}.")]
+    return _episode(system, question, steps, answer, offered, answer_format)

@@ -1,0 +1,113 @@
+"""README.md followed as written: the "Your own agent" blocks build a tool agent that trains, the log viewer's route
+table matches the app, and every run folder a tutorial README reads is one that its own commands write."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astuner.cli import main
+
+from conftest import REPO
+
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+FILE_COMMENT = re.compile(r"# (\S+\.(?:py|yaml))\n")
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def code_blocks(markdown: str) -> list[tuple[str, str]]:
+    """(language, body) of each fenced block, list-item indentation removed."""
+    return [(lang, textwrap.dedent(indent_body(indent, body))) for indent, lang, body in FENCE.findall(markdown)]
+
+
+def indent_body(indent: str, body: str) -> str:
+    # Blank lines inside an indented block carry no indentation; dedent handles the rest.
+    return "\n".join(line if line.strip() else "" for line in body.splitlines()) + "\n"
+
+
+def write_own_agent(readme: str, folder: Path) -> list[str]:
+    """Write the files the section names into `folder`; return its `astuner ...` command as arguments."""
+    files, jsonl, commands = {}, [], []
+    for lang, body in code_blocks(section(readme, "Your own agent")):
+        named = FILE_COMMENT.match(body)
+        if lang in ("python", "yaml") and named:
+            files[named.group(1)] = body
+        elif lang == "jsonl":
+            jsonl.append(body)
+        elif lang == "bash" and body.startswith("astuner "):
+            commands.append(shlex.split(body, comments=True))
+    assert {"my_agent.py", "my_judge.py", "my_agent.yaml"} <= set(files), f"README names the files {sorted(files)}"
+    assert len(jsonl) == 1 and len(commands) == 1, "the section should show one task file and one command"
+    for name, body in files.items():
+        (folder / name).write_text(body)
+    # The task file goes where the YAML reads it.
+    task_path = yaml.safe_load(files["my_agent.yaml"])["astuner"]["task_reader"]["jsonl_dataset_file"]["training"]
+    (folder / task_path["file_path"]).parent.mkdir(parents=True, exist_ok=True)
+    (folder / task_path["file_path"]).write_text(jsonl[0])
+    return commands[0]
+
+
+def test_readme_own_agent_trains_two_steps_as_written(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    command = write_own_agent((REPO / "README.md").read_text(), tmp_path)
+    assert command[0] == "astuner"
+    monkeypatch.chdir(tmp_path)  # "from the folder that holds the files"
+    # Only the model and the sizes change: a tiny random model and 2 short steps keep this inside CI's budget.
+    code = main(command[1:] + [
+        f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=hf", "astuner.rollout.num_repeat=2",
+        "astuner.rollout.max_response_length_in_one_turn=16", "astuner.trainer_common.total_training_steps=2",
+    ])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    # The folder rule the section states: launcher_record/<the YAML's file name>/ under the working directory.
+    run = tmp_path / "launcher_record" / Path(command[command.index("--conf") + 1]).stem
+    assert run.name == "my_agent" and f"config saved in {run}" in err
+    train = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/reward_mean" in m]
+    # A failed workflow or judge (a missing import, a wrong metadata key) would show as failed episodes.
+    assert len(train) == 2 and all(m["train/failure_rate"] == 0 for m in train), train
+    episodes = [json.loads(line) for line in (run / "trajectories/train_step_000001.jsonl").read_text().splitlines()]
+    assert len(episodes) == 4 and all(e["calls"] for e in episodes)
+    assert "convert" in episodes[0]["calls"][0]["prompt"] and "from_unit" in episodes[0]["calls"][0]["prompt"]
+    assert episodes[0]["task_id"].startswith("train-")  # the README's default id
+    assert (run / "global_step_2" / "config.json").is_file()
+
+
+def test_readme_logview_route_table_matches_the_app(tmp_path):
+    from astuner.logview.app import build_app
+
+    table = section((REPO / "README.md").read_text(), "Seeing what the agent did: the log viewer")
+    documented = {re.sub(r"\{\w+\}", "{}", route.split("?")[0])
+                  for route in re.findall(r"^\| `GET (/api/[^`]*)`", table, re.MULTILINE)}
+    served = {re.sub(r"\{\w+(:\w+)?\}", "{}", r.path) for r in build_app(tmp_path).routes if r.path.startswith("/api")}
+    assert documented == served
+
+
+def tutorial_readmes() -> list[Path]:
+    return sorted((REPO / "tutorial").glob("**/README.md"))
+
+
+@pytest.mark.parametrize("readme", tutorial_readmes(), ids=lambda p: str(p.relative_to(REPO / "tutorial").parent))
+def test_tutorial_readme_reads_only_run_folders_its_commands_write(readme):
+    """A path launcher_record/<run>/... in a tutorial's commands names a folder one of its `astuner --conf` runs
+    writes: the YAML's file name, or the command's astuner.experiment_dir."""
+    written, read = set(), set()
+    for lang, body in code_blocks(readme.read_text()):
+        if lang != "bash":
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            args = shlex.split(line, comments=True)
+            if args[:2] == ["astuner", "--conf"]:
+                chosen = [a.split("=", 1)[1] for a in args if a.startswith("astuner.experiment_dir=")]
+                written.add(chosen[0] if chosen else f"launcher_record/{Path(args[2]).stem}")
+            read |= {m for a in args for m in re.findall(r"launcher_record/[^/\s=]+(?=/)", a)}
+    assert read <= written, f"{readme}: reads {sorted(read - written)}, its commands write {sorted(written)}"

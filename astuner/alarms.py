@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from astuner.types import Episode
+from astuner.types import Episode, LLMCall
 
 PARSE_FAILURE_WARN = 0.2
 SILENT_STEPS = 3
@@ -29,9 +29,9 @@ UNUSED_STEPS = 2
 QUOTE_CHARS = 240
 WARM_START_ADVICE = (
     "A model that makes no usable call to the offered tools gives GRPO nothing to learn about them: warm-start "
-    "it first, an SFT run on demonstrations of tool calls in its chat format with arguments shaped as your tools' "
-    "(tutorial/agent_quickstart/README.md, 'The recipe', step 1), then train from that checkpoint "
-    "(astuner.model.path).")
+    "it first with `astuner warmstart --conf <yaml>` (an SFT on demonstrations of made-up tools shaped as yours, "
+    "in its chat format), then run the GRPO command it prints (its checkpoint as astuner.model.path, in a folder "
+    "of its own).")
 
 
 def _quote(text: str) -> str:
@@ -49,28 +49,44 @@ def missing_arguments(name: str, arguments: dict[str, Any], tools: list[dict] | 
     return []
 
 
+def not_offered_calls(call: LLMCall) -> list[str]:
+    """Names of the tool calls in `call`'s reply that name no tool its request offered (a warm-started model
+    calling a made-up twin of a tool, say); [] when the offered schemas were not recorded."""
+    if not call.tools:
+        return []
+    names = {(t.get("function", t) or {}).get("name") for t in call.tools}
+    called = [(tc.get("function") or tc).get("name") for tc in (call.reply or {}).get("tool_calls") or []]
+    return [str(n) for n in called if n not in names]
+
+
 @dataclass(frozen=True)
 class ToolUseFacts:
     """One step's tool use: model calls that offered tools, tool calls parsed from them, and those of the tool
-    calls that lacked a required argument (one example, "name(missing, ...)")."""
+    calls no tool could run: calls lacking a required argument (`incomplete`, one example "name(missing, ...)")
+    and calls to a tool that was not offered (`not_offered`, one example name)."""
 
     step: int
     offered: int
     tool_calls: int
     incomplete: int
     example: str = ""
+    not_offered: int = 0
+    stray: str = ""
 
     @classmethod
     def of(cls, step: int, episodes: list[Episode]) -> "ToolUseFacts":
         offered = [c for e in episodes for c in e.calls if c.tools_offered]
         missing = [m for c in offered for m in c.missing_tool_arguments]
+        stray = [n for c in offered for n in not_offered_calls(c)]
         called = sum(len((c.reply or {}).get("tool_calls") or []) for c in offered)
-        return cls(step, len(offered), called, len(missing), missing[0] if missing else "")
+        return cls(step, len(offered), called, len(missing), missing[0] if missing else "", len(stray),
+                   stray[0] if stray else "")
 
     @property
     def unused(self) -> bool:
-        """Tools offered, and no call the tools could run: none made, or every one missing a required argument."""
-        return self.offered > 0 and self.incomplete >= self.tool_calls
+        """Tools offered, and no call the tools could run: none made, or every one missing a required argument
+        or naming a tool that was not offered."""
+        return self.offered > 0 and self.incomplete + self.not_offered >= self.tool_calls
 
 
 def unused_tools_warning(history: list[ToolUseFacts], steps: int = UNUSED_STEPS) -> str | None:
@@ -90,8 +106,11 @@ def unused_tools_warning(history: list[ToolUseFacts], steps: int = UNUSED_STEPS)
                "(rollout/tool_call_rate 0)"
     else:
         example = next((f.example for f in reversed(streak) if f.example), "")
-        fact = f"every one of the model's {called} tool calls lacked a required argument of the offered schema " \
-               f"(e.g. {example}), in {offered} model calls that offered tools"
+        stray = next((f.stray for f in reversed(streak) if f.stray), "")
+        why = [f"lacked a required argument of the offered schema (e.g. {example})"] if example else []
+        why += [f"called a tool that was not offered ({stray})"] if stray else []
+        fact = f"every one of the model's {called} tool calls {' or '.join(why)}, in {offered} model calls that " \
+               "offered tools"
     return f"{span}: {fact}, whatever the reward does. {WARM_START_ADVICE}"
 
 
@@ -127,7 +146,8 @@ class ToolUseAlarm:
         parser = offered[0].tool_parser or "the configured"
         warnings = []
         attempted = [c for c in offered if c.tool_call_attempted]
-        failed = [c for c in attempted if c.tool_call_parse_failed]
+        # A call the parser read but that names a tool not offered is the model's error, not the parser's.
+        failed = [c for c in attempted if c.tool_call_parse_failed and not not_offered_calls(c)]
         if attempted and len(failed) / len(attempted) > PARSE_FAILURE_WARN:
             warnings.append(
                 f"step {step}: the {parser} tool-call parser could not read {len(failed)} of the {len(attempted)} "

@@ -316,9 +316,11 @@ def warmstart(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed)
-    checkpoint = run_warmstart(conf, list(overrides or []), tools, out, settings,
-                               say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
-    print(f"astuner: warm start done: train from astuner.model.path={checkpoint}")  # stdout: the result
+    result = run_warmstart(conf, list(overrides or []), tools, out, settings,
+                           say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
+    # stdout: the result, its last line the GRPO command to run next (copied as it is)
+    print(f"astuner: warm start done: checkpoint {result.checkpoint}; train from it (add your --backbone) with:")
+    print(result.command)
 
 
 SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app}

@@ -4,8 +4,8 @@ libraries) are routed into loguru, and a workflow that does `from loguru import 
 Low in the layers: engines and checks log through it too.
 
 What the file keeps: INFO and up from everyone, and DEBUG from the user's code only: loguru lines from a file
-outside the installed packages and astuner, and the standard loggers of the workflow's and judge's modules (set to
-DEBUG by `debug_from_user_modules` when they load). Libraries' DEBUG (HTTP clients, torch, vLLM) stays out: it
+outside the installed packages and astuner (`is_user_file`), and the standard loggers of the workflow's and judge's
+modules (set to DEBUG by `debug_from_user_modules` when they load). Libraries' DEBUG (HTTP clients, torch, vLLM) stays out: it
 would bury the user's lines, and the root logger stays at INFO so libraries never build those records at all.
 """
 
@@ -47,10 +47,59 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(str(Path(d).resolve()) + "/" for d in dirs if d)
 
 
+# Pseudo-paths of code that no user file holds: frozen standard modules, exec'd and compiled strings.
+_PSEUDO_PATHS = ("<frozen", "<string>")
+_INSTALL_DIRS = frozenset({"site-packages", "dist-packages"})
+
+
+@functools.lru_cache(maxsize=1)
+def _distribution_roots() -> frozenset[str]:
+    """The top-level files and folders of every installed distribution (those installed with --target or on
+    PYTHONPATH included) and the package folders of editable installs: library code outside site-packages.
+    Read once per process (about half a second): metadata per record would cost that on every line."""
+    import importlib.metadata
+    import importlib.util
+    import json
+
+    roots: set[str] = set()
+    for dist in importlib.metadata.distributions():
+        for file in dist.files or []:
+            if file.parts and file.parts[0] != ".." and not file.parts[0].endswith((".dist-info", ".egg-info")):
+                roots.add(str(Path(dist.locate_file(file.parts[0])).resolve()))
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        if not url.get("dir_info", {}).get("editable"):
+            continue
+        for name in (dist.read_text("top_level.txt") or "").split():
+            try:
+                spec = importlib.util.find_spec(name)  # finds without importing a top-level package
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None and spec.origin:
+                origin = Path(spec.origin).resolve()
+                roots.add(str(origin.parent if spec.submodule_search_locations else origin))
+    return frozenset(roots)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_library_folder(folder: Path) -> bool:
+    """Whether `folder` lies inside a distribution's files (cached by folder: a module's records share one)."""
+    roots = _distribution_roots()
+    return any(str(d) in roots for d in (folder, *folder.parents))
+
+
 @functools.lru_cache(maxsize=1024)
 def is_user_file(path: str | None) -> bool:
-    """Whether `path` is user code: a file outside the standard library, installed packages and astuner."""
-    return bool(path) and not str(Path(path).resolve()).startswith(_library_dirs())
+    """Whether `path` is user code: a real file outside the standard library, installed packages (any
+    site-packages or dist-packages folder, any installed distribution's files, editable installs) and astuner."""
+    if not path or path.startswith(_PSEUDO_PATHS):
+        return False
+    resolved = Path(path).resolve()
+    if _INSTALL_DIRS.intersection(resolved.parts) or str(resolved).startswith(_library_dirs()):
+        return False
+    return str(resolved) not in _distribution_roots() and not _is_library_folder(resolved.parent)
 
 
 def _for_file(record) -> bool:

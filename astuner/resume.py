@@ -31,6 +31,8 @@ from astuner.errors import UserError
 RESUME_DIR = "astuner_resume"  # inside a checkpoint folder: what a resumed run needs beyond the HF weights
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 _RESUMED_CONFIG = re.compile(r"config\.resumed_(\d+)\.yaml$")
+# The header lines of a saved config (config/compose.save_config) that say where its relative paths start.
+COMPOSED_FROM, WORKING_DIR = "# Composed by astuner from ", "# Working directory: "
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def check_resume(loaded, checkpoint: Path) -> str | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from astuner.config.resume_keys import config_changes, flatten
+    from astuner.config.resume_keys import Bases, config_changes, flatten
     from astuner.config.validate import default_tree
 
     saved = checkpoint_config(checkpoint)
@@ -90,19 +92,52 @@ def check_resume(loaded, checkpoint: Path) -> str | None:
     if not isinstance(old, dict):
         raise UserError(f"cannot read {saved}, the config {checkpoint} was trained with ({old}); restore it, or "
                         "set astuner.trainer_common.resume_mode=disable to start a fresh run.")
-    changes = config_changes(old, OmegaConf.to_container(loaded.cfg, resolve=True), flatten(default_tree()))
+    new_bases = Bases(Path.cwd(), loaded.config_dir)
+    changes = config_changes(old, OmegaConf.to_container(loaded.cfg, resolve=True), flatten(default_tree()),
+                             bases=(saved_bases(saved, new_bases), new_bases))
+    changes = [dataclasses.replace(c, default_changed=_at_default_unset(loaded, c.key, c.new)) for c in changes]
     refused = [c for c in changes if not c.allowed]
     if refused:
+        back = "set the keys named above back" if not all(c.default_changed for c in refused) else (
+            "set the old defaults named above")
         raise UserError(
             f"resume refused: this run's config changes what {checkpoint} was trained with ({saved}): "
             f"{'; '.join(map(str, refused))}. Continuing it would report one run under another's config. To start "
-            "fresh, set astuner.trainer_common.resume_mode=disable (the run goes to "
-            f"{fresh_folder(loaded.experiment_dir)}) or another astuner.experiment_dir; to continue the checkpoint, "
-            "set these keys back."
+            f"fresh, set another astuner.experiment_dir (e.g. {fresh_folder(loaded.experiment_dir)}; rerunning "
+            f"that command then resumes the new run). To continue {checkpoint.name}, {back} (with "
+            f"astuner.trainer_common.resume_mode={checkpoint} it continues into another experiment_dir)."
         )
     if not changes:
         return None
     return f"resuming with allowed config changes: {'; '.join(map(str, changes))}"
+
+
+def saved_bases(saved: Path, fallback):
+    """Where the run that wrote `saved` resolved relative paths, from the header `save_config` writes; a config
+    without that header (an older astuner) is taken to have run from this run's folders."""
+    from astuner.config.resume_keys import Bases
+
+    head = dict(cwd=fallback.cwd, yaml_dir=fallback.yaml_dir)
+    with saved.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if not line.startswith("#"):
+                break
+            if line.startswith(COMPOSED_FROM):
+                head["yaml_dir"] = Path(line[len(COMPOSED_FROM):].strip()).parent
+            elif line.startswith(WORKING_DIR):
+                head["cwd"] = Path(line[len(WORKING_DIR):].strip())
+    return Bases(**head)
+
+
+def _at_default_unset(loaded, key: str, value) -> bool:
+    """This run neither set `key` nor any section above it, and runs it at its default."""
+    from astuner.config.validate import default_at
+
+    parts = key.split(".")
+    if any(".".join(parts[:i]) in loaded.user_keys for i in range(1, len(parts) + 1)):
+        return False
+    found, default = default_at(key)
+    return found and default == value
 
 
 def latest_checkpoint(experiment_dir: Path) -> Path | None:

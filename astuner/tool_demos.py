@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from astuner.tool_schema import function_of, kind_of, plain_parameters
 
 # Each pool: (argument name, how a question says it, values). Names and words are the vocabulary of the twins.
 STRINGS = [
@@ -38,6 +42,17 @@ STRINGS = [
     ("street", "street", ["Elm Row", "Dock Lane", "Mill Road", "Quay Street", "Hill Walk", "Park Crescent"]),
     ("station", "station", ["Northgate", "Riverside", "Old Market", "Harbour", "Westfield", "Kingsbridge"]),
 ]
+# Strings of a `format` (tool_schema.KNOWN_FORMATS): values that meet it, under names that say it.
+FORMATS = {
+    "date": [("day", "day", ["2021-03-14", "2019-11-02", "2023-06-30", "2020-01-17", "2022-09-08"]),
+             ("start_date", "start date", ["2018-05-21", "2024-02-29", "2017-12-01", "2021-07-04"])],
+    "date-time": [("moment", "moment", ["2021-03-14T09:30:00Z", "2019-11-02T17:05:00Z", "2023-06-30T06:45:00Z"])],
+    "time": [("clock_time", "time", ["09:30:00", "17:05:00", "06:45:00", "12:00:00", "21:15:00"])],
+    "email": [("contact", "contact address", ["mira@example.org", "jon.h@example.net", "desk@example.com"])],
+    "uri": [("link", "link", ["https://example.org/a1", "https://example.net/docs", "https://example.com/x/7"])],
+    "uuid": [("ref_id", "reference id", ["3f1c2a9e-8b4d-4c1e-9a7f-2d6b5e0c1a93",
+                                         "b7e2d4c0-1f3a-4e8b-8c6d-9a0e5f7b2c14"])],
+}
 NUMBERS = [
     ("weight_kg", "weight in kg", 0.5, 80.0), ("distance_km", "distance in km", 1.0, 900.0),
     ("budget_eur", "budget in euros", 10.0, 5000.0), ("height_m", "height in metres", 0.2, 40.0),
@@ -114,58 +129,49 @@ class Twin:
     schema: dict = field(default_factory=dict)  # the OpenAI function schema offered to the model
 
 
-def function_of(tool: dict) -> dict:
-    """The function part of an OpenAI tool schema ({"type": "function", "function": {...}} or the bare function)."""
-    function = tool.get("function", tool) if isinstance(tool, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"not an OpenAI function schema (no function name): {json.dumps(tool)[:200]}")
-    return function
+def words_of(text: Any) -> set[str]:
+    """The lower-cased words of a name, value or sentence ("book_concert_hall" -> book, concert, hall)."""
+    return {w for w in re.split(r"[^0-9a-z]+", str(text).lower()) if w}
 
 
 def user_vocabulary(tools: list[dict]) -> frozenset[str]:
-    """Lower-cased names the twins must never use: the tools' names, every argument name, every enum value."""
+    """What the twins must never say, lower-cased: the tools' names, argument names and enum values, whole and
+    word by word, and every word of their descriptions. A pool value with one of these words is not drawn."""
     out: set[str] = set()
 
     def walk(schema: Any) -> None:
-        if isinstance(schema, dict):
-            for name, sub in (schema.get("properties") or {}).items():
-                out.add(str(name).lower())
+        if isinstance(schema, list):
+            for part in schema:
+                walk(part)
+        if not isinstance(schema, dict):
+            return
+        for name in schema.get("properties") or {} if isinstance(schema.get("properties"), dict) else {}:
+            out.update({str(name).lower(), *words_of(name)})
+        for value in schema.get("enum") or [] if isinstance(schema.get("enum"), list) else []:
+            if value is not None:
+                out.update({str(value).lower(), *words_of(value)})
+        for key, sub in schema.items():
+            if key in ("description", "title") and isinstance(sub, str):
+                out.update(words_of(sub))
+            elif isinstance(sub, (dict, list)):
                 walk(sub)
-            for value in schema.get("enum") or []:
-                out.add(str(value).lower())
-            for key in ("items", "anyOf", "oneOf", "allOf"):
-                sub = schema.get(key)
-                for part in sub if isinstance(sub, list) else [sub]:
-                    walk(part)
 
     for tool in tools:
         function = function_of(tool)
-        out.add(function["name"].lower())
-        walk(function.get("parameters") or {})
+        out.update({function["name"].lower(), *words_of(function["name"])})
+        walk(function)
     return frozenset(out)
 
 
+def clean(values, banned: frozenset[str]) -> tuple:
+    """The pool values that share no word with the user's vocabulary."""
+    return tuple(v for v in values if str(v).lower() not in banned and not words_of(v) & banned)
+
+
 def _json_type(schema: dict) -> tuple[str, bool]:
-    """(the JSON type a value takes, whether null is allowed too). A union (anyOf, ["string", "null"]) takes its
-    first non-null branch."""
-    for key in ("anyOf", "oneOf"):
-        branches = [b for b in schema.get(key) or [] if isinstance(b, dict)]
-        if branches:
-            kept = [b for b in branches if b.get("type") != "null"]
-            return (_json_type(kept[0])[0] if kept else "null"), len(kept) < len(branches)
+    """(the JSON type a value of a plain schema (tool_schema.py) takes, whether null is allowed too)."""
     kind = schema.get("type")
-    if isinstance(kind, list):
-        kept = [k for k in kind if k != "null"]
-        return (kept[0] if kept else "null"), len(kept) < len(kind)
-    if kind is None:
-        if "properties" in schema:
-            return "object", False
-        if "items" in schema:
-            return "array", False
-        if schema.get("enum"):
-            return {bool: "boolean", int: "integer", float: "number"}.get(type(schema["enum"][0]), "string"), False
-        return "any", False
-    return str(kind), False
+    return kind_of(schema) or "any", isinstance(kind, list) and "null" in kind
 
 
 class _Namer:
@@ -190,8 +196,7 @@ class _Namer:
 
 
 def _twin_slot(schema: dict, namer: _Namer, rng: random.Random, banned: frozenset[str]) -> Slot:
-    """The twin of one argument schema, named by `namer` (the object that holds it)."""
-    schema = schema if isinstance(schema, dict) else {}
+    """The twin of one argument's plain schema (tool_schema.py), named by `namer` (the object that holds it)."""
     kind, nullable = _json_type(schema)
     kept = {k: schema[k] for k in _KEEP if k in schema and k != "additionalProperties"}
 
@@ -200,12 +205,12 @@ def _twin_slot(schema: dict, namer: _Namer, rng: random.Random, banned: frozense
 
     if schema.get("enum"):
         name, words, pool = _enum_pool(schema["enum"], kind, namer, rng, banned)
-        return Slot(name, words, typed(kind, {"description": f"The {words}.", "enum": list(pool)}), "enum", pool)
+        values = [*pool, None] if nullable else list(pool)  # null stays a value the twin accepts
+        return Slot(name, words, typed(kind, {"description": f"The {words}.", "enum": values}), "enum", pool)
     if kind == "object":
         name, words = namer.pick(OBJECTS)
         inner = _twin_object(schema, rng, banned)
-        return Slot(name, words, {**inner.schema, "description": f"The {words}."} if not nullable else
-                    {**inner.schema, "type": ["object", "null"], "description": f"The {words}."},
+        return Slot(name, words, {**inner.schema, **typed("object", {"description": f"The {words}."})},
                     "object", fields=inner.fields, required=inner.required)
     if kind == "array":
         name, words = namer.pick(ARRAYS)
@@ -214,13 +219,8 @@ def _twin_slot(schema: dict, namer: _Namer, rng: random.Random, banned: frozense
         return Slot(name, words, typed("array", {"description": f"The {words}.", "items": item_schema, **kept}),
                     "array", items=items)
     if kind in ("number", "integer"):
-        options = NUMBERS if kind == "number" else INTEGERS
-        name, words, low, high = namer.pick(options)
-        low = max(low, float(schema.get("minimum", schema.get("exclusiveMinimum", low - 1) + 1)))
-        high = min(high, float(schema.get("maximum", schema.get("exclusiveMaximum", high + 1) - 1)))
-        if low > high:  # the user's bounds lie outside the pool's range: keep theirs
-            low = float(schema.get("minimum", schema.get("exclusiveMinimum", 0)))
-            high = float(schema.get("maximum", schema.get("exclusiveMaximum", low + 100)))
+        name, words, low, high = namer.pick(NUMBERS if kind == "number" else INTEGERS)
+        low, high = _bounds(schema, kind, low, high)
         return Slot(name, words, typed(kind, {"description": f"The {words}.", **kept}), kind, low=low, high=high)
     if kind == "boolean":
         name, words = namer.pick(BOOLEANS)
@@ -228,10 +228,39 @@ def _twin_slot(schema: dict, namer: _Namer, rng: random.Random, banned: frozense
     if kind == "null":
         name, words, _ = namer.pick(STRINGS)
         return Slot(name, words, {"type": "null", "description": "Always null."}, "null")
-    name, words, pool = namer.pick(STRINGS)  # strings, and arguments of no declared type
-    extra = {k: v for k, v in kept.items() if k in ("minLength", "maxLength", "format")}
+    form = schema.get("format") if kind == "string" else None
+    name, words, pool = namer.pick(FORMATS[form] if form in FORMATS else STRINGS)
+    pool = _fitting(clean(pool, banned), schema, rng)
+    extra = {k: v for k, v in kept.items() if k in ("minLength", "maxLength") or k == "format" and form in FORMATS}
     return Slot(name, words, typed("string", {"description": f"The {words}.", **extra}) if kind != "any" else
-                {"description": f"The {words}."}, "string" if kind != "any" else "any", tuple(pool))
+                {"description": f"The {words}."}, "string" if kind != "any" else "any", pool)
+
+
+def _bounds(schema: dict, kind: str, low: float, high: float) -> tuple[float, float]:
+    """The pool's range [low, high] within the user's bounds; when they do not meet, a range as wide inside the
+    user's (from its minimum up, or its maximum down)."""
+    step = 1 if kind == "integer" else 0.1  # numbers are drawn to one decimal
+    lo = schema.get("minimum", schema.get("exclusiveMinimum", float("-inf")) + step)
+    hi = schema.get("maximum", schema.get("exclusiveMaximum", float("inf")) - step)
+    if kind == "integer":
+        lo, hi = (math.ceil(lo) if math.isfinite(lo) else lo), (math.floor(hi) if math.isfinite(hi) else hi)
+    if max(low, lo) <= min(high, hi):
+        return float(max(low, lo)), float(min(high, hi))
+    span = high - low
+    if lo > float("-inf") and hi < float("inf"):
+        return float(lo), float(hi)
+    return (float(lo), float(lo + span)) if lo > float("-inf") else (float(hi - span), float(hi))
+
+
+def _fitting(pool: tuple, schema: dict, rng: random.Random) -> tuple:
+    """The pool's values of an allowed length; made-up codes of such a length when none is (or the pool is
+    empty, every value holding one of the user's words)."""
+    shortest, longest = int(schema.get("minLength", 0)), schema.get("maxLength")
+    fits = tuple(v for v in pool if len(v) >= shortest and (longest is None or len(v) <= longest))
+    if fits:
+        return fits
+    size = max(shortest, min(6, int(longest) if longest is not None else 6))
+    return tuple("".join(rng.choice(LETTERS) for _ in range(size)) for _ in range(8))
 
 
 def _enum_pool(values: list, kind: str, namer: _Namer, rng: random.Random,
@@ -248,11 +277,10 @@ def _enum_pool(values: list, kind: str, namer: _Namer, rng: random.Random,
     if kind == "boolean":
         name, words = namer.pick(BOOLEANS)
         return name, words, tuple(values)  # true / false are all there is
-    options = [o for o in ENUMS if len([v for v in o[2] if v not in banned]) >= n]
+    options = [o for o in ENUMS if len(clean(o[2], banned)) >= n]
     if options:
         name, words, pool = namer.pick(options)
-        free = [v for v in pool if v not in banned]
-        return name, words, tuple(rng.sample(free, n))
+        return name, words, tuple(rng.sample(clean(pool, banned), n))
     name, words, _ = namer.pick(ENUMS)  # more values than any pool holds: numbered ones
     return name, words, tuple(f"{words}_{k}" for k in range(1, n + 1))
 
@@ -278,9 +306,7 @@ def _twin_object(schema: dict, rng: random.Random, banned: frozenset[str],
 def make_twin(tool: dict, rng: random.Random, banned: frozenset[str], taken_names: set[str]) -> Twin:
     """A made-up tool with the argument shapes of `tool`, named apart from `banned` and `taken_names` (the
     episode's tool names, and its tools' argument names, which it adds to)."""
-    function = function_of(tool)
-    args = _twin_object(function.get("parameters") or {"type": "object", "properties": {}}, rng, banned,
-                        taken_names)
+    args = _twin_object(plain_parameters(tool)[0], rng, banned, taken_names)
     free = [n for n in NOUNS if f"noun:{n[0]}" not in taken_names] or NOUNS  # two tools never give one thing
     return _named(args, rng.choice(free), rng, banned, taken_names)
 

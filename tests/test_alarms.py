@@ -58,6 +58,24 @@ def test_missing_arguments_are_the_offered_schemas_required_ones_the_call_lacks(
     assert missing_arguments("f", {}, [{"type": "function", "function": {"name": "f"}}]) == []  # nothing required
 
 
+def test_calls_to_a_tool_not_offered_count_as_unusable_and_not_as_parse_failures():
+    """A warm-started model calling a made-up twin (`convert_units`) of the offered `convert`: the name check
+    marks the call failed, but the parser read it; the tools are unused, and the warning says which name."""
+    def twin() -> Episode:
+        episode = _episode("<tool_call>...", called=True, failed=True)
+        call = episode.calls[0]
+        call.tools = [CONVERT]
+        call.reply["tool_calls"] = [{"id": "c", "function": {"name": "convert_units", "arguments": "{}"}}]
+        return episode
+
+    alarm = ToolUseAlarm(unused_steps=2)
+    assert ToolUseFacts.of(1, [twin()]).unused
+    assert alarm.observe(1, [twin(), twin()], 0.0) == []  # no parse-failure warning: the parser is not at fault
+    (warning,) = alarm.observe(2, [twin(), twin()], 0.0)
+    assert "every one of the model's 4 tool calls called a tool that was not offered (convert_units)" in warning
+    assert alarm.standing() == warning
+
+
 def _facts(step, offered=4, tool_calls=0, incomplete=0, example=""):
     return ToolUseFacts(step, offered, tool_calls, incomplete, example)
 
@@ -67,7 +85,7 @@ def test_tools_never_used_for_two_steps_warn_with_the_fact_and_the_warm_start():
     warning = unused_tools_warning([_facts(1), _facts(2), _facts(3)], steps=2)
     assert warning.startswith("steps 1-3: the workflow offered tools in 12 model calls and the model made no "
                               "tool call (rollout/tool_call_rate 0), whatever the reward does.")
-    assert "warm-start it first" in warning and "tutorial/agent_quickstart/README.md" in warning
+    assert "warm-start it first" in warning and "astuner warmstart --conf <yaml>" in warning
     # Calls that all lack a required argument are as useless as none.
     lacking = [_facts(1, tool_calls=4, incomplete=4, example="convert(from_unit, to_unit)"), _facts(2)]
     assert unused_tools_warning(lacking, steps=2).startswith(

@@ -112,3 +112,25 @@ def test_only_user_code_counts_as_user_code(tmp_path):
         sys.path.remove(str(tmp_path))
         sys.modules.pop("agent_p", None)
         sys.modules.pop("agent_p_tools", None)
+
+
+def test_library_code_outside_the_python_prefix_is_not_user_code(tmp_path, monkeypatch):
+    """Pseudo-paths, any site-packages or dist-packages folder (a venv on PYTHONPATH), and an installed
+    distribution's files wherever they lie (pip --target, PYTHONPATH), found by its metadata."""
+    assert not is_user_file("<frozen importlib._bootstrap>") and not is_user_file("<string>")
+    assert not is_user_file(str(tmp_path / "venv/lib/python3.12/site-packages/lib_x/core.py"))
+    assert not is_user_file(str(tmp_path / "usr/lib/python3/dist-packages/lib_y/core.py"))
+    target = tmp_path / "target"  # as `pip install --target` leaves a loguru-using library
+    (target / "lib_z").mkdir(parents=True)
+    (target / "lib_z" / "__init__.py").write_text("")
+    info = target / "lib_z-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lib_z\nVersion: 1.0\n")
+    (info / "RECORD").write_text("lib_z/__init__.py,,\nlib_z/deep/mod.py,,\nlib_z-1.0.dist-info/METADATA,,\n")
+    monkeypatch.syspath_prepend(str(target))
+    from astuner import logs
+
+    for cached in (logs._distribution_roots, logs._is_library_folder, logs.is_user_file):
+        cached.cache_clear()  # the distributions are read once per process; this test added one
+    assert not is_user_file(str(target / "lib_z" / "deep" / "mod.py"))
+    assert is_user_file(str(tmp_path / "agent.py")) and is_user_file(str(target / "agent.py"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 import textwrap
 from pathlib import Path
 
@@ -80,6 +81,30 @@ def test_readme_own_agent_trains_two_steps_as_written(tmp_path, tiny_model_dir, 
     assert "convert" in episodes[0]["calls"][0]["prompt"] and "from_unit" in episodes[0]["calls"][0]["prompt"]
     assert episodes[0]["task_id"].startswith("train-")  # the README's default id
     assert (run / "global_step_2" / "config.json").is_file()
+
+
+def test_readme_own_agent_tasks_can_be_won_and_its_yaml_runs_the_steps_it_states(tmp_path, monkeypatch):
+    """Each example task: its tool's printed result is within the judge's tolerance of the answer (a `:g` format
+    rounds 3 mi to 4828.03); the YAML's steps are what its tasks, batch and epochs give."""
+    write_own_agent((REPO / "README.md").read_text(), tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    agent = importlib.import_module("my_agent")
+    tolerance = float(re.search(r"\) < ([0-9.e-]+)", (tmp_path / "my_judge.py").read_text()).group(1))
+    units = {"millimetres": "mm", "centimetres": "cm", "metres": "m", "kilometres": "km", "miles": "mi"}
+    rows = [json.loads(line) for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines() if line]
+    for row in rows:
+        to_unit, value, from_unit = re.match(r"How many (\w+) are ([\d.]+) (\w+)\?", row["question"]).groups()
+        text = agent.convert(float(value), units[from_unit], units[to_unit]).content[0]["text"]
+        printed = float(text.split("= ")[1].split()[0])
+        assert abs(printed - float(row["answer"])) < tolerance, (row, text)
+    trainer = yaml.safe_load((tmp_path / "my_agent.yaml").read_text())["astuner"]
+    batch = trainer["data"]["train_batch_size"]
+    epochs = trainer["trainer_common"].get("total_epochs", 1)
+    stated = trainer["trainer_common"].get("total_training_steps")
+    assert stated is None or stated == -(-len(rows) // batch) * epochs, trainer
+    sys.modules.pop("my_agent", None)
 
 
 def test_readme_logview_route_table_matches_the_app(tmp_path):

@@ -136,8 +136,9 @@ def test_plan_start_refuses_a_changed_model_and_says_how_to_start_fresh(tmp_path
     message = str(raised.value)
     assert f"astuner.model.path ({tiny_model_dir} -> /elsewhere/model; the model)" in message
     assert "astuner.rollout.num_repeat (3 -> 2; the rollout shape)" in message
-    assert "astuner.trainer_common.resume_mode=disable (the run goes to " + str(tmp_path / "out_1") in message
-    assert "another astuner.experiment_dir" in message
+    # First remedy: another experiment_dir, whose rerun resumes normally (a rerun with disable would not).
+    assert "set another astuner.experiment_dir (e.g. " + str(tmp_path / "out_1") in message
+    assert "resume_mode=disable" not in message and "set the keys named above back" in message
     assert str(out / "config.yaml") in message
     # The path form of resume_mode is checked too.
     with pytest.raises(UserError, match="astuner.seed"):
@@ -182,7 +183,7 @@ def test_rerunning_with_another_model_or_num_repeat_exits_2_and_keeps_the_checkp
     assert "resume refused" in err and "Traceback" not in err
     assert f"astuner.model.path ({tiny_model_dir} -> {other_model}; the model)" in err
     assert "astuner.rollout.num_repeat (3 -> 2; the rollout shape)" in err
-    assert "resume_mode=disable" in err
+    assert "another astuner.experiment_dir" in err
     assert (out / "config.yaml").read_text() == saved and not list(out.glob("config.resumed_*"))
 
     # An allowed change resumes (step 1 of 1: nothing left to train), names it, and keeps the first config.
@@ -191,3 +192,32 @@ def test_rerunning_with_another_model_or_num_repeat_exits_2_and_keeps_the_checkp
     assert "allowed config changes: astuner.trainer_common.test_freq (99999 -> 5;" in err
     assert (out / "config.yaml").read_text() == saved
     assert OmegaConf.load(out / "config.resumed_1.yaml").astuner.trainer_common.test_freq == 5
+
+
+def test_the_same_data_file_written_relative_dotted_or_absolute_resumes(tmp_path, tiny_model_dir, monkeypatch):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    fake_checkpoint(yaml)
+    key = "astuner.task_reader.jsonl_dataset_file.training.file_path"
+    for same in ("./train.jsonl", str(tmp_path / "train.jsonl"), "../" + tmp_path.name + "/train.jsonl"):
+        assert plan_start(load_config(yaml, [f"{key}={same}"])).note is None, same
+    # Run from elsewhere: the saved config's relative path is found where its run found it.
+    monkeypatch.chdir(tmp_path.parent)
+    assert plan_start(load_config(yaml, [f"{key}={tmp_path / 'train.jsonl'}"])).note is None
+    (tmp_path / "other.jsonl").write_text((tmp_path / "train.jsonl").read_text())
+    with pytest.raises(UserError, match="file_path \\(train.jsonl -> "):
+        plan_start(load_config(yaml, [f"{key}={tmp_path / 'other.jsonl'}"]))
+
+
+def test_a_key_left_at_a_changed_default_is_named_as_the_default_changing(tmp_path, tiny_model_dir):
+    yaml = write_run(tmp_path, tiny_model_dir)
+    out = fake_checkpoint(yaml)
+    key, old_default = "astuner.rollout.top_p", 0.5  # as if the checkpoint's astuner had another default
+    saved = OmegaConf.load(out / "config.yaml")
+    OmegaConf.update(saved, key, old_default)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    with pytest.raises(UserError) as raised:
+        plan_start(load_config(yaml))
+    message = str(raised.value)
+    assert f"{key} (0.5 -> {default_at(key)[1]}; the rollout shape; the default changed, set {key}=0.5" in message
+    assert "set the old defaults named above" in message

@@ -206,7 +206,9 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
     assert code == 0, err
     folder = tmp_path / "run_warmstart"
     checkpoint = folder / "global_step_2"
-    assert out.strip().splitlines()[-1] == f"astuner: warm start done: train from astuner.model.path={checkpoint}"
+    assert out.strip().splitlines()[-1] == (f"astuner --conf {TUTORIAL / 'agent_quickstart.yaml'} "
+                                            f"astuner.data.train_batch_size=2 astuner.model.path={checkpoint} "
+                                            f"astuner.experiment_dir={tmp_path / 'run_from_warmstart'}")
     assert (checkpoint / "config.json").is_file()
     rows = [json.loads(line) for line in (folder / "demonstrations.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and not {n for r in rows for n, _ in calls_of(r)} & USER_WORDS
@@ -214,3 +216,135 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
     trained = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert len([m for m in trained if "actor/sft_loss" in m]) == 2
     assert not run.exists()  # the GRPO run's folder stays for GRPO
+
+
+def _tool(name: str, parameters, description: str = "d") -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+# How pydantic (and the OpenAI Agents SDK) write Optional[Model], Optional[Enum], Optional[list[int]] and models or
+# enums by reference.
+PYDANTIC_STYLE = _tool("plan_trip", {
+    "type": "object",
+    "$defs": {"Mode": {"type": "string", "enum": ["rail", "coach", "ferry"], "title": "Mode"},
+              "Party": {"type": "object", "properties": {"adults": {"type": "integer", "minimum": 1},
+                                                          "note": {"type": "string"}}, "required": ["adults"]}},
+    "properties": {
+        "mode": {"$ref": "#/$defs/Mode"},
+        "party": {"$ref": "#/$defs/Party"},
+        "backup": {"anyOf": [{"$ref": "#/$defs/Party"}, {"type": "null"}], "default": None},
+        "alt_mode": {"anyOf": [{"$ref": "#/$defs/Mode"}, {"type": "null"}]},
+        "legs": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 100, "maximum": 200}},
+                           {"type": "null"}]}},
+    "required": ["mode", "party", "backup", "alt_mode", "legs"]})
+
+
+def test_twins_of_refs_and_optionals_keep_the_branch_shape_and_nullability():
+    from astuner.tool_demos import demonstrations
+
+    for row in demonstrations([PYDANTIC_STYLE], count=8, seed=0):
+        twin = row["tools"][0]["function"]["parameters"]
+        mode, party, backup, alt_mode, legs = twin["properties"].values()  # in the user's order
+        assert mode["type"] == "string" and len(mode["enum"]) == 3
+        assert party["type"] == "object" and len(party["properties"]) == 2 and len(party["required"]) == 1
+        assert backup["type"] == ["object", "null"] and len(backup["properties"]) == 2
+        assert alt_mode["type"] == ["string", "null"] and len([v for v in alt_mode["enum"] if v]) == 3
+        assert None in alt_mode["enum"]
+        assert legs["type"] == ["array", "null"]
+        assert legs["items"] == {"type": "integer", "minimum": 100, "maximum": 200}
+        offered = {t["function"]["name"]: t["function"]["parameters"] for t in row["tools"]}
+        for name, arguments in calls_of(row):
+            assert conformity(arguments, offered[name]) == [], (name, arguments)
+
+
+@pytest.mark.parametrize("parameters, field", [
+    ({"type": "object", "properties": {"x": {"$ref": "https://example.org/schema.json"}}}, "parameters.x"),
+    ({"type": "object", "$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}},
+      "properties": {"head": {"$ref": "#/$defs/Node"}}}, "parameters.head.next"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}}, "parameters.x"),
+    ("oops", "parameters"),
+    ({"type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}}, "parameters.x"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "minItems": 5, "maxItems": 2}}}, "parameters.xs"),
+])
+def test_a_schema_the_twins_cannot_copy_stops_naming_the_tool_and_field(tmp_path, parameters, field):
+    from astuner.errors import UserError
+    from astuner.offline.warmstart import read_tools_file
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([_tool("odd_tool", parameters)]))
+    with pytest.raises(UserError, match=f"tool 'odd_tool', {field.replace('.', '[.]')}:"):
+        read_tools_file(path)
+
+
+def test_a_malformed_tools_file_exits_2_with_a_message(tmp_path, capsys):
+    from astuner.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([_tool("bad", "oops")]))
+    code = main(["warmstart", "--conf", str(TUTORIAL / "agent_quickstart.yaml"), "--tools", str(tools),
+                 f"astuner.experiment_dir={tmp_path / 'run'}"])
+    assert code == 2 and "tool 'bad', parameters:" in capsys.readouterr().err
+
+
+BOUNDS = [
+    _tool("dive", {"type": "object", "properties": {"depth": {"type": "integer", "maximum": -5}}, "required": ["depth"]}),
+    _tool("big", {"type": "object", "properties": {"x": {"type": "number", "minimum": 1e6}}, "required": ["x"]}),
+    _tool("when", {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                                     "code": {"type": "string", "maxLength": 3, "minLength": 2}},
+                   "required": ["day", "code"]}),
+    _tool("excl", {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "exclusiveMinimum": True,
+                                                          "maximum": 2}}, "required": ["k"]}),
+]
+
+
+def test_demonstrated_values_meet_the_users_bounds_formats_and_lengths():
+    import re
+
+    from astuner.tool_demos import demonstrations
+
+    seen, formats = 0, set()
+    for tool in BOUNDS:
+        for row in demonstrations([tool], count=8, seed=2):
+            offered = {t["function"]["name"]: t["function"]["parameters"] for t in row["tools"]}
+            for tool_name, arguments in calls_of(row):
+                twin = offered[tool_name]
+                assert conformity(arguments, twin) == []
+                for name, value in arguments.items():
+                    schema = twin["properties"][name]
+                    if "exclusiveMinimum" in schema:
+                        assert value > schema["exclusiveMinimum"]
+                    formats.add(schema.get("format"))
+                    if schema.get("format") == "date":
+                        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", value)
+                    assert schema.get("minLength", 0) <= len(str(value)) <= schema.get("maxLength", 99)
+                    seen += 1
+    assert seen >= 40 and "date" in formats  # the user's format is kept, and met
+
+
+def test_no_word_of_the_users_tools_is_a_demonstrated_value():
+    from astuner.tool_demos import demonstrations
+
+    tool = _tool("travel", {"type": "object", "properties": {
+        "dest": {"type": "string", "enum": ["Lisbon", "Osaka", "Quito"]},
+        "note": {"type": "string", "description": "A note, e.g. Tallinn or Accra."},
+        "by": {"type": "string"}}, "required": ["dest", "note", "by"]}, description="Travel to Dakar or Hobart.")
+    words = {"lisbon", "osaka", "quito", "tallinn", "accra", "dakar", "hobart"}
+    for row in demonstrations([tool], count=64, seed=0):
+        for _, arguments in calls_of(row):
+            assert not {str(v).lower() for v in arguments.values()} & words, arguments
+
+
+def test_the_next_command_trains_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    from astuner.offline.warmstart import grpo_command, grpo_folder
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "launcher_record" / "my_agent"
+    assert grpo_folder(run) == run.with_name("my_agent_from_warmstart")
+    (run.with_name("my_agent_from_warmstart") / "global_step_2").mkdir(parents=True)  # an earlier one's run
+    assert grpo_folder(run) == run.with_name("my_agent_from_warmstart_1")
+    command = grpo_command("my_agent.yaml", ["astuner.rollout.n=4", "astuner.model.path=base",
+                                             f"astuner.experiment_dir={run}"],
+                           grpo_folder(run), tmp_path / "ck" / "global_step_16")
+    assert command == (f"astuner --conf my_agent.yaml astuner.rollout.n=4 "
+                       f"astuner.model.path={tmp_path}/ck/global_step_16 "
+                       "astuner.experiment_dir=launcher_record/my_agent_from_warmstart_1")

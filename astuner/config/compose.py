@@ -163,7 +163,8 @@ def save_config(loaded: LoadedConfig, resumed_at: int | None = None) -> Path:
     keep = resumed_at is not None and composed.exists()
     if keep:
         composed = out / f"config.resumed_{resumed_at}.yaml"
-    header = f"# Composed by astuner from {loaded.yaml_path}\n"
+    # The working directory too: a resume resolves this config's relative paths where this run did.
+    header = f"# Composed by astuner from {loaded.yaml_path}\n# Working directory: {Path.cwd()}\n"
     if loaded.overrides:
         header += f"# Overrides: {' '.join(loaded.overrides)}\n"
     try:

@@ -10,12 +10,18 @@ Sampling (temperature, top_p, top_k) is an identity key: the policy gradient is 
 temperature, so a change is a change of algorithm. The engine (hf | vllm) and every placement key are allowed: a
 checkpoint resumes under any strategy, node count or engine (tests/test_ray_backbones.py resumes across them).
 A new length is allowed although a cosine or linear learning-rate schedule then stretches to it (README says so).
+
+Path-valued keys (`PATH_KEYS`) are compared as the files they name, found as the run finds them (the working
+directory and the YAML's folder, in the reader's order): `data/train.jsonl`, `./data/train.jsonl` and its absolute
+path are one file. A saved config records the working directory it was composed in, so an old relative path is
+resolved where that run resolved it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # (dotted key prefix, group). The longest matching prefix decides; a group in ALLOWED may change on resume.
@@ -75,19 +81,70 @@ ALLOWED = frozenset({"the run's length", "logging", "checkpoints and validation"
 UNCLASSIFIED = "unclassified (refused to be safe)"
 
 
+# Keys holding a file or folder, and where a relative one is looked for, in order (as task_reader/base.py,
+# hf_reader.py, workflow.load_class and from_pretrained look). "auxiliary_models.*" matches any entry's name.
+PATH_KEYS: dict[str, tuple[str, ...]] = {
+    "astuner.model.path": ("cwd",),
+    "astuner.task_reader.jsonl_dataset_file.training.file_path": ("cwd", "yaml"),
+    "astuner.task_reader.jsonl_dataset_file.validation.file_path": ("cwd", "yaml"),
+    "astuner.task_reader.huggingface_dat_repo.dataset_path": ("cwd", "yaml"),
+    "astuner.offline_data.train_file": ("cwd", "yaml"),
+    "astuner.offline_data.val_file": ("cwd", "yaml"),
+    "astuner.rollout.agentscope_workflow": ("yaml", "cwd"),
+    "astuner.task_judge.judge_protocol": ("yaml", "cwd"),
+    "astuner.auxiliary_models.*.model_path": ("cwd",),
+}
+
+
+@dataclass(frozen=True)
+class Bases:
+    """Where a run resolved its relative paths: its working directory and its YAML's folder."""
+
+    cwd: Path
+    yaml_dir: Path
+
+
+def _path_order(key: str) -> tuple[str, ...] | None:
+    parts = key.split(".")
+    if len(parts) == 4 and parts[:2] == ["astuner", "auxiliary_models"]:
+        key = ".".join([*parts[:2], "*", parts[3]])
+    return PATH_KEYS.get(key)
+
+
+def resolved_path(key: str, value: Any, bases: Bases) -> Any:
+    """`value` of a path key as the absolute file it names when that exists (a `file.py->Class` spec keeps its
+    class); any other value, or a path that exists nowhere (a hub id, a demo model), as given."""
+    order = _path_order(key)
+    if order is None or not isinstance(value, str) or not value:
+        return value
+    target, arrow, rest = value.rpartition("->") if "->" in value else (value, "", "")
+    target = target.strip()
+    if arrow and not (target.endswith(".py") or target.endswith(".pkl") or "/" in target):
+        return value  # a module name, not a file
+    path = Path(target).expanduser()
+    roots = {"cwd": bases.cwd, "yaml": bases.yaml_dir}
+    for candidate in [path] if path.is_absolute() else [roots[r] / path for r in order]:
+        if candidate.exists():
+            return f"{candidate.resolve()}{arrow}{rest.strip() if arrow else ''}"
+    return value
+
+
 @dataclass(frozen=True)
 class Change:
     key: str
     old: Any
     new: Any
     group: str
+    default_changed: bool = False  # this run did not set the key: it runs at a default that differs from `old`
 
     @property
     def allowed(self) -> bool:
         return self.group in ALLOWED
 
     def __str__(self) -> str:
-        return f"{self.key} ({_show(self.old)} -> {_show(self.new)}; {self.group})"
+        why = f"{self.group}; the default changed, set {self.key}={_show(self.old)} to keep it" \
+            if self.default_changed else self.group
+        return f"{self.key} ({_show(self.old)} -> {_show(self.new)}; {why})"
 
 
 def group_of(key: str) -> str:
@@ -107,13 +164,19 @@ def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(old: Mapping, new: Mapping, defaults: Mapping[str, Any] | None = None) -> list[Change]:
+def config_changes(old: Mapping, new: Mapping, defaults: Mapping[str, Any] | None = None,
+                   bases: tuple[Bases, Bases] | None = None) -> list[Change]:
     """Leaf keys whose value differs between the checkpoint's config `old` and this run's `new`, grouped.
 
     A key only `new` has (added to astuner since `old` was written) counts as unchanged at its default
     (`defaults`: dotted key -> default): a new key defaults to the behaviour that came before it. A key only
-    `old` has no longer exists and acts on nothing."""
+    `old` has no longer exists and acts on nothing. With `bases` (old run's, this run's), path keys compare as
+    the files they resolve to; a change still shows the values as written."""
     flat_old, flat_new = flatten(old), flatten(new)
+    if bases is not None:
+        same = {k for k in flat_old.keys() & flat_new.keys() if _path_order(k) is not None
+                and resolved_path(k, flat_old[k], bases[0]) == resolved_path(k, flat_new[k], bases[1])}
+        flat_old = {k: flat_new[k] if k in same else v for k, v in flat_old.items()}
     changes = []
     for key in sorted(flat_new):
         value = flat_new[key]

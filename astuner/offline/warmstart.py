@@ -8,12 +8,15 @@
 3. the SFT: `algorithm.type: sft` on them (offline/run.py), with the config's model, chat template, tool prompt
    and trainer settings, so the protocol learned is the one the rollouts render. The folder is
    `<experiment_dir>_warmstart` (a fresh `_N` when it holds a run); its last checkpoint is what GRPO starts from.
+4. the command to run next: GRPO from that checkpoint, in a folder of its own (`<experiment_dir>_from_warmstart`),
+   since the config's folder may hold a run of the base model that a resume would refuse to continue.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,12 @@ log = logging.getLogger(__name__)
 
 DEMONSTRATIONS = "demonstrations.jsonl"
 TOOLS = "tools.json"
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    checkpoint: Path  # the SFT's last checkpoint
+    command: str  # the GRPO run to start next (grpo_command)
 
 
 @dataclass(frozen=True)
@@ -36,9 +45,8 @@ class WarmStartSettings:
 
 
 def read_tools_file(path: Path) -> list[dict]:
-    """The tool schemas of a JSON file: a list of OpenAI function schemas (or bare function objects)."""
-    from astuner.tool_demos import function_of
-
+    """The tool schemas of a JSON file: a list of OpenAI function schemas (or bare function objects), each one
+    checked (tool_schema.check_tools) so that a schema the twins cannot copy stops here, naming the field."""
     where = f"warmstart --tools {path}"
     try:
         tools = json.loads(path.read_text(encoding="utf-8"))
@@ -51,12 +59,18 @@ def read_tools_file(path: Path) -> list[dict]:
     if not isinstance(tools, list) or not tools:
         raise UserError(f"{where}: expected a non-empty JSON list of schemas like {{\"type\": \"function\", "
                         "\"function\": {\"name\": ..., \"parameters\": {...}}}")
-    for i, tool in enumerate(tools):
-        try:
-            function_of(tool)
-        except ValueError as exc:
-            raise UserError(f"{where}: item {i}: {exc}") from None
+    checked(tools, where)
     return tools
+
+
+def checked(tools: list, where: str) -> list[str]:
+    """The notes of tool_schema.check_tools (what the twins drop); its UserError prefixed with `where`."""
+    from astuner.tool_schema import check_tools
+
+    try:
+        return check_tools(tools)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
 
 
 def distinct_tools(calls) -> list[dict]:
@@ -164,8 +178,8 @@ def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSet
 
 
 def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: str | None,
-                  settings: WarmStartSettings, say) -> Path:
-    """The command's work (module docstring); `say(line)` reports progress. Returns the checkpoint."""
+                  settings: WarmStartSettings, say) -> WarmStartResult:
+    """The command's work (module docstring); `say(line)` reports progress and the notes on the tools."""
     from astuner.config import load_config, save_config
     from astuner.offline import run as offline_run
 
@@ -180,13 +194,39 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
             "(or give them with --tools FILE)")
         tools = tools_from_dry_run(loaded, settings.dry_run_episodes)
         source = "the dry run"
+    notes = checked(tools, f"warmstart: the tools of {source}")
     names = [t.get("function", t)["name"] for t in tools]
     count = write_demonstrations(folder, tools, settings)
     say(f"warmstart: {len(tools)} tool(s) from {source} ({', '.join(names)}); {count} demonstrations with made-up "
         f"tools of the same argument shapes in {folder / DEMONSTRATIONS}")
+    for note in dict.fromkeys(notes):
+        say(f"warmstart: {note}")
     sft = load_config(conf, sft_keys)
     save_config(sft)
     summary = offline_run.run(sft)
     if summary.last_checkpoint is None:
         raise UserError(f"warmstart: the SFT in {folder} wrote no checkpoint; see {folder / 'astuner.log'}")
-    return Path(summary.last_checkpoint)
+    checkpoint = Path(summary.last_checkpoint)
+    return WarmStartResult(checkpoint, grpo_command(conf, overrides, grpo_folder(loaded.experiment_dir), checkpoint))
+
+
+def grpo_folder(experiment_dir: Path) -> Path:
+    """The GRPO run's own folder, `<experiment_dir>_from_warmstart` (a fresh `_N` when it holds a run): the
+    config's folder may hold a run of the base model, which a resume from another model refuses."""
+    from astuner.resume import fresh_folder, holds_a_run
+
+    folder = experiment_dir.with_name(experiment_dir.name + "_from_warmstart")
+    return fresh_folder(folder) if folder.is_dir() and holds_a_run(folder) else folder
+
+
+def grpo_command(conf: str, overrides: list[str], folder: Path, checkpoint: Path) -> str:
+    """The command that trains the agent from the warm start: the user's config and overrides, the checkpoint as
+    the model and `folder` as the run's folder (relative to the working directory when it is under it)."""
+    own = ("astuner.model.path", "astuner.experiment_dir")
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in own]
+    try:
+        folder = folder.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    words = ["astuner", "--conf", conf, *kept, f"astuner.model.path={checkpoint}", f"astuner.experiment_dir={folder}"]
+    return " ".join(shlex.quote(str(w)) for w in words)

@@ -190,8 +190,12 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         tools = read_tools_file(Path(tools_file).expanduser())
         source = tools_file
     else:
+        from astuner.logs import setup_logging
+
+        # vLLM's output and the workflow's lines go to a log file, as in a run: the console keeps to progress.
+        log_file = setup_logging(folder, "dry_run.log")
         say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
-            "(or give them with --tools FILE)")
+            f"(or give them with --tools FILE); its log: {log_file}")
         tools = tools_from_dry_run(loaded, settings.dry_run_episodes)
         source = "the dry run"
     notes = checked(tools, f"warmstart: the tools of {source}")

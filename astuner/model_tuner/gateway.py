@@ -264,6 +264,28 @@ def build_app(gateway: Gateway):
         return JSONResponse({"object": "list", "data": [{"id": entry.tuner.model_name, "object": "model",
                                                          "created": 0, "owned_by": "astuner"}]})
 
+    def openai_failure(failure):
+        status, message, code, kind = failure
+        return error(status, message, code, kind)
+
+    def anthropic_failure(failure):
+        status, message, _, kind = failure
+        kinds = {"invalid_request_error": "invalid_request_error", "timeout": "timeout_error"}
+        return refuse(status, message, kinds.get(kind, "api_error"))
+
+    async def generate(request, entry, messages, tools, options, failed, ignored=None):
+        """Warn of the sampling filters the run overrides, generate, and check the client is still there:
+        (turn, None), or (None, the response to send: `failed(failure)` or the hang-up's)."""
+        for name, value in (ignored or {}).items():
+            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
+                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
+        turn, failure = await _complete(entry, messages, tools, options)
+        if failure is not None:
+            return None, failed(failure)
+        if await request.is_disconnected():
+            return None, _hung_up(entry, turn)
+        return turn, None
+
     async def chat_completions(request):
         entry = authorized(request)
         if entry is None:
@@ -273,15 +295,10 @@ def build_app(gateway: Gateway):
             read_tool_choice(normalize_tools(chat.tools), chat.options.tool_choice)  # naming no offered tool
         except ValueError as exc:  # RequestError, and read_tool_choice's
             return error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
-        for name, value in chat.ignored.items():
-            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
-                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
-        turn, failure = await _complete(entry, chat.messages, chat.tools, chat.options)
-        if failure is not None:
-            status, message, code, kind = failure
-            return error(status, message, code, kind)
-        if await request.is_disconnected():
-            return _hung_up(entry, turn)
+        turn, response = await generate(request, entry, chat.messages, chat.tools, chat.options, openai_failure,
+                                        chat.ignored)
+        if response is not None:
+            return response
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = entry.tuner.model_name
         if chat.stream:
@@ -298,13 +315,9 @@ def build_app(gateway: Gateway):
             call = anthropic_api.read_messages_request(read_json_object(await request.body()), entry.options)
         except ValueError as exc:
             return refuse(400, str(exc), "invalid_request_error")
-        turn, failure = await _complete(entry, call.chat, call.tools, call.options)
-        if failure is not None:
-            status, message, _, kind = failure
-            kinds = {"invalid_request_error": "invalid_request_error", "timeout": "timeout_error"}
-            return refuse(status, message, kinds.get(kind, "api_error"))
-        if await request.is_disconnected():
-            return _hung_up(entry, turn)
+        turn, response = await generate(request, entry, call.chat, call.tools, call.options, anthropic_failure)
+        if response is not None:
+            return response
         model, tokenizer, stops = entry.tuner.model_name, entry.tuner.tokenizer, call.options.stop
         if call.stream:
             return _Delivery(entry, turn, StreamingResponse(
@@ -357,15 +370,10 @@ def build_app(gateway: Gateway):
                                                         _call_origins(entry.tuner))
         except ValueError as exc:  # RequestError, and read_tool_choice's
             return error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
-        for name, value in call.ignored.items():
-            gateway.warn_once(name, f"gateway: the request's {name}={value} is ignored: every call samples with "
-                                    f"the run's astuner.rollout.{name}, which the trainer also applies")
-        turn, failure = await _complete(entry, call.messages, call.tools, call.options)
-        if failure is not None:
-            status, message, code, kind = failure
-            return error(status, message, code, kind)
-        if await request.is_disconnected():
-            return _hung_up(entry, turn)
+        turn, response = await generate(request, entry, call.messages, call.tools, call.options, openai_failure,
+                                        call.ignored)
+        if response is not None:
+            return response
         return _Delivery(entry, turn, responses_api.answer(turn, entry.tuner.model_name, call))
 
     return Starlette(routes=[

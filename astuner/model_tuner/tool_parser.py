@@ -211,19 +211,35 @@ def _blocks_output(text: str, block: re.Pattern, open_tag: str,
     return ParsedOutput(content="".join(outside).strip(), errors=errors), bodies
 
 
-class HermesToolParser:
+class _TaggedBlocks:
+    """A family whose calls stand between an open and a close tag: the block pattern, the markers and the
+    split of the text into content and call bodies, shared."""
+
+    open_tag: str
+    close_tag: str
+    markers: tuple[str, ...]
+    _block: re.Pattern
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._block = re.compile(re.escape(cls.open_tag) + r"(.*?)" + re.escape(cls.close_tag), re.DOTALL)
+
+    def has_tool_call(self, text: str) -> bool:
+        return any(m in text for m in self.markers)
+
+    def _split(self, text: str) -> tuple[ParsedOutput, list[str]]:
+        return _blocks_output(text, self._block, self.open_tag, self.markers)
+
+
+class HermesToolParser(_TaggedBlocks):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as in Hermes / Qwen models."""
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
     markers = (open_tag, close_tag)
-    _block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
-
-    def has_tool_call(self, text: str) -> bool:
-        return any(m in text for m in self.markers)
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
+        out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             try:
@@ -247,23 +263,23 @@ class HermesToolParser:
         return _finish(out, self.markers)
 
 
-class Qwen3CoderToolParser:
+class Qwen3CoderToolParser(_TaggedBlocks):
     """Qwen3-Coder's XML calls: <tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>.
 
     Parameter values are raw text: a value that parses as JSON (number, object, list, true/false/null) becomes
     that value, anything else stays a string (what Qwen3-Coder's template writes for a string argument)."""
 
     open_tag = "<tool_call>"
-    markers = (open_tag, "</tool_call>")
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    close_tag = "</tool_call>"
+    markers = (open_tag, close_tag)
     _function = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
     def has_tool_call(self, text: str) -> bool:
-        return any(m in text for m in self.markers) or "<function=" in text
+        return super().has_tool_call(text) or "<function=" in text
 
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
+        out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             match = self._function.match(body)
@@ -394,7 +410,7 @@ class MistralToolParser:
         _add_call(out, ParsedToolCall(call_id, item["name"], arguments), where, tool_names, self.markers)
 
 
-class Gemma4ToolParser:
+class Gemma4ToolParser(_TaggedBlocks):
     """Gemma 4's calls, as its template writes them: `<|tool_call>call:NAME{key:value,...}<tool_call|>`.
 
     The template (`format_argument`) writes a string between `<|"|>` quotes, a map as `{key:value,...}` with
@@ -405,14 +421,10 @@ class Gemma4ToolParser:
 
     open_tag, close_tag, quote = "<|tool_call>", "<tool_call|>", '<|"|>'
     markers = (open_tag, close_tag, quote)
-    _block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
     _call = re.compile(r"\s*call\s*:\s*([^{\s]+)\s*(\{.*\})\s*$", re.DOTALL)
 
-    def has_tool_call(self, text: str) -> bool:
-        return any(m in text for m in self.markers)
-
     def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
-        out, bodies = _blocks_output(text, self._block, self.open_tag, self.markers)
+        out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
             match = self._call.match(body)

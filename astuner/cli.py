@@ -75,6 +75,8 @@ def launch(
     Merge a LoRA checkpoint into a model folder: astuner export CHECKPOINT --out DIR
 
     Warm-start a tool agent on made-up tools shaped like its own: astuner warmstart --conf x.yaml
+
+    Check a node before a long job (engine, parity, sync, memory plan): astuner doctor --conf x.yaml
     """
     try:
         with _sigterm_as_interrupt():
@@ -323,7 +325,68 @@ def warmstart(
     print(result.command)
 
 
-SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app}
+doctor_app = _subcommand_app()
+
+
+@doctor_app.command()
+def doctor(
+    conf: Annotated[str | None, typer.Option("--conf", "-c", help="A run's config: its model is tried and its "
+                                             "memory plan shown.", show_default=False)] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides.",
+                                                          show_default=False)] = None,
+    model: Annotated[str | None, typer.Option(help="The model to try without a config (a folder or demo:NAME). "
+                                              "Default: the config's, else demo:smollm2-135m-instruct.",
+                                              show_default=False)] = None,
+    backbone: Annotated[str, typer.Option(help="The backbone the memory plan is for.")] = "debug",
+    quick: Annotated[bool, typer.Option("--quick", help="Skip the checks that load the model (engine start, "
+                                        "parity, sync, sleep/train/wake).")] = False,
+    parity_tokens: Annotated[int, typer.Option(help="Prompt length of the long-sequence parity check.",
+                                               min=16)] = 3000,
+    out: Annotated[str | None, typer.Option(help="Folder for doctor.log (vLLM's output) and doctor.json. "
+                                            "Default: a new folder under the system's temp dir.",
+                                            show_default=False)] = None,
+) -> int:
+    """Check this node before a long job: versions, devices, /dev/shm, vLLM sleep mode, an engine start,
+    long-sequence logprob parity, a verified sync, a sleep -> train step -> wake cycle, and the memory plan of
+    --conf. Each line passes, warns, fails (with what to do) or says why it was skipped. Exit 1 if one failed.
+
+    Example: astuner doctor --conf tutorial/quickstart/quickstart.yaml
+    """
+    import tempfile
+    from pathlib import Path
+
+    from astuner.doctor import Context, run_checks, summary, write_json
+    from astuner.logs import setup_logging
+    from astuner.model_cache import DEMO_PREFIX
+
+    if backbone not in BACKBONES:
+        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)}.")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if conf:
+        from astuner.config import load_config
+
+        model = model or load_config(conf, list(overrides or [])).typed.astuner.model.path
+    elif overrides:
+        raise UserError("doctor: KEY=VALUE overrides need --conf (they change a config)")
+    folder = Path(out) if out else Path(tempfile.mkdtemp(prefix="astuner-doctor-"))
+    log_file = setup_logging(folder, "doctor.log")
+
+    import torch
+
+    ctx = Context(device="cuda" if torch.cuda.is_available() else "cpu",
+                  model=model or f"{DEMO_PREFIX}smollm2-135m-instruct", conf=conf, overrides=list(overrides or []), backbone=backbone, quick=quick,
+                  parity_tokens=parity_tokens, log_file=log_file)
+    print(f"astuner doctor: {ctx.model} on {ctx.device}; details in {log_file}", file=sys.stderr, flush=True)
+    width = 22
+    results = run_checks(ctx, lambda check: print(check.line(width), flush=True))
+    write_json(results, folder / "doctor.json")
+    print(summary(results))
+    return 1 if any(r.status == "fail" for r in results) else 0
+
+
+SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app,
+               "doctor": doctor_app}
 
 
 def _fail(message: str) -> int:

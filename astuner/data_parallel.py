@@ -62,8 +62,11 @@ class DataParallel:
         """Join the process group (every worker calls this at once; it waits up to `timeout_s` for the others)."""
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         backend = "nccl" if device_type == "cuda" else "gloo"
+        # NCCL bound to this rank's device from the start: torch otherwise guesses it at the first collective
+        # (and barrier() may pick another rank's GPU).
+        bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), **bound)
         return DataParallel(rank, world)
 
     def assign(self, samples: list[Sample], mini_batch_num: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-STRATEGIES = ("auto", "ddp", "fsdp2")
+from astuner.trainer_settings import STRATEGIES
 
 
 def resolve_strategy(setting: str, world: int, device_type: str, lora: bool) -> str:

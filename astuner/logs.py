@@ -7,13 +7,22 @@ What the file keeps: INFO and up from everyone, and DEBUG from the user's code o
 outside the installed packages and astuner (`is_user_file`), and the standard loggers of the workflow's and judge's
 modules (set to DEBUG by `debug_from_user_modules` when they load). Libraries' DEBUG (HTTP clients, torch, vLLM) stays out: it
 would bury the user's lines, and the root logger stays at INFO so libraries never build those records at all.
+
+What an episode's code prints (an agent framework echoing every reply, the user's own `print`) goes to the file
+too, a line at a time as `[episode uid] print: ...`, not to the console, on every backbone (in a Ray actor, Ray
+would otherwise forward each line to the driver's console): `sys.stdout` is replaced by `_EpisodeStdout`, which
+sends writes made while `EPISODE` is set (the episode's asyncio task, and threads it starts through
+`asyncio.to_thread`, which copy its context) to the log and everything else to the real stdout.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import io
 import logging
 import sys
+import threading
 import sysconfig
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +32,69 @@ _LOG_PATH: list[Path] = []  # the run's log file, once setup_logging ran in this
 # Libraries whose warnings go to the log file only (their errors still reach the console): vLLM explains its own
 # start-up choices at length, none of which a user acts on.
 _FILE_ONLY = ("vllm", "triton")
+
+
+# The episode whose code is running in this context (rollout.py sets it in each episode's task).
+EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("astuner_episode", default=None)
+
+
+class _EpisodeStdout(io.TextIOBase):
+    """sys.stdout: an episode's writes into the run's log, a line at a time; anyone else's to the real stdout."""
+
+    def __init__(self, console) -> None:
+        super().__init__()
+        self.console = console
+        self._partial: dict[str, str] = {}  # episode -> text after its last newline
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        episode = EPISODE.get()
+        if episode is None or not _LOG_PATH:
+            return self.console.write(text)
+        with self._lock:
+            *lines, rest = (self._partial.pop(episode, "") + text).split("\n")
+            if rest:
+                self._partial[episode] = rest
+        for line in lines:
+            _print_line(episode, line)
+        return len(text)
+
+    def end_episode(self, episode: str) -> None:
+        with self._lock:
+            rest = self._partial.pop(episode, "")
+        if rest:
+            _print_line(episode, rest)
+
+    def flush(self) -> None:
+        self.console.flush()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    def isatty(self) -> bool:
+        return self.console.isatty()
+
+    @property
+    def encoding(self):
+        return getattr(self.console, "encoding", "utf-8")
+
+
+def _print_line(episode: str, line: str) -> None:
+    from loguru import logger
+
+    logger.patch(lambda r: r.update(name="print")).info(f"[{episode}] print: {line.rstrip()}")
+
+
+def route_episode_prints() -> None:
+    """Install `_EpisodeStdout` as sys.stdout (once; module docstring)."""
+    if not isinstance(sys.stdout, _EpisodeStdout):
+        sys.stdout = _EpisodeStdout(sys.stdout)
+
+
+def end_episode_prints(episode: str) -> None:
+    """Write out what the episode printed after its last newline."""
+    if isinstance(sys.stdout, _EpisodeStdout):
+        sys.stdout.end_episode(episode)
 
 
 def run_log_path() -> Path | None:
@@ -152,6 +224,7 @@ def setup_logging(experiment_dir: Path, file_name: str = "astuner.log") -> Path:
     _SINKS.append(logger.add(_console, level="WARNING", format="astuner: {level}: {message}", colorize=False,
                              filter=_for_console))
     _LOG_PATH[:] = [path]
+    route_episode_prints()
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):

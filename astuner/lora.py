@@ -65,17 +65,18 @@ def merged_named_tensors(model) -> Iterator[tuple[str, Tensor]]:
     """(HF name, tensor) of the merged policy: W + (alpha/r) B A for wrapped linears, W for everything else."""
     from peft.tuners.lora import LoraLayer
 
-    deltas: dict[str, Tensor] = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
-            deltas[f"{mod_name}.base_layer.weight"] = module.get_delta_weight(ADAPTER_NAME)
+    # Each delta is made when its weight is yielded and dropped with it: a sync streams one merged tensor at a
+    # time into shared memory (engine/shared_weights.py), never every delta at once.
+    layers = {f"{mod_name}.base_layer.weight": module for mod_name, module in model.named_modules()
+              if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A}
     for name, param in model.named_parameters():
         if is_lora_param(name):
             continue
         tensor = param.detach()
-        if name in deltas:
-            tensor = (tensor.float() + deltas[name].float()).to(tensor.dtype)
+        if name in layers:
+            tensor = (tensor.float() + layers[name].get_delta_weight(ADAPTER_NAME).float()).to(tensor.dtype)
         yield base_name(name), tensor
+        del tensor
 
 
 def adapter_state_for_save(named: dict[str, Tensor]) -> dict[str, Tensor]:

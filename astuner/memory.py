@@ -8,14 +8,21 @@ activation value of the compute dtype (4 for fp32, 2 for bf16):
     activations  = b * L * (10 H + 4 I)                  the layers' saved tensors for the backward pass
                    b * (4 L H + 10 H + 4 I)              with gradient checkpointing: each layer's input, and one
                                                          layer's tensors while it is recomputed
-                 + 12 V                                  fp32 logits, probabilities and their gradient (the plain
-                                                         head; the chunked head holds 2 x CHUNK_ROWS x V x 4 bytes
-                                                         in all, whatever the token count)
+                 + (20 + f + g) V                        the plain head: fp32 logits, the log-sum-exp's backward
+                                                         and the entropy (f = 1 with top-k / top-p, g = 1 when
+                                                         entropy_coeff trains the entropy)
     KV cache     = 2 * L * K * D * b_kv                  keys and values of every layer (b_kv: the engine's dtype)
 
-Measured on the demo model (SmolLM2-135M: L 30, H 576, I 1536, V 49152) with the trainer on CPU, fp32, peak RSS
-over 500 and 2500 response tokens: 2.05 MB a token (the formula: 2.02 MB), 0.87 MB with gradient checkpointing
-(formula: 0.91 MB); the KV cache is 46 KB a token in fp32 (3 KV heads of 64).
+The chunked head (astuner/fused_head.py, the trainer's on CUDA) holds, whatever the token count and in every mode
+(filter, entropy, its gradient), 8 bytes per entry of one chunk's C x V logits and, in the backward, an fp32
+weight gradient plus one chunk's product with the hidden states:
+    head_chunked = 8 * min(tokens, C) * V + (4 + b + 4 [b < 4]) * V * H          (8: CHUNK_ENTRY_BYTES)
+
+Measured with the trainer on CPU, fp32, as the rise of peak RSS from 500 to 2500 response tokens, on a 2-layer
+model of width 128 with the demo vocabulary (V 49152), where the head is nearly all and its R x V tensors are far
+above malloc's mmap threshold (RSS sees each come and go): 20.0 V a token for the plain head, 21.3 V with top-k 50
+/ top-p 0.9, 21.2 V with entropy_coeff; the chunked head (C = 256) under 0.4 V a token in all three. The KV cache
+is 46 KB a token in fp32 on the demo model (SmolLM2-135M: L 30, H 576, I 1536, 3 KV heads of 64).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VLLM_CPU_BLOCK = 128  # vLLM's CPU KV-cache block (tokens); only whole blocks are allocated
+CHUNK_ENTRY_BYTES = 8  # the chunked head's peak per entry of one chunk's C x V logits (astuner/fused_head.py)
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,24 @@ class ModelShape:
         except (AttributeError, TypeError, ValueError, ZeroDivisionError):
             return None
 
-    def activation_bytes(self, tokens: int, value_bytes: int, checkpointing: bool, chunk_rows: int | None) -> int:
+    def activation_bytes(self, tokens: int, value_bytes: int, checkpointing: bool, chunk_rows: int | None,
+                         filtered: bool = False, entropy_grad: bool = False) -> int:
         """Peak bytes of one micro-batch of `tokens` tokens in the trainer's forward and backward; `chunk_rows`:
-        the chunked head's rows (astuner/fused_head.py), None for the plain head."""
+        the chunked head's rows (astuner/fused_head.py), None for the plain head; `filtered`: the rollout's top-k /
+        top-p scored; `entropy_grad`: the entropy trained (entropy_coeff > 0)."""
         L, H, I = self.layers, self.hidden, self.intermediate
         layers = value_bytes * (4 * L * H + 10 * H + 4 * I) if checkpointing else value_bytes * L * (10 * H + 4 * I)
-        head = 2 * min(tokens, chunk_rows) * self.vocab * 4 if chunk_rows else tokens * 12 * self.vocab
-        return tokens * layers + head
+        return tokens * layers + self.head_bytes(tokens, value_bytes, chunk_rows, filtered, entropy_grad)
+
+    def head_bytes(self, tokens: int, value_bytes: int, chunk_rows: int | None, filtered: bool = False,
+                   entropy_grad: bool = False) -> int:
+        """Peak bytes of the LM head's log-softmax over `tokens` response tokens, forward and backward (module
+        docstring: plain, or chunked in `chunk_rows` rows)."""
+        V, H = self.vocab, self.hidden
+        if chunk_rows:
+            weight_grad = (4 + value_bytes + 4 * (value_bytes < 4)) * V * H
+            return CHUNK_ENTRY_BYTES * min(tokens, chunk_rows) * V + weight_grad
+        return tokens * (20 + filtered + entropy_grad) * V
 
     def kv_bytes_per_token(self, value_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * value_bytes

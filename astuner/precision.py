@@ -13,6 +13,11 @@ grads) + 8 (Adam moments) = 18, against 16 for fp32 (see preflight).
 
 fp32 (the default on CPU, and the reference): parameters, gradients and optimizer in fp32, no autocast; engine
 and trainer logprobs then agree to ~1e-6 with an fp32 engine.
+
+Only parameters change dtype (`cast_parameters`); buffers keep theirs, as in vLLM. Rotary `inv_freq` is a buffer
+(transformers registers it so) and multiplies the position: rounded to bf16 (relative error up to 2^-9) it turns
+into a phase error of position x inv_freq x 2^-9 radians, radians at a few thousand tokens, and so into wrong
+logprobs on exactly the long trajectories (tests/test_precision_buffers.py measures it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ from __future__ import annotations
 import torch
 
 PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@torch.no_grad()
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters of `model` to `dtype` in place (each keeps its identity, as under
+    `Module.to`); buffers keep their dtype (module docstring)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def resolve_precision(setting: str, device_type: str) -> str:
@@ -38,7 +52,7 @@ class MasterWeights:
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         if precision == "bf16":
             self.masters = [p.detach().float().clone() for p in self.model_params]
-            model.to(torch.bfloat16)  # parameters keep their identity; only .data changes dtype
+            cast_parameters(model, torch.bfloat16)
         else:
             self.masters = self.model_params
 
@@ -65,7 +79,7 @@ class MasterWeights:
         """Back to one fp32 copy: the model's parameters become fp32 and take the masters' values (FSDP2 then
         keeps its shards in fp32 and computes in bf16 itself, astuner/fsdp.py)."""
         if self.separate:
-            model.float()
+            cast_parameters(model, torch.float32)
             self.masters_to_model()
 
     def zero_grad(self) -> None:

@@ -10,7 +10,8 @@ Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
                                cache, and keeps it while the trainer's states stay resident
     ref      =  4 * P          the frozen reference model, only with the KL loss
     act      the trainer's activations and logits for one micro-batch of min(budget, the step's tokens) tokens
-             (budget: trainer_common.micro_batch_token_budget; a sample longer than it forms its own micro-batch)
+             (budget: trainer_common.micro_batch_token_budget; a sample longer than it forms its own micro-batch),
+             the LM head as it runs: chunked on CUDA, plain on CPU, with top-k / top-p and entropy_coeff counted
     kv       the engine's KV cache: the HF engine's for max_env_worker sequences of max_model_len tokens; vLLM's on
              CPU is sized from the memory left (below); on a GPU vLLM's share u * M holds it
 (formulas for act and kv: astuner/memory.py). On CPU the run must fit in the memory this machine has (less
@@ -162,6 +163,26 @@ def _resolve_max_model_len(configured: int | None, facts: ModelFacts) -> int:
     return configured
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Where the trainer runs: its device type and, on a GPU, one card's free and total memory (None: unknown)."""
+
+    type: str  # "cuda" or "cpu"
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+def local_device() -> DeviceFacts:
+    """This process's device, for a trainer in this process (the debug backbone). It starts CUDA here: a Ray
+    driver asks its GPU workers instead (`backbone/ray_run.cluster_device`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return DeviceFacts("cpu")
+    free, total = torch.cuda.mem_get_info()
+    return DeviceFacts("cuda", int(free), int(total))
+
+
 def available_memory(device: str) -> int | None:
     """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit."""
     if device == "cuda":
@@ -207,9 +228,9 @@ def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
     return (18 if precision == "bf16" else 16) * P
 
 
-def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int) -> RunPlan:
-    import torch
-
+def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int,
+              device_facts: DeviceFacts | None = None) -> RunPlan:
+    """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`)."""
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.config.applicability import OFFLINE_TYPES, RAY_BACKBONES
@@ -218,7 +239,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.precision import resolve_precision
 
     a, tc = typed.astuner, typed.astuner.trainer_common
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    found = device_facts or local_device()
+    device = found.type
     P = facts.num_params
     engine = resolve_engine_name(a.rollout.engine)
     shards = 1  # fsdp2 shards weights, gradients and AdamW state (and the reference model) over the trainer workers
@@ -234,8 +256,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     offline = tc.algorithm.type in OFFLINE_TYPES
     if offline:
         engine, engine_bytes = "none (offline data)", 0
-    elif engine == "vllm" and device == "cuda":
-        engine_bytes = int(a.rollout.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+    elif engine == "vllm" and device == "cuda":  # its share of the card (unknown card: not counted)
+        engine_bytes = int(a.rollout.gpu_memory_utilization * (found.total_bytes or 0))
     precision = resolve_precision(tc.precision, device)
     plan = RunPlan(
         backbone=backbone,
@@ -249,7 +271,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         trainer_bytes=_trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
         engine_bytes=engine_bytes,
         ref_bytes=4 * P // shards if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
-        available_bytes=available_memory(device),
+        available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
@@ -262,6 +284,7 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
     does not fit. `processes`: the run's processes that may share this host (Ray backbones)."""
     from dataclasses import replace
 
+    from astuner.algorithm.sampling_filter import is_filtered
     from astuner.fused_head import CHUNK_ROWS
 
     if shape is None:
@@ -270,12 +293,15 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
     L = plan.max_model_len
     value_bytes = 2 if precision == "bf16" else 4
     chunk_rows = CHUNK_ROWS if plan.device == "cuda" else None  # the trainer's chunked head runs on CUDA
+    # What the head holds depends on the rollout's top-k / top-p and on whether the entropy is trained.
+    filtered = is_filtered(a.rollout.top_k, a.rollout.top_p)
+    entropy_grad = tc.entropy_coeff > 0
     step_tokens = (plan.episodes_per_step or plan.tasks_per_step) * L  # offline: conversations or pairs
     budget = plan.micro_batch_token_budget
 
     def act(tokens: int) -> int:
         return shape.activation_bytes(max(min(tokens, step_tokens), L), value_bytes, tc.gradient_checkpointing,
-                                      chunk_rows)
+                                      chunk_rows, filtered, entropy_grad)
 
     per_seq = shape.kv_bytes_per_token(4 if plan.device == "cpu" else value_bytes) * blocks_of(L)
     cpu_vllm = plan.engine == "vllm" and plan.device == "cpu"

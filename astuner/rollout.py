@@ -58,7 +58,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from astuner import daemon_threads
+from astuner import daemon_threads, logs
 from astuner.auxiliary import judging_deadline
 from astuner.engine.base import InferenceEngine
 from astuner.errors import TrainingStalled, UserError
@@ -241,6 +241,7 @@ class RolloutRunner:
         # This episode's task: its blocking calls are named after it (uids repeat across steps, the step tells).
         thread_owner = f"{episode.episode_uid} (step {step})"
         daemon_threads.owner.set(thread_owner)
+        logs.EPISODE.set(episode.episode_uid)  # what the episode's code prints goes to the run's log (logs.py)
         tuner = ModelTuner(
             self.engine,
             self.tokenizer,
@@ -301,6 +302,7 @@ class RolloutRunner:
             episode.error_source = "workflow"
             self._log_error(episode, "was cancelled")
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
+        logs.end_episode_prints(episode.episode_uid)
         if self._executor is not None:
             self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
             episode.abandoned_threads = len(self._executor.abandoned())

@@ -94,8 +94,10 @@ def build_policy_model_path(typed) -> str:
         raise UserError(f"astuner.model.path: {exc}") from None
 
 
-def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None):
-    """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one."""
+def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
+                  world: int = 1):
+    """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
+    the workers of the trainer group it will join (sharded, the model then reaches the device as shards only)."""
     from astuner import preflight
     from astuner.trainer import Trainer
     from astuner.trainer_settings import TrainerSettings
@@ -137,6 +139,8 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
+        strategy=tc.strategy,
+        group_size=world,
     )
     return Trainer(model_path, settings)
 
@@ -160,17 +164,31 @@ def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_b
 
 
 def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
+    import torch
+
     from astuner.engine.vllm_engine import VLLMEngine
 
-    r = typed.astuner.rollout
-    return VLLMEngine(
-        model_path,
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # as the trainer picks its device
+    return VLLMEngine(model_path, **vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type))
+
+
+def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, device_type: str) -> dict:
+    """VLLMEngine's keyword arguments from the config. The engine computes in the trainer's precision (an fp32
+    trainer beside a bf16 engine would fail the preflight's fp32 tolerance); its start deadline allows for the
+    engines that may start at once on a node (verl: one per worker; trinity: one per explorer)."""
+    from astuner.engine.vllm_engine import engine_dtype, start_timeout_s
+    from astuner.precision import resolve_precision
+
+    r, tc = typed.astuner.rollout, typed.astuner.trainer_common
+    return dict(
         max_model_len=max_model_len,
         max_num_seqs=r.max_num_seqs,
         tensor_parallel_size=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         seed=typed.astuner.seed,
         kv_cache_bytes=kv_cache_bytes,
+        dtype=engine_dtype(resolve_precision(tc.precision, device_type)),
+        start_timeout_s=start_timeout_s(max(tc.n_gpus_per_node, tc.n_explorers)),
     )
 
 
@@ -234,9 +252,10 @@ class Prepared:
     plan: object  # preflight.RunPlan
 
 
-def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
+def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None) -> Prepared:
     """In the order that fails fastest: user code, data, the model's config and memory estimate; no weights.
-    `total_steps_of(n_train_tasks)` gives the run's step count."""
+    `total_steps_of(n_train_tasks)` gives the run's step count; `device_of()` the trainer's
+    `preflight.DeviceFacts` (None: this process's device, where the debug backbone trains)."""
     from astuner import preflight
     from astuner.logs import announce
     from astuner.task_reader import build_task_reader
@@ -257,7 +276,8 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None) -> Prepared:
     )
     tokenizer = load_tokenizer(model_path)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
-    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps)
+    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps,
+                               device_of() if device_of else None)
     announce(plan.block(facts))
     preflight.check_fits(plan, facts)
     return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,

@@ -24,7 +24,9 @@ weights, so the result is unchanged.
 
 Precision (`astuner/precision.py`): fp32 on CPU; on CUDA bf16 weights and compute with fp32 master weights and
 fp32 AdamW state. A worker of a trainer group (`join_group`) trains data-parallel, with a whole replica (ddp,
-`data_parallel.py`) or sharded (fsdp2, `fsdp.py`).
+`data_parallel.py`) or sharded (fsdp2, `fsdp.py`). Built knowing it will shard (settings `strategy`, `group_size`),
+the trainer keeps the whole fp32 model on the host until `join_group` shards it: only each worker's share reaches
+its device, never the whole model and its fp32 masters (>= 8 bytes a parameter on every GPU).
 The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
 """
 
@@ -42,7 +44,7 @@ from astuner import fsdp, trainer_checkpoint
 from astuner.algorithm.loss import token_weights
 from astuner.algorithm.objectives import TokenBatch, TokenObjective, token_objective
 from astuner.lora import apply_lora, is_lora_param, merged_named_tensors, set_adapter_dropout
-from astuner.precision import MasterWeights, resolve_precision
+from astuner.precision import MasterWeights, cast_parameters, resolve_precision
 from astuner.step_plan import lr_at, split_micro_batches
 from astuner.trainer_forward import HeadPath, active_dropout, check_fast_head, response_logprobs
 from astuner.trainer_settings import TrainerSettings
@@ -64,13 +66,17 @@ class Trainer:
         self.device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.optimizer_steps = 0
         self.dp = None  # a data_parallel.DataParallel when this is one worker of a trainer group
+        lora = s.lora is not None and s.lora.enabled
+        # Sharded later: everything stays on the host (from_pretrained loads there) until join_group.
+        self.shard_on_join = s.group_size > 1 and \
+            fsdp.resolve_strategy(s.strategy, s.group_size, self.device.type, lora) == "fsdp2"
 
         # The seed only matters if the checkpoint lacks some weights (they are then initialised at random);
         # fork_rng keeps the caller's global RNG untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(s.seed)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.model = model.to(self.device).eval()
+        self.model = (model if self.shard_on_join else model.to(self.device)).eval()
         self.precision = resolve_precision(s.precision, self.device.type)
         if s.gradient_checkpointing:
             # Hugging Face recomputes activations only in train mode; that mode must then compute what eval mode
@@ -81,22 +87,31 @@ class Trainer:
                                  f"{', '.join(active)}: set them to 0 in its config.json")
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.peft = None  # the PEFT wrapper when LoRA is on (astuner/lora.py); self.model is its inner HF model
-        if s.lora is not None and s.lora.enabled:
+        if lora:
             self.peft = apply_lora(self.model, s.lora)
             self.model = self.peft.get_base_model()
-        self._master = MasterWeights(self.model, self.precision)  # trainable params only; casts to bf16 under bf16
-        self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
-        if s.needs_reference:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-
-        self._params = self._master.masters  # what AdamW steps: fp32 always
         self._adamw = dict(lr=s.lr, weight_decay=s.weight_decay, fused=self.device.type == "cuda")
-        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
+        self._master = self._params = self.optimizer = None
+        if not self.shard_on_join:  # sharded, the fp32 shards are the masters (join_group)
+            self._own_weights(self.precision)  # under bf16 the parameters become bf16 (precision.py)
+        self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
+        if s.needs_reference:  # compute-dtype parameters, the model's buffers (precision.cast_parameters)
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            cast_parameters(self.ref_model, self.compute_dtype)
+
         self._root = self._ref_root = None  # fsdp.Root units when the group shards the model (join_group)
         # On CUDA the LM head's log-softmax runs in row chunks (memory-bound there); on CPU, where the extra head
-        # matmul of the chunked backward costs more than the memory traffic it saves, the plain path.
-        self.head = HeadPath(self.device, fast=check_fast_head(self.model, self.device),
-                             chunked=self.device.type == "cuda", top_k=int(s.top_k), top_p=float(s.top_p))
+        # matmul of the chunked backward costs more than the memory traffic it saves, the plain path. Sharded,
+        # the fast-head check waits for the shards (join_group).
+        fast = not self.shard_on_join and check_fast_head(self.model, self.device)
+        self.head = HeadPath(self.device, fast=fast, chunked=self.device.type == "cuda", top_k=int(s.top_k),
+                             top_p=float(s.top_p))
+
+    def _own_weights(self, precision: str) -> None:
+        """The weights AdamW steps (fp32 always: the model's own, or masters of its bf16 parameters) and AdamW."""
+        self._master = MasterWeights(self.model, precision)
+        self._params = self._master.masters
+        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
 
     @property
     def chunked_head(self) -> bool:
@@ -108,22 +123,38 @@ class Trainer:
 
     # --- trainer group ---------------------------------------------------------------------------------------
 
-    def join_group(self, dp, strategy: str = "ddp") -> str:
+    def join_group(self, dp, strategy: str | None = None) -> str:
         """Become one worker of a data-parallel group (`data_parallel.DataParallel`, its process group up); with
-        strategy fsdp2 shard the model, the reference model and the optimizer over it (`fsdp.py`). Call before
-        any step or checkpoint load. Returns the strategy in force."""
+        strategy fsdp2 (None: the settings') shard the model, the reference model and the optimizer over it
+        (`fsdp.py`). Call before any step or checkpoint load. Returns the strategy in force."""
         self.dp = dp
-        if fsdp.resolve_strategy(strategy, dp.world, self.device.type, self.peft is not None) != "fsdp2" \
-                or dp.world == 1:
+        strategy = self.settings.strategy if strategy is None else strategy
+        sharded = dp.world > 1 and \
+            fsdp.resolve_strategy(strategy, dp.world, self.device.type, self.peft is not None) == "fsdp2"
+        if self.shard_on_join and not sharded:
+            raise ValueError(f"this trainer was built to shard over {self.settings.group_size} workers (strategy "
+                             f"{self.settings.strategy}) and joins {dp.world} with strategy {strategy}: build it "
+                             "with the strategy and group_size of the group it joins")
+        if not sharded:
             return "ddp"
-        self._master.unify(self.model)  # the fp32 shards are the master weights from here on
+        if not self.shard_on_join:  # built not knowing: the whole model is on the device already
+            self._master.unify(self.model)  # the fp32 shards are the master weights from here on
+        # fully_shard moves each unit's parameters to the device whole, then keeps its shard: a reference held
+        # anywhere else (masters, optimizer) would keep every whole parameter alive there.
+        self._master = self._params = self.optimizer = None
         self._root = fsdp.shard(self.model, dp.world, self.device.type, self.compute_dtype)
         if self.ref_model is not None:
             self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, self.compute_dtype)
-        self._master = MasterWeights(self.model, "fp32")
-        self._params = self._master.masters
-        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
+        self._own_weights("fp32")
+        if self.shard_on_join:
+            with torch.no_grad():  # a collective: every worker checks
+                self.head.fast = self._root.run(check_fast_head, self.model, self.device)
         return "fsdp2"
+
+    def _check_joined(self) -> None:
+        if self.shard_on_join and self._root is None:
+            raise RuntimeError(f"this trainer shards over {self.settings.group_size} workers and its model is "
+                               "still on the host: call join_group before any forward, step, sync or checkpoint")
 
     @property
     def sharded(self) -> bool:
@@ -162,6 +193,7 @@ class Trainer:
                          entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
         `samples` under the policy (or the frozen reference), flattened to R (`trainer_forward.py`)."""
+        self._check_joined()
         model, root = (self.ref_model, self._ref_root) if reference else (self.model, self._root)
         if root is None:
             return response_logprobs(self.head, model, samples, with_entropy, entropy_grad)
@@ -246,6 +278,7 @@ class Trainer:
     def optim_step(self) -> dict[str, float]:
         """Grad-norm clip and AdamW step on the accumulated gradients, then zero them: {grad_norm, lr}. A
         non-finite grad norm skips the update (it would poison the Adam moments for good)."""
+        self._check_joined()
         lr = self.current_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -264,6 +297,7 @@ class Trainer:
         return {"grad_norm": grad_norm, "lr": lr}
 
     def zero_grad(self) -> None:
+        self._check_joined()
         self._master.zero_grad()
 
     def train_mode(self, adapter_dropout: bool) -> None:
@@ -292,6 +326,7 @@ class Trainer:
         With tied embeddings the LM head is the input embedding and appears once (under the embedding's name);
         an engine holding the same architecture ties it the same way.
         """
+        self._check_joined()
         if self.peft is not None:
             yield from merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
             return
@@ -303,6 +338,7 @@ class Trainer:
         """{"model": the full weights (under bf16 the fp32 masters; None: the model's own parameters as they are),
         "optimizer": the full AdamW state (None unless asked), "optimizer_steps"}. Sharded, it gathers: every
         worker of the group calls it at once."""
+        self._check_joined()
         if self.sharded:
             weights = {name: fsdp.full(p.detach()).cpu() for name, p in self.model.named_parameters()}
             state = fsdp.full_optimizer_state(self.optimizer) if optimizer else None
@@ -314,6 +350,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned ("model": whole weights by name, adapters only with LoRA). Tied
         weights may be missing (saved once); anything else missing or unexpected is a ValueError."""
+        self._check_joined()
         weights = state["model"]
         if self.sharded:  # every worker holds the whole state and keeps its shards
             missing, unexpected = fsdp.load_full_weights(self._root, weights)

@@ -8,7 +8,8 @@ sample is predicted at index len(prompt) + i - 1), apply the LM head to those al
 
 Temperature 0 counts as 1.0 (the engine logs greedy calls untempered); sampled calls are scored over the rollouts'
 top-k / top-p filtered distribution (`algorithm/sampling_filter.py`); on CUDA the head runs in row chunks and never
-holds R x V logits (`fused_head.py`). Not computed, on purpose: logits at prompt positions.
+holds R x V logits (`fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
+purpose: logits at prompt positions.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from astuner.algorithm.sampling_filter import filter_logits, is_filtered
+from astuner.algorithm.sampling_filter import is_filtered, keep_threshold
 from astuner.fused_head import head_logprobs, plain_linear_head
 from astuner.types import Sample
 
@@ -82,7 +83,7 @@ class HeadPath:
 
     device: torch.device
     fast: bool  # decoder + head on the selected positions (`check_fast_head`), else the model's full logits
-    chunked: bool  # row-chunked log-softmax (`fused_head.py`) when nothing needs the full logits
+    chunked: bool  # row-chunked log-softmax (`fused_head.py`) for a plain linear head
     top_k: int = 0
     top_p: float = 1.0
     pad_id: int = 0  # right padding after every real token: causal attention never lets a real token see it
@@ -118,9 +119,12 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
     if path.fast:
         hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
         weight = plain_linear_head(model) if path.chunked else None
-        if weight is not None and not entropy_grad and not filtered:
-            # Never holds R x V logits (astuner/fused_head.py); the same numbers as below.
-            return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy)
+        if weight is not None:
+            # Never holds R x V logits (astuner/fused_head.py); the same numbers as below, filter and entropy
+            # (and its gradient) included.
+            return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy,
+                                 filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
+                                 top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad)
         logits_R_V = head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
     else:
         logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
@@ -129,14 +133,18 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
     if filtered:
         # Greedy calls were not filtered by the engine (and are never trained); sampled ones were.
         sampled_R = torch.tensor(sampled, device=dev)
-        logits_R_V = torch.where(sampled_R[:, None], filter_logits(logits_R_V, path.top_k, path.top_p), logits_R_V)
+        thr_R = keep_threshold(logits_R_V, path.top_k, path.top_p).masked_fill_(~sampled_R, float("-inf"))
+        logits_R_V = logits_R_V.masked_fill(logits_R_V < thr_R[:, None], float("-inf"))
     logz_R = torch.logsumexp(logits_R_V, dim=-1)
     logprobs_R = logits_R_V.gather(-1, targets_R[:, None]).squeeze(-1) - logz_R
     entropy_R = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+    if with_entropy and entropy_grad and torch.is_grad_enabled():
+        probs_R_V = torch.softmax(logits_R_V, dim=-1)
+        # Filtered tokens have p = 0 and z = -inf: their term is 0, and so is its gradient (p * z with z = -inf
+        # would send 0 * -inf = nan back through p).
+        entropy_R = logz_R - (probs_R_V * torch.where(probs_R_V > 0, logits_R_V, 0.0)).sum(-1)
+    elif with_entropy:  # a metric: -sum p log p in place on p, with entr(0) = 0 for the filtered tokens
+        with torch.no_grad():
             probs_R_V = torch.softmax(logits_R_V, dim=-1)
-            # Filtered tokens have p = 0 and z = -inf: their term is 0, not nan.
-            plogits_R_V = torch.where(probs_R_V > 0, probs_R_V * logits_R_V, torch.zeros_like(probs_R_V))
-            entropy_R = logz_R - plogits_R_V.sum(-1)
+            entropy_R = torch.special.entr(probs_R_V, out=probs_R_V).sum(-1)
     return logprobs_R, entropy_R

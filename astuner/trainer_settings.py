@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+STRATEGIES = ("auto", "ddp", "fsdp2")  # the trainer group's: whole replicas (ddp) or shards (fsdp2, fsdp.py)
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """LoRA adapters (astuner/lora.py): rank 0 trains the full model."""
@@ -59,6 +62,11 @@ class TrainerSettings:
     lora: LoraSettings | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # initialises weights a checkpoint lacks
+    # --- data parallel (Trainer.join_group) ---
+    strategy: str = "auto"  # STRATEGIES, resolved with group_size (fsdp.resolve_strategy)
+    # Workers of the group this trainer will join. Sharded (fsdp2 over more than one), the whole model stays on the
+    # host until join_group shards it, so that only each worker's share ever reaches its device.
+    group_size: int = 1
 
     def __post_init__(self) -> None:
         from astuner.algorithm.loss import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES
@@ -73,6 +81,10 @@ class TrainerSettings:
             raise ValueError(f"old_logprobs must be engine or trainer, got {self.old_logprobs!r}")
         if self.rollout_is_cap is not None and self.old_logprobs != "trainer":
             raise ValueError("rollout_is_cap needs old_logprobs='trainer' (the weight is trainer/engine)")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1 (the workers of the trainer group), got {self.group_size}")
         if self.loss_mode not in POLICY_LOSS_MODES:
             raise ValueError(
                 f"unknown policy loss_mode {self.loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")

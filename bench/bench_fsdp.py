@@ -68,7 +68,8 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes
         torch.set_num_threads(1)
     trainer = Trainer(model, lr=1e-6, weight_decay=0.0, lr_warmup_steps=0, grad_clip=1.0, clip_ratio_low=0.2,
                       clip_ratio_high=0.28, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k3",
-                      loss_agg_mode="token-mean", norm_length=64, max_token_len_per_micro_batch=2048)
+                      loss_agg_mode="token-mean", norm_length=64, max_token_len_per_micro_batch=2048,
+                      strategy=strategy, group_size=world)  # as a Ray worker: fsdp2 reaches the GPU as shards only
     used = trainer.join_group(DataParallel.init(rank, world, "127.0.0.1", port, "cuda" if cuda else "cpu", 600),
                               strategy)
     samples = step_samples(episodes)

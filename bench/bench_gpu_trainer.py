@@ -21,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+from astuner.engine.shared_weights import SharedWeightFile, pin_host_memory
+from astuner.lora import LoraSettings
+from astuner.trainer import Trainer
+from astuner.trainer_step import recompute_old_logprobs
+from astuner.types import Sample
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsity
 
 
@@ -48,12 +54,6 @@ def qwen25_05b_shape(path: Path, shape: str = "0.5b") -> None:
 
 
 def main() -> None:
-    from astuner.engine.vllm_engine import SharedWeightFile, pin_host_memory
-    from astuner.lora import LoraSettings
-    from astuner.trainer import Trainer
-    from astuner.trainer_step import recompute_old_logprobs
-    from astuner.types import Sample
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)

@@ -80,17 +80,20 @@ def test_the_chunked_fingerprint_equals_a_float64_reference_beyond_one_chunk(dty
 
 
 class _LargestAllocation(TorchDispatchMode):
-    """Records the element count of the largest tensor any torch operation returns."""
+    """Records the element count of the largest tensor any torch operation returns (`largest64`: of the largest
+    float64 one), views of `_inputs` (storage pointers) excepted."""
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.largest = self.largest64 = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self._inputs:
                 self.largest = max(self.largest, value.numel())
+                if value.dtype == torch.float64:
+                    self.largest64 = max(self.largest64, value.numel())
         return out
 
 
@@ -104,6 +107,28 @@ def test_the_fingerprint_allocates_one_chunk_at_a_time_never_the_whole_tensor(co
     with mode:
         fingerprint([("w", t)])
     assert 0 < mode.largest <= CHUNK, f"an operation made a tensor of {mode.largest} elements (chunk {CHUNK})"
+
+
+def test_the_vllm_worker_fingerprints_fused_and_padded_weights_one_chunk_at_a_time():
+    """The engine's side (vllm_worker.served_fingerprint, right after the KV cache wakes): fused parts and a padded
+    vocabulary are views reduced chunk by chunk; no float64 copy, or any other, of a whole tensor."""
+    from astuner.engine.vllm_worker import served_fingerprint
+
+    model = torch.nn.Module()
+    model.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    model.mlp = torch.nn.Module()
+    model.mlp.gate_up_proj = torch.nn.Linear(1024, 2048, bias=False, dtype=torch.bfloat16)  # parts of 4 chunks
+    model.mlp.gate_up_proj.output_sizes = [1024, 1024]
+    model.embed = torch.nn.Embedding(1088, 1024, dtype=torch.bfloat16)  # 1024 real rows and 64 of padding
+    model.embed.org_vocab_size = 1024
+    served_fingerprint(model)  # builds the device's cached sign pattern (at most BLOCK, once): not per tensor
+    mode = _LargestAllocation()
+    mode._inputs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with mode:
+        prints = served_fingerprint(model)
+    assert sorted(prints) == ["embed.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"]
+    assert prints["embed.weight"].shape == (1024, 1024)
+    assert 0 < mode.largest64 <= CHUNK and mode.largest <= CHUNK, (mode.largest64, mode.largest, CHUNK)
 
 
 def test_fingerprinting_a_float64_tensor_leaves_it_unchanged():

@@ -6,6 +6,10 @@ others' collectives), with the KL reference model and the recomputed old logprob
 
 from __future__ import annotations
 
+import gc
+import warnings
+import weakref
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -33,19 +37,41 @@ def samples() -> list[Sample]:
     return [sample("long", 60, 1.0), sample("b", 10, -0.5), sample("c", 10, 0.7), sample("d", 10, -1.2)]
 
 
+def held_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (a DTensor counts its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    storages = {}
+    with warnings.catch_warnings():  # isinstance on some lazily imported torch modules warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                storage = (obj.to_local() if isinstance(obj, DTensor) else obj).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy: str, precision: str) -> None:
     from astuner.data_parallel import DataParallel
     from astuner.trainer import Trainer
 
-    trainer = Trainer(model_dir, **SETTINGS, precision=precision)
-    used = trainer.join_group(DataParallel.init(rank, world, "127.0.0.1", port, "cpu", 120.0), strategy)
+    before = held_bytes()
+    # Built as runtime.build_trainer builds a worker: knowing the group, so the model stays on the host until sharded.
+    trainer = Trainer(model_dir, **SETTINGS, precision=precision, strategy=strategy, group_size=world)
+    whole = [weakref.ref(p) for p in (*trainer.model.parameters(), *trainer.ref_model.parameters())]
+    used = trainer.join_group(DataParallel.init(rank, world, "127.0.0.1", port, "cpu", 120.0))
+    start = {"held": held_bytes() - before, "alive": sum(r() is not None for r in whole),
+             "params": sum(p.numel() for p in trainer.model.parameters())}
     metrics = [trainer.train_step(samples()) for _ in range(2)]
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
     weights = {name: t.clone() for name, t in trainer.named_parameters_for_sync()}  # every rank gathers
     trainer.save_checkpoint(f"{out}.checkpoint", run_state={"step": 2}, write=rank == 0)  # every rank gathers
+    buffers = {f"{which}.{name}": b.clone() for which, model in (("model", trainer.model), ("ref", trainer.ref_model))
+               for name, b in model.named_buffers()}
     if rank == 0:
-        torch.save({"strategy": used, "metrics": metrics, "weights": weights, "local": local}, out)
-    torch.save(local, f"{out}.{rank}")
+        torch.save({"strategy": used, "metrics": metrics, "weights": weights, "local": local, "buffers": buffers}, out)
+    torch.save({"local": local, "start": start}, f"{out}.{rank}")
     torch.distributed.barrier()  # no worker tears the group down while another still uses it
     DataParallel.close()
 
@@ -57,7 +83,8 @@ def run_group(tmp_path, model_dir, strategy: str, precision: str = "fp32") -> di
     out = str(tmp_path / f"{strategy}.pt")
     mp.start_processes(worker, args=(2, port, str(model_dir), out, strategy, precision), nprocs=2, start_method="spawn")
     result = torch.load(out, weights_only=False)
-    result["locals"] = [torch.load(f"{out}.{r}") for r in range(2)]
+    result["locals"] = [torch.load(f"{out}.{r}")["local"] for r in range(2)]
+    result["starts"] = [torch.load(f"{out}.{r}")["start"] for r in range(2)]
     return result
 
 
@@ -73,6 +100,8 @@ def test_strategy_rule():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir, precision):
+    from transformers import AutoModelForCausalLM
+
     from astuner.trainer import Trainer
 
     sharded = run_group(tmp_path, tiny_model_dir, "fsdp2", precision)
@@ -82,6 +111,20 @@ def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir
     whole = sum(p.numel() for p in one.model.parameters())
     # Each worker holds half of every parameter (dim 0 split; odd sizes differ by a row).
     assert all(abs(local - whole / 2) < 0.01 * whole for local in sharded["locals"])
+    # Started from the host (tests/test_fsdp_start_memory.py), a worker holds its share alone: fp32 shards (the
+    # masters) and reference shards in the compute dtype, over 2 workers; 1% covers buffers and odd rows' padding.
+    # No whole parameter outlives the start: on CUDA it would keep the whole model on the device.
+    ref_bytes = torch.finfo(torch.float32 if precision == "fp32" else torch.bfloat16).bits // 8
+    for start in sharded["starts"]:
+        assert start["alive"] == 0
+        assert start["held"] / start["params"] == pytest.approx((4 + ref_bytes) / 2, rel=0.01)
+    # Buffers (rotary inv_freq) are no weights: under bf16 too they keep the fp32 values they were built with, in
+    # the policy and in the reference (precision.cast_parameters).
+    built = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_buffers())
+    assert any("inv_freq" in name for name in built)
+    for which in ("model", "ref"):
+        for name, b in built.items():
+            assert b.dtype == torch.float32 and torch.equal(sharded["buffers"][f"{which}.{name}"], b), name
     # The same numbers up to summation order (tests/tolerances.py). bf16 (fp32 shards, bf16 compute, fp32
     # reduction, as precision.MasterWeights): each worker's bf16 gradient is rounded before the sum, so Adam may
     # move a weight by up to its step bound, and metrics computed from bf16 activations may round one bf16 ulp

@@ -11,6 +11,7 @@ from astuner.cli import main
 from astuner.logs import is_user_file, user_module_names
 
 WORKFLOW = '''
+import asyncio
 import logging
 
 from loguru import logger
@@ -28,6 +29,9 @@ class EchoWorkflow(Workflow):
         log.debug("wf-stdlib-debug")
         log.info("wf-stdlib-info")
         wf_helper.note()
+        print("wf-print", workflow_task.task.task_id)
+        await asyncio.to_thread(print, "wf-thread-print")  # a synchronous agent's print, in a worker thread
+        print("wf-partial-line", end="")  # no newline: written when the episode ends
         return WorkflowOutput(reward=None, metadata={"final_answer": reply["content"]})
 '''
 HELPER = '''
@@ -36,7 +40,8 @@ import logging
 def note():
     logging.getLogger(__name__).debug("wf-helper-debug")
 '''
-LINES = ("wf-loguru-debug", "wf-stdlib-debug", "wf-helper-debug")
+LINES = ("wf-loguru-debug", "wf-stdlib-debug", "wf-helper-debug", "print: wf-print", "print: wf-thread-print",
+         "print: wf-partial-line")
 
 
 def _write(tmp_path: Path, model_dir: Path) -> Path:
@@ -59,8 +64,9 @@ def test_workflow_debug_lines_land_in_the_run_log_not_on_the_console(tmp_path, t
     log_text = (tmp_path / "out" / "astuner.log").read_text()
     for line in LINES:
         assert line in log_text, f"{line} missing from astuner.log"
-        assert line not in console, f"{line} printed on the console"
+        assert line.removeprefix("print: ") not in console, f"{line} printed on the console"
     assert "wf-stdlib-info" in log_text and "wf-stdlib-info" not in console
+    assert "] print: wf-print " in log_text.split("[train:", 1)[1]  # labelled with its episode
 
 
 def test_eval_console_has_the_table_and_its_log_file_the_workflow_lines(tmp_path, tiny_model_dir, capfd,
@@ -80,7 +86,7 @@ def test_eval_console_has_the_table_and_its_log_file_the_workflow_lines(tmp_path
     assert "greedy/success_rate" in stdout
     assert f"{label} - {label}' [95% CI]" in stdout and f"{label}'' - {label}' [95% CI]" in stdout
     for line in (*LINES, "wf-stdlib-info"):
-        assert line not in stdout + stderr, f"{line} printed on the console"
+        assert line.removeprefix("print: ") not in stdout + stderr, f"{line} printed on the console"
     log_file = out / "eval.log"
     assert str(log_file) in stderr  # the console names the log file
     log_text = log_file.read_text()

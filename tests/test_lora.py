@@ -81,3 +81,20 @@ def test_adapter_checkpoint_resume_and_export(tiny_model_dir, demo_tokenizer, tm
     assert main(["export", str(ckpt), "--out", str(out)]) == 2  # not empty: refused, nothing overwritten
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
     assert "neither an adapter checkpoint" in capsys.readouterr().err
+
+
+def test_a_merged_sync_makes_each_delta_only_when_its_weight_is_yielded(tiny_model_dir, demo_tokenizer,
+                                                                        monkeypatch):
+    """A sync streams one tensor at a time into shared memory: the adapters' full-size deltas (W's shape each)
+    must not all be computed before the first weight leaves."""
+    from peft.tuners.lora.layer import Linear
+
+    t = _trainer(tiny_model_dir, lora=LORA)
+    made = []
+    real = Linear.get_delta_weight
+    monkeypatch.setattr(Linear, "get_delta_weight", lambda self, name: made.append(1) or real(self, name))
+    merged = 0
+    for name, _ in t.named_parameters_for_sync():
+        merged += any(m in name for m in ("q_proj", "v_proj", "down_proj"))
+        assert len(made) == merged, name  # one delta per merged weight so far, never ahead of it
+    assert merged == 2 * 3

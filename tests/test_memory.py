@@ -18,12 +18,17 @@ FACTS = ModelFacts("demo", "LlamaForCausalLM", 134_515_008, 8192, DEMO)
 
 
 def test_the_formulas_by_hand():
-    # fp32: 4 * 30 * (10 * 576 + 4 * 1536) = 1_428_480 layer bytes + 12 * 49152 = 589_824 head bytes a token.
-    assert DEMO.activation_bytes(1, 4, checkpointing=False, chunk_rows=None) == 1_428_480 + 589_824
+    # fp32: 4 * 30 * (10 * 576 + 4 * 1536) = 1_428_480 layer bytes + 20 * 49152 = 983_040 head bytes a token.
+    assert DEMO.activation_bytes(1, 4, checkpointing=False, chunk_rows=None) == 1_428_480 + 983_040
     # Checkpointing: 4 * (4 * 30 * 576 + 10 * 576 + 4 * 1536) = 324_096 a token, plus the same head.
-    assert DEMO.activation_bytes(1000, 4, True, None) == 1000 * (324_096 + 589_824)
-    # The chunked head holds 2 x 4096 rows x V x 4 bytes at most, whatever the token count.
-    assert DEMO.activation_bytes(10_000, 2, False, 4096) == 10_000 * 714_240 + 2 * 4096 * 49152 * 4
+    assert DEMO.activation_bytes(1000, 4, True, None) == 1000 * (324_096 + 983_040)
+    # The plain head with top-k / top-p and a trained entropy: 22 bytes an entry of R x V.
+    assert DEMO.activation_bytes(1000, 4, True, None, filtered=True, entropy_grad=True) == 1000 * (324_096 + 22 * 49152)
+    # The chunked head holds 8 bytes an entry of 4096 rows x V, whatever the token count and the mode, plus the
+    # backward's fp32 weight gradient and one bf16 product and its fp32 copy (10 bytes an entry of V x H).
+    chunked = 10_000 * 714_240 + 8 * 4096 * 49152 + 10 * 49152 * 576
+    assert DEMO.activation_bytes(10_000, 2, False, 4096) == chunked
+    assert DEMO.activation_bytes(10_000, 2, False, 4096, filtered=True, entropy_grad=True) == chunked
     assert DEMO.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4 == 46_080
     assert blocks_of(4096) == 4096 and blocks_of(4097) == 4224
 
@@ -72,6 +77,7 @@ def test_a_run_where_one_full_length_sequence_does_not_fit_is_refused_with_the_f
     message = str(err.value)
     assert "activations of one 4096-token micro-batch" in message and "gradient_checkpointing" in message
     assert "KV cache for one sequence" in message
-    # Gradient checkpointing (0.87 MB a token) fits the same run in the same memory.
-    check_fits(_plan(tmp_path, tiny_model_dir, monkeypatch, 8, *SMOLAGENTS,
+    # Gradient checkpointing (the layers' 1.43 MB a token down to 0.32, beside the plain head's 0.98) fits the same
+    # run in 9 GiB: 5.0 GiB of activations, where 8 GiB leaves 4.3 beside the weights, KV cache and process.
+    check_fits(_plan(tmp_path, tiny_model_dir, monkeypatch, 9, *SMOLAGENTS,
                      "astuner.trainer_common.gradient_checkpointing=true"), FACTS)

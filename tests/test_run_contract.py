@@ -167,7 +167,6 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
                                                 "astuner.trainer_common.n_explorers", "astuner.trainer_common.nnodes",
                                                 "astuner.trainer_common.n_gpus_per_node",
                                                 "astuner.trainer_common.cpus_per_worker",
-                                                "astuner.trainer_common.strategy",
                                                 "astuner.trainer_common.actor_timeout_s", "trinity.synchronizer"))}
     # Run D: DPO on offline pairs (no rollouts).
     folder = tmp_path / "d"

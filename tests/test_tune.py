@@ -284,6 +284,7 @@ def words(text):  # a helper in the script's __main__: shipped with the judge th
 
 async def run_agent(task, model, auxiliary_models):
     reply = await model.chat([{"role": "user", "content": task["question"]}])
+    print("agent-reply-echo", len(reply["content"] or ""))  # as agent frameworks echo replies
     return WorkflowOutput(response=reply["content"])
 
 
@@ -327,6 +328,9 @@ def test_tune_from_a_script_on_the_verl_backbone_ships_its_functions(tmp_path, t
     assert saved["task_judge"]["judge_protocol"].endswith("run_agent.functions.pkl->judge")
     (row,) = _metrics(tmp_path / "run")
     assert row["train/failure_rate"] == 0.0 and row["train/reward_mean"] > 0  # the shipped judge (and helper) ran
+    # The agent's prints in the Ray worker: in the run's log, not forwarded to the console by Ray
+    assert "agent-reply-echo" not in done.stdout + done.stderr
+    assert "print: agent-reply-echo" in (tmp_path / "run" / "astuner.log").read_text()
 
 
 def test_a_default_the_user_did_not_set_is_derived_to_fit_the_one_they_did(tmp_path):

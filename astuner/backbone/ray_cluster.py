@@ -166,8 +166,20 @@ def _cause(exc) -> str:
     return "\n".join(lines[-12:])
 
 
-def worker_env() -> dict[str, str]:
-    """Environment for actors (a joined cluster's workers do not inherit this process's)."""
-    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
-            "TOKENIZERS_PARALLELISM", "ASTUNER_CACHE", "PYTHONPATH")
-    return {k: os.environ[k] for k in keys if k in os.environ}
+FORWARDED_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "ASTUNER_CACHE", "PYTHONPATH",
+                  "PYTORCH_CUDA_ALLOC_CONF")
+# The settings of NCCL, vLLM, CUDA and NVIDIA's libraries a user exports before a run (NCCL_SOCKET_IFNAME,
+# NCCL_IB_HCA, VLLM_ATTENTION_BACKEND, CUDA_DEVICE_MAX_CONNECTIONS, NVIDIA_TF32_OVERRIDE, ...).
+FORWARDED_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "NVIDIA_")
+# Which devices an actor sees is Ray's to set (each actor its bundle's GPUs), and an address names this node
+# only: the driver's values would put every actor on the driver's GPUs or point it at the driver's host.
+NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "VLLM_HOST_IP"})
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for actors, from `environ` (default: this process's): a joined cluster's workers do not
+    inherit the driver's, so what a user exported for the run (FORWARDED_KEYS, and every variable under
+    FORWARDED_PREFIXES but NOT_FORWARDED) is handed to each actor."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if k not in NOT_FORWARDED and (k in FORWARDED_KEYS or k.startswith(FORWARDED_PREFIXES))}

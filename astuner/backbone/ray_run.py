@@ -255,6 +255,50 @@ class RayStages(Stages):
             remove_placement_group(self.group)
 
 
+def _gpu_memory() -> tuple[int, int]:
+    """(free, total) bytes of this process's GPU: run as a Ray task on a GPU worker, never in the driver."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the cluster lent this worker a GPU, but torch sees no CUDA device here")
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+def probe_gpu_worker(gpus: float, timeout_s: float) -> tuple[int, int]:
+    """One GPU's (free, total) memory, from a task holding `gpus` GPUs as a trainer worker does, within
+    `timeout_s`. Its worker process exits after the task (max_calls=1), and with it the CUDA context it made."""
+    import ray
+
+    remote = ray.remote(num_gpus=gpus, num_cpus=0, max_calls=1,
+                        runtime_env={"env_vars": ray_cluster.worker_env()})(_gpu_memory)
+    ref = remote.remote()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise WorkerLost(f"the driver waited {timeout_s:g} s for a GPU worker to report its free memory, in vain "
+                         "(astuner.trainer_common.actor_timeout_s): `ray status` shows whether the cluster's GPUs "
+                         "are held by another job", trainer_ok=False) from None
+    except ray.exceptions.RayTaskError as exc:
+        raise WorkerLost(f"a GPU worker could not report its memory ({exc.cause if exc.cause else exc}): run "
+                         "`python -c 'import torch; print(torch.cuda.is_available())'` on the GPU nodes, in the "
+                         "environment Ray starts workers in; it must print True", trainer_ok=False) from None
+
+
+def cluster_device(resources: dict, timeout_s: float, probe=probe_gpu_worker):
+    """The trainer's device as the cluster offers it (`ray.cluster_resources()`), without starting CUDA in the
+    driver: that would hold a CUDA context on the head's GPU 0 for the whole run, and a CPU-only head would plan
+    for CPU. cuda when the cluster has GPUs, with one card's memory from `probe(gpus, timeout_s)` on a GPU worker
+    (the trainer workers take one GPU each); cpu otherwise."""
+    from astuner.preflight import DeviceFacts
+
+    if resources.get("GPU", 0) <= 0:
+        return DeviceFacts("cpu")
+    free, total = probe(1.0, timeout_s)
+    return DeviceFacts("cuda", free, total)
+
+
 def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None,
                start_ray: bool = False) -> RunSummary:
     """The driver of a Ray backbone: `make_stages(loaded, prep)` places the actors; `note` is announced
@@ -270,9 +314,15 @@ def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note
         announce(note)
     settings = LoopSettings.from_config(typed)
     runtime.seed_everything(typed.astuner.seed)
-    prep = runtime.prepare(loaded, backbone, total_steps_of=lambda n: count_steps(n, settings))
-    started_cluster = ray_cluster.connect(start_local=start_ray)
+    started_cluster = False
+
+    def device():  # joined once user code, data and the model's config have passed (they fail faster)
+        nonlocal started_cluster
+        started_cluster = ray_cluster.connect(start_local=start_ray)
+        return cluster_device(ray.cluster_resources(), typed.astuner.trainer_common.actor_timeout_s)
+
     try:
+        prep = runtime.prepare(loaded, backbone, total_steps_of=lambda n: count_steps(n, settings), device_of=device)
         stages = make_stages(loaded, prep)  # a failed start releases what it placed
         return drive(loaded, settings, stages, prep.train_tasks, prep.val_tasks, prep.total_steps, prep.tokenizer,
                      checkpoint)

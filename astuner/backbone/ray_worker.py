@@ -17,12 +17,46 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+ENGINE_ALONE_GPU_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, for an engine with its GPUs to itself
+SHARE_KEY = "astuner.rollout.gpu_memory_utilization"
+
+
+def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool):
+    """The typed config this process builds its engine from. An engine alone in its process on CUDA (a trinity
+    explorer: its bundle's GPUs hold no trainer) takes vLLM's own default share, ENGINE_ALONE_GPU_SHARE, unless
+    the user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone it
+    would leave 40% of the explorer's GPU idle, KV cache it could have used."""
+    from astuner.config.derived import resolve_engine_name
+
+    typed = loaded.typed
+    if "trainer" in roles or not on_cuda or SHARE_KEY in loaded.user_keys:
+        return typed
+    if resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
+        return typed
+    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": ENGINE_ALONE_GPU_SHARE})
+    return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
+
+
+NOSET_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def check_gpu_isolation(env) -> None:
+    """Each actor's "cuda" is its own GPU only because Ray sets CUDA_VISIBLE_DEVICES per actor; with Ray told not
+    to, every rank's trainer and vLLM engine would land on GPU 0 (and NCCL refuse duplicate GPUs)."""
+    if env.get(NOSET_VISIBLE, "") not in ("", "0"):
+        from astuner.errors import UserError
+
+        raise UserError(f"{NOSET_VISIBLE} is set on this Ray cluster: every astuner worker would then use GPU 0. "
+                        f"Start the cluster without it (ray stop; unset {NOSET_VISIBLE}; ray start ...), so that "
+                        "Ray gives each worker its own GPUs.")
+
 
 class Worker:
     def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_path: str,
                  max_model_len: int, total_steps: int, name: str, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        check_gpu_isolation(os.environ)
         from astuner import runtime
         from astuner.logs import setup_logging
 
@@ -39,11 +73,18 @@ class Worker:
         if "engine" in roles:
             workflow_cls = runtime.load_workflow(loaded)
             judge = runtime.build_judge(loaded)
-            self.engine = runtime.build_engine(typed, model_path, self.tokenizer, max_model_len, kv_cache_bytes)
+            import torch
+
+            engine_typed = engine_config(loaded, roles, torch.cuda.is_available())
+            if engine_typed is not typed:
+                log.info("%s: its engine has its GPUs to itself, so it takes %g of their memory (%s to choose)",
+                         name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
+            self.engine = runtime.build_engine(engine_typed, model_path, self.tokenizer, max_model_len,
+                                               kv_cache_bytes)
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
                                                max_model_len)
         if "trainer" in roles:
-            self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens)
+            self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens, world)
 
     def ready(self) -> tuple[str, str]:
         """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""

@@ -21,6 +21,13 @@ Then the worker's fingerprint of the weights it serves is compared with the fing
 (`fingerprint.py`): a sync that did not take stops the run (`SyncMismatch`), naming the weights that differ.
 On CUDA with `enable_sleep_mode`, `sleep()` before a train step frees vLLM's weights and KV cache at level 2 (no
 copy into host RAM: the weights are re-sent anyway) and the sync wakes the weights, loads, then wakes the cache.
+Before each wake this process's cached CUDA blocks are released (`torch.cuda.empty_cache`): a trainer in this
+process keeps its step's peak reserved otherwise, and vLLM, re-mapping `gpu_memory_utilization` of the card from
+another process, cannot use it (0.5B on an 80 GB card: 37 GiB of trainer peak + 0.6 x 79 GiB > 80 GB).
+
+Tensor parallelism (`tensor_parallel_size > 1`) runs vLLM's multiprocessing executor on this node's GPUs
+(`engine_args`): left to choose, vLLM picks its Ray executor inside a Ray actor, and that one refuses the actor's
+placement bundle of several GPUs.
 
 Every wait on vLLM has a deadline and names what it waited for. Per-request seeds are not passed: vLLM's CPU
 engine crashes on them when a batch is chunked; sampling is seeded once per engine (`seed`), so runs repeat on
@@ -47,6 +54,70 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "astuner.engine.vllm_worker.WeightSyncExtension"
 BATCH_TIMEOUT_S = 3600.0  # generate_batch (benchmarks, tests): a whole batch, however long its answers
+START_TIMEOUT_S = 600.0  # one engine starting alone: model load, torch.compile, CUDA graph capture, KV cache
+START_TIMEOUT_PER_EXTRA_ENGINE_S = 180.0  # each other engine starting beside it on the node
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # trainer precision -> vLLM dtype
+
+
+def engine_dtype(precision: str) -> str:
+    """vLLM's dtype for a trainer of (resolved) `precision`: fp32 -> float32, bf16 -> bfloat16. Engine and trainer
+    compute in the same dtype, so their logprobs agree within that dtype's rounding (the preflight check's
+    tolerance is chosen by the trainer's precision)."""
+    if precision not in ENGINE_DTYPES:
+        raise ValueError(f"no vLLM dtype for trainer precision {precision!r}; resolve 'auto' first "
+                         f"(astuner.precision.resolve_precision); known: {', '.join(ENGINE_DTYPES)}")
+    return ENGINE_DTYPES[precision]
+
+
+def start_timeout_s(engines_at_once: int) -> float:
+    """Deadline of an engine start when `engines_at_once` engines start together on a node:
+
+        T(n) = START_TIMEOUT_S + START_TIMEOUT_PER_EXTRA_ENGINE_S * (n - 1)     (600 s alone, 1860 s for 8)
+
+    Their model loads and torch.compile runs share the node's disk and CPU cores, so the last one can be ready
+    up to n times later than one alone would be (the GPU checklist expects one start in ~120 s; 180 s each
+    leaves room). A deadline only bounds how long a hung start goes unnoticed, so an upper bound of n is fine."""
+    return START_TIMEOUT_S + START_TIMEOUT_PER_EXTRA_ENGINE_S * (max(1, int(engines_at_once)) - 1)
+
+
+def engine_args(model_path: str, *, on_cuda: bool, dtype: str, max_model_len: int, max_num_seqs: int,
+                tensor_parallel_size: int, gpu_memory_utilization: float, seed: int, enable_prefix_caching: bool,
+                sleep_mode: bool, **extra) -> dict:
+    """The keyword arguments of vLLM's `AsyncEngineArgs` (`extra`: further vLLM engine arguments, which win).
+
+    With `tensor_parallel_size > 1` the executor is "mp": vLLM's worker processes on this node, one per GPU of
+    those this process sees (in a Ray actor: the bundle's, through CUDA_VISIBLE_DEVICES). Left to choose, vLLM
+    picks "ray" when Ray is initialised and this process is in a placement group (ParallelConfig.__post_init__,
+    vllm/config/parallel.py), i.e. in every actor of the verl and trinity backbones; that executor then takes
+    the actor's placement group and refuses its bundle of tp GPUs ("Placement group bundle cannot have more than
+    1 GPU", vllm/v1/executor/ray_utils.py). One engine's GPUs are one bundle, on one node, as "mp" needs."""
+    args = dict(
+        model=str(model_path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=not on_cuda,  # CUDA graphs on GPU; the CPU backend needs eager mode
+        enable_sleep_mode=sleep_mode,
+        skip_tokenizer_init=True,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+    )
+    if tensor_parallel_size > 1:
+        args["distributed_executor_backend"] = "mp"
+    return {**args, **extra}
+
+
+def release_cached_device_memory() -> None:
+    """Hand the CUDA blocks this process's caching allocator holds unused back to the driver (a no-op until
+    CUDA is initialised here)."""
+    import torch
+
+    torch.cuda.empty_cache()
 
 
 class EngineTimeout(RuntimeError):
@@ -66,10 +137,10 @@ class VLLMEngine:
         dtype: str | None = None,
         enable_prefix_caching: bool = True,
         sleep_mode: bool | None = None,
-        start_timeout_s: float = 600.0,
+        start_timeout_s: float = START_TIMEOUT_S,
         sync_timeout_s: float = 300.0,
         kv_cache_bytes: int | None = None,
-        **engine_args,
+        **extra_args,
     ) -> None:
         import torch
 
@@ -86,6 +157,7 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self._said_tp_unverified = False
         self._said_unseen = False
+        self._release_cache = release_cached_device_memory  # before each wake (a test hands in a recorder)
 
         if not on_cuda:
             # vLLM's CPU backend: use every core (the trainer and the engine take turns), and a KV cache of
@@ -93,7 +165,7 @@ class VLLMEngine:
             # sequences instead of vLLM's fixed default. A user's VLLM_CPU_KVCACHE_SPACE wins.
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                engine_args.setdefault("kv_cache_memory_bytes", int(
+                extra_args.setdefault("kv_cache_memory_bytes", int(
                     kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, self.dtype) * 2**30))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # into the run's log file (vllm_process.py)
 
@@ -107,23 +179,13 @@ class VLLMEngine:
         preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
         try:
             with engine_process_environment(run_log_path(), preload):
-                self._llm = self._call(self._start(
-                    model=self.model_path,
-                    dtype=self.dtype,
-                    max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs,
-                    tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=gpu_memory_utilization,
-                    seed=seed,
-                    enable_prefix_caching=enable_prefix_caching,
-                    enforce_eager=not on_cuda,  # CUDA graphs on GPU; the CPU backend needs eager mode
-                    enable_sleep_mode=self.sleep_mode,
-                    skip_tokenizer_init=True,
-                    logprobs_mode="processed_logprobs",
-                    worker_extension_cls=WORKER_EXTENSION,
-                    disable_log_stats=True,
-                    **engine_args,  # further vLLM engine arguments (benchmarks: enable_lora)
-                ), start_timeout_s, "the vLLM engine to start (model load, KV cache allocation)")
+                self._llm = self._call(self._start(**engine_args(
+                    self.model_path, on_cuda=on_cuda, dtype=self.dtype, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                    enable_prefix_caching=enable_prefix_caching, sleep_mode=self.sleep_mode,
+                    **extra_args,  # further vLLM engine arguments (benchmarks: enable_lora)
+                )), start_timeout_s, "the vLLM engine to start (model load, torch.compile, KV cache allocation)")
         except BaseException as exc:
             self._stop_loop()
             if run_log_path() is not None and isinstance(exc, Exception):
@@ -160,6 +222,7 @@ class VLLMEngine:
         """Write the tensors into the shared-memory file and have vLLM's worker reload from it, in place."""
         t0 = time.perf_counter()
         if self._asleep:
+            self._release_cache()  # the trainer's step peak, still reserved here, is room vLLM needs to wake
             self._call(self._llm.wake_up(tags=["weights"]), self.sync_timeout_s, "vLLM to wake its weights")
         path, manifest = self._shared.write(named_tensors)
         t1 = time.perf_counter()
@@ -167,6 +230,7 @@ class VLLMEngine:
             self._llm.collective_rpc("astuner_load_shared", timeout=self.sync_timeout_s, args=(path, manifest)),
             self.sync_timeout_s + 5, "vLLM's worker to load the new weights from shared memory")
         if self._asleep:
+            self._release_cache()  # and what gathering the weights for the write left cached
             self._call(self._llm.wake_up(tags=["kv_cache"]), self.sync_timeout_s, "vLLM to wake its KV cache")
             self._asleep = False
         self._reset_prefix_cache()

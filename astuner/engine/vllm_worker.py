@@ -40,10 +40,15 @@ class WeightSyncExtension:
             for name, dtype, shape, nbytes, offset in manifest:
                 yield name, buf[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
 
-        self.model_runner.reload_weights(weights_iterator=weights())
-        _repack_tied_head(self.model_runner.get_model())
-        return time.perf_counter() - started
+        from vllm.config import set_current_vllm_config
 
+        # The worker's own reload_weights, not its model runner's: the worker's sets vLLM's current config, which
+        # layers and quantization methods read while they load and re-process weights (vllm/v1/worker/gpu_worker.py,
+        # Worker.reload_weights; CPUWorker inherits it).
+        self.reload_weights(weights_iterator=weights())
+        with set_current_vllm_config(self.vllm_config):
+            _repack_tied_head(self.model_runner.get_model())
+        return time.perf_counter() - started
 
     def astuner_fingerprint(self) -> dict:
         """The fingerprint of the weights this worker serves (astuner/engine/fingerprint.py), under the

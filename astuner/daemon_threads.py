@@ -71,7 +71,10 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._started += 1
-            thread = threading.Thread(target=self._work, args=(future, fn, args, kwargs),
+            # The caller's context variables go with the call (as asyncio.to_thread does): the episode it
+            # belongs to, for its blocking calls' owner and for where its prints go (logs.EPISODE).
+            call = functools.partial(contextvars.copy_context().run, fn)
+            thread = threading.Thread(target=self._work, args=(future, call, args, kwargs),
                                       name=f"{self._prefix}_{self._started}", daemon=True)
             self._calls[future] = RunningCall(owner.get(), name, thread)
         thread.start()

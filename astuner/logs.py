@@ -41,29 +41,49 @@ EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("astuner_ep
 class _EpisodeStdout(io.TextIOBase):
     """sys.stdout: an episode's writes into the run's log, a line at a time; anyone else's to the real stdout."""
 
+    PARTIAL_LIMIT = 65536  # characters held for an unfinished line (a progress bar redrawn with \r) before writing
+
     def __init__(self, console) -> None:
         super().__init__()
         self.console = console
         self._partial: dict[str, str] = {}  # episode -> text after its last newline
         self._lock = threading.Lock()
+        self._logging = threading.local()  # set while a line goes to the log: a sink on stdout must not loop
+
+    def _episode(self) -> str | None:
+        if not _LOG_PATH or getattr(self._logging, "on", False):
+            return None
+        return EPISODE.get()
 
     def write(self, text: str) -> int:
-        episode = EPISODE.get()
-        if episode is None or not _LOG_PATH:
+        episode = self._episode()
+        if episode is None:
             return self.console.write(text)
         with self._lock:
             *lines, rest = (self._partial.pop(episode, "") + text).split("\n")
+            if len(rest) > self.PARTIAL_LIMIT:
+                lines.append(rest)
+                rest = ""
             if rest:
                 self._partial[episode] = rest
         for line in lines:
-            _print_line(episode, line)
+            self._log(episode, line)
         return len(text)
+
+    def _log(self, episode: str, line: str) -> None:
+        self._logging.on = True
+        try:
+            _print_line(episode, line)
+        except OSError:  # the log file gone (its folder removed): the console, rather than losing the line
+            self.console.write(line + "\n")
+        finally:
+            self._logging.on = False
 
     def end_episode(self, episode: str) -> None:
         with self._lock:
             rest = self._partial.pop(episode, "")
         if rest:
-            _print_line(episode, rest)
+            self._log(episode, rest)
 
     def flush(self) -> None:
         self.console.flush()
@@ -71,18 +91,37 @@ class _EpisodeStdout(io.TextIOBase):
     def fileno(self) -> int:
         return self.console.fileno()
 
+    def writable(self) -> bool:
+        return True
+
     def isatty(self) -> bool:
-        return self.console.isatty()
+        # An episode writes into a file: no colours or cursor moves meant for a terminal.
+        return self._episode() is None and self.console.isatty()
 
     @property
     def encoding(self):
         return getattr(self.console, "encoding", "utf-8")
 
+    @property
+    def errors(self):
+        return getattr(self.console, "errors", "strict")
+
+    def __getattr__(self, name: str):
+        # What TextIOBase lacks (buffer, reconfigure, line_buffering): the real stdout's.
+        return getattr(self.console, name)
+
+
+_PRINTS_LOCK = threading.Lock()
+
 
 def _print_line(episode: str, line: str) -> None:
-    from loguru import logger
+    """Append the line to the run's log file itself, in the file sink's format: not through loguru, whose
+    handlers are not re-entrant (a user's `logger.add(sys.stdout)` sink writing here would call back into it)."""
+    import datetime
 
-    logger.patch(lambda r: r.update(name="print")).info(f"[{episode}] print: {line.rstrip()}")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    with _PRINTS_LOCK, open(_LOG_PATH[-1], "a", encoding="utf-8") as f:
+        f.write(f"{stamp} INFO print: [{episode}] print: {line.rstrip()}\n")
 
 
 def route_episode_prints() -> None:

@@ -326,10 +326,12 @@ class Trainer:
         With tied embeddings the LM head is the input embedding and appears once (under the embedding's name);
         an engine holding the same architecture ties it the same way.
         """
-        self._check_joined()
+        self._check_joined()  # here, not at the first next(): a sync must fail before it wakes the engine
         if self.peft is not None:
-            yield from merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
-            return
+            return merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
+        return self._named_parameters_gathered()
+
+    def _named_parameters_gathered(self) -> Iterator[tuple[str, Tensor]]:
         for name, param in self.model.named_parameters():
             # Sharded: gathered one parameter at a time (every worker iterates with this one), in compute dtype.
             yield name, param.detach() if self._root is None else fsdp.full(param.detach()).to(self.compute_dtype)

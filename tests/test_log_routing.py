@@ -31,6 +31,7 @@ class EchoWorkflow(Workflow):
         wf_helper.note()
         print("wf-print", workflow_task.task.task_id)
         await asyncio.to_thread(print, "wf-thread-print")  # a synchronous agent's print, in a worker thread
+        await asyncio.get_running_loop().run_in_executor(None, print, "wf-executor-print")
         print("wf-partial-line", end="")  # no newline: written when the episode ends
         return WorkflowOutput(reward=None, metadata={"final_answer": reply["content"]})
 '''
@@ -41,7 +42,7 @@ def note():
     logging.getLogger(__name__).debug("wf-helper-debug")
 '''
 LINES = ("wf-loguru-debug", "wf-stdlib-debug", "wf-helper-debug", "print: wf-print", "print: wf-thread-print",
-         "print: wf-partial-line")
+         "print: wf-executor-print", "print: wf-partial-line")
 
 
 def _write(tmp_path: Path, model_dir: Path) -> Path:
@@ -140,3 +141,27 @@ def test_library_code_outside_the_python_prefix_is_not_user_code(tmp_path, monke
         cached.cache_clear()  # the distributions are read once per process; this test added one
     assert not is_user_file(str(target / "lib_z" / "deep" / "mod.py"))
     assert is_user_file(str(tmp_path / "agent.py")) and is_user_file(str(target / "agent.py"))
+
+
+def test_a_users_stdout_sink_in_an_episode_neither_loops_nor_errors(tmp_path, capfd):
+    """A workflow's `logger.add(sys.stdout)`: its lines, written from an episode, reach the log once as prints;
+    loguru (whose handlers are not re-entrant) is never called back from inside its own sink."""
+    from loguru import logger
+
+    from astuner import logs
+
+    logs.setup_logging(tmp_path)
+    sink = logger.add(sys.stdout, format="user-sink {message}")
+    token = logs.EPISODE.set("train:t#0")
+    try:
+        logger.info("inside the episode")
+        print("a print", end="")
+        logs.end_episode_prints("train:t#0")
+    finally:
+        logs.EPISODE.reset(token)
+        logger.remove(sink)
+    out, err = capfd.readouterr()
+    assert "Logging error" not in err and "inside the episode" not in out
+    text = (tmp_path / "astuner.log").read_text()
+    assert text.count("[train:t#0] print: user-sink inside the episode") == 1
+    assert "[train:t#0] print: a print" in text

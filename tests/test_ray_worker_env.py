@@ -11,7 +11,7 @@ EXPORTED = {
     "NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO",
     "VLLM_ATTENTION_BACKEND": "FLASH_ATTN", "VLLM_CPU_KVCACHE_SPACE": "8",
     "CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUDA_LAUNCH_BLOCKING": "1",
-    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "expandable_segments:True",
     "NVIDIA_TF32_OVERRIDE": "0",
     "HF_HUB_OFFLINE": "1", "ASTUNER_CACHE": "/data/cache",
 }
@@ -19,6 +19,8 @@ NODE_OR_RAY_OWNED = {
     "CUDA_VISIBLE_DEVICES": "0,1",  # Ray sets each actor's own
     "NVIDIA_VISIBLE_DEVICES": "all",
     "VLLM_HOST_IP": "10.0.0.1",  # the driver's node
+    "CUDA_HOME": "/usr/local/cuda-12.8", "CUDA_VERSION": "12.8.1",  # the driver node's CUDA install
+    "NVIDIA_REQUIRE_CUDA": "cuda>=12.8",
     "RAY_ADDRESS": "10.0.0.1:6379", "HOME": "/root", "PATH": "/usr/bin", "NCCLX": "not a prefix match",
 }
 

@@ -167,13 +167,15 @@ def _cause(exc) -> str:
 
 
 FORWARDED_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "ASTUNER_CACHE", "PYTHONPATH",
-                  "PYTORCH_CUDA_ALLOC_CONF")
+                  "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # The settings of NCCL, vLLM, CUDA and NVIDIA's libraries a user exports before a run (NCCL_SOCKET_IFNAME,
 # NCCL_IB_HCA, VLLM_ATTENTION_BACKEND, CUDA_DEVICE_MAX_CONNECTIONS, NVIDIA_TF32_OVERRIDE, ...).
 FORWARDED_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "NVIDIA_")
-# Which devices an actor sees is Ray's to set (each actor its bundle's GPUs), and an address names this node
-# only: the driver's values would put every actor on the driver's GPUs or point it at the driver's host.
-NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "VLLM_HOST_IP"})
+# Which devices an actor sees is Ray's to set (each actor its bundle's GPUs); an address, a CUDA install's paths
+# and version name this node only: the driver's values would put every actor on the driver's GPUs, point it at
+# the driver's host, or send JIT compilers to a CUDA install its node may not have.
+NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "VLLM_HOST_IP", "CUDA_HOME", "CUDA_PATH",
+                           "CUDA_VERSION", "NVIDIA_REQUIRE_CUDA", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_ROOT"})
 
 
 def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """`astuner doctor`: the first-hour checklist of a node as one command, run before a long job.
 
 Each check returns a `Check`: pass, warn, fail or skip, with what was seen and, unless it passed, what to do.
-The checks run in order (`CHECKS`: the system's, `system.py`, then the model's, `model.py`, then the memory
-plan of a config); one failing check does not stop the others unless they need what it would have built (a model check
+The checks run in order (`CHECKS`: the system's and the config's memory plan, `system.py`, then the model's,
+`model.py`); one failing check does not stop the others unless they need what it would have built (a model check
 after the engine failed to start is skipped and says so). On CPU the checks that need CUDA are skipped with the
 reason, and the rest run: that is how CI runs it.
 
@@ -30,15 +30,15 @@ from astuner.doctor.system import (
 
 log = logging.getLogger(__name__)
 
-# Every check, in the order they run: the model's need the shared memory checked first and the engine before
-# parity, sync and the cycle; the memory plan comes last, as the summary of the run to come.
+# Every check, in the order they run. The memory plan reads the free memory, so it runs before anything of the
+# doctor's own is loaded; then the model checks (model.py: the engine first, then the trainer beside it).
 CHECKS: dict[str, Callable[[Context], Check]] = {
     "versions": check_versions,
     "devices": check_devices,
     "sleep mode": check_sleep_mode,
     "shared memory": check_shared_memory,
-    **MODEL_CHECKS,
     "memory plan": check_memory_plan,
+    **MODEL_CHECKS,
 }
 
 

@@ -363,10 +363,12 @@ def doctor(
         raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)}.")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    loaded = None
     if conf:
         from astuner.config import load_config
 
-        model = model or load_config(conf, list(overrides or [])).typed.astuner.model.path
+        loaded = load_config(conf, list(overrides or []))
+        model = model or loaded.typed.astuner.model.path
     elif overrides:
         raise UserError("doctor: KEY=VALUE overrides need --conf (they change a config)")
     folder = Path(out) if out else Path(tempfile.mkdtemp(prefix="astuner-doctor-"))
@@ -375,8 +377,8 @@ def doctor(
     import torch
 
     ctx = Context(device="cuda" if torch.cuda.is_available() else "cpu",
-                  model=model or f"{DEMO_PREFIX}smollm2-135m-instruct", conf=conf, overrides=list(overrides or []), backbone=backbone, quick=quick,
-                  parity_tokens=parity_tokens, log_file=log_file)
+                  model=model or f"{DEMO_PREFIX}smollm2-135m-instruct", loaded=loaded, backbone=backbone,
+                  quick=quick, parity_tokens=parity_tokens, log_file=log_file)
     print(f"astuner doctor: {ctx.model} on {ctx.device}; details in {log_file}", file=sys.stderr, flush=True)
     width = 22
     results = run_checks(ctx, lambda check: print(check.line(width), flush=True))

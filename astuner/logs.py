@@ -48,12 +48,9 @@ class _EpisodeStdout(io.TextIOBase):
         self.console = console
         self._partial: dict[str, str] = {}  # episode -> text after its last newline
         self._lock = threading.Lock()
-        self._logging = threading.local()  # set while a line goes to the log: a sink on stdout must not loop
 
     def _episode(self) -> str | None:
-        if not _LOG_PATH or getattr(self._logging, "on", False):
-            return None
-        return EPISODE.get()
+        return EPISODE.get() if _LOG_PATH else None
 
     def write(self, text: str) -> int:
         episode = self._episode()
@@ -71,13 +68,10 @@ class _EpisodeStdout(io.TextIOBase):
         return len(text)
 
     def _log(self, episode: str, line: str) -> None:
-        self._logging.on = True
         try:
             _print_line(episode, line)
         except OSError:  # the log file gone (its folder removed): the console, rather than losing the line
             self.console.write(line + "\n")
-        finally:
-            self._logging.on = False
 
     def end_episode(self, episode: str) -> None:
         with self._lock:

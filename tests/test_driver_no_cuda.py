@@ -5,13 +5,11 @@ worker a function, and every torch.cuda query the driver could make raises."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from test_run_contract import write_run
 
 from astuner.backbone.ray_run import cluster_device
 from astuner.config import load_config
-from astuner.errors import WorkerLost
 from astuner.preflight import GIB
 
 GPU_NODE = {"CPU": 64.0, "GPU": 8.0, "memory": 512.0 * GIB}
@@ -60,17 +58,27 @@ def test_a_cpu_only_cluster_plans_for_cpu_whatever_the_driver_has(tmp_path, tiny
 
 def test_the_gpu_worker_probe_runs_in_a_ray_task_and_says_what_to_do_without_cuda():
     """A local cluster that claims a GPU on this CPU-only machine: the probe is scheduled on it (a GPU task) and
-    its worker, which has no CUDA, stops the run with what to check."""
+    its worker, which has no CUDA, stops the run with what to check. In a process of its own: a Ray session of
+    another test in this one must neither be reused nor stopped."""
     import os
+    import subprocess
+    import sys
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as ray_cluster.connect does
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("another test's Ray session is live")
-    ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False)
-    try:
-        with pytest.raises(WorkerLost, match="torch.cuda.is_available"):
-            cluster_device(ray.cluster_resources(), 60.0)
-    finally:
-        ray.shutdown()
+    script = """
+import os, sys
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as ray_cluster.connect does
+import ray
+from astuner.backbone.ray_run import cluster_device
+from astuner.errors import WorkerLost
+ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False)
+try:
+    cluster_device(ray.cluster_resources(), 60.0)
+except WorkerLost as exc:
+    print("WorkerLost:", exc)
+finally:
+    ray.shutdown()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WorkerLost:" in proc.stdout and "torch.cuda.is_available" in proc.stdout, proc.stdout[-3000:]

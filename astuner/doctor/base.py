@@ -42,8 +42,7 @@ class Context:
 
     device: str
     model: str  # a local folder or demo:NAME
-    conf: str | None = None
-    overrides: list[str] = field(default_factory=list)
+    loaded: object = None  # the --conf config (config.load_config), for its memory plan
     backbone: str = "debug"
     quick: bool = False  # skip the checks that load the model
     parity_tokens: int = 3000

@@ -53,8 +53,6 @@ def float_buffers_not_fp32(model) -> list[str]:
 def check_trainer(ctx: Context) -> Check:
     """Build the trainer at the device's precision; its floating buffers (rotary inv_freq) must stay fp32 under
     bf16, as vLLM keeps them, or logprobs drift with position. On an fp32 trainer a bf16 copy is probed."""
-    if ctx.quick:
-        return Check("trainer", "skip", "the trainer and its rotary buffers", "--quick")
     from astuner.precision import MasterWeights
     from astuner.trainer import Trainer
 
@@ -75,8 +73,6 @@ def check_trainer(ctx: Context) -> Check:
 
 
 def check_engine_start(ctx: Context) -> Check:
-    if ctx.quick:
-        return Check("engine start", "skip", "a vLLM engine start", "--quick")
     from astuner.config.derived import vllm_available
 
     if not vllm_available():
@@ -142,8 +138,6 @@ def parity_verdict(mean: float, worst: float, dtype: str) -> tuple[str, str]:
 
 def check_parity(ctx: Context) -> Check:
     name = "long-sequence parity"
-    if ctx.quick:
-        return Check(name, "skip", name, "--quick")
     if (missing := _needs(ctx, name, "engine", "trainer")) is not None:
         return missing
     from astuner.tokenizer import load_tokenizer
@@ -162,8 +156,6 @@ def check_parity(ctx: Context) -> Check:
 
 def check_sync(ctx: Context) -> Check:
     name = "weight sync"
-    if ctx.quick:
-        return Check(name, "skip", name, "--quick")
     if (missing := _needs(ctx, name, "engine", "trainer")) is not None:
         return missing
     engine = ctx.built["engine"]
@@ -179,8 +171,6 @@ def check_sync(ctx: Context) -> Check:
 def check_cycle(ctx: Context) -> Check:
     """sleep -> one train step -> release the trainer's cached memory -> wake by syncing -> parity again."""
     name = "sleep, train, wake"
-    if ctx.quick:
-        return Check(name, "skip", name, "--quick")
     if (missing := _needs(ctx, name, "engine", "trainer", "sampled")) is not None:
         return missing
     import torch

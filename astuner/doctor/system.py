@@ -90,22 +90,23 @@ def shm_verdict(free: int, needed: int) -> tuple[str, str]:
 def check_shared_memory(ctx: Context) -> Check:
     """Free room where syncs write (`/dev/shm`), and a real reservation of one model's weights there:
     `posix_fallocate` fails with ENOSPC where a sized-but-unbacked file would later die with SIGBUS."""
-    from astuner.engine.shared_weights import shm_dir
+    import shutil
+
+    from astuner.engine.shared_weights import reserve_space, shm_dir
 
     directory = shm_dir()
-    stats = os.statvfs(directory)
-    free = stats.f_bavail * stats.f_frsize
+    free = shutil.disk_usage(directory).free
     needed = ctx.built.get("sync_bytes", 0)
     status, todo = shm_verdict(free, needed)
     seen = f"{directory}: {free / GIB:.2f} GiB free"
     if needed:
         seen += f"; one sync of this model: {needed / GIB:.2f} GiB"
-    if status != "fail" and needed and hasattr(os, "posix_fallocate"):
+    if status != "fail" and needed:
         path = Path(directory) / f"astuner-doctor-{os.getpid()}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(fd, 0, needed)
+                reserve_space(fd, 0, needed)  # what a sync does: ENOSPC here, not SIGBUS later
                 seen += " (reserved and released)"
             finally:
                 os.close(fd)
@@ -133,15 +134,13 @@ def check_sleep_mode(ctx: Context) -> Check:
 
 def check_memory_plan(ctx: Context) -> Check:
     """The start-up memory plan of the given config (astuner/preflight.py), without loading any weights."""
-    if not ctx.conf:
+    if ctx.loaded is None:
         return Check("memory plan", "skip", "the run's memory plan", "give --conf x.yaml to plan that run")
     from astuner import preflight
-    from astuner.config import load_config
     from astuner.errors import UserError
     from astuner.runtime import build_policy_model_path
 
-    loaded = load_config(ctx.conf, ctx.overrides)
-    typed = loaded.typed
+    typed = ctx.loaded.typed
     model_path = build_policy_model_path(typed)
     facts = preflight.read_model_facts(model_path)
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,

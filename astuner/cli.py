@@ -302,6 +302,9 @@ def warmstart(
     epochs: Annotated[int, typer.Option(help="SFT passes over them.", min=1)] = 2,
     episodes: Annotated[int, typer.Option("--dry-run-episodes", help="Episodes of the dry run.", min=1)] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the demonstrations.")] = 0,
+    chain_share: Annotated[float | None, typer.Option(
+        help="Share of the demonstrations that chain two calls (one tool's result passed to another). Default: 0.5 "
+        "with several tools, 0 with one.", min=0.0, max=1.0, show_default=False)] = None,
     out: Annotated[str | None, typer.Option(help="The SFT run's folder. Default: <experiment_dir>_warmstart.",
                                             show_default=False)] = None,
 ) -> None:
@@ -317,7 +320,8 @@ def warmstart(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed)
+    settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed,
+                                 chain_share=chain_share)
     result = run_warmstart(conf, list(overrides or []), tools, out, settings,
                            say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
     # stdout: the result, its last line the GRPO command to run next (copied as it is)

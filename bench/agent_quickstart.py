@@ -78,11 +78,13 @@ def val_point(row: dict, minutes: float) -> dict:
 def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
     name = f"{mode}_seed{seed}"
     folder = out / name
-    cmd = [sys.executable, "-m", "astuner.cli", "--conf", str(TUTORIAL / "agent_quickstart.yaml"),
+    conf = getattr(args, "conf", None) or TUTORIAL / "agent_quickstart.yaml"
+    workflow = [f"astuner.rollout.agentscope_workflow='{args.workflow}'"] if args.workflow else []
+    cmd = [sys.executable, "-m", "astuner.cli", "--conf", str(conf),
            f"astuner.model.path={model}", f"astuner.seed={seed}", f"astuner.experiment_dir={folder}",
            f"astuner.rollout.multi_turn.sample_mode={mode}", f"astuner.trainer_common.total_training_steps={args.steps}",
            f"astuner.trainer_common.test_freq={args.test_freq}", "astuner.trainer_common.val_before_train=true",
-           f"astuner.rollout.agentscope_workflow='{args.workflow}'", *args.overrides]
+           *workflow, *args.overrides]
     metrics = folder / "metrics.jsonl"
     curve, train = [], []
     seen = 0

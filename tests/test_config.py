@@ -100,6 +100,15 @@ def test_seed_yaml_composes_verbatim_from_another_cwd(seed_file, elsewhere):
     assert "astuner.trainer_common.optim.lr" not in loaded.user_keys
 
 
+@pytest.mark.parametrize("value", ["my_agent.py->MyAgent", "'my_agent.py->MyAgent'", '"my_agent.py->MyAgent"',
+                                   "pkg.mod->Agent"])
+def test_a_class_path_override_needs_no_hydra_quotes(seed_file, elsewhere, value):
+    # `key='file.py->Class'` reaches us without its quotes from a shell; Hydra alone would call it malformed.
+    loaded = load_config(seed_file, [f"astuner.rollout.agentscope_workflow={value}"])
+    assert loaded.cfg.astuner.rollout.agentscope_workflow == value.strip("'\"")
+    assert "malformed" in config_error(seed_file, ["astuner.rollout.temperature=0.5>"])
+
+
 def test_cfg_is_read_only_and_strict(seed_file, elsewhere):
     cfg = load_config(seed_file).cfg
     with pytest.raises(ReadonlyConfigError):

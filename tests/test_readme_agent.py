@@ -124,7 +124,8 @@ def tutorial_readmes() -> list[Path]:
 @pytest.mark.parametrize("readme", tutorial_readmes(), ids=lambda p: str(p.relative_to(REPO / "tutorial").parent))
 def test_tutorial_readme_reads_only_run_folders_its_commands_write(readme):
     """A path launcher_record/<run>/... in a tutorial's commands names a folder one of its `astuner --conf` runs
-    writes: the YAML's file name, or the command's astuner.experiment_dir."""
+    writes: the YAML's file name, or the command's astuner.experiment_dir (`astuner warmstart`: the YAML's name and
+    `_warmstart`)."""
     written, read = set(), set()
     for lang, body in code_blocks(readme.read_text()):
         if lang != "bash":
@@ -134,5 +135,7 @@ def test_tutorial_readme_reads_only_run_folders_its_commands_write(readme):
             if args[:2] == ["astuner", "--conf"]:
                 chosen = [a.split("=", 1)[1] for a in args if a.startswith("astuner.experiment_dir=")]
                 written.add(chosen[0] if chosen else f"launcher_record/{Path(args[2]).stem}")
+            if args[:3] == ["astuner", "warmstart", "--conf"]:  # its SFT's folder: <experiment_dir>_warmstart
+                written.add(f"launcher_record/{Path(args[3]).stem}_warmstart")
             read |= {m for a in args for m in re.findall(r"launcher_record/[^/\s=]+(?=/)", a)}
     assert read <= written, f"{readme}: reads {sorted(read - written)}, its commands write {sorted(written)}"

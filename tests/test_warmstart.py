@@ -118,6 +118,17 @@ def test_twins_of_an_unseen_schema_keep_its_shapes_and_none_of_its_names():
     assert chains >= 4 and optional_passed == {True, False}
 
 
+def test_chains_are_half_with_several_tools_none_with_one_and_the_share_is_checked():
+    from astuner.tool_demos import demonstrations
+
+    chains = lambda rows: sum(len(calls_of(r)) == 2 for r in rows)  # noqa: E731
+    assert chains(demonstrations(USER_TOOLS, count=32, seed=0)) == 16
+    assert chains(demonstrations([BOOK_HALL], count=32, seed=0)) == 0
+    assert chains(demonstrations([BOOK_HALL], count=32, seed=0, chain_share=0.25)) == 8
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        demonstrations(USER_TOOLS, chain_share=1.5)
+
+
 # Mistral Nemo's template moves the tools to the last user turn, so no SFT conversation with tools splits into
 # turns there (offline/data.py refuses it, naming the message).
 FAMILIES = ["demo", "qwen2.5", "llama3.1", "qwen3_coder"]

@@ -46,7 +46,7 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
     path = _locate(yaml_path)
     raw = _read_yaml(path)
     check_user_shape(raw, path)
-    overrides = tuple(overrides)
+    overrides = tuple(quote_class_paths(overrides))
     origins = _check_overrides(overrides, path)
     primary = _rewrite_primary(raw, path)
     cfg = _compose(primary, overrides, path)
@@ -263,6 +263,19 @@ def _rewrite_primary(raw: dict, path: Path) -> dict:
     doc["hydra"] = {"searchpath": list(dict.fromkeys(searchpath))}
     doc["defaults"] = _complete_defaults(doc.get("defaults"), path)
     return doc
+
+
+def quote_class_paths(overrides: Sequence[str]) -> list[str]:
+    """`key=file.py->Class` as a shell leaves it (`key='file.py->Class'` loses its quotes there) quoted for Hydra,
+    whose grammar reads '>' as an operator: a `module->Class` value is written one way on every shell. Values
+    already quoted, and any other override, pass unchanged."""
+    out = []
+    for text in overrides:
+        key, sep, value = text.partition("=") if isinstance(text, str) else ("", "", "")
+        if sep and "->" in value and value[:1] not in ("'", '"') and not any(c in value for c in "'\\[]{},"):
+            text = f"{key}='{value}'"
+        out.append(text)
+    return out
 
 
 def _check_overrides(overrides: Sequence[str], source: Path) -> dict[str, tuple[str, Any]]:

@@ -40,6 +40,7 @@ class WarmStartSettings:
     epochs: int = 2
     dry_run_episodes: int = 4
     seed: int = 0
+    chain_share: float | None = None  # episodes that chain two calls; None: tool_demos.default_chain_share
     lr: float = 5.0e-5  # the agent quick-start's SFT rate; a GRPO config's own lr is usually far lower
     batch_size: int = 4
 
@@ -169,7 +170,7 @@ def _quoted(path: Path) -> str:
 def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSettings) -> int:
     from astuner.tool_demos import demonstrations
 
-    rows = demonstrations(tools, count=settings.count, seed=settings.seed)
+    rows = demonstrations(tools, count=settings.count, seed=settings.seed, chain_share=settings.chain_share)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / TOOLS).write_text(json.dumps(tools, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (folder / DEMONSTRATIONS).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),

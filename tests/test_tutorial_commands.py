@@ -1,0 +1,160 @@
+"""Every tutorial README's commands, run as written: each README's bash blocks, in order, as one `bash -e` script
+from the root of a copy of the repository's tutorials (so `cd tutorial/...`, relative paths and the run folders
+the later commands read are the reader's).
+
+Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
+random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task and 8-token
+turns appended to each run, eval and warm start, and no stop for steps without signal (a key the command sets itself is left to it). Step counts are kept, so a
+command that reads `launcher_record/<run>/global_step_N` reads what the commands before it wrote. `astuner
+logview` is started, its runs read from its JSON API, and stopped.
+
+Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
+a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
+runs its functions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from test_readme_agent import code_blocks
+
+SKIPPED = {
+    "pip install ": "set-up: CI's set-up installs every extra",
+    "bash scripts/quickstart.sh": "set-up and the full-size quick-start; its next line runs the same YAML",
+    "/path/to/": "a placeholder for a model and data the reader has",
+    "python tutorial/tune_api/quickstart_tune.py": "tune() at full size (7 min), which a stand-in on the PATH cannot "
+                                                    "shrink; tests/test_tune.py runs its workflow and judge",
+}
+SHRINK = {  # appended to every run and eval unless the command sets the key itself
+    "astuner.rollout.engine": "hf",
+    "astuner.rollout.num_repeat": "2",
+    "astuner.rollout.max_response_length_in_one_turn": "8",
+    "astuner.data.max_response_length": "32",
+    # A random model earns no reward: its steps carry no signal, which would stop a run after a few.
+    "astuner.trainer_common.max_idle_steps": "1000",
+}
+
+STAND_IN = '''#!{python}
+"""`astuner` for the tutorial commands' test: the real CLI, smaller (tests/test_tutorial_commands.py)."""
+import json, os, subprocess, sys, time, urllib.request
+
+TINY, SHRINK = {tiny!r}, {shrink!r}
+args = sys.argv[1:]
+real = [sys.executable, "-m", "astuner.cli"]
+if args[:1] == ["logview"]:
+    # A server: start it, read its runs through the JSON API, stop it.
+    proc = subprocess.Popen(real + args + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline, url = time.time() + 60, None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        if "http://127.0.0.1:" in line:
+            url = "http://127.0.0.1:" + line.split("http://127.0.0.1:", 1)[1].split("/")[0].split()[0]
+            break
+        if time.time() > deadline:
+            break
+    try:
+        if url is None:
+            sys.exit("logview printed no address")
+        runs = json.load(urllib.request.urlopen(url + "/api/runs", timeout=30))["runs"]
+        print("logview runs:", len(runs))
+        sys.exit(0 if runs else "logview lists no run")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+given = {{a.split("=", 1)[0].lstrip("+") for a in args if "=" in a and not a.startswith("-")}}
+if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"]):
+    args = [a.replace("demo:smollm2-135m-instruct", TINY) for a in args]
+    extra = {{k: v for k, v in SHRINK.items() if k not in given}}
+    if "astuner.model.path" not in given:
+        extra["astuner.model.path"] = TINY
+    args = args + [f"{{k}}={{v}}" for k, v in extra.items()]
+sys.exit(subprocess.call(real + args))
+'''
+
+
+def readme_script(readme: Path) -> tuple[str, list[str]]:
+    """The README's bash blocks as one script, and the lines left out (each replaced by a `:` with its reason)."""
+    lines, skipped = [], []
+    for lang, body in code_blocks(readme.read_text()):
+        if lang != "bash":
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            reason = next((why for key, why in SKIPPED.items() if key in line), None)
+            if reason:
+                skipped.append(line.strip())
+                lines.append(f": skipped, {reason!r}")
+            else:
+                lines.append(line)
+    return "\n".join(lines) + "\n", skipped
+
+
+def readmes() -> list[Path]:
+    return sorted(p for p in (REPO / "tutorial").glob("**/README.md") if "```bash" in p.read_text())
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory, tiny_model_dir) -> Path:
+    # The tiny model with the demo model's position limit (8192): the tutorials' max_model_len stay as written.
+    tiny = tmp_path_factory.mktemp("tiny_8k")
+    shutil.copytree(tiny_model_dir, tiny, dirs_exist_ok=True)
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    folder = tmp_path_factory.mktemp("bin")
+    path = folder / "astuner"
+    path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return folder
+
+
+def test_readme_script_keeps_every_line_and_says_why_one_is_left_out():
+    readme = REPO / "tutorial" / "quickstart" / "README.md"
+    script, skipped = readme_script(readme)
+    assert skipped == ["bash scripts/quickstart.sh        # from the repository root; or, with .venv set up:"]
+    assert "astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug" in script
+    assert "set-up and the full-size quick-start" in script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("readme", readmes(), ids=lambda p: str(p.relative_to(REPO / "tutorial").parent))
+def test_tutorial_readme_commands_run_as_written(readme, tmp_path, stand_in):
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "tutorial", root / "tutorial",
+                    ignore=shutil.ignore_patterns("launcher_record", "__pycache__", "*.png"))
+    script, _ = readme_script(readme)
+    (tmp_path / "commands.sh").write_text(script)
+    env = {**os.environ, "PATH": f"{stand_in}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONUNBUFFERED": "1"}
+    # Its own session, output to a file: a server the README starts with `&` outlives the script (and would hold a
+    # pipe open); it is stopped with the session.
+    log = tmp_path / "commands.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-e", str(tmp_path / "commands.sh")], cwd=root, env=env,
+                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    out = log.read_text()
+    assert proc.returncode == 0, textwrap.shorten(script, 2000) + "\n---\n" + out[-6000:]
+    # Each run wrote its checkpoints: a run that trained nothing is no proof.
+    for line in script.splitlines():
+        match = re.match(r"\s*astuner --conf (\S+)", line)
+        if match and "experiment_dir=" not in line:
+            assert list(root.glob(f"**/launcher_record/{Path(match.group(1)).stem}/global_step_*")), line

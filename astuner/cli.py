@@ -325,6 +325,9 @@ def warmstart(
     result = run_warmstart(conf, list(overrides or []), tools, out, settings,
                            say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
     # stdout: the result, its last line the GRPO command to run next (copied as it is)
+    # A warm start is a draw of demonstrations: on a two-tool task some draws left GRPO no reward to compare.
+    print("astuner: if the GRPO run stops without a learning signal (every episode 0), draw another warm start with "
+          "--seed 1 (then 2, ...)", file=sys.stderr)
     print(f"astuner: warm start done: checkpoint {result.checkpoint}; train from it (add your --backbone) with:")
     print(result.command)
 

@@ -98,8 +98,8 @@ class Plain:
             raise TrainingStalled(
                 f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
                 f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
-                "the task may be too hard (all 0) or too easy (all 1) for this model, or raise "
-                "astuner.trainer_common.max_idle_steps." + "".join(f" Also: {w}" for w in self.standing_warnings())
+                "the task may be too hard (all 0) or too easy (all 1) for this model (from a warm start that scores "
+                "all 0, draw another: `astuner warmstart --seed 1`), or raise astuner.trainer_common.max_idle_steps." + "".join(f" Also: {w}" for w in self.standing_warnings())
             )
 
     @staticmethod

@@ -3,10 +3,10 @@ from the root of a copy of the repository's tutorials (so `cd tutorial/...`, rel
 the later commands read are the reader's).
 
 Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
-random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task and 8-token
-turns appended to each run, eval and warm start, and no stop for steps without signal (a key the command sets itself is left to it). Step counts are kept, so a
-command that reads `launcher_record/<run>/global_step_N` reads what the commands before it wrote. `astuner
-logview` is started, its runs read from its JSON API, and stopped.
+random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns
+and no stop for steps without signal appended to each run, eval and warm start (a key the command sets itself is
+left to it). Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
+commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and stopped.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
 a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
@@ -49,7 +49,7 @@ SHRINK = {  # appended to every run and eval unless the command sets the key its
 
 STAND_IN = '''#!{python}
 """`astuner` for the tutorial commands' test: the real CLI, smaller (tests/test_tutorial_commands.py)."""
-import json, os, subprocess, sys, time, urllib.request
+import json, subprocess, sys, time, urllib.request
 
 TINY, SHRINK = {tiny!r}, {shrink!r}
 args = sys.argv[1:]
@@ -58,7 +58,7 @@ if args[:1] == ["logview"]:
     # A server: start it, read its runs through the JSON API, stop it.
     proc = subprocess.Popen(real + args + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    deadline, url = time.time() + 60, None
+    deadline, url = time.time() + 60, None  # and the test's own deadline, should it print nothing at all
     for line in proc.stdout:
         sys.stderr.write(line)
         if "http://127.0.0.1:" in line:

@@ -221,6 +221,7 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
                                             f"astuner.data.train_batch_size=2 astuner.model.path={checkpoint} "
                                             f"astuner.experiment_dir={tmp_path / 'run_from_warmstart'}")
     assert (checkpoint / "config.json").is_file()
+    assert "draw another warm start with --seed 1" in err  # what to do when GRPO then finds no reward
     rows = [json.loads(line) for line in (folder / "demonstrations.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and not {n for r in rows for n, _ in calls_of(r)} & USER_WORDS
     assert json.loads((folder / "tools.json").read_text()) == USER_TOOLS

@@ -302,6 +302,9 @@ def warmstart(
     epochs: Annotated[int, typer.Option(help="SFT passes over them.", min=1)] = 2,
     episodes: Annotated[int, typer.Option("--dry-run-episodes", help="Episodes of the dry run.", min=1)] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the demonstrations.")] = 0,
+    draws: Annotated[int, typer.Option(
+        help="Warm starts to try at most: after each SFT a few episodes are sampled on the training tasks and scored "
+        "by your judge; when none scores, other demonstrations are drawn (the next seed).", min=1)] = 3,
     chain_share: Annotated[float | None, typer.Option(
         help="Share of the demonstrations that chain two calls (one tool's result passed to another). Default: 0.5 "
         "with several tools, 0 with one.", min=0.0, max=1.0, show_default=False)] = None,
@@ -311,8 +314,9 @@ def warmstart(
     """Warm-start a tool agent: SFT on demonstrations of made-up tools shaped like the agent's own.
 
     The tools' schemas come from a dry run of the workflow (or --tools FILE); the demonstrations use other tool
-    names and values with the same argument shapes and types, so GRPO still has the task to learn. Prints the
-    checkpoint to train from.
+    names and values with the same argument shapes and types, so GRPO still has the task to learn. After the SFT,
+    episodes sampled on the training tasks check that some score (else other demonstrations are drawn). Prints
+    the checkpoint to train from.
 
     Example: astuner warmstart --conf tutorial/agent_quickstart/agent_quickstart.yaml
     """
@@ -321,13 +325,13 @@ def warmstart(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed,
-                                 chain_share=chain_share)
+                                 draws=draws, chain_share=chain_share)
     result = run_warmstart(conf, list(overrides or []), tools, out, settings,
                            say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
     # stdout: the result, its last line the GRPO command to run next (copied as it is)
     # A warm start is a draw of demonstrations: on a two-tool task some draws left GRPO no reward to compare.
-    print("astuner: if the GRPO run stops without a learning signal (every episode 0), draw another warm start with "
-          "--seed 1 (then 2, ...)", file=sys.stderr)
+    print(f"astuner: if the GRPO run stops without a learning signal (every episode 0), draw other demonstrations "
+          f"with --seed {seed + draws}", file=sys.stderr)
     print(f"astuner: warm start done: checkpoint {result.checkpoint}; train from it (add your --backbone) with:")
     print(result.command)
 

@@ -210,24 +210,65 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(USER_TOOLS))
     run = tmp_path / "run"
+    small = ["astuner.data.train_batch_size=2", "astuner.rollout.engine=hf",
+             "astuner.rollout.max_response_length_in_one_turn=8"]
     code = main(["warmstart", "--conf", str(TUTORIAL / "agent_quickstart.yaml"), "--tools", str(tools),
-                 "--count", "4", "--epochs", "1", f"astuner.experiment_dir={run}",
-                 f"astuner.model.path={tiny_model_dir}", "astuner.data.train_batch_size=2"])
+                 "--count", "4", "--epochs", "1", "--draws", "2", f"astuner.experiment_dir={run}",
+                 f"astuner.model.path={tiny_model_dir}", *small])
     out, err = capsys.readouterr()
     assert code == 0, err
-    folder = tmp_path / "run_warmstart"
+    # A random model scores no episode: the check draws once more (seed 1, a fresh folder), then says so.
+    first, folder = tmp_path / "run_warmstart", tmp_path / "run_warmstart_1"
     checkpoint = folder / "global_step_2"
     assert out.strip().splitlines()[-1] == (f"astuner --conf {TUTORIAL / 'agent_quickstart.yaml'} "
-                                            f"astuner.data.train_batch_size=2 astuner.model.path={checkpoint} "
+                                            f"{' '.join(small)} astuner.model.path={checkpoint} "
                                             f"astuner.experiment_dir={tmp_path / 'run_from_warmstart'}")
-    assert (checkpoint / "config.json").is_file()
-    assert "draw another warm start with --seed 1" in err  # what to do when GRPO then finds no reward
+    assert (checkpoint / "config.json").is_file() and (first / "global_step_2" / "config.json").is_file()
+    assert "0 of 32 sampled episodes on 8 training task(s) scored" in err
+    assert "drawing other demonstrations (seed 1)" in err and "no draw of 2 scored" in err
+    assert "with --seed 2" in err  # what to do when GRPO then finds no reward
     rows = [json.loads(line) for line in (folder / "demonstrations.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and not {n for r in rows for n, _ in calls_of(r)} & USER_WORDS
+    assert rows != [json.loads(line) for line in (first / "demonstrations.jsonl").read_text().splitlines()]
     assert json.loads((folder / "tools.json").read_text()) == USER_TOOLS
     trained = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert len([m for m in trained if "actor/sft_loss" in m]) == 2
     assert not run.exists()  # the GRPO run's folder stays for GRPO
+
+
+def test_the_draw_check_counts_what_grpo_can_learn_from():
+    from types import SimpleNamespace as NS
+
+    from astuner.offline.warmstart import draw_check
+
+    def episodes(*groups):
+        return [NS(task=NS(task_id=f"t{i}"), reward=r, is_success=r == 1.0) for i, g in enumerate(groups) for r in g]
+
+    stuck = draw_check(episodes([0.0, 0.0], [0.0, 0.0]))
+    assert (stuck.scored, stuck.signal_tasks, stuck.tasks, stuck.stuck) == (0, 0, 2, True)
+    # A format credit paid to every episode is no signal either.
+    assert draw_check(episodes([0.3, 0.3], [0.3, 0.3])).stuck
+    mixed = draw_check(episodes([0.0, 1.0], [0.0, 0.0]))
+    assert (mixed.scored, mixed.signal_tasks, mixed.stuck) == (1, 1, False)
+    solved = draw_check(episodes([1.0, 1.0]))  # nothing to compare, but nothing to fix by drawing again
+    assert (solved.scored, solved.signal_tasks, solved.stuck) == (2, 0, False)
+
+
+def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_task, monkeypatch, capsys):
+    from astuner.cli import main
+    from astuner.offline import warmstart
+
+    checks = iter([warmstart.DrawCheck(32, 0, 0, 8), warmstart.DrawCheck(32, 5, 3, 8)])
+    monkeypatch.setattr(warmstart, "check_warm_start", lambda loaded, checkpoint, settings: next(checks))
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(USER_TOOLS))
+    code = main(["warmstart", "--conf", str(TUTORIAL / "agent_quickstart.yaml"), "--tools", str(tools),
+                 "--count", "4", "--epochs", "1", "--seed", "5", f"astuner.experiment_dir={tmp_path / 'run'}",
+                 f"astuner.model.path={tiny_model_dir}", "astuner.data.train_batch_size=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "draw 2 of at most 3 (seed 6)" in err and "draw 3" not in err and "WARNING" not in err
+    assert f"astuner.model.path={tmp_path / 'run_warmstart_1' / 'global_step_2'}" in out.splitlines()[-1]
 
 
 def _tool(name: str, parameters, description: str = "d") -> dict:

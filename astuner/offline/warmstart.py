@@ -8,7 +8,10 @@
 3. the SFT: `algorithm.type: sft` on them (offline/run.py), with the config's model, chat template, tool prompt
    and trainer settings, so the protocol learned is the one the rollouts render. The folder is
    `<experiment_dir>_warmstart` (a fresh `_N` when it holds a run); its last checkpoint is what GRPO starts from.
-4. the command to run next: GRPO from that checkpoint, in a folder of its own (`<experiment_dir>_from_warmstart`),
+4. a check of the draw: episodes sampled with the warm start on the first training tasks, scored by the config's
+   judge. When none scores, GRPO from it would compare equal rewards only (measured on the agent quick-start: half
+   the draws did that), so other demonstrations are drawn (the next seed), up to `draws` warm starts;
+5. the command to run next: GRPO from that checkpoint, in a folder of its own (`<experiment_dir>_from_warmstart`),
    since the config's folder may hold a run of the base model that a resume would refuse to continue.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astuner.errors import UserError
@@ -40,6 +43,9 @@ class WarmStartSettings:
     epochs: int = 2
     dry_run_episodes: int = 4
     seed: int = 0
+    draws: int = 3  # warm starts tried (seeds seed, seed + 1, ...) until one's sampled episodes score
+    check_tasks: int = 8
+    check_samples: int = 4  # episodes per task, at the config's temperature
     chain_share: float | None = None  # episodes that chain two calls; None: tool_demos.default_chain_share
     lr: float = 5.0e-5  # the agent quick-start's SFT rate; a GRPO config's own lr is usually far lower
     batch_size: int = 4
@@ -83,29 +89,14 @@ def distinct_tools(calls) -> list[dict]:
     return list(by_name.values())
 
 
-def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
-    """Run `episodes` greedy episodes of the workflow (validation tasks first) and collect the tools offered."""
+def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | None = None) -> list:
+    """Episodes of the config's workflow and judge on `tasks` with the model at `model_path`: one greedy episode
+    per task, or `sampled_repeats` per task at the config's temperature."""
     from astuner import preflight
-    from astuner.runtime import (
-        build_engine,
-        build_judge,
-        build_policy_model_path,
-        build_runner,
-        load_tokenizer,
-        load_workflow,
-        quiet_library_progress,
-    )
-    from astuner.task_reader import build_task_reader
+    from astuner.runtime import build_engine, build_judge, build_runner, load_tokenizer, load_workflow
 
     typed = loaded.typed
-    quiet_library_progress()
     workflow_cls, judge = load_workflow(loaded), build_judge(loaded)
-    reader = build_task_reader(typed, loaded.config_dir)
-    tasks = (reader.validation_tasks() or reader.training_tasks())[:episodes]
-    if not tasks:
-        raise UserError("warmstart: the config has no tasks to run the dry run on; give the tools with --tools FILE "
-                        "(a JSON list of OpenAI function schemas)")
-    model_path = build_policy_model_path(typed)
     facts = preflight.read_model_facts(model_path)
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
                                               typed.astuner.rollout.max_response_length_in_one_turn)
@@ -113,10 +104,24 @@ def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
     engine = build_engine(typed, model_path, tokenizer, max_len)
     runner = build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path, max_len)
     try:
-        done = runner.run(tasks, validation=True)
+        return runner.run(tasks, validation=True, sampled_repeats=sampled_repeats)
     finally:
         runner.close()
         engine.shutdown()
+
+
+def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
+    """Run `episodes` greedy episodes of the workflow (validation tasks first) and collect the tools offered."""
+    from astuner.runtime import build_policy_model_path, quiet_library_progress
+    from astuner.task_reader import build_task_reader
+
+    quiet_library_progress()
+    reader = build_task_reader(loaded.typed, loaded.config_dir)
+    tasks = (reader.validation_tasks() or reader.training_tasks())[:episodes]
+    if not tasks:
+        raise UserError("warmstart: the config has no tasks to run the dry run on; give the tools with --tools FILE "
+                        "(a JSON list of OpenAI function schemas)")
+    done = run_episodes(loaded, build_policy_model_path(loaded.typed), tasks)
     tools = distinct_tools(call for episode in done for call in episode.calls)
     if not tools:
         errors = [e.error_summary for e in done if e.error_summary]
@@ -125,6 +130,40 @@ def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
                         "agent must pass `tools=` to the model call; or give them with --tools FILE (a JSON list of "
                         "OpenAI function schemas)")
     return tools
+
+
+@dataclass(frozen=True)
+class DrawCheck:
+    """Sampled episodes of a warm-started model on the training tasks, scored by the config's judge."""
+
+    episodes: int
+    scored: int  # episodes that succeeded, or whose reward is above the lowest seen
+    signal_tasks: int  # tasks whose episodes' rewards differ: the groups GRPO learns from
+    tasks: int
+
+    @property
+    def stuck(self) -> bool:
+        """No episode scored: GRPO from this model would compare equal rewards only."""
+        return self.scored == 0
+
+
+def draw_check(episodes: list) -> DrawCheck:
+    rewards = [e.reward for e in episodes]
+    low = min(rewards, default=0.0)
+    by_task: dict[str, set] = {}
+    for e in episodes:
+        by_task.setdefault(e.task.task_id, set()).add(e.reward)
+    return DrawCheck(episodes=len(episodes), scored=sum(e.is_success or e.reward > low for e in episodes),
+                     signal_tasks=sum(len(r) > 1 for r in by_task.values()), tasks=len(by_task))
+
+
+def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> DrawCheck:
+    """Sample `check_samples` episodes on each of the first `check_tasks` training tasks with the warm start."""
+    from astuner.task_reader import build_task_reader
+
+    reader = build_task_reader(loaded.typed, loaded.config_dir)
+    tasks = (reader.training_tasks() or reader.validation_tasks())[:settings.check_tasks]
+    return draw_check(run_episodes(loaded, str(checkpoint), tasks, settings.check_samples))
 
 
 def warmstart_folder(loaded, out: str | None) -> Path:
@@ -181,8 +220,8 @@ def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSet
 def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: str | None,
                   settings: WarmStartSettings, say) -> WarmStartResult:
     """The command's work (module docstring); `say(line)` reports progress and the notes on the tools."""
-    from astuner.config import load_config, save_config
-    from astuner.offline import run as offline_run
+    from astuner.config import load_config
+    from astuner.logs import setup_logging
 
     loaded = load_config(conf, overrides)
     folder = warmstart_folder(loaded, out)
@@ -191,8 +230,6 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         tools = read_tools_file(Path(tools_file).expanduser())
         source = tools_file
     else:
-        from astuner.logs import setup_logging
-
         # vLLM's output and the workflow's lines go to a log file, as in a run: the console keeps to progress.
         log_file = setup_logging(folder, "dry_run.log")
         say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
@@ -201,18 +238,45 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         source = "the dry run"
     notes = checked(tools, f"warmstart: the tools of {source}")
     names = [t.get("function", t)["name"] for t in tools]
-    count = write_demonstrations(folder, tools, settings)
-    say(f"warmstart: {len(tools)} tool(s) from {source} ({', '.join(names)}); {count} demonstrations with made-up "
-        f"tools of the same argument shapes in {folder / DEMONSTRATIONS}")
     for note in dict.fromkeys(notes):
         say(f"warmstart: {note}")
+    for draw in range(settings.draws):
+        seed = settings.seed + draw
+        if draw:  # the previous draw's folder holds its run: a fresh one
+            folder = warmstart_folder(loaded, out)
+            sft_keys = sft_overrides(folder, settings, loaded.typed.astuner.project_name, overrides)
+        count = write_demonstrations(folder, tools, replace(settings, seed=seed))
+        say(f"warmstart: draw {draw + 1} of at most {settings.draws} (seed {seed}): {len(tools)} tool(s) from {source} "
+            f"({', '.join(names)}); {count} demonstrations with made-up tools of the same argument shapes in "
+            f"{folder / DEMONSTRATIONS}")
+        checkpoint = _sft(conf, sft_keys, folder)
+        setup_logging(folder, "check.log")
+        check = check_warm_start(loaded, checkpoint, settings)
+        say(f"warmstart: {checkpoint}: {check.scored} of {check.episodes} sampled episodes on {check.tasks} training "
+            f"task(s) scored; {check.signal_tasks} task(s) give GRPO rewards to compare (log: {folder / 'check.log'})")
+        if not check.stuck:
+            break
+        if draw + 1 < settings.draws:
+            say(f"warmstart: no episode scored, so GRPO from it would compare equal rewards only: drawing other "
+                f"demonstrations (seed {seed + 1})")
+        else:
+            say(f"warmstart: WARNING: no draw of {settings.draws} scored on the training tasks; GRPO from the last one "
+                "will likely stop without a learning signal. Try --draws with more, a few demonstrations of your own "
+                "task (algorithm.type sft on offline_data), or a larger model")
+    return WarmStartResult(checkpoint, grpo_command(conf, overrides, grpo_folder(loaded.experiment_dir), checkpoint))
+
+
+def _sft(conf: str, sft_keys: list[str], folder: Path) -> Path:
+    """The SFT of one draw; its last checkpoint."""
+    from astuner.config import load_config, save_config
+    from astuner.offline import run as offline_run
+
     sft = load_config(conf, sft_keys)
     save_config(sft)
     summary = offline_run.run(sft)
     if summary.last_checkpoint is None:
         raise UserError(f"warmstart: the SFT in {folder} wrote no checkpoint; see {folder / 'astuner.log'}")
-    checkpoint = Path(summary.last_checkpoint)
-    return WarmStartResult(checkpoint, grpo_command(conf, overrides, grpo_folder(loaded.experiment_dir), checkpoint))
+    return Path(summary.last_checkpoint)
 
 
 def grpo_folder(experiment_dir: Path) -> Path:

@@ -228,3 +228,11 @@ def test_mistral_text_after_the_calls_is_content_and_a_second_marker_more_calls(
 def test_reasoning_markers_never_reach_the_agent(parser, text, reasoning, content):
     split = parser.split(text)
     assert (split.reasoning, split.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("raw, value", [("0\x0c", "0\x0c"), ("\x1c7", "\x1c7"), (" 7\t", 7), ("\n[1]\r\n", [1])])
+def test_only_json_whitespace_is_trimmed_before_a_value_is_read_as_json(raw, value):
+    # str.strip() also trims form feeds and other Unicode spaces: "0\x0c" came back as the number 0 (fuzzed).
+    text = f"<tool_call>\n<function=f>\n<parameter=x>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+    out = TOOL_PARSERS["qwen3_coder"]().parse(text, {"f"})
+    assert out.errors == [] and [(c.name, c.arguments) for c in out.tool_calls] == [("f", {"x": value})]

@@ -98,9 +98,13 @@ def _raw_decode(text: str, pos: int = 0) -> tuple[Any, int]:
         raise json.JSONDecodeError(str(exc), text, pos) from None
 
 
+JSON_WHITESPACE = " \t\n\r"
+
+
 def _loads(text: str) -> Any:
-    """json.loads with the failures of `_raw_decode`."""
-    stripped = text.strip()
+    """json.loads with the failures of `_raw_decode`. Only JSON's whitespace is trimmed: a 0 followed by a form
+    feed is not JSON (str.strip would make it 0), and stays the text the model wrote."""
+    stripped = text.strip(JSON_WHITESPACE)
     value, end = _raw_decode(stripped)
     if end != len(stripped):
         raise json.JSONDecodeError("Extra data", stripped, end)

@@ -12,10 +12,8 @@ episode is being judged (`judging_deadline`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
 from typing import Any
 
 from astuner.errors import UserError
@@ -158,12 +156,3 @@ def judging_deadline(models: dict[str, Any], deadline: float) -> None:
     for model in models.values():
         if hasattr(model, "deadline"):
             model.deadline = deadline
-
-
-async def with_deadline(coro, seconds: float, what: str):
-    """Await `coro`, failing with a message naming `what` after `seconds`."""
-    start = time.monotonic()
-    try:
-        return await asyncio.wait_for(coro, timeout=seconds)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{what} took longer than {seconds:g}s (after {time.monotonic() - start:.1f}s)") from None

@@ -27,7 +27,6 @@ try:
 except ImportError:  # only newer Typer gets here, and it needs no click
     pass
 
-BACKBONES = ("debug", "verl", "trinity")
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
 TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports it
@@ -112,6 +111,8 @@ def _sigterm_as_interrupt():
 
 def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
     """The command's work, without argument parsing. Raises UserError for bad input."""
+    from astuner.backbone import BACKBONES  # the registry; light (no torch, no Hydra)
+
     if backbone not in BACKBONES:
         raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
     if with_ray and backbone == "debug":
@@ -272,7 +273,7 @@ def export(
     """
     from pathlib import Path
 
-    from astuner.lora import export_merged
+    from astuner.trainer.lora import export_merged
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"export --dtype {dtype}: use float32, bfloat16 or float16")
@@ -369,6 +370,8 @@ def doctor(
     from astuner.doctor import Context, run_checks, summary, write_json
     from astuner.logs import setup_logging
     from astuner.model_cache import DEMO_PREFIX
+
+    from astuner.backbone import BACKBONES
 
     if backbone not in BACKBONES:
         raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)}.")

@@ -177,11 +177,6 @@ class EnvServiceClient:
         raise self._give_up(method, path, last)
 
 
-def client_from_config(typed) -> EnvServiceClient:
-    env = typed.astuner.task_reader.env_service
-    return EnvServiceClient(env.env_url or "", env.env_type, env.request_timeout, env.retries)
-
-
 def client_for(task) -> EnvServiceClient:
     """The client of the service a task came from (the env_service reader links it in the task's metadata)."""
     link = (getattr(task, "metadata", None) or {}).get("env_service")

@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from astuner.algorithm.registry import STD_NORMALISED
 from astuner.errors import WorkerLost
 from astuner.selection import choose_selection
 from astuner.stages import Stages
@@ -74,15 +73,17 @@ class LoopSettings:
     filter_metric: str = "score"
     max_num_gen_batches: int = 0
     val_num_repeat: int = 1
-    algorithm: str = "grpo"  # or "rft": SFT on the calls of episodes with reward >= rft_threshold
+    algorithm: str = "grpo"  # an algorithm.type (astuner/algorithm/catalog.py)
     rft_threshold: float = 1.0
     watchdog_factor: float = 3.0  # a step slower than this many median steps is reported (astuner/watchdog.py)
     stage_timeout_s: float | None = None  # a stage running longer stops the run (None: no deadline)
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
+        from astuner.config.effective import effective
+
+        typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
         a, tc = typed.astuner, typed.astuner.trainer_common
-        std = tc.algorithm.adv_estimator in STD_NORMALISED and tc.algorithm.norm_adv_by_std_in_grpo
         fg = tc.algorithm.filter_groups
         return cls(
             train_batch_size=a.data.train_batch_size,
@@ -94,19 +95,18 @@ class LoopSettings:
             shuffle=a.data.shuffle,
             seed=a.seed,
             adv_estimator=tc.algorithm.adv_estimator,
-            # Read only where they act (the start-up warning names them otherwise).
-            norm_adv_by_std=std,
-            adv_epsilon=tc.algorithm.epsilon if std else 0.0,
+            norm_adv_by_std=tc.algorithm.norm_adv_by_std_in_grpo,
+            adv_epsilon=tc.algorithm.epsilon,
             max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
             max_idle_steps=tc.max_idle_steps,
             grad_without_advantage=tc.use_kl_loss or tc.entropy_coeff > 0,
             sample_mode=a.rollout.multi_turn.sample_mode,
             filter_groups=fg.enable,
-            filter_metric=fg.metric if fg.enable else "score",
-            max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
+            filter_metric=fg.metric,
+            max_num_gen_batches=fg.max_num_gen_batches,
             val_num_repeat=tc.val_num_repeat,
             algorithm=tc.algorithm.type,
-            rft_threshold=tc.algorithm.rft_reward_threshold if tc.algorithm.type == "rft" else 1.0,
+            rft_threshold=tc.algorithm.rft_reward_threshold,
             watchdog_factor=tc.watchdog_factor,
             stage_timeout_s=tc.stage_timeout_s,
         )

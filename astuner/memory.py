@@ -13,7 +13,7 @@ activation value of the compute dtype (4 for fp32, 2 for bf16):
                                                          entropy_coeff trains the entropy)
     KV cache     = 2 * L * K * D * b_kv                  keys and values of every layer (b_kv: the engine's dtype)
 
-The chunked head (astuner/fused_head.py, the trainer's on CUDA) holds, whatever the token count and in every mode
+The chunked head (astuner/trainer/fused_head.py, the trainer's on CUDA) holds, whatever the token count and in every mode
 (filter, entropy, its gradient), 8 bytes per entry of one chunk's C x V logits and, in the backward, an fp32
 weight gradient plus one chunk's product with the hidden states:
     head_chunked = 8 * min(tokens, C) * V + (4 + b + 4 [b < 4]) * V * H          (8: CHUNK_ENTRY_BYTES)
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VLLM_CPU_BLOCK = 128  # vLLM's CPU KV-cache block (tokens); only whole blocks are allocated
-CHUNK_ENTRY_BYTES = 8  # the chunked head's peak per entry of one chunk's C x V logits (astuner/fused_head.py)
+CHUNK_ENTRY_BYTES = 8  # the chunked head's peak per entry of one chunk's C x V logits (astuner/trainer/fused_head.py)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ModelShape:
     def activation_bytes(self, tokens: int, value_bytes: int, checkpointing: bool, chunk_rows: int | None,
                          filtered: bool = False, entropy_grad: bool = False) -> int:
         """Peak bytes of one micro-batch of `tokens` tokens in the trainer's forward and backward; `chunk_rows`:
-        the chunked head's rows (astuner/fused_head.py), None for the plain head; `filtered`: the rollout's top-k /
+        the chunked head's rows (astuner/trainer/fused_head.py), None for the plain head; `filtered`: the rollout's top-k /
         top-p scored; `entropy_grad`: the entropy trained (entropy_coeff > 0)."""
         L, H, I = self.layers, self.hidden, self.intermediate
         layers = value_bytes * (4 * L * H + 10 * H + 4 * I) if checkpointing else value_bytes * L * (10 * H + 4 * I)

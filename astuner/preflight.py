@@ -215,11 +215,10 @@ def available_memory(device: str) -> int | None:
 def optimizer_steps_per_step(typed) -> int:
     """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
     RFT, one for the preference losses."""
+    from astuner.algorithm.catalog import algorithm
+
     tc = typed.astuner.trainer_common
-    kind = tc.algorithm.type
-    if kind in ("dpo", "orpo"):
-        return 1
-    return tc.mini_batch_num * (tc.ppo_epochs if kind == "grpo" else 1)
+    return algorithm(tc.algorithm.type).optimizer_steps(tc.mini_batch_num, tc.ppo_epochs)
 
 
 def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
@@ -233,10 +232,11 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`)."""
     from astuner.tools.python_exec import describe_sandbox
 
-    from astuner.config.applicability import OFFLINE_TYPES, RAY_BACKBONES
+    from astuner.algorithm.catalog import algorithm
+    from astuner.config.applicability import RAY_BACKBONES
     from astuner.config.derived import resolve_engine_name
-    from astuner.fsdp import resolve_strategy
-    from astuner.precision import resolve_precision
+    from astuner.trainer.fsdp import resolve_strategy
+    from astuner.trainer.precision import resolve_precision
 
     a, tc = typed.astuner, typed.astuner.trainer_common
     found = device_facts or local_device()
@@ -253,7 +253,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         except ValueError as exc:
             raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
     engine_bytes = 4 * P
-    offline = tc.algorithm.type in OFFLINE_TYPES
+    kind = algorithm(tc.algorithm.type)
+    offline = kind.offline
     if offline:
         engine, engine_bytes = "none (offline data)", 0
     elif engine == "vllm" and device == "cuda":  # its share of the card (unknown card: not counted)
@@ -270,7 +271,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         max_model_len=max_model_len,
         trainer_bytes=_trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
         engine_bytes=engine_bytes,
-        ref_bytes=4 * P // shards if tc.use_kl_loss or tc.algorithm.type == "dpo" else 0,
+        ref_bytes=4 * P // shards if tc.use_kl_loss or kind.needs_reference else 0,
         available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
@@ -285,7 +286,7 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
     from dataclasses import replace
 
     from astuner.algorithm.sampling_filter import is_filtered
-    from astuner.fused_head import CHUNK_ROWS
+    from astuner.trainer.fused_head import CHUNK_ROWS
 
     if shape is None:
         return plan
@@ -305,12 +306,7 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
 
     per_seq = shape.kv_bytes_per_token(4 if plan.device == "cpu" else value_bytes) * blocks_of(L)
     cpu_vllm = plan.engine == "vllm" and plan.device == "cpu"
-    if plan.engine == "hf":
-        kv = min(a.rollout.max_env_worker, plan.episodes_per_step) * per_seq
-    elif cpu_vllm:
-        kv = a.rollout.max_num_seqs * per_seq
-    else:
-        kv = 0  # vLLM on a GPU: inside its gpu_memory_utilization share
+    kv = _wanted_kv_bytes(plan, a.rollout, per_seq, cpu_vllm)
     fixed = plan.weights_bytes
     resized: list[str] = []
     misfit = ""
@@ -319,24 +315,13 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
         room = plan.available_bytes // processes - RESERVE - fixed
         kv_least = per_seq if cpu_vllm else kv  # vLLM: one full-length sequence; HF: its cache grows to kv
         if act(L) + kv_least > room:
-            misfit = (
-                f"this run does not fit in {plan.available_bytes / GIB:.1f} GiB of memory"
-                f"{f' shared by {processes} processes' if processes > 1 else ''}: weights, gradients and "
-                f"optimizer states {(plan.trainer_bytes + plan.ref_bytes) / GIB:.1f} GiB, the engine's weights "
-                f"{plan.engine_bytes / GIB:.1f} GiB, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
-                f"of max_model_len={L} tokens {kv_least / GIB:.1f} GiB, and the activations of one {L}-token "
-                f"micro-batch {act(L) / GIB:.1f} GiB, beside {RESERVE / GIB:.0f} GiB for the process itself. Lower "
-                "astuner.rollout.max_model_len, set astuner.trainer_common.gradient_checkpointing: true, use a "
-                "smaller model or trainer_common.lora; or set ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway.")
+            misfit = _misfit_message(plan, processes, cpu_vllm, kv_least, act(L))
         else:
             if cpu_vllm:  # KV up to half of what is left, keeping room for one full-length micro-batch
                 kv = max(per_seq, min(kv, room // 2, room - act(L)))
             room -= kv
             if act(budget) > room:
-                lo, hi = L, budget  # act(lo) fits, act(hi) does not: the largest budget that fits
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if act(mid) <= room else (lo, mid)
+                lo = _largest_fitting_budget(act, L, budget, room)
                 resized.append(f"micro-batch budget lowered from {budget} to {lo} tokens to fit in memory "
                                f"(astuner.trainer_common.micro_batch_token_budget; the gradient is the same)")
                 budget = lo
@@ -345,6 +330,40 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
                            f"of max_num_seqs={a.rollout.max_num_seqs} full-length sequences; more wait their turn)")
     return replace(plan, micro_batch_token_budget=budget, activation_bytes=act(budget), kv_cache_bytes=kv,
                    kv_sequences=kv / per_seq if per_seq else 0.0, resized=tuple(resized), misfit=misfit)
+
+
+def _wanted_kv_bytes(plan: RunPlan, rollout, per_seq: int, cpu_vllm: bool) -> int:
+    """The engine's KV cache before any fit: the HF engine's for the episodes it serves at once, vLLM's on CPU
+    for max_num_seqs full-length sequences; per_seq bytes each."""
+    if plan.engine == "hf":
+        return min(rollout.max_env_worker, plan.episodes_per_step) * per_seq
+    if cpu_vllm:
+        return rollout.max_num_seqs * per_seq
+    return 0  # vLLM on a GPU: inside its gpu_memory_utilization share
+
+
+def _misfit_message(plan: RunPlan, processes: int, cpu_vllm: bool, kv_least: int, act_bytes: int) -> str:
+    """Why the run does not fit even with one full-length micro-batch (`act_bytes`) and the least KV cache, with
+    the figures and what to change."""
+    L = plan.max_model_len
+    return (
+        f"this run does not fit in {plan.available_bytes / GIB:.1f} GiB of memory"
+        f"{f' shared by {processes} processes' if processes > 1 else ''}: weights, gradients and "
+        f"optimizer states {(plan.trainer_bytes + plan.ref_bytes) / GIB:.1f} GiB, the engine's weights "
+        f"{plan.engine_bytes / GIB:.1f} GiB, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
+        f"of max_model_len={L} tokens {kv_least / GIB:.1f} GiB, and the activations of one {L}-token "
+        f"micro-batch {act_bytes / GIB:.1f} GiB, beside {RESERVE / GIB:.0f} GiB for the process itself. Lower "
+        "astuner.rollout.max_model_len, set astuner.trainer_common.gradient_checkpointing: true, use a "
+        "smaller model or trainer_common.lora; or set ASTUNER_SKIP_MEMORY_CHECK=1 to try anyway.")
+
+
+def _largest_fitting_budget(act, lo: int, hi: int, room: int) -> int:
+    """The largest micro-batch token budget whose activations `act(budget)` fit in `room`, by bisection between
+    `lo` (fits) and `hi` (does not)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if act(mid) <= room else (lo, mid)
+    return lo
 
 
 def check_fits(plan: RunPlan, facts: ModelFacts) -> None:

@@ -19,8 +19,8 @@ handed the error to the model as a tool result. The run stops after `TOOL_INFRA_
 per episode, since one brief hiccup hits every episode running at that moment.
 A workflow cancelled by anything but that deadline (its own code, its framework, an AgentScope `interrupt()` the
 agent swallowed) is flagged `failed`: its reward 0 is not the model's. Who sent a cancellation the workflow
-swallowed is known from its task (`_WorkflowJob`): asyncio's and anyio's primitives (timeouts, task groups) take
-back their own, so a count they leave (CPython 3.11's TaskGroup) is not one.
+swallowed is known from its task (`rollout_episode.WorkflowJob`): asyncio's and anyio's primitives (timeouts, task
+groups) take back their own, so a count they leave (CPython 3.11's TaskGroup) is not one.
 
 Judging has its own deadline, `task_judge.timeout` seconds from when the episode's judging starts (after the
 workflow returned), shared by every judge that scores the episode: the terms of `task_judge.combine` run in turn
@@ -49,28 +49,23 @@ else runs beside it, and a resumed run repeats the run it continues.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import inspect
 import logging
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from astuner import daemon_threads, logs
-from astuner.auxiliary import judging_deadline
 from astuner.engine.base import InferenceEngine
-from astuner.errors import TrainingStalled, UserError
-from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner, TunerLimits
+from astuner.errors import TrainingStalled
+from astuner.model_tuner import ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
 from astuner.model_tuner.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
-from astuner.task_judge.base_judge import BaseJudge, call_judge
+from astuner.rollout_episode import WorkflowJob, apply_madness, episode_seed, judge_output, workflow_output
+from astuner.task_judge.base_judge import BaseJudge
 from astuner.tools import failures as tool_failures
-from astuner.types import (FLAG_FAILED, FLAG_JUDGE_TIMEOUT, FLAG_OVERFLOW, FLAG_TIMEOUT, FLAG_TOOL_INFRA_FAILED,
-                           Episode, Task)
+from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, FLAG_TOOL_INFRA_FAILED, Episode, Task
 from astuner.watchdog import watch
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
@@ -84,10 +79,6 @@ ABANDONED_THREADS_PER_WORKER = 4
 # Batches in a row in which tools could not start (their sandbox) and none started, before the run stops: one is a
 # hiccup, this many a broken machine, on which every episode would be thrown away.
 TOOL_INFRA_BATCHES_TO_STOP = 2
-
-
-class JudgeTimeout(Exception):
-    """The episode's judges did not answer within task_judge.timeout."""
 
 
 @dataclass
@@ -242,7 +233,40 @@ class RolloutRunner:
         thread_owner = f"{episode.episode_uid} (step {step})"
         daemon_threads.owner.set(thread_owner)
         logs.EPISODE.set(episode.episode_uid)  # what the episode's code prints goes to the run's log (logs.py)
-        tuner = ModelTuner(
+        tuner = self._tuner(episode.episode_uid, temperature, step, timeout)
+        aux_models, aux_usage = ({}, {}) if self.auxiliary is None else self.auxiliary.for_episode(
+            episode.episode_uid, tuner.deadline)
+        tuner.auxiliary_models = aux_models
+        workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation, aux_models)
+        start = time.perf_counter()
+        with tool_failures.for_episode() as tools:  # the workflow's task reports its tools' start failures here
+            job = WorkflowJob(self._execute(workflow_task, tuner), loop=asyncio.get_running_loop())
+        await _await_deadline(job, tuner, episode.episode_uid, timeout)
+        output, problem = workflow_output(episode, job, tuner)
+        if problem is not None:
+            self._log_error(episode, problem)
+        tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
+        logs.end_episode_prints(episode.episode_uid)
+        if self._executor is not None:
+            self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
+            episode.abandoned_threads = len(self._executor.abandoned())
+        episode.calls = list(tuner.calls)
+        episode.seconds = time.perf_counter() - start
+        if self._flagged_by_records(episode, tuner, tools, timeout):
+            output = None
+        if output is not None:
+            problem = await judge_output(self.judge, self.settings.judge_timeout, episode, workflow_task, output,
+                                         tuner)
+            if problem is not None:
+                self._log_error(episode, problem)
+        if aux_models:
+            episode.metrics.update(self.auxiliary.metrics(aux_models, aux_usage))  # never trained, logged apart
+        apply_madness(episode, self.settings.madness_checks, self.settings.agent_madness_reward)
+        return episode
+
+    def _tuner(self, episode_uid: str, temperature: float, step: int, timeout: float) -> ModelTuner:
+        """The episode's ModelTuner, which records its LLM calls and expires `timeout` seconds from now."""
+        return ModelTuner(
             self.engine,
             self.tokenizer,
             self.renderer,
@@ -253,100 +277,33 @@ class RolloutRunner:
             madness_checks=self.settings.madness_checks,
             # Distinct per episode (a shared seed would make a group's episodes sample identical answers), and
             # independent of what else is in the engine's batch.
-            seed=_episode_seed(self.settings.seed, step, episode.episode_uid),
+            seed=episode_seed(self.settings.seed, step, episode_uid),
             deadline=time.monotonic() + timeout,
-            episode_uid=episode.episode_uid,
+            episode_uid=episode_uid,
             reasoning_parser=self.reasoning_parser,
             gateway=self.gateway,
             top_p=self.settings.top_p,
             top_k=self.settings.top_k,
         )
-        aux_models, aux_usage = ({}, {}) if self.auxiliary is None else self.auxiliary.for_episode(
-            episode.episode_uid, tuner.deadline)
-        tuner.auxiliary_models = aux_models
-        workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation, aux_models)
-        start = time.perf_counter()
-        output: WorkflowOutput | None = None
-        with tool_failures.for_episode() as tools:  # the workflow's task reports its tools' start failures here
-            job = _WorkflowJob(self._execute(workflow_task, tuner), loop=asyncio.get_running_loop())
-        done, _ = await asyncio.wait({job}, timeout=timeout)
-        if not done:
-            tuner.expire(f"episode timed out after {timeout:g}s")
-            job.cancel()
-            done, _ = await asyncio.wait({job}, timeout=CANCEL_GRACE_S)
-            if not done:
-                log.warning("episode %s: the workflow ignored cancellation for %gs after its deadline; abandoned",
-                            episode.episode_uid, CANCEL_GRACE_S)
-        try:
-            if job.done() and not job.cancelled():
-                output = job.result()
-        except UserError:
-            raise  # bad input (e.g. a dataset without the field the judge needs) stops the run with its message
-        except (EpisodeOverflow, EpisodeTimeout):
-            pass  # flagged below from the tuner's own record
-        except Exception as exc:
-            episode.flags.append(FLAG_FAILED)
-            episode.error = traceback.format_exc()
-            episode.error_summary = f"the workflow raised {describe_exception(exc)}"
-            episode.error_source = "workflow"
-            self._log_error(episode, "failed")
-        cancelled_by = None if tuner.expired or FLAG_FAILED in episode.flags else _cancelled_from_inside(job)
-        if cancelled_by is not None:
-            output = None
-            episode.flags.append(FLAG_FAILED)
-            episode.error = episode.error_summary = (
-                f"the workflow was cancelled, not by astuner's deadline but by {cancelled_by} (an AgentScope "
-                "agent's interrupt() cancels the task awaiting it, and AgentBase.__call__ then answers "
-                "'interrupted' instead of raising); not trained on as a zero. To stop an agent on purpose, run it "
-                "in a task of its own (asyncio.create_task) and let the workflow return its reward")
-            episode.error_source = "workflow"
-            self._log_error(episode, "was cancelled")
-        tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
-        logs.end_episode_prints(episode.episode_uid)
-        if self._executor is not None:
-            self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
-            episode.abandoned_threads = len(self._executor.abandoned())
-        episode.calls = list(tuner.calls)
-        episode.seconds = time.perf_counter() - start
 
-        # The tuner's record wins over what the workflow returned: it may have caught our exception and gone on.
+    def _flagged_by_records(self, episode: Episode, tuner: ModelTuner, tools: tool_failures.ToolHealth,
+                            timeout: float) -> bool:
+        """Flag the episode from the tuner's record (a timeout, an overflow) and its tools' (one that could not
+        start); True when flagged, and its output is then not judged. The tuner's record wins over what the
+        workflow returned: it may have caught our exception and gone on."""
+        flagged = False
         if tuner.expired:
-            output = None
+            flagged = True
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_TIMEOUT]
             episode.error = f"episode timed out after {timeout:g}s ({tuner.expired_reason})"
             episode.error_summary, episode.error_source = episode.error, "workflow"
             self._log_error(episode, "timed out")
         elif tuner.overflowed:
-            output = None
+            flagged = True
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_OVERFLOW]
         if self._tool_infra_failed(episode, tools):
-            output = None
-
-        if output is not None:
-            episode.output_metadata = dict(output.metadata)
-            output.stats = {"calls": len(tuner.calls), "response_tokens": tuner.generated_tokens}
-            try:
-                await self._score(episode, workflow_task, output)
-                episode.output_metadata = dict(output.metadata)  # a judge may add to it (EnvServiceJudge)
-                episode.metrics = {k: float(v) for k, v in output.metrics.items()
-                                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            except UserError:
-                raise
-            except JudgeTimeout as exc:
-                episode.flags += [FLAG_FAILED, FLAG_JUDGE_TIMEOUT]
-                episode.error = episode.error_summary = str(exc)
-                episode.error_source = "judge"
-                self._log_error(episode, "was not judged in time")
-            except Exception as exc:
-                episode.flags.append(FLAG_FAILED)
-                episode.error = traceback.format_exc()
-                episode.error_summary = f"judge {type(self.judge).__qualname__} raised {describe_exception(exc)}"
-                episode.error_source = "judge"
-                self._log_error(episode, "could not be judged")
-        if aux_models:
-            episode.metrics.update(self.auxiliary.metrics(aux_models, aux_usage))  # never trained, logged apart
-        self._apply_madness(episode)
-        return episode
+            flagged = True
+        return flagged
 
     async def _execute(self, workflow_task: WorkflowTask, tuner: ModelTuner) -> WorkflowOutput:
         workflow = self.workflow_cls(config=self.config)
@@ -391,95 +348,18 @@ class RolloutRunner:
         suffix = "" if not first_time else " (later episodes with the same error are only in the log file)"
         log.log(level, "episode %s %s%s:\n%s", episode.episode_uid, what, suffix, episode.error)
 
-    async def _score(self, episode: Episode, workflow_task: WorkflowTask, output: WorkflowOutput) -> None:
-        if output.reward is None:
-            with watch("judge", type(self.judge).__qualname__):
-                result = await self._judge(workflow_task, output)
-            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (int, float))
-                    and not isinstance(result[0], bool)):
-                raise UserError(
-                    f"judge {type(self.judge).__qualname__}.compute_reward returned {result!r:.200}; it must return "
-                    "(reward: float, is_success: bool)."
-                )
-            reward, success = result
-        else:
-            reward = output.reward
-            success = output.is_success if output.is_success is not None else reward > 0
-        episode.reward = float(reward)
-        episode.is_success = bool(success)
 
-    async def _judge(self, workflow_task: WorkflowTask, output: WorkflowOutput):
-        """The judge's answer within the judge deadline (module docstring), else JudgeTimeout. A sync judge runs
-        in a daemon thread: a slow one (a verifier, a sandbox, a remote model) must not stall the episodes still
-        running on this event loop, and a hung one is left behind."""
-        timeout = self.settings.judge_timeout
-        # A judge's calls to auxiliary models served by astuner have the judge's deadline, not the episode's
-        # (which a long but successful episode may have all but used up).
-        judging_deadline(workflow_task.auxiliary_models, time.monotonic() + timeout)
-        job = asyncio.ensure_future(call_judge(self.judge.compute_reward, workflow_task, output))
-        done, _ = await asyncio.wait({job}, timeout=timeout)
+async def _await_deadline(job: WorkflowJob, tuner: ModelTuner, episode_uid: str, timeout: float) -> None:
+    """Wait for the workflow until the episode's deadline; past it, expire the tuner (its pending requests are
+    aborted), cancel the workflow and wait at most CANCEL_GRACE_S more, then abandon it."""
+    done, _ = await asyncio.wait({job}, timeout=timeout)
+    if not done:
+        tuner.expire(f"episode timed out after {timeout:g}s")
+        job.cancel()
+        done, _ = await asyncio.wait({job}, timeout=CANCEL_GRACE_S)
         if not done:
-            job.cancel()  # not awaited: a judge that ignores cancellation is cancelled again at loop close
-            sync = not inspect.iscoroutinefunction(self.judge.compute_reward)
-            raise JudgeTimeout(
-                f"judge {type(self.judge).__qualname__} did not answer within {timeout:g}s "
-                "(astuner.task_judge.timeout); " + ("its worker thread is abandoned, still running" if sync
-                                                    else "it was cancelled"))
-        return job.result()
-
-    def _apply_madness(self, episode: Episode) -> None:
-        fired = sorted({f for call in episode.calls for f in call.flags if f in self.settings.madness_checks})
-        if fired:
-            episode.flags.extend(fired)
-            episode.reward = self.settings.agent_madness_reward
-            episode.is_success = False
-
-
-def describe_exception(exc: BaseException) -> str:
-    """The exception in its own words, "Type: message", then its notes (PEP 678: LangGraph adds "During task
-    with name ..."), which a traceback prints after the message and so would otherwise stand in for it."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return text + "".join(f" [note: {note}]" for note in getattr(exc, "__notes__", None) or [])
-
-
-# Packages whose primitives cancel a task and take their own request back (timeouts, task groups, cancel scopes):
-# a cancellation count they leave is bookkeeping, not a cancellation the workflow swallowed. CPython 3.11's
-# TaskGroup never takes back the one it sends when a child fails while the parent waits in its exit, so a workflow
-# that catches that child's error with `except*` ends with `cancelling() == 1` and nothing cancelled.
-_SELF_CANCELLING = ("asyncio", "anyio")
-
-
-class _WorkflowJob(asyncio.Task):
-    """The workflow's task; it records the module of each caller of `cancel`, so that the rollout can tell who
-    cancelled it (an AgentScope interrupt is `agentscope.agent._agent_base`)."""
-
-    def __init__(self, coro, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.cancellers: list[str] = []
-        super().__init__(coro, loop=loop)
-
-    def cancel(self, msg: Any = None) -> bool:
-        self.cancellers.append(sys._getframe(1).f_globals.get("__name__", "?"))
-        return super().cancel(msg)
-
-
-def _cancelled_from_inside(job: _WorkflowJob) -> str | None:
-    """Who cancelled the workflow's task, when it ended cancelled, or when it returned with a cancellation still
-    counted (`Task.cancelling`) that code outside `_SELF_CANCELLING` sent: one the workflow or its framework
-    swallowed. None otherwise. The rollout's own cancellation, past the deadline, is told apart by the expired
-    tuner."""
-    if not job.done():
-        return None
-    foreign = list(dict.fromkeys(m for m in job.cancellers if m.partition(".")[0] not in _SELF_CANCELLING))
-    if job.cancelled():
-        return ", ".join(foreign or dict.fromkeys(job.cancellers)) or "its own code or its framework"
-    if foreign and getattr(job, "cancelling", lambda: 1)() > 0:  # no Task.cancelling before 3.11: any foreign one
-        return ", ".join(foreign)
-    return None
-
-
-def _episode_seed(seed: int, step: int, episode_uid: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{step}:{episode_uid}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+            log.warning("episode %s: the workflow ignored cancellation for %gs after its deadline; abandoned",
+                        episode_uid, CANCEL_GRACE_S)
 
 
 def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:

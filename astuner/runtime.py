@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from astuner.config.applicability import OFFLINE_TYPES
+from astuner.algorithm.catalog import algorithm
 from astuner.errors import UserError, user_code_error
 from astuner.logs import debug_from_user_modules
 from astuner.tokenizer import load_tokenizer, stop_token_ids
@@ -100,28 +100,28 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
     the workers of the trainer group it will join (sharded, the model then reaches the device as shards only)."""
     from astuner import preflight
     from astuner.trainer import Trainer
-    from astuner.trainer_settings import TrainerSettings
+    from astuner.trainer.settings import TrainerSettings
 
+    from astuner.config.effective import effective
+
+    typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
     tc = typed.astuner.trainer_common
-    offline = tc.algorithm.type in OFFLINE_TYPES
     settings = TrainerSettings(
         lr=tc.optim.lr,
         weight_decay=tc.optim.weight_decay,
         lr_warmup_steps=tc.optim.lr_warmup_steps,
         lr_scheduler_type=tc.optim.lr_scheduler_type,
-        # Read only where it acts (the start-up warning names it otherwise).
-        min_lr_ratio=tc.optim.min_lr_ratio if tc.optim.lr_scheduler_type in ("cosine", "linear") else 0.0,
+        min_lr_ratio=tc.optim.min_lr_ratio,
         total_optimizer_steps=total_steps * preflight.optimizer_steps_per_step(typed),
         ppo_epochs=tc.ppo_epochs,
-        reference_model=tc.algorithm.type == "dpo",
+        reference_model=algorithm(tc.algorithm.type).needs_reference,
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
         precision=tc.precision,
         lora=_lora_settings(tc.lora),
-        # The sampling filter shapes the distribution rollouts were drawn from; offline data was never sampled
-        # by our engine, so its tokens are scored by the whole distribution.
-        top_k=0 if offline else typed.astuner.rollout.top_k,
-        top_p=1.0 if offline else typed.astuner.rollout.top_p,
+        # The sampling filter shapes the distribution rollouts were drawn from (offline data: no filter).
+        top_k=typed.astuner.rollout.top_k,
+        top_p=typed.astuner.rollout.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,
@@ -129,11 +129,10 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         grad_clip=tc.optim.grad_clip,
         clip_ratio_low=tc.clip_ratio_low,
         clip_ratio_high=tc.clip_ratio_high,
-        # Read only where it acts (the start-up warning names it otherwise).
-        clip_ratio_c=tc.clip_ratio_c if tc.policy_loss.loss_mode == "vanilla" else 3.0,
+        clip_ratio_c=tc.clip_ratio_c,
         use_kl_loss=tc.use_kl_loss,
-        kl_loss_coef=tc.kl_loss_coef if tc.use_kl_loss else 0.0,
-        kl_loss_type=tc.kl_loss_type if tc.use_kl_loss else "k3",
+        kl_loss_coef=tc.kl_loss_coef,
+        kl_loss_type=tc.kl_loss_type,
         loss_agg_mode=tc.loss_agg_mode,
         norm_length=typed.astuner.rollout.max_response_length_in_one_turn,
         max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
@@ -148,7 +147,7 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
 def _lora_settings(section):
     if section.rank == 0:
         return None
-    from astuner.trainer_settings import LoraSettings
+    from astuner.trainer.settings import LoraSettings
 
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
     return LoraSettings(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
@@ -177,7 +176,7 @@ def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, 
     trainer beside a bf16 engine would fail the preflight's fp32 tolerance); its start deadline allows for the
     engines that may start at once on a node (verl: one per worker; trinity: one per explorer)."""
     from astuner.engine.vllm_engine import engine_dtype, start_timeout_s
-    from astuner.precision import resolve_precision
+    from astuner.trainer.precision import resolve_precision
 
     r, tc = typed.astuner.rollout, typed.astuner.trainer_common
     return dict(

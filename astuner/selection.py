@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from astuner.algorithm.catalog import algorithm
 from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.errors import TrainingStalled
@@ -213,22 +214,22 @@ class OfflinePreference(OfflineSFT):
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
-        self.objective = settings.algorithm
+        self.objective = algorithm(settings.algorithm).objective  # "dpo" or "orpo"
 
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
         return chosen.kept, {}
 
 
-ONLINE = {
-    ("grpo", False): Plain,
-    ("grpo", True): DynamicSampling,
-    ("rft", False): RejectionSampling,
-    ("rft", True): DynamicRejectionSampling,
+# The catalog's `selection` names -> (policy, policy with dynamic sampling); offline data has no dynamic sampling.
+SELECTIONS = {
+    "policy_gradient": (Plain, DynamicSampling),
+    "rejection_sampling": (RejectionSampling, DynamicRejectionSampling),
+    "offline_sft": (OfflineSFT, OfflineSFT),
+    "offline_pairs": (OfflinePreference, OfflinePreference),
 }
-OFFLINE = {"sft": OfflineSFT, "dpo": OfflinePreference, "orpo": OfflinePreference}
 
 
 def choose_selection(settings):
-    if settings.algorithm in OFFLINE:
-        return OFFLINE[settings.algorithm](settings)
-    return ONLINE[("rft" if settings.algorithm == "rft" else "grpo", settings.filter_groups)](settings)
+    kind = algorithm(settings.algorithm)
+    plain, dynamic = SELECTIONS[kind.selection]
+    return (dynamic if settings.filter_groups and not kind.offline else plain)(settings)

@@ -1,6 +1,6 @@
 """How one training step is cut up and scheduled: mini-batches (one optimizer step each), micro-batches by token
 budget (one forward/backward each), and the learning rate of each optimizer step. Pure Python; the Trainer
-(`astuner/trainer.py`) applies them, and the offline steps reuse the micro-batching.
+(`astuner/trainer/core.py`) applies them, and the offline steps reuse the micro-batching.
 """
 
 from __future__ import annotations

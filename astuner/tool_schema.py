@@ -14,7 +14,7 @@ from typing import Any
 
 from astuner.errors import UserError
 
-# String formats the twins give values of (tool_demos.FORMATS); others are dropped from the twin, with a note.
+# String formats the twins give values of (tool_demo_twins.FORMATS); others are dropped from the twin, with a note.
 KNOWN_FORMATS = ("date", "date-time", "time", "email", "uri", "uuid")
 _UNION = ("anyOf", "oneOf")
 _FIX = ("give a JSON schema as OpenAI function calling takes it, or the tools with --tools FILE")

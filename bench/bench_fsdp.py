@@ -58,7 +58,7 @@ def held_bytes(trainer) -> int:
 def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes: int, out: str) -> None:
     import torch
 
-    from astuner.data_parallel import DataParallel
+    from astuner.trainer.data_parallel import DataParallel
     from astuner.trainer import Trainer
 
     cuda = torch.cuda.is_available()
@@ -95,7 +95,7 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from astuner.data_parallel import free_port
+    from astuner.trainer.data_parallel import free_port
     from astuner.model_cache import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from astuner.engine.shared_weights import SharedWeightFile, pin_host_memory
-from astuner.lora import LoraSettings
+from astuner.trainer.lora import LoraSettings
 from astuner.trainer import Trainer
-from astuner.trainer_step import recompute_old_logprobs
+from astuner.trainer.step import recompute_old_logprobs
 from astuner.types import Sample
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsity

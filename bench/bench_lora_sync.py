@@ -29,7 +29,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     from astuner.engine.vllm_engine import VLLMEngine
-    from astuner.lora import ADAPTER_NAME, LoraSettings, adapter_state_for_save
+    from astuner.trainer.lora import ADAPTER_NAME, LoraSettings, adapter_state_for_save
     from astuner.model_cache import resolve_model_path
     from astuner.trainer import Trainer
     from astuner.types import Sample

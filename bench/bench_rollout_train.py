@@ -85,9 +85,8 @@ def bench_engine(model_path, tokenizer, prompts_text, max_tokens, repeats):
                                            tokenize=True, return_dict=True)["input_ids"])
         for q in prompts_text
     ]
-    n_tokens = len(prompt_ids) * max_tokens
+    n_tokens = len(prompt_ids) * max_tokens  # no stop token: every row makes max_tokens tokens
     engine = HFEngine(model_path, max_batch_size=len(prompt_ids), pad_token_id=pad, seed=0)
-    sampling = SamplingParams(1.0, max_tokens, ())  # no stop token: every row makes max_tokens tokens
 
     def run_engine(seeded: bool):
         requests = [_Request(p, SamplingParams(1.0, max_tokens, (), seed=i if seeded else None))

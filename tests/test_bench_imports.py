@@ -76,7 +76,7 @@ def test_every_astuner_name_a_bench_module_imports_exists(path):
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_bench_trainer_keywords_are_trainer_settings(path):
-    from astuner.trainer_settings import TrainerSettings
+    from astuner.trainer.settings import TrainerSettings
 
     fields = {f.name for f in dataclasses.fields(TrainerSettings)}
     wrong = [f"line {node.lineno}: {kw.arg}" for tree in _trees(path) for node in ast.walk(tree)

@@ -1,4 +1,4 @@
-"""The chunked LM head (astuner/fused_head.py, the trainer's on CUDA) with the rollout's top-k / top-p and the
+"""The chunked LM head (astuner/trainer/fused_head.py, the trainer's on CUDA) with the rollout's top-k / top-p and the
 entropy, with and without its gradient: the plain path's logprobs, entropies and gradients, in memory bounded by
 the chunk, and the start-up estimate (astuner/memory.py) counting what each head holds.
 
@@ -16,9 +16,9 @@ from tolerances import VOCAB, assert_close_normwise
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from astuner import fused_head
+from astuner.trainer import fused_head
 from astuner.memory import ModelShape
-from astuner.trainer_forward import HeadPath, response_logprobs
+from astuner.trainer.forward import HeadPath, response_logprobs
 from astuner.types import Sample
 
 MODES = [(20, 1.0), (0, 0.3), (50, 0.8)]  # (top_k, top_p): each drops some of the unlikely targets
@@ -64,7 +64,7 @@ def _greedy_response(model, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunked_head_with_filter_and_entropy_gives_the_plain_paths_numbers(tiny_model_dir, demo_tokenizer,
                                                                             monkeypatch, top_k, top_p, entropy_grad):
-    from astuner import trainer_forward
+    from astuner.trainer import forward as trainer_forward
     from tests.test_trainer import _trainer
 
     monkeypatch.setattr(fused_head, "CHUNK_ROWS", 3)  # several chunks, a sample split across them
@@ -80,7 +80,7 @@ def test_chunked_head_with_filter_and_entropy_gives_the_plain_paths_numbers(tiny
                Sample(prompt, unlikely, [0.0] * len(unlikely), 1.0, 0.0, "c")]  # greedy: never filtered
     results = []
     for chunked in (False, True):
-        trainer.chunked_head = chunked
+        trainer.head.chunked = chunked
         trainer.model.zero_grad()
         logprobs, entropy = trainer.forward_logprobs(samples, with_entropy=True, entropy_grad=entropy_grad)
         R = len(logprobs)

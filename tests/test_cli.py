@@ -7,6 +7,7 @@ reach it run in-process with a fake `astuner.backbone` module, so no model is lo
 from __future__ import annotations
 
 import subprocess
+import importlib
 import sys
 import types
 from pathlib import Path
@@ -117,6 +118,7 @@ def fake_backbone(monkeypatch):
             raise module.behaviour
 
     module.run_backbone = run_backbone
+    module.BACKBONES = importlib.import_module("astuner.backbone").BACKBONES  # the real registry's names
     monkeypatch.setitem(sys.modules, "astuner.backbone", module)
     return module
 

@@ -1,4 +1,4 @@
-"""FSDP2 sharding of the trainer (astuner/fsdp.py): two gloo workers on CPU, tiny model.
+"""FSDP2 sharding of the trainer (astuner/trainer/fsdp.py): two gloo workers on CPU, tiny model.
 
 The Ray test (test_ray_backbones.py) runs whole verl runs sharded and resumes them; here the trainer alone meets
 the case a run rarely shows: workers with different numbers of micro-batches (so one must pad to join the
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from astuner.fsdp import resolve_strategy
+from astuner.trainer.fsdp import resolve_strategy
 from astuner.types import Sample
 from tolerances import assert_adam_close, eps, rounding_rtol
 
@@ -53,7 +53,7 @@ def held_bytes() -> int:
 
 
 def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy: str, precision: str) -> None:
-    from astuner.data_parallel import DataParallel
+    from astuner.trainer.data_parallel import DataParallel
     from astuner.trainer import Trainer
 
     before = held_bytes()
@@ -77,7 +77,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy:
 
 
 def run_group(tmp_path, model_dir, strategy: str, precision: str = "fp32") -> dict:
-    from astuner.data_parallel import free_port
+    from astuner.trainer.data_parallel import free_port
 
     port = free_port("127.0.0.1")
     out = str(tmp_path / f"{strategy}.pt")

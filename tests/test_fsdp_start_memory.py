@@ -1,4 +1,4 @@
-"""An fsdp2 start puts only each worker's share on its device (astuner/trainer.py: Trainer.shard_on_join).
+"""An fsdp2 start puts only each worker's share on its device (astuner/trainer/core.py: Trainer.shard_on_join).
 
 Built knowing its group (settings strategy and group_size, as runtime.build_trainer builds a Ray worker), the
 trainer keeps the whole fp32 model on the host; join_group shards it, and fully_shard moves each unit to the device
@@ -34,7 +34,7 @@ def test_a_trainer_built_to_shard_keeps_its_model_on_the_host(tiny_model_dir):
 
 
 def test_a_trainer_built_to_shard_joins_only_a_sharded_group(tiny_model_dir):
-    from astuner.data_parallel import DataParallel
+    from astuner.trainer.data_parallel import DataParallel
 
     t = Trainer(str(tiny_model_dir), device="cpu", strategy="fsdp2", group_size=2)
     with pytest.raises(ValueError, match="group_size"):

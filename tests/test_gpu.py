@@ -83,8 +83,8 @@ def test_chunked_head_matches_the_plain_path_on_cuda(qwen_dir):
     out = []
     for chunked in (False, True):
         t = _trainer(qwen_dir)
-        assert t.chunked_head  # the CUDA default
-        t.chunked_head = chunked
+        assert t.head.chunked  # the CUDA default
+        t.head.chunked = chunked
         logprobs, _ = t.forward_logprobs(samples)
         logprobs.sum().backward()
         out.append((logprobs.detach(), t.model.get_input_embeddings().weight.grad.float()))

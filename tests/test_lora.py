@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from astuner.cli import main
-from astuner.lora import LoraSettings
+from astuner.trainer.lora import LoraSettings
 from astuner.types import SamplingParams
 from tests.test_trainer import _sample, _trainer
 from tolerances import LOGPROB_ATOL

@@ -4,7 +4,6 @@ per_call on the tiny random Llama."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_trainer import _grads, _trainer
 from tolerances import LOGPROB_ATOL, assert_close_normwise, assert_scalar_close
 

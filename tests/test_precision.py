@@ -1,11 +1,11 @@
-"""bf16 trainer with fp32 master weights (astuner/precision.py), exercised on CPU with the tiny model."""
+"""bf16 trainer with fp32 master weights (astuner/trainer/precision.py), exercised on CPU with the tiny model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from astuner.precision import resolve_precision
+from astuner.trainer.precision import resolve_precision
 from tests.test_trainer import _sample, _trainer
 
 

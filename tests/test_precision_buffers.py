@@ -1,4 +1,4 @@
-"""The bf16 cast touches parameters only (astuner/precision.py: cast_parameters): buffers such as rotary
+"""The bf16 cast touches parameters only (astuner/trainer/precision.py: cast_parameters): buffers such as rotary
 `inv_freq` keep their fp32 values, in the policy, its masters' round trip and the reference model, and through a
 checkpoint. The logprob test isolates the buffers on a sequence past 2k tokens, where a rounded `inv_freq` shows.
 The sharded path (fsdp2) is checked in tests/test_fsdp.py."""
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from astuner.precision import MasterWeights
+from astuner.trainer.precision import MasterWeights
 from astuner.trainer import Trainer
 from astuner.types import Sample
 from tolerances import rounding_rtol

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from astuner.tools import bubblewrap, execute_python_code, failures, python_exec, run_python
-from astuner.tools.python_exec import SandboxRefused, SandboxUnavailable, describe_sandbox, sandbox_level
+from astuner.tools.python_exec import SandboxRefused, describe_sandbox, sandbox_level
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")

@@ -74,7 +74,7 @@ def test_verl_two_data_parallel_workers_equal_debug(cluster, debug_run, tmp_path
 
 
 def test_verl_fsdp2_equals_debug_and_resumes_exactly(cluster, debug_run, tmp_path, tiny_model_dir):
-    # Sharded: each worker holds half of every parameter, its gradient and its Adam moments (astuner/fsdp.py).
+    # Sharded: each worker holds half of every parameter, its gradient and its Adam moments (astuner/trainer/fsdp.py).
     workers = ("astuner.trainer_common.n_gpus_per_node=2", "astuner.trainer_common.strategy=fsdp2")
     assert run(tmp_path, tiny_model_dir, "verl", *workers) == 0
     assert "2 trainer workers, strategy fsdp2" in (tmp_path / "out" / "astuner.log").read_text()

@@ -375,7 +375,7 @@ def test_a_process_with_stuck_synchronous_agents_closes_its_loop_and_exits_promp
     try:
         done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(demo_model_dir)], capture_output=True,
                               text=True, timeout=90)
-    except subprocess.TimeoutExpired as exc:
+    except subprocess.TimeoutExpired:
         raise AssertionError("the process did not exit within 90 s: something joins a stuck agent's thread") from None
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["closed", "StageTimeout"]

@@ -90,9 +90,10 @@ def test_no_import_circles():
 
 
 def test_config_imports_nothing_above_it():
-    # The config sits at the bottom: every stage reads it, and `astuner --help` imports it.
+    # The config sits at the bottom: every stage reads it, and `astuner --help` imports it. The algorithm
+    # catalog is pure data beside it (what each algorithm type means, which keys it reads).
     edges = import_graph(modules())
-    allowed = ("astuner.config", "astuner.errors")
+    allowed = ("astuner.config", "astuner.errors", "astuner.algorithm.catalog")
     upward = {f"{m} -> {t}" for m, targets in edges.items() if m.startswith("astuner.config")
               for t in targets if not t.startswith(allowed)}
     assert not upward, sorted(upward)
@@ -113,10 +114,10 @@ def test_imports_run_down_the_layers_of_the_architecture_note():
     rows = layers()
     found = {}
     for m in modules():
-        for i, row in enumerate(rows):
-            if any(m == p or m.startswith(p + ".") for p in row):
-                found[m] = i
-                break
+        # The longest prefix that names the module places it: `algorithm/catalog.py` can sit below `algorithm/`.
+        matches = [(len(p), i) for i, row in enumerate(rows) for p in row if m == p or m.startswith(p + ".")]
+        if matches:
+            found[m] = max(matches)[1]
     unplaced = sorted(m for m in modules() if m not in found and m != "astuner")
     assert not unplaced, f"modules missing from the layer table of {ARCHITECTURE.name}: {unplaced}"
     upward = sorted(f"{m} -> {t}" for m, targets in import_graph(modules()).items() if m in found
@@ -135,3 +136,4 @@ def test_the_checker_finds_a_circle(tmp_path):
     edges = import_graph(modules(pkg))
     assert circles(edges) == [["astuner.sub.high", "astuner.sub.low"]]
     assert edges["astuner.sub"] == {"astuner.sub.low"}  # a submodule import is not an edge to the package
+

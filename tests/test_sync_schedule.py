@@ -11,7 +11,7 @@ from astuner.config import load_config
 from astuner.errors import UserError
 from astuner.backbone.sync_schedule import SyncSchedule, needed_version
 from astuner.config.derived import staleness_bound
-from astuner.data_parallel import owners
+from astuner.trainer.data_parallel import owners
 from astuner.loop import LoopSettings, run_loop
 from astuner.monitor import staleness_metrics
 from astuner.stages import Stages

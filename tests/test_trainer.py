@@ -173,6 +173,26 @@ def test_checkpoint_roundtrip(tiny_model_dir, demo_tokenizer, tmp_path):
     assert "lm_head.weight" not in synced  # tied to the input embedding
 
 
+def test_checkpoint_on_a_full_disk_names_the_cause(tiny_model_dir, demo_tokenizer, tmp_path, monkeypatch):
+    # torch.save on a full disk fails with "unexpected pos": the error must say the disk is full, and no
+    # half-written folder may stay behind.
+    import shutil
+
+    import astuner.trainer.checkpoint as checkpoint
+
+    trainer = _trainer(tiny_model_dir)
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=10 * 2**20))
+    with pytest.raises(OSError, match=r"disk nearly full \(0.0 GiB free.*save_freq"):
+        trainer.save_checkpoint(tmp_path / "global_step_1", tokenizer=demo_tokenizer, run_state={"step": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_lr_schedule_by_hand():
     from astuner.step_plan import lr_at
 
@@ -309,14 +329,14 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, demo_tokeniz
 
 
 def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_model_dir, demo_tokenizer):
-    """astuner/fused_head.py (the CUDA default) against the plain R x V path, fp32, temperatures != 1, small chunks
+    """astuner/trainer/fused_head.py (the CUDA default) against the plain R x V path, fp32, temperatures != 1, small chunks
     so that several chunks run; the tied head's gradient reaches the embedding through both."""
-    from astuner import fused_head
+    from astuner.trainer import fused_head
 
     results = []
     for chunked in (False, True):
         t = _trainer(tiny_model_dir)
-        t.chunked_head = chunked
+        t.head.chunked = chunked
         samples = [_sample(t, demo_tokenizer, "Hi there", " general kenobi, you are a bold one", 1.0, "a", 0.7),
                    _sample(t, demo_tokenizer, "Hello", " there friend", -1.0, "b", 1.3)]
         old = fused_head.CHUNK_ROWS
@@ -339,7 +359,7 @@ def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_
 
 def test_train_returns_the_trainer_logprobs_and_leaves_the_samples_alone(tiny_model_dir, demo_tokenizer):
     from astuner.algorithm.objectives import PolicyGradient
-    from astuner.trainer_settings import TrainerSettings
+    from astuner.trainer.settings import TrainerSettings
 
     trainer = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss_agg_mode="token-mean", device="cpu"))
     samples = [_sample(trainer, demo_tokenizer, "Hello", " there", 1.0, "a"),

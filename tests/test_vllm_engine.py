@@ -70,7 +70,7 @@ def atol(engine) -> float:
 def run_engine_dtype() -> str:
     """The dtype a run's vLLM engine computes in (astuner/runtime.py: the trainer's precision on this device)."""
     from astuner.engine.vllm_engine import engine_dtype
-    from astuner.precision import resolve_precision
+    from astuner.trainer.precision import resolve_precision
 
     return engine_dtype(resolve_precision("auto", "cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -177,7 +177,7 @@ def test_a_refused_prefix_cache_reset_stops_the_sync():
 
 
 def test_lora_sync_gives_the_same_equality(engine, trainer, atol):
-    from astuner.lora import LoraSettings
+    from astuner.trainer.lora import LoraSettings
 
     t = trainer(lora=LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear"), lr=1e-2)
     engine.load_weights(t.named_parameters_for_sync())  # B = 0: the base model
@@ -196,7 +196,7 @@ def test_a_lora_sync_whose_merged_linear_did_not_take_stops_it(engine, trainer):
     back through their kernel, so a merged layer the engine did not take is caught (not a pass on the frozen
     norms alone)."""
     from astuner.engine.fingerprint import SyncMismatch
-    from astuner.lora import LoraSettings
+    from astuner.trainer.lora import LoraSettings
 
     t = trainer(lora=LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear"), lr=1e-2)
     engine.load_weights(t.named_parameters_for_sync())

@@ -120,6 +120,18 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
 POLICY_LOSS_MODES = ("vanilla", "gspo")
 
 
+def _log_ratio(logprobs_R: Tensor, old_logprobs_R: Tensor, loss_mode: str, seq_index_R: Tensor | None,
+               m_R: Tensor) -> Tensor:
+    """log(pi / pi_old) per token: the token's own (clamped to +-20), or gspo's sequence-level one."""
+    if loss_mode == "gspo":
+        if seq_index_R is None:
+            raise ValueError("loss_mode gspo needs seq_index_R")
+        return gspo_log_ratio(logprobs_R, old_logprobs_R, seq_index_R, m_R)
+    if loss_mode == "vanilla":
+        return torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
+    raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
+
+
 def policy_loss(
     logprobs_R: Tensor,
     old_logprobs_R: Tensor,
@@ -144,15 +156,7 @@ def policy_loss(
     already folded into weights_R by the caller; here it only keeps masked tokens out of the stats.
     seq_index_R (the sample each token belongs to) is needed by gspo; entropy_R (with gradient) by entropy_coeff."""
     m_R = torch.ones_like(logprobs_R) if mask_R is None else mask_R
-    if loss_mode == "gspo":
-        if seq_index_R is None:
-            raise ValueError("loss_mode gspo needs seq_index_R")
-        log_ratio_R = gspo_log_ratio(logprobs_R, old_logprobs_R, seq_index_R, m_R)
-    elif loss_mode == "vanilla":
-        log_ratio_R = torch.clamp(logprobs_R - old_logprobs_R, -20.0, 20.0)
-    else:
-        raise ValueError(f"unknown policy loss_mode {loss_mode!r}; available: {', '.join(POLICY_LOSS_MODES)}")
-    ratio_R = torch.exp(log_ratio_R)
+    ratio_R = torch.exp(_log_ratio(logprobs_R, old_logprobs_R, loss_mode, seq_index_R, m_R))
     pg1_R = -advantages_R * ratio_R
     pg2_R = -advantages_R * torch.clamp(ratio_R, 1.0 - clip_low, 1.0 + clip_high)
     clipped_R = torch.maximum(pg1_R, pg2_R)

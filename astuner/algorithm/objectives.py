@@ -12,7 +12,7 @@ token sum over the mini-batch, so summing micro-batch losses (accumulating their
                      logprobs are not used
 
 Sequence-pair objectives (DPO, ORPO) score whole sequences: `preference.py`, driven by `offline/steps.py`.
-`OBJECTIVES` names every objective; `token_objective(name, settings)` builds a token objective from the trainer's
+`TOKEN_OBJECTIVES` names the token objectives; `token_objective(name, settings)` builds a token objective from the trainer's
 settings (the stages name them: `train(samples, objective="sft")`).
 """
 
@@ -26,12 +26,11 @@ from torch import Tensor
 
 from astuner.algorithm.loss import policy_loss, sft_loss
 from astuner.algorithm.mismatch import truncated_is_weights
-from astuner.algorithm.preference import DPO, ORPO
 from astuner.step_plan import offsets
 from astuner.types import Sample
 
 if TYPE_CHECKING:
-    from astuner.trainer_settings import TrainerSettings
+    from astuner.trainer.settings import TrainerSettings
 
 
 @dataclass
@@ -167,9 +166,8 @@ class PolicyGradient(TokenObjective):
         )
 
 
-# name -> objective class; token objectives are built by `token_objective`, pair objectives from their beta.
-OBJECTIVES: dict[str, type] = {"policy": PolicyGradient, "sft": SFT, "dpo": DPO, "orpo": ORPO}
-TOKEN_OBJECTIVES = ("policy", "sft")
+# Token objectives by name, built by `token_objective`; the pair objectives are `preference.PREFERENCE_OBJECTIVES`.
+TOKEN_OBJECTIVES: dict[str, type] = {"policy": PolicyGradient, "sft": SFT}
 
 
 def token_objective(objective: str | TokenObjective, settings: TrainerSettings) -> TokenObjective:
@@ -178,4 +176,4 @@ def token_objective(objective: str | TokenObjective, settings: TrainerSettings) 
         return objective
     if objective not in TOKEN_OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; available: {', '.join(TOKEN_OBJECTIVES)}")
-    return OBJECTIVES[objective].from_settings(settings)
+    return TOKEN_OBJECTIVES[objective].from_settings(settings)

@@ -15,8 +15,6 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
 }
-# Estimators that read norm_adv_by_std_in_grpo and epsilon.
-STD_NORMALISED = ("grpo",)
 
 
 def get_adv_estimator(name: str) -> AdvantageFn:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from astuner.config.applicability import OFFLINE_TYPES
+from astuner.algorithm.catalog import algorithm
 from astuner.errors import UserError
 
 BACKBONES = {
@@ -23,10 +23,10 @@ def run_backbone(name: str, loaded, checkpoint=None, with_ray: bool = False) -> 
     """Run backbone `name`; `with_ray` (verl, trinity): start a local Ray cluster when none is reachable."""
     if name not in BACKBONES:
         raise UserError(f"unknown backbone {name!r}; choose one of: {', '.join(sorted(BACKBONES))}")
-    kind = loaded.typed.astuner.trainer_common.algorithm.type
-    if kind in OFFLINE_TYPES and name not in OFFLINE:
-        raise UserError(f"algorithm.type {kind} trains on offline data in one process: run it with --backbone debug "
+    kind = algorithm(loaded.typed.astuner.trainer_common.algorithm.type)
+    if kind.offline and name not in OFFLINE:
+        raise UserError(f"algorithm.type {kind.name} trains on offline data in one process: run it with --backbone debug "
                         f"(the {name} backbone places rollouts).")
-    module_name, func = (OFFLINE if kind in OFFLINE_TYPES else BACKBONES)[name].split(":")
+    module_name, func = (OFFLINE if kind.offline else BACKBONES)[name].split(":")
     extra = {} if name == "debug" else {"start_ray": with_ray}
     getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint, **extra)

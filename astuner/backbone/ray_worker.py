@@ -1,6 +1,6 @@
 """The one actor class of the Ray backbones: a process that holds the existing pieces, by role.
 
-    "trainer": a `Trainer` replica (rank `rank` of `world`: data-parallel through astuner/data_parallel.py)
+    "trainer": a `Trainer` replica (rank `rank` of `world`: data-parallel through astuner/trainer/data_parallel.py)
     "engine":  an inference engine and a rollout runner (the user's workflow and judge run here)
 
 verl places both roles in each worker (colocated: rollout and training take turns on the same device);
@@ -98,13 +98,13 @@ class Worker:
         """This node's address and a free port, for rank 0 to host the process group's store."""
         import ray
 
-        from astuner.data_parallel import free_port
+        from astuner.trainer.data_parallel import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def init_data_parallel(self, addr: str, port: int, timeout_s: float) -> str:
-        """Join the trainer group; returns the strategy in force (ddp or fsdp2, astuner/fsdp.py)."""
-        from astuner.data_parallel import DataParallel
+        """Join the trainer group; returns the strategy in force (ddp or fsdp2, astuner/trainer/fsdp.py)."""
+        from astuner.trainer.data_parallel import DataParallel
 
         dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
         return self.trainer.join_group(dp, self.loaded.typed.astuner.trainer_common.strategy)

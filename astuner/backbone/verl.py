@@ -4,7 +4,7 @@
 each on a GPU cluster; on GPU the engine sleeps while the trainer steps). Each step:
     rollout  tasks split into contiguous parts, one per worker (a task's episodes stay on one engine)
     train    every worker gets the step's samples and backwards the episodes it owns; gradients are summed
-             over the workers (astuner/data_parallel.py), so every replica takes the same step
+             over the workers (astuner/trainer/data_parallel.py), so every replica takes the same step
     sync     each worker's engine loads its own trainer's weights (same process: no transfer)
 The loop is astuner.loop.run_loop, as in the debug backbone.
 """

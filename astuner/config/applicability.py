@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from astuner.algorithm.catalog import ALGORITHMS, offline_types, spoken, types_reading
 from astuner.config.derived import resolve_engine_name, staleness_bound
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
 
-OFFLINE_TYPES = ("sft", "dpo", "orpo")  # trained on astuner.offline_data, no rollouts
+OFFLINE_TYPES = offline_types()  # trained on astuner.offline_data, no rollouts
 # What only rollouts and the policy-gradient loss read, and what an offline run still reads among them.
 ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.", "astuner.auxiliary_models",
                 "astuner.trainer_common.algorithm.adv_estimator", "astuner.trainer_common.algorithm.norm_adv",
@@ -26,6 +27,8 @@ ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.
                 "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss",
                 "astuner.trainer_common.old_logprobs", "astuner.trainer_common.rollout_is_cap")
 RAY_BACKBONES = ("verl", "trinity")
+# The backbones' registry is astuner/backbone/__init__.py (above the config); a test keeps these names equal to it.
+BACKBONE_NAMES = ("debug", *RAY_BACKBONES)
 OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
@@ -66,15 +69,6 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",
     ),
-    "astuner.offline_data": (
-        "with algorithm.type sft, dpo or orpo", lambda c, b: c.astuner.trainer_common.algorithm.type in OFFLINE_TYPES
-    ),
-    "astuner.trainer_common.algorithm.beta": (
-        "with algorithm.type dpo or orpo", lambda c, b: c.astuner.trainer_common.algorithm.type in ("dpo", "orpo")
-    ),
-    "astuner.trainer_common.algorithm.rft_reward_threshold": (
-        "with algorithm.type rft", lambda c, b: c.astuner.trainer_common.algorithm.type == "rft"
-    ),
     "astuner.task_judge.judge_protocol": ("with task_judge.combine empty", lambda c, b: not c.astuner.task_judge.combine),
     "astuner.trainer_common.kl_loss_coef": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
     "astuner.trainer_common.kl_loss_type": ("with use_kl_loss true", lambda c, b: c.astuner.trainer_common.use_kl_loss),
@@ -105,6 +99,15 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
         lambda c, b: c.astuner.trainer_common.optim.lr_scheduler_type in ("cosine", "linear"),
     ),
 }
+
+
+def _algorithm_rule(key: str) -> Rule:
+    kinds = types_reading(key)
+    return (f"with algorithm.type {spoken(kinds)}", lambda c, b: c.astuner.trainer_common.algorithm.type in kinds)
+
+
+# Keys that act only under some algorithm types: the catalog's `reads` (astuner/algorithm/catalog.py).
+APPLIES_ONLY_WITH.update({key: _algorithm_rule(key) for a in ALGORITHMS.values() for key in a.reads})
 
 
 def _rule_for(key: str) -> Rule | None:

@@ -29,7 +29,7 @@ def _model_path(ctx: Context) -> str:
 
 
 def _precision(ctx: Context) -> str:
-    from astuner.precision import resolve_precision
+    from astuner.trainer.precision import resolve_precision
 
     return resolve_precision("auto", ctx.device)
 
@@ -53,7 +53,7 @@ def float_buffers_not_fp32(model) -> list[str]:
 def check_trainer(ctx: Context) -> Check:
     """Build the trainer at the device's precision; its floating buffers (rotary inv_freq) must stay fp32 under
     bf16, as vLLM keeps them, or logprobs drift with position. On an fp32 trainer a bf16 copy is probed."""
-    from astuner.precision import MasterWeights
+    from astuner.trainer.precision import MasterWeights
     from astuner.trainer import Trainer
 
     precision = _precision(ctx)

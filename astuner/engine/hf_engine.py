@@ -184,29 +184,19 @@ class HFEngine:
 
     @torch.no_grad()
     def _decode(self, requests: list[_Request]) -> list[GenerateResult]:
-        prompts = [r.prompt_ids for r in requests]
+        """Decode `requests` together: a left-padded prefill, then one token per step for every live row, a row
+        leaving the batch (and the cache) when it stops, reaches its max_tokens or is aborted."""
         samplings = [r.sampling for r in requests]
-        n = len(prompts)
+        n = len(requests)
         dev = self.device
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = int(lengths.max())
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=dev)
-        attention = torch.zeros((n, width), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p, device=dev)
-            attention[i, width - len(p) :] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention, positions = _left_padded([r.prompt_ids for r in requests], self.pad_token_id, dev)
 
         temps = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=dev)
         greedy = temps <= 0
         scale = torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         max_new = [s.max_tokens for s in samplings]
         stops = [set(s.stop_token_ids) for s in samplings]
-        # One generator per seeded request (torch.Generator on this device), None: the shared one.
-        generators = [
-            None if s.seed is None else torch.Generator(device=dev).manual_seed(int(s.seed) % (2**63))
-            for s in samplings
-        ]
+        generators = _request_generators(samplings, dev)
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
@@ -214,29 +204,17 @@ class HFEngine:
         alive = list(range(n))  # row i of the live batch is request alive[i]
 
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
-        with autocast:
-            out = self.model(
-                input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                logits_to_keep=1,
-            )
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :].float()
+        cache, logits = self._forward(
+            autocast, input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+            logits_to_keep=1,
+        )
         next_pos = positions[:, -1] + 1
 
         for _ in range(max(max_new)):
             z = _filtered(logits / scale, [samplings[r] for r in alive])
             tokens, token_lp = self._sample(z, greedy, [generators[r] for r in alive])
-            tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
-
-            keep: list[int] = []
-            for row, req in enumerate(alive):
-                tok = tokens_l[row]
-                out_ids[req].append(tok)
-                out_lp[req].append(lp_l[row])
-                if tok in stops[req]:
-                    reasons[req] = "stop"
-                elif len(out_ids[req]) < max_new[req] and not requests[req].aborted:
-                    keep.append(row)
+            keep = _append_step(alive, tokens.tolist(), token_lp.tolist(), requests, stops, max_new,
+                                out_ids, out_lp, reasons)
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -246,19 +224,23 @@ class HFEngine:
                 greedy, scale = greedy[index], scale[index]
                 alive = [alive[r] for r in keep]
             attention = torch.cat([attention, attention.new_ones((len(alive), 1))], dim=-1)
-            with autocast:
-                out = self.model(
-                    input_ids=tokens[:, None],
-                    attention_mask=attention,
-                    position_ids=next_pos[:, None],
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()
+            cache, logits = self._forward(
+                autocast,
+                input_ids=tokens[:, None],
+                attention_mask=attention,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             next_pos = next_pos + 1
 
         return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+
+    def _forward(self, autocast, **inputs) -> tuple:
+        """One forward of the model under `autocast`: (its KV cache, the float logits at the last position)."""
+        with autocast:
+            out = self.model(**inputs)
+        return out.past_key_values, out.logits[:, -1, :].float()
 
     def _sample(self, z: torch.Tensor, greedy: torch.Tensor, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, their logprobs) from tempered logits z: argmax for greedy rows; for the others, inverse-CDF
@@ -284,6 +266,45 @@ class HFEngine:
             picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
             tokens[index] = picked.clamp_(max=z.shape[-1] - 1)
         return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
+def _left_padded(prompts: list[list[int]], pad_token_id: int, dev: torch.device):
+    """(input_ids, attention mask, position ids) of the prompts, left-padded to the longest."""
+    n = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    width = int(lengths.max())
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=dev)
+    attention = torch.zeros((n, width), dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, device=dev)
+        attention[i, width - len(p) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention, positions
+
+
+def _request_generators(samplings: list[SamplingParams], dev: torch.device) -> list:
+    """One generator per seeded request (torch.Generator on this device), None: the shared one."""
+    return [
+        None if s.seed is None else torch.Generator(device=dev).manual_seed(int(s.seed) % (2**63))
+        for s in samplings
+    ]
+
+
+def _append_step(alive: list[int], tokens: list[int], logprobs: list[float], requests: list[_Request],
+                 stops: list[set], max_new: list[int], out_ids: list[list[int]], out_lp: list[list[float]],
+                 reasons: list[str]) -> list[int]:
+    """Append each live row's sampled token and logprob to its request's answer (a stop token: reason "stop");
+    the rows that go on: not stopped, under their max_tokens and not aborted."""
+    keep: list[int] = []
+    for row, req in enumerate(alive):
+        tok = tokens[row]
+        out_ids[req].append(tok)
+        out_lp[req].append(logprobs[row])
+        if tok in stops[req]:
+            reasons[req] = "stop"
+        elif len(out_ids[req]) < max_new[req] and not requests[req].aborted:
+            keep.append(row)
+    return keep
 
 
 def _filtered(z, samplings: list[SamplingParams]):

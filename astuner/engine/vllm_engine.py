@@ -65,7 +65,7 @@ def engine_dtype(precision: str) -> str:
     tolerance is chosen by the trainer's precision)."""
     if precision not in ENGINE_DTYPES:
         raise ValueError(f"no vLLM dtype for trainer precision {precision!r}; resolve 'auto' first "
-                         f"(astuner.precision.resolve_precision); known: {', '.join(ENGINE_DTYPES)}")
+                         f"(astuner.trainer.precision.resolve_precision); known: {', '.join(ENGINE_DTYPES)}")
     return ENGINE_DTYPES[precision]
 
 
@@ -110,6 +110,37 @@ def engine_args(model_path: str, *, on_cuda: bool, dtype: str, max_model_len: in
     if tensor_parallel_size > 1:
         args["distributed_executor_backend"] = "mp"
     return {**args, **extra}
+
+
+def prepare_cpu_backend(extra_args: dict, model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
+                        kv_cache_bytes: int | None) -> None:
+    """vLLM's CPU backend: use every core (the trainer and the engine take turns), and a KV cache of
+    `kv_cache_bytes` (the start-up memory fit, astuner/preflight.py), else max_num_seqs full-length sequences
+    instead of vLLM's fixed default (set in `extra_args`, the further engine arguments). A user's
+    VLLM_CPU_KVCACHE_SPACE wins."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        extra_args.setdefault("kv_cache_memory_bytes", int(
+            kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, dtype) * 2**30))
+
+
+def vllm_sampling_params(sampling: SamplingParams):
+    """vLLM's sampling parameters for astuner's `sampling`: token ids only, the sampled token's logprob, and
+    stopping on the renderer's stop ids alone (greedy: temperature 0 with no top-k / top-p)."""
+    from vllm import SamplingParams as VSamplingParams
+
+    greedy = sampling.temperature <= 0
+    return VSamplingParams(
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0 if greedy else sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=True,  # stopping is the renderer's stop ids, as in the HF engine
+        logprobs=0,  # the sampled token's logprob only
+        detokenize=False,
+        skip_special_tokens=False,
+    )
 
 
 def release_cached_device_memory() -> None:
@@ -160,38 +191,19 @@ class VLLMEngine:
         self._release_cache = release_cached_device_memory  # before each wake (a test hands in a recorder)
 
         if not on_cuda:
-            # vLLM's CPU backend: use every core (the trainer and the engine take turns), and a KV cache of
-            # `kv_cache_bytes` (the start-up memory fit, astuner/preflight.py), else max_num_seqs full-length
-            # sequences instead of vLLM's fixed default. A user's VLLM_CPU_KVCACHE_SPACE wins.
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                extra_args.setdefault("kv_cache_memory_bytes", int(
-                    kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, self.dtype) * 2**30))
+            prepare_cpu_backend(extra_args, model_path, max_model_len, max_num_seqs, self.dtype, kv_cache_bytes)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # into the run's log file (vllm_process.py)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="astuner-vllm-client", daemon=True)
         self._thread.start()
         started = time.perf_counter()
-        from astuner.engine.vllm_process import cpu_preload, engine_process_environment
-        from astuner.logs import run_log_path
-
-        preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
-        try:
-            with engine_process_environment(run_log_path(), preload):
-                self._llm = self._call(self._start(**engine_args(
-                    self.model_path, on_cuda=on_cuda, dtype=self.dtype, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                    enable_prefix_caching=enable_prefix_caching, sleep_mode=self.sleep_mode,
-                    **extra_args,  # further vLLM engine arguments (benchmarks: enable_lora)
-                )), start_timeout_s, "the vLLM engine to start (model load, torch.compile, KV cache allocation)")
-        except BaseException as exc:
-            self._stop_loop()
-            if run_log_path() is not None and isinstance(exc, Exception):
-                raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "
-                                   f"output is in {run_log_path()}") from exc
-            raise
+        self._start_engine(dict(
+            dtype=self.dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, sleep_mode=self.sleep_mode,
+            **extra_args,  # further vLLM engine arguments (benchmarks: enable_lora)
+        ), on_cuda, start_timeout_s)
         log.info("vLLM engine ready in %.1fs (%s, %s, prefix caching %s)", time.perf_counter() - started,
                  "cuda" if on_cuda else "cpu", self.dtype, "on" if enable_prefix_caching else "off")
 
@@ -328,6 +340,25 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- internals
 
+    def _start_engine(self, settings: dict, on_cuda: bool, timeout_s: float) -> None:
+        """Start vLLM's engine (`settings`: `engine_args`'s, but the model and device) with its processes' output
+        in the run's log file; a start that fails stops the client loop and names that file."""
+        from astuner.engine.vllm_process import cpu_preload, engine_process_environment
+        from astuner.logs import run_log_path
+
+        preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
+        try:
+            with engine_process_environment(run_log_path(), preload):
+                self._llm = self._call(self._start(**engine_args(self.model_path, on_cuda=on_cuda, **settings)),
+                                       timeout_s,
+                                       "the vLLM engine to start (model load, torch.compile, KV cache allocation)")
+        except BaseException as exc:
+            self._stop_loop()
+            if run_log_path() is not None and isinstance(exc, Exception):
+                raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "
+                                   f"output is in {run_log_path()}") from exc
+            raise
+
     async def _start(self, **kwargs):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -339,20 +370,7 @@ class VLLMEngine:
         self._llm = None  # collected now, while the interpreter is whole (its __del__ shuts down again)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> GenerateResult:
-        from vllm import SamplingParams as VSamplingParams
-
-        greedy = sampling.temperature <= 0
-        params = VSamplingParams(
-            temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy else sampling.top_k,
-            max_tokens=sampling.max_tokens,
-            stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=True,  # stopping is the renderer's stop ids, as in the HF engine
-            logprobs=0,  # the sampled token's logprob only
-            detokenize=False,
-            skip_special_tokens=False,
-        )
+        params = vllm_sampling_params(sampling)
         final = None
         async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
             final = output

@@ -136,7 +136,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
         path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
     except ModelPathError as exc:
         raise UserError(f"eval --model {spec}: {exc}") from None
-    from astuner.lora import is_adapter_checkpoint
+    from astuner.trainer.lora import is_adapter_checkpoint
 
     if spec is not None and is_adapter_checkpoint(Path(path)):
         raise UserError(f"eval --model {spec}: a LoRA adapter checkpoint; merge it first with 'astuner export {spec} "

@@ -63,57 +63,83 @@ def read_metrics(folder: Path) -> list[dict]:
 
 
 def build_app(root: Path):
+    """The viewer's Starlette app over the runs under `root`: the page and the JSON endpoints (module docstring)."""
     from starlette.applications import Starlette
-    from starlette.responses import FileResponse, JSONResponse
     from starlette.routing import Route
 
-    root = Path(root)
+    api = _Endpoints(Path(root))
+    return Starlette(routes=[
+        Route("/", api.index),
+        Route("/api/runs", api.runs),
+        Route("/api/runs/{run:path}/metrics", api.metrics),
+        Route("/api/runs/{run:path}/steps", api.steps),
+        Route("/api/runs/{run:path}/episodes/{episode_id:int}", api.episode),
+        Route("/api/runs/{run:path}/episodes", api.episodes),
+    ])
 
-    def run_folder(request) -> Path | None:
-        return find_runs(root).get(request.path_params["run"])
 
-    def missing(what: str):
-        return JSONResponse({"error": f"{what} not found"}, 404)
+def _json(content, status_code: int = 200):
+    """A JSON response (starlette is imported when the viewer serves, not with this module)."""
+    from starlette.responses import JSONResponse
 
-    def query_store(folder: Path, query, empty):
-        """query(connection) on the run's store, read-only and closed after; `empty` when it has none yet."""
-        path = folder / store.FILE_NAME
-        if not path.is_file():
-            return empty
-        conn = store.connect(path, readonly=True)
-        try:
-            return query(conn)
-        finally:
-            conn.close()
+    return JSONResponse(content, status_code)
 
-    async def index(request):
+
+def _missing(what: str):
+    return _json({"error": f"{what} not found"}, 404)
+
+
+def _query_store(folder: Path, query, empty):
+    """query(connection) on the run's store, read-only and closed after; `empty` when it has none yet."""
+    path = folder / store.FILE_NAME
+    if not path.is_file():
+        return empty
+    conn = store.connect(path, readonly=True)
+    try:
+        return query(conn)
+    finally:
+        conn.close()
+
+
+class _Endpoints:
+    """The route handlers of `build_app`: the runs under `root` are found again on every request."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def run_folder(self, request) -> Path | None:
+        return find_runs(self.root).get(request.path_params["run"])
+
+    async def index(self, request):
+        from starlette.responses import FileResponse
+
         return FileResponse(STATIC / "index.html")
 
-    async def runs(request):
+    async def runs(self, request):
         out = []
-        for run_id, folder in find_runs(root).items():
+        for run_id, folder in find_runs(self.root).items():
             metrics = read_metrics(folder)
             last = max((m.get("step", 0) for m in metrics), default=0)
             out.append({"id": run_id, "name": folder.name,
                         "steps": last, "has_trajectories": (folder / store.FILE_NAME).is_file(),
                         "modified": (folder / "metrics.jsonl").stat().st_mtime
                         if (folder / "metrics.jsonl").is_file() else None})
-        return JSONResponse({"root": str(root.resolve()), "runs": out})
+        return _json({"root": str(self.root.resolve()), "runs": out})
 
-    async def metrics(request):
-        folder = run_folder(request)
-        return missing("run") if folder is None else JSONResponse({"rows": read_metrics(folder)})
+    async def metrics(self, request):
+        folder = self.run_folder(request)
+        return _missing("run") if folder is None else _json({"rows": read_metrics(folder)})
 
-    async def steps(request):
-        folder = run_folder(request)
+    async def steps(self, request):
+        folder = self.run_folder(request)
         if folder is None:
-            return missing("run")
-        return JSONResponse({"steps": query_store(folder, store.steps, [])})
+            return _missing("run")
+        return _json({"steps": _query_store(folder, store.steps, [])})
 
-    async def episodes(request):
-        folder = run_folder(request)
+    async def episodes(self, request):
+        folder = self.run_folder(request)
         if folder is None:
-            return missing("run")
+            return _missing("run")
         q = request.query_params
         try:
             step = int(q.get("step", "0"))
@@ -122,32 +148,23 @@ def build_app(root: Path):
             min_reward = float(q["min_reward"]) if q.get("min_reward") not in (None, "") else None
             max_reward = float(q["max_reward"]) if q.get("max_reward") not in (None, "") else None
         except ValueError as exc:
-            return JSONResponse({"error": f"bad query: {exc}"}, 400)
+            return _json({"error": f"bad query: {exc}"}, 400)
         sort = q.get("sort", "idx")
         if sort not in store.SORTS:
-            return JSONResponse({"error": f"sort must be one of {', '.join(store.SORTS)}"}, 400)
-        return JSONResponse(query_store(
+            return _json({"error": f"sort must be one of {', '.join(store.SORTS)}"}, 400)
+        return _json(_query_store(
             folder,
             lambda conn: store.episodes(conn, q.get("split", "train"), step, flag=q.get("flag") or None,
                                         min_reward=min_reward, max_reward=max_reward, sort=sort, page=page,
                                         page_size=page_size),
             {"total": 0, "page": 0, "page_size": page_size, "items": [], "flags": []}))
 
-    async def episode(request):
-        folder = run_folder(request)
+    async def episode(self, request):
+        folder = self.run_folder(request)
         if folder is None:
-            return missing("run")
-        found = query_store(folder, lambda conn: store.episode(conn, int(request.path_params["episode_id"])), None)
-        return missing("episode") if found is None else JSONResponse(found)
-
-    return Starlette(routes=[
-        Route("/", index),
-        Route("/api/runs", runs),
-        Route("/api/runs/{run:path}/metrics", metrics),
-        Route("/api/runs/{run:path}/steps", steps),
-        Route("/api/runs/{run:path}/episodes/{episode_id:int}", episode),
-        Route("/api/runs/{run:path}/episodes", episodes),
-    ])
+            return _missing("run")
+        found = _query_store(folder, lambda conn: store.episode(conn, int(request.path_params["episode_id"])), None)
+        return _missing("episode") if found is None else _json(found)
 
 
 class LogViewServer:

@@ -100,9 +100,9 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
     return value
 
 
-def load_examples(path: Path, kind: str, renderer, end_texts: tuple[str, ...], max_len: int,
+def load_examples(path: Path, data: str, renderer, end_texts: tuple[str, ...], max_len: int,
                   key: str) -> tuple[list, dict[str, int]]:
-    """Examples (sft) or Pairs (dpo, orpo) of a jsonl file, and counts of rows dropped for being too long.
+    """Examples (`data` "conversations") or Pairs ("pairs") of a jsonl file, and counts of rows dropped for being too long.
 
     A row whose template cannot be split into turns, or that has no assistant message, is an error naming the
     line: training silently on part of a dataset is worse than stopping."""
@@ -113,7 +113,7 @@ def load_examples(path: Path, kind: str, renderer, end_texts: tuple[str, ...], m
         where = f"{key}: {path} line {n}"
         tools = row.get("tools")
         try:
-            if kind == "sft":
+            if data == "conversations":
                 items = [tokenize_conversation(renderer, _messages(row, "messages", where), tools, end_texts)]
                 item = items[0]
             else:

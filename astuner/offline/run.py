@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from astuner.algorithm.catalog import algorithm
 from astuner.errors import UserError
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 
@@ -34,6 +35,7 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     typed = loaded.typed
     a, tc = typed.astuner, typed.astuner.trainer_common
     kind = tc.algorithm.type
+    spec = algorithm(kind)
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(typed)
     if a.offline_data.train_file is None:
@@ -49,7 +51,7 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
 
     def read(key: str, value: str):
         path = Path(value) if Path(value).is_absolute() else loaded.config_dir / value
-        items, dropped = load_examples(path, kind, renderer, ends, max_len, key)
+        items, dropped = load_examples(path, spec.data, renderer, ends, max_len, key)
         if dropped["too_long"]:
             log.warning("%s: %d of %d rows are longer than max_model_len=%d tokens and are left out", key,
                         dropped["too_long"], dropped["too_long"] + len(items), max_len)
@@ -60,9 +62,9 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     total = count_steps(len(train), settings)
     plan = preflight.make_plan(typed, "debug", facts, max_len, total)
     announce(f"{kind}: {len(train)} training and {len(val)} validation "
-             f"{'conversations' if kind == 'sft' else 'pairs'}, {settings.train_batch_size} per step\n"
+             f"{spec.data}, {settings.train_batch_size} per step\n"
              + plan.block(facts))
     preflight.check_fits(plan, facts)
     trainer = build_trainer(typed, model_path, total, micro_batch_tokens=plan.micro_batch_token_budget)
-    stages = OfflineStages(trainer, tokenizer, kind, tc.algorithm.beta, loaded.experiment_dir)
+    stages = OfflineStages(trainer, tokenizer, spec, tc.algorithm.beta, loaded.experiment_dir)
     return drive(loaded, settings, stages, train, val, total, tokenizer, checkpoint)

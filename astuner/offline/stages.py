@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from astuner.algorithm.catalog import AlgorithmType
 from astuner.stages import LocalTrainerStages, Validation
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 class OfflineStages(LocalTrainerStages):
     score_name = "loss"
 
-    def __init__(self, trainer, tokenizer, kind: str, beta: float, experiment_dir: Path) -> None:
+    def __init__(self, trainer, tokenizer, kind: AlgorithmType, beta: float, experiment_dir: Path) -> None:
         self.trainer, self.tokenizer, self.kind, self.beta = trainer, tokenizer, kind, beta
         self.experiment_dir = experiment_dir
 
@@ -43,9 +44,9 @@ class OfflineStages(LocalTrainerStages):
     def validate(self, tasks: list, step: int, repeats: int) -> Validation:
         from astuner.offline.steps import preference_step, sft_validation_loss
 
-        if self.kind == "sft":
+        if self.kind.data == "conversations":
             loss = sft_validation_loss(self.trainer, [x.as_sample(f"val{i}") for i, x in enumerate(tasks)])
             return Validation({"val/loss": loss}, "loss")
-        stats = preference_step(self.trainer, tasks, self.kind, self.beta, train=False)
+        stats = preference_step(self.trainer, tasks, self.kind.objective, self.beta, train=False)
         return Validation({f"val/{k}": v for k, v in stats.items()
                            if k not in ("train_tokens", "train_tokens_per_s", "num_pairs")}, "loss")

@@ -3,7 +3,8 @@
 The code must see nothing of the user's: a policy that can read the training data learns to read the answer
 instead of computing it. What it may read is this interpreter (its venv and its base installation, each bound
 alone, never the folder holding it: a venv inside the project exposes the venv, not the project), the system's
-/usr and the few /etc files the loader and SSL need (`_visible`). It must not be able to stop the run either.
+/usr and the few /etc files the loader and SSL need (`sandbox_view.visible`). It must not be able to stop the run
+either.
 
 Two levels, chosen once per process and named at start (`describe_sandbox()`):
 
@@ -42,24 +43,38 @@ recorded for the episode: astuner/tools/failures.py) instead of handing bwrap's 
 import asyncio
 import contextlib
 import functools
-import glob
-import itertools
 import logging
 import os
 import shutil
-import signal
-import site
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from astuner.errors import UserError
 from astuner.tools import bubblewrap as bw
 from astuner.tools import landlock as lsm
 from astuner.tools import limits
-from astuner.tools.failures import ToolInfraError, record_failure, record_start
+from astuner.tools.failures import record_failure, record_start
+
+# The sandbox's parts (what the code sees, its process, its errors), also under the names they had here.
+from astuner.tools.sandbox_child import READ_CHUNK as _READ_CHUNK  # noqa: F401
+from astuner.tools.sandbox_child import Capture as _Capture
+from astuner.tools.sandbox_child import Launch as _Launch
+from astuner.tools.sandbox_child import PythonResult
+from astuner.tools.sandbox_child import drain as _drain
+from astuner.tools.sandbox_child import exited as _exited
+from astuner.tools.sandbox_child import kill_group as _kill_group
+from astuner.tools.sandbox_errors import SandboxRefused, SandboxUnavailable  # noqa: F401
+from astuner.tools.sandbox_errors import unavailable as _unavailable
+from astuner.tools.sandbox_view import DEVICES as _DEVICES  # noqa: F401
+from astuner.tools.sandbox_view import ETC as _ETC  # noqa: F401
+from astuner.tools.sandbox_view import SYSTEM as _SYSTEM  # noqa: F401
+from astuner.tools.sandbox_view import child_env as _child_env
+from astuner.tools.sandbox_view import landlock_ruleset as _landlock_ruleset
+from astuner.tools.sandbox_view import own_folders as _own_folders
+from astuner.tools.sandbox_view import visible as _visible
+from astuner.tools.sandbox_view import within as _within  # noqa: F401
 from astuner.watchdog import watch
 
 if TYPE_CHECKING:
@@ -72,13 +87,7 @@ DEFAULT_MEMORY_MB = 1024
 # timeout starts after that.
 STARTUP_LIMIT_S = 30.0
 _SCRATCH_BYTES = 256 * 1024 * 1024  # each tmpfs of the bubblewrap sandbox (/tmp, the working folder)
-_READ_CHUNK = 65536
 _OPT_IN_KEY = "astuner.rollout.python_tool_unsandboxed"
-_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# The loader's cache, SSL certificates, time zone, fonts, Debian's sitecustomize: system files, nothing of a user's.
-_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "pki", "ca-certificates",
-        "crypto-policies", "localtime", "fonts", "mime.types", "python3*")
-_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # Run by `python -c` before the snippet: report the start on fd {fd} (then close it, so the code never holds it),
 # and run the snippet as `python snippet.py` would (its own __main__, __file__ and argv). One line, so tracebacks
 # gain one frame, `_BOOT_FRAME`, which is taken out of what the model sees.
@@ -89,14 +98,6 @@ log = logging.getLogger(__name__)
 _allow_unsandboxed = False
 
 
-class SandboxRefused(UserError, ToolInfraError):
-    """The process fallback was not opted in; the message says what it would allow and how to get bubblewrap."""
-
-
-class SandboxUnavailable(ToolInfraError):
-    """The sandbox could not start the snippet's interpreter; the message quotes its error and what to do."""
-
-
 def allow_unsandboxed(allowed: bool) -> None:
     """Let the process level run model code where bubblewrap cannot (the config key
     `astuner.rollout.python_tool_unsandboxed`). Call it at start, in every process that runs episodes."""
@@ -104,66 +105,7 @@ def allow_unsandboxed(allowed: bool) -> None:
     _allow_unsandboxed = bool(allowed)
 
 
-def _within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-@functools.lru_cache(maxsize=None)
-def _visible(executable: str) -> tuple[tuple[str, str], ...]:
-    """(host path, sandbox path) pairs the code may read: /usr and the system library folders, a few /etc files,
-    then this interpreter's own folders (prefixes, site-packages) and the executable itself, bound alone. A path
-    reached through a symlink is bound at both its names. A pair inside another is dropped."""
-    system = [p for p in _SYSTEM if os.path.lexists(p)]
-    etc = sorted(m for pattern in _ETC for m in glob.glob(os.path.join("/etc", pattern)))
-    own = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-           *getattr(site, "getsitepackages", list)(), executable]
-    pairs: list[tuple[str, str]] = []
-    for path in system + etc + own:
-        path = os.path.abspath(path)
-        if not os.path.exists(path):
-            continue
-        real = os.path.realpath(path)
-        for pair in ((real, real), (real, path)):
-            if pair not in pairs:
-                pairs.append(pair)
-    kept: list[tuple[str, str]] = []
-    for src, dst in pairs:  # system folders first, so a prefix under /usr adds nothing
-        # Already visible: inside a bound folder, and so is what it resolves to (a venv's python -> the base one).
-        bound = [d for s, d in kept if s == d]
-        covered = any(_within(dst, d) for d in bound) and any(_within(src, d) for d in bound)
-        if not covered:
-            kept.append((src, dst))
-    return tuple(kept)
-
-
-def _own_folders(executable: str) -> list[str]:
-    """The interpreter's own paths in the sandbox (named at start)."""
-    return [d for _, d in _visible(executable) if not any(_within(d, s) for s in (*_SYSTEM, "/etc"))]
-
-
 # --- one launch, the same for a call and for the start-up probes --------------------------------------------
-
-
-@dataclass
-class _Launch:
-    """What starts one snippet: argv, cwd, environment, the child's set-up, and the pipe its start is reported on."""
-
-    argv: list[str]
-    cwd: str
-    env: dict[str, str]
-    preexec: Callable[[], None]
-    started_fd: int  # read end
-    report_fd: int  # write end, handed to the child
-    cgroup: limits.CallCgroup | None
-    _started: bool = False
-
-    def started(self) -> bool:
-        """Whether the interpreter has reached the snippet (so far: the start byte is read once, then kept)."""
-        if not self._started:
-            os.set_blocking(self.started_fd, False)
-            with contextlib.suppress(BlockingIOError):
-                self._started = os.read(self.started_fd, 1) == b"1"
-        return self._started
 
 
 @contextlib.contextmanager
@@ -255,14 +197,6 @@ def _landlock_abi() -> int:
     return lsm.abi()
 
 
-def _landlock_ruleset(executable: str, scratch: str) -> int:
-    """A Landlock ruleset (an fd, close it) allowing reads of `_visible`, the usual devices, and anything inside
-    `scratch`; every other path is closed, whoever owns it."""
-    rules = [(src, lsm.READ_ONLY) for src, _ in _visible(executable)]
-    rules += [(dev, lsm.DEVICE) for dev in _DEVICES]
-    return lsm.ruleset(rules, scratch)
-
-
 @dataclass(frozen=True)
 class _ProcessPlan:
     user: str  # "nobody" (uid 65534), "self" (not root: the user running astuner), "root", "" (refused)
@@ -352,73 +286,6 @@ def _who_and_bounds() -> str:
             f"fork and hold several GiB; the OOM killer picks the sandbox first; {threads}")
 
 
-@dataclass
-class PythonResult:
-    returncode: int  # negative: killed by that signal (e.g. -9 after a timeout)
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    memory_peak_bytes: int | None = None  # the most the call held at once, where it ran in a cgroup of its own
-
-
-class _Capture:
-    """Keeps the first and last `limit` bytes of a stream, so an endless print cannot fill our memory."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        room = self.limit - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        if chunk:
-            self.tail += chunk
-            del self.tail[: max(0, len(self.tail) - self.limit)]
-
-    def text(self, max_chars: int) -> str:
-        head = self.head.decode("utf-8", errors="replace")
-        tail = self.tail.decode("utf-8", errors="replace")
-        if not tail and len(head) <= max_chars:
-            return head
-        text = head + tail
-        keep = max(1, max_chars // 2)
-        note = f"[output truncated: {self.total} bytes in all, the middle omitted]"
-        return f"{text[:keep]}\n... {note} ...\n{text[-keep:]}"
-
-
-def _child_env(workdir: str) -> dict[str, str]:
-    """A small environment: the code needs no credentials or settings of ours. One thread per numeric library,
-    since thread pools reserve address space that would count against the memory limit."""
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "MPLBACKEND": "Agg",
-    }
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
-        env[var] = "1"
-    return env
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-async def _drain(stream: asyncio.StreamReader, capture: _Capture) -> None:
-    while chunk := await stream.read(_READ_CHUNK):
-        capture.feed(chunk)
-
-
 async def run_python(
     code: str, timeout: float = 10.0, memory_mb: int = DEFAULT_MEMORY_MB, max_output_chars: int = 8000
 ) -> PythonResult:
@@ -502,15 +369,6 @@ async def _supervise(launch: _Launch, level: str, timeout: float, max_output_cha
     return PythonResult(proc.returncode, out.text(max_output_chars), stderr, timed_out, peak)
 
 
-def _unavailable(level: str, returncode: int | None, stderr: str) -> SandboxUnavailable:
-    fix = (f"check that bwrap can start it here as this user ({bw.how_to_enable(stderr)})" if level == "bubblewrap"
-           else "check the process sandbox's start-up line")
-    return SandboxUnavailable(
-        f"the Python tool's sandbox ({level}) could not start the interpreter {sys.executable} (exit status "
-        f"{returncode}): {stderr.strip()[-500:] or 'no error output'}. This is not the model's doing: {fix}; the "
-        f"start-up block's 'python tool sandbox' line says what was found at start")
-
-
 async def _start_reported(proc: asyncio.subprocess.Process, launch: _Launch) -> bool:
     """True once the interpreter reports reaching the snippet; False if it exits first or misses STARTUP_LIMIT_S."""
     loop = asyncio.get_running_loop()
@@ -518,21 +376,6 @@ async def _start_reported(proc: asyncio.subprocess.Process, launch: _Launch) -> 
     while not launch.started() and proc.returncode is None and loop.time() < deadline:
         await asyncio.sleep(0.01)
     return launch.started()
-
-
-async def _exited(proc: asyncio.subprocess.Process, timeout: float, cgroup: limits.CallCgroup | None) -> bool:
-    """True once the snippet itself exited, or the kernel killed part of it for the call's memory limit (the rest
-    is killed with the group: a call that outgrew its memory has ended), within `timeout`. Not `proc.wait()`: that
-    also waits for its output pipes to close, which a background child still holding them would delay."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    for tick in itertools.count():
-        if proc.returncode is not None or (cgroup is not None and tick % 5 == 4 and cgroup.oom_kills()):
-            return True
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return False
 
 
 # The Python tool as an OpenAI tool schema, for agents that are not AgentScope agents (run it with python_tool_text).

@@ -3,9 +3,9 @@
 A small client: losses are objects handed to it (`algorithm/objectives.py`), not branches inside it.
     forward_backward(batch, objective)  backward one mini-batch's loss into the gradients, micro-batch by micro-batch
     optim_step()                         grad-norm clip, AdamW step at the scheduled learning rate
-    forward_logprobs(samples)            the response tokens' logprobs (`trainer_forward.py`)
-    state_dict() / load_state_dict()     weights, optimizer and step count (`trainer_checkpoint.py` writes them)
-    train(samples, objective)            one whole step (`trainer_step.py`) -> TrainResult(metrics, trainer logprobs)
+    forward_logprobs(samples)            the response tokens' logprobs (`trainer/forward.py`)
+    state_dict() / load_state_dict()     weights, optimizer and step count (`trainer/checkpoint.py` writes them)
+    train(samples, objective)            one whole step (`trainer/step.py`) -> TrainResult(metrics, trainer logprobs)
 
 `forward_backward` on a mini-batch:
   1. token weights over the mini-batch (`algorithm.loss.token_weights`), so the mini-batch loss is a plain
@@ -22,9 +22,9 @@ recomputes them), a reference forward unless the objective needs one. Samples wh
 forwarded when the objective says their gradient is 0 (`trains_zero_advantage`); they still count in the token
 weights, so the result is unchanged.
 
-Precision (`astuner/precision.py`): fp32 on CPU; on CUDA bf16 weights and compute with fp32 master weights and
+Precision (`astuner/trainer/precision.py`): fp32 on CPU; on CUDA bf16 weights and compute with fp32 master weights and
 fp32 AdamW state. A worker of a trainer group (`join_group`) trains data-parallel, with a whole replica (ddp,
-`data_parallel.py`) or sharded (fsdp2, `fsdp.py`). Built knowing it will shard (settings `strategy`, `group_size`),
+`trainer/data_parallel.py`) or sharded (fsdp2, `trainer/fsdp.py`). Built knowing it will shard (settings `strategy`, `group_size`),
 the trainer keeps the whole fp32 model on the host until `join_group` shards it: only each worker's share reaches
 its device, never the whole model and its fp32 masters (>= 8 bytes a parameter on every GPU).
 The model stays in eval mode (no dropout), so that before any update the trainer's logprobs match the engine's.
@@ -40,15 +40,14 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from astuner import fsdp, trainer_checkpoint
-from astuner.algorithm.loss import token_weights
-from astuner.algorithm.objectives import TokenBatch, TokenObjective, token_objective
-from astuner.lora import apply_lora, is_lora_param, merged_named_tensors, set_adapter_dropout
-from astuner.precision import MasterWeights, cast_parameters, resolve_precision
+from astuner.trainer import checkpoint, fsdp
+from astuner.algorithm.objectives import TokenObjective, token_objective
+from astuner.trainer.lora import apply_lora, merged_named_tensors, set_adapter_dropout
+from astuner.trainer.precision import MasterWeights, cast_parameters, resolve_precision
 from astuner.step_plan import lr_at, split_micro_batches
-from astuner.trainer_forward import HeadPath, active_dropout, check_fast_head, response_logprobs
-from astuner.trainer_settings import TrainerSettings
-from astuner.trainer_step import TrainResult, train_step
+from astuner.trainer.forward import HeadPath, active_dropout, check_fast_head, response_logprobs
+from astuner.trainer.settings import TrainerSettings
+from astuner.trainer.step import TrainResult, forward_backward, train_step
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
@@ -86,14 +85,14 @@ class Trainer:
                 raise ValueError(f"gradient_checkpointing needs a model without dropout; {self.model_path} has "
                                  f"{', '.join(active)}: set them to 0 in its config.json")
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.peft = None  # the PEFT wrapper when LoRA is on (astuner/lora.py); self.model is its inner HF model
+        self.peft = None  # the PEFT wrapper when LoRA is on (astuner/trainer/lora.py); self.model is its inner HF model
         if lora:
             self.peft = apply_lora(self.model, s.lora)
             self.model = self.peft.get_base_model()
         self._adamw = dict(lr=s.lr, weight_decay=s.weight_decay, fused=self.device.type == "cuda")
         self._master = self._params = self.optimizer = None
         if not self.shard_on_join:  # sharded, the fp32 shards are the masters (join_group)
-            self._own_weights(self.precision)  # under bf16 the parameters become bf16 (precision.py)
+            self._own_weights(self.precision)  # under bf16 the parameters become bf16 (trainer/precision.py)
         self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
         if s.needs_reference:  # compute-dtype parameters, the model's buffers (precision.cast_parameters)
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -113,20 +112,12 @@ class Trainer:
         self._params = self._master.masters
         self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
 
-    @property
-    def chunked_head(self) -> bool:
-        return self.head.chunked
-
-    @chunked_head.setter
-    def chunked_head(self, on: bool) -> None:
-        self.head.chunked = on
-
     # --- trainer group ---------------------------------------------------------------------------------------
 
     def join_group(self, dp, strategy: str | None = None) -> str:
         """Become one worker of a data-parallel group (`data_parallel.DataParallel`, its process group up); with
         strategy fsdp2 (None: the settings') shard the model, the reference model and the optimizer over it
-        (`fsdp.py`). Call before any step or checkpoint load. Returns the strategy in force."""
+        (`trainer/fsdp.py`). Call before any step or checkpoint load. Returns the strategy in force."""
         self.dp = dp
         strategy = self.settings.strategy if strategy is None else strategy
         sharded = dp.world > 1 and \
@@ -192,7 +183,7 @@ class Trainer:
     def forward_logprobs(self, samples: list[Sample], *, reference: bool = False, with_entropy: bool = False,
                          entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
-        `samples` under the policy (or the frozen reference), flattened to R (`trainer_forward.py`)."""
+        `samples` under the policy (or the frozen reference), flattened to R (`trainer/forward.py`)."""
         self._check_joined()
         model, root = (self.ref_model, self._ref_root) if reference else (self.model, self._root)
         if root is None:
@@ -221,53 +212,7 @@ class Trainer:
         Returns sums over the mini-batch: loss, response tokens, the objective's token-summed stats, tokens
         processed, counts.
         """
-        objective = token_objective(objective, self.settings)
-        for s in samples:
-            if len(s.old_logprobs) != len(s.response_ids):
-                raise ValueError(f"sample of episode {s.episode_uid}: old_logprobs and response_ids lengths differ")
-            if s.response_ids and not s.prompt_ids:
-                raise ValueError(f"sample of episode {s.episode_uid}: empty prompt")
-        # Lengths count trained tokens only: a merged sample (loss_mask) weighs its tokens as the separate
-        # calls it joins would.
-        weights_B = token_weights([s.num_trained_tokens for s in samples], [s.episode_uid for s in samples],
-                                  self.settings.loss_agg_mode, self.settings.norm_length)
-        # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the objective says.
-        keep = [i for i, s in enumerate(samples)
-                if weights_B[i] > 0 and (objective.trains_zero_advantage or s.advantage != 0.0)]
-        if self.dp is not None:  # a worker of a group backwards the episodes it owns (data_parallel.py)
-            keep = [i for i in keep if self.dp.mine(samples[i])]
-        kept = [samples[i] for i in keep]
-        dev = self.device
-        sums = {k: torch.zeros((), device=dev) for k in ("loss", "entropy", *objective.stat_keys)}
-        n_tokens_R = n_micro = 0
-        for idx in self.micro_batches(kept, backward=True, reference=objective.needs_reference):
-            n_micro += 1
-            mb = [kept[i] for i in idx]
-            ref_R = None
-            if objective.needs_reference:
-                with torch.no_grad():
-                    ref_R, _ = self.forward_logprobs(mb, reference=True)
-            logprobs_R, entropy_R = self.forward_logprobs(mb, with_entropy=True, entropy_grad=objective.entropy_grad)
-            batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R)
-            if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
-                for i, logprobs in zip(idx, batch.per_sample(logprobs_R)):
-                    logprobs_out[keep[i]] = logprobs
-            loss, stats = objective.loss(batch)
-            loss.backward()
-
-            n_tokens_R += int(batch.mask_R.sum().item())
-            sums["loss"] += loss.detach()
-            if entropy_R is not None:
-                sums["entropy"] += (entropy_R.detach() * batch.mask_R).sum()
-            for k, v in stats.items():  # token sums (or maxima), so micro-batches combine exactly
-                sums[k] = torch.maximum(sums[k], v) if k in objective.max_stats else sums[k] + v
-        out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
-        out.update(response_tokens=n_tokens_R, train_tokens=sum(s.num_tokens for s in kept),
-                   num_micro_batches=n_micro, num_forwarded_samples=len(kept))
-        if self.dp is not None:
-            out = self.dp.reduce_sums(out, max_keys=objective.max_stats)
-        out["weighted_tokens"] = sum(s.num_trained_tokens for s, w in zip(samples, weights_B) if w > 0)
-        return out
+        return forward_backward(self, samples, objective, logprobs_out)
 
     @property
     def current_lr(self) -> float:
@@ -308,7 +253,7 @@ class Trainer:
             set_adapter_dropout(self.model, adapter_dropout)
 
     def train(self, samples: list[Sample], objective: str | TokenObjective = "policy") -> TrainResult:
-        """One training step (`trainer_step.py`): metrics and the trainer's logprobs; `samples` stay untouched.
+        """One training step (`trainer/step.py`): metrics and the trainer's logprobs; `samples` stay untouched.
         objective "sft": one pass of the SFT loss over the samples' assistant tokens (`loss_mask`)."""
         return train_step(self, samples, token_objective(objective, self.settings))
 
@@ -340,41 +285,17 @@ class Trainer:
         """{"model": the full weights (under bf16 the fp32 masters; None: the model's own parameters as they are),
         "optimizer": the full AdamW state (None unless asked), "optimizer_steps"}. Sharded, it gathers: every
         worker of the group calls it at once."""
-        self._check_joined()
-        if self.sharded:
-            weights = {name: fsdp.full(p.detach()).cpu() for name, p in self.model.named_parameters()}
-            state = fsdp.full_optimizer_state(self.optimizer) if optimizer else None
-        else:
-            weights = self._master.state_dict(self.model)
-            state = self.optimizer.state_dict() if optimizer else None
-        return {"model": weights, "optimizer": state, "optimizer_steps": self.optimizer_steps}
+        return checkpoint.full_state(self, optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned ("model": whole weights by name, adapters only with LoRA). Tied
         weights may be missing (saved once); anything else missing or unexpected is a ValueError."""
-        self._check_joined()
-        weights = state["model"]
-        if self.sharded:  # every worker holds the whole state and keeps its shards
-            missing, unexpected = fsdp.load_full_weights(self._root, weights)
-        else:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-            self._master.load_masters(self.model, weights)
-        tied = {n for n in missing if "lm_head" in n and getattr(self.model.config, "tie_word_embeddings", False)}
-        if self.peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
-            tied |= {n for n in missing if not is_lora_param(n)}
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]})")
-        optimizer = state["optimizer"]
-        if self.sharded:
-            optimizer = fsdp.shard_optimizer_state(optimizer, self._params)
-        self.optimizer.load_state_dict(optimizer)
-        self.optimizer_steps = int(state["optimizer_steps"])
+        checkpoint.restore_state(self, state)
 
     def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
         """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""
-        trainer_checkpoint.save(self, Path(path), tokenizer, run_state, write)
+        checkpoint.save(self, Path(path), tokenizer, run_state, write)
 
     def load_checkpoint(self, path: Path) -> dict:
         """Weights, optimizer, step count and RNG from `path`; returns the run state (`trainer_checkpoint.load`)."""
-        return trainer_checkpoint.load(self, Path(path))
+        return checkpoint.load(self, Path(path))

@@ -8,7 +8,7 @@ sample is predicted at index len(prompt) + i - 1), apply the LM head to those al
 
 Temperature 0 counts as 1.0 (the engine logs greedy calls untempered); sampled calls are scored over the rollouts'
 top-k / top-p filtered distribution (`algorithm/sampling_filter.py`); on CUDA the head runs in row chunks and never
-holds R x V logits (`fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
+holds R x V logits (`trainer/fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
 purpose: logits at prompt positions.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from astuner.algorithm.sampling_filter import is_filtered, keep_threshold
-from astuner.fused_head import head_logprobs, plain_linear_head
+from astuner.trainer.fused_head import head_logprobs, plain_linear_head
 from astuner.types import Sample
 
 log = logging.getLogger("astuner.trainer")
@@ -83,7 +83,7 @@ class HeadPath:
 
     device: torch.device
     fast: bool  # decoder + head on the selected positions (`check_fast_head`), else the model's full logits
-    chunked: bool  # row-chunked log-softmax (`fused_head.py`) for a plain linear head
+    chunked: bool  # row-chunked log-softmax (`trainer/fused_head.py`) for a plain linear head
     top_k: int = 0
     top_p: float = 1.0
     pad_id: int = 0  # right padding after every real token: causal attention never lets a real token see it
@@ -114,13 +114,13 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
 
     # No attention mask: with right padding, causal attention already hides the pads from real tokens,
     # and leaving it out keeps SDPA on its fused causal path.
-    # Precision is the parameters' dtype (astuner/precision.py): no autocast.
+    # Precision is the parameters' dtype (astuner/trainer/precision.py): no autocast.
     filtered = is_filtered(path.top_k, path.top_p) and any(sampled)
     if path.fast:
         hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
         weight = plain_linear_head(model) if path.chunked else None
         if weight is not None:
-            # Never holds R x V logits (astuner/fused_head.py); the same numbers as below, filter and entropy
+            # Never holds R x V logits (astuner/trainer/fused_head.py); the same numbers as below, filter and entropy
             # (and its gradient) included.
             return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy,
                                  filtered_R=torch.tensor(sampled, device=dev) if filtered else None,

@@ -1,5 +1,6 @@
 """One training step over the trainer's public surface: `objective.epochs` passes over the step's samples, each
-split into `mini_batch_num` mini-batches (one `forward_backward` + `optim_step` each). Functions of a
+split into `mini_batch_num` mini-batches (one `forward_backward` + `optim_step` each); `forward_backward` itself
+(the mini-batch's loss backwarded micro-batch by micro-batch, `trainer/core.py`'s docstring) is here too. Functions of a
 `trainer.Trainer` (which imports this module, so the trainer is not annotated here).
 
 Every pass uses the same old logprobs (the engine's, or the trainer's recomputed before the first update when the
@@ -20,12 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from astuner.algorithm.loss import token_weights
 from astuner.algorithm.mismatch import mismatch_sums
+from astuner.algorithm.objectives import TokenBatch, token_objective
 from astuner.step_plan import offsets, split_mini_batches
 from astuner.types import Sample
 
 if TYPE_CHECKING:
-    from astuner.algorithm.objectives import TokenObjective
+    from astuner.algorithm.objectives import TokenObjective  # noqa: F401 (annotations)
 
 
 @dataclass
@@ -41,6 +44,45 @@ class TrainResult:
         for s, logprobs in zip(samples, self.trainer_logprobs):
             if logprobs is not None:
                 s.trainer_logprobs = logprobs
+
+
+@dataclass
+class _Tally:
+    """Sums over a step's mini-batches, turned into the step's metrics at the end."""
+
+    totals: dict[str, float]
+    losses: list[float] = dataclasses.field(default_factory=list)
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    response_tokens: int = 0
+    weighted_tokens: int = 0
+    train_tokens: int = 0
+    micro_batches: int = 0
+    skipped: int = 0
+
+    def add(self, sums: dict[str, float], step: dict[str, float]) -> None:
+        """A mini-batch's `forward_backward` sums and its optimizer step."""
+        self.losses.append(sums["loss"])
+        self.grad_norms.append(step["grad_norm"])
+        self.response_tokens += sums["response_tokens"]
+        self.weighted_tokens += sums["weighted_tokens"]
+        self.train_tokens += sums["train_tokens"]
+        for k in self.totals:
+            self.totals[k] += sums[k]
+
+    def into(self, metrics: dict[str, float], objective: TokenObjective, epochs: int, seconds: float) -> None:
+        if self.losses:
+            metrics[objective.loss_metric] = sum(self.losses) / len(self.losses)
+            metrics["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+            for k, v in self.totals.items():
+                metrics[k] = v / (self.weighted_tokens if k in objective.weighted_metrics else self.response_tokens)
+            metrics["forwarded_token_fraction"] = self.response_tokens / max(self.weighted_tokens, 1)
+        metrics.update(
+            train_tokens=float(self.train_tokens),
+            train_tokens_per_s=self.train_tokens / seconds if seconds > 0 else 0.0,
+            num_micro_batches=float(self.micro_batches),
+            num_optimizer_steps=float(len(self.losses)),
+            num_samples_skipped_zero_adv=float(self.skipped / epochs),
+        )
 
 
 def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> TrainResult:
@@ -60,18 +102,16 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
     else:
         samples_used = samples
     trainer.train_mode(adapter_dropout=True)  # trainer_common.lora.dropout acts in the update passes only
-    totals = {k: 0.0 for k in objective.reported()}
-    losses, grad_norms = [], []
-    n_tokens_R = n_weighted = train_tokens = n_micro = n_skipped = 0
+    tally = _Tally({k: 0.0 for k in objective.reported()})
     epochs = objective.epochs
     passes = [mb for _ in range(epochs) for mb in split_mini_batches(samples_used, settings.mini_batch_num)]
     for mini_batch in passes:
-        first = not losses and objective.checks_mismatch and not recompute
+        first = not tally.losses and objective.checks_mismatch and not recompute
         logprobs_out: list[list[float] | None] = [None] * len(mini_batch)
         sums = trainer.forward_backward(mini_batch, objective, logprobs_out=logprobs_out if first else None)
         seen.update((id(s), lp) for s, lp in zip(mini_batch, logprobs_out) if lp is not None)
-        n_micro += sums["num_micro_batches"]
-        n_skipped += len(mini_batch) - sums["num_forwarded_samples"]
+        tally.micro_batches += sums["num_micro_batches"]
+        tally.skipped += len(mini_batch) - sums["num_forwarded_samples"]
         if sums["response_tokens"] == 0:
             trainer.zero_grad()
             continue
@@ -83,30 +123,62 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
             metrics["logprob_abs_diff_max"] = sums["logprob_abs_diff_max"]
             metrics["kl_engine_trainer_k3"] = sums["kl_engine_trainer_k3"] / sums["response_tokens"]
         step = trainer.optim_step()
-        losses.append(sums["loss"])
-        grad_norms.append(step["grad_norm"])
         metrics["lr"] = step["lr"]
-        n_tokens_R += sums["response_tokens"]
-        n_weighted += sums["weighted_tokens"]
-        train_tokens += sums["train_tokens"]
-        for k in totals:
-            totals[k] += sums[k]
-    seconds = time.perf_counter() - start
-
-    if losses:
-        metrics[objective.loss_metric] = sum(losses) / len(losses)
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        for k, v in totals.items():
-            metrics[k] = v / (n_weighted if k in objective.weighted_metrics else n_tokens_R)
-        metrics["forwarded_token_fraction"] = n_tokens_R / max(n_weighted, 1)
-    metrics.update(
-        train_tokens=float(train_tokens),
-        train_tokens_per_s=train_tokens / seconds if seconds > 0 else 0.0,
-        num_micro_batches=float(n_micro),
-        num_optimizer_steps=float(len(losses)),
-        num_samples_skipped_zero_adv=float(n_skipped / epochs),
-    )
+        tally.add(sums, step)
+    tally.into(metrics, objective, epochs, time.perf_counter() - start)
     return TrainResult(metrics, [seen.get(id(s)) for s in samples])
+
+
+def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: list | None = None
+                     ) -> dict[str, float]:
+    """`Trainer.forward_backward`: backward one mini-batch's loss into `.grad`, micro-batch by micro-batch."""
+    objective = token_objective(objective, trainer.settings)
+    for s in samples:
+        if len(s.old_logprobs) != len(s.response_ids):
+            raise ValueError(f"sample of episode {s.episode_uid}: old_logprobs and response_ids lengths differ")
+        if s.response_ids and not s.prompt_ids:
+            raise ValueError(f"sample of episode {s.episode_uid}: empty prompt")
+    # Lengths count trained tokens only: a merged sample (loss_mask) weighs its tokens as the separate
+    # calls it joins would.
+    weights_B = token_weights([s.num_trained_tokens for s in samples], [s.episode_uid for s in samples],
+                              trainer.settings.loss_agg_mode, trainer.settings.norm_length)
+    # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the objective says.
+    keep = [i for i, s in enumerate(samples)
+            if weights_B[i] > 0 and (objective.trains_zero_advantage or s.advantage != 0.0)]
+    if trainer.dp is not None:  # a worker of a group backwards the episodes it owns (trainer/data_parallel.py)
+        keep = [i for i in keep if trainer.dp.mine(samples[i])]
+    kept = [samples[i] for i in keep]
+    dev = trainer.device
+    sums = {k: torch.zeros((), device=dev) for k in ("loss", "entropy", *objective.stat_keys)}
+    n_tokens_R = n_micro = 0
+    for idx in trainer.micro_batches(kept, backward=True, reference=objective.needs_reference):
+        n_micro += 1
+        mb = [kept[i] for i in idx]
+        ref_R = None
+        if objective.needs_reference:
+            with torch.no_grad():
+                ref_R, _ = trainer.forward_logprobs(mb, reference=True)
+        logprobs_R, entropy_R = trainer.forward_logprobs(mb, with_entropy=True, entropy_grad=objective.entropy_grad)
+        batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R)
+        if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
+            for i, logprobs in zip(idx, batch.per_sample(logprobs_R)):
+                logprobs_out[keep[i]] = logprobs
+        loss, stats = objective.loss(batch)
+        loss.backward()
+
+        n_tokens_R += int(batch.mask_R.sum().item())
+        sums["loss"] += loss.detach()
+        if entropy_R is not None:
+            sums["entropy"] += (entropy_R.detach() * batch.mask_R).sum()
+        for k, v in stats.items():  # token sums (or maxima), so micro-batches combine exactly
+            sums[k] = torch.maximum(sums[k], v) if k in objective.max_stats else sums[k] + v
+    out = {k: v.item() for k, v in sums.items()}  # one device sync per mini-batch
+    out.update(response_tokens=n_tokens_R, train_tokens=sum(s.num_tokens for s in kept),
+               num_micro_batches=n_micro, num_forwarded_samples=len(kept))
+    if trainer.dp is not None:
+        out = trainer.dp.reduce_sums(out, max_keys=objective.max_stats)
+    out["weighted_tokens"] = sum(s.num_trained_tokens for s, w in zip(samples, weights_B) if w > 0)
+    return out
 
 
 @torch.no_grad()

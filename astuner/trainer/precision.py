@@ -77,7 +77,7 @@ class MasterWeights:
     @torch.no_grad()
     def unify(self, model: torch.nn.Module) -> None:
         """Back to one fp32 copy: the model's parameters become fp32 and take the masters' values (FSDP2 then
-        keeps its shards in fp32 and computes in bf16 itself, astuner/fsdp.py)."""
+        keeps its shards in fp32 and computes in bf16 itself, astuner/trainer/fsdp.py)."""
         if self.separate:
             cast_parameters(model, torch.float32)
             self.masters_to_model()

@@ -10,7 +10,7 @@ in every worker, so the replicas stay equal without broadcasting weights.
 Ownership: per mini-batch, episodes (all calls of an episode stay together) go longest first to the worker
 with the fewest tokens so far (ties: lower rank), so every worker computes the same map.
 
-Strategy fsdp2 (astuner/fsdp.py) keeps this split and these reductions, and replaces the whole replica and the
+Strategy fsdp2 (astuner/trainer/fsdp.py) keeps this split and these reductions, and replaces the whole replica and the
 gradient all-reduce with shards and a reduce-scatter.
 """
 

@@ -1,6 +1,6 @@
 """FSDP2 sharding of the trainer over the data-parallel group (`torch.distributed.fsdp.fully_shard`).
 
-Strategy `ddp` (astuner/data_parallel.py) keeps a whole replica per worker and all-reduces the gradients;
+Strategy `ddp` (astuner/trainer/data_parallel.py) keeps a whole replica per worker and all-reduces the gradients;
 `fsdp2` shards every parameter, its gradient and its AdamW state over the `world` workers along dim 0, so a
 worker holds 16/world bytes per parameter (fp32 shards, gradients, moments) plus the gathered bf16 weights of
 the layer it is computing. Each decoder layer is one FSDP unit; the embedding, final norm and LM head (tied or
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from astuner.trainer_settings import STRATEGIES
+from astuner.trainer.settings import STRATEGIES
 
 
 def resolve_strategy(setting: str, world: int, device_type: str, lora: bool) -> str:

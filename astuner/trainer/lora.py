@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from astuner.trainer_settings import LoraSettings
+from astuner.trainer.settings import LoraSettings
 
 log = logging.getLogger(__name__)
 

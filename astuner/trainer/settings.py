@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-STRATEGIES = ("auto", "ddp", "fsdp2")  # the trainer group's: whole replicas (ddp) or shards (fsdp2, fsdp.py)
+STRATEGIES = ("auto", "ddp", "fsdp2")  # the trainer group's: whole replicas (ddp) or shards (fsdp2, trainer/fsdp.py)
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA adapters (astuner/lora.py): rank 0 trains the full model."""
+    """LoRA adapters (astuner/trainer/lora.py): rank 0 trains the full model."""
 
     rank: int
     alpha: float

@@ -29,7 +29,6 @@ class WorkerLost(RuntimeError):
     def __init__(self, message: str, trainer_ok: bool = False) -> None:
         super().__init__(message)
         self.trainer_ok = trainer_ok
-        self.trained_past_state = False  # set by the loop: the trainer had taken a step the run state lacks
 
 
 class StageTimeout(RuntimeError):

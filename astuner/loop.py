@@ -6,7 +6,7 @@
         chosen   = selection.gather(stages, tasks)       # stages.rollout: workflow x num_repeat, judge, madness
                                                          # (DAPO: roll out more until groups carry a signal)
         samples  = selection.learn(chosen)               # one per LLM call, GRPO advantage per episode (RFT: SFT)
-        metrics  = stages.train(samples, objective)      # PPO-clip step(s) on the policy
+        trained  = stages.train(samples, objective)      # PPO-clip step(s): TrainResult(metrics, logprobs)
         stages.sync_weights()                            # the engine samples from the new policy
         log (monitor/metrics.py), validate every test_freq, checkpoint (resumable) every save_freq
 
@@ -25,7 +25,6 @@ with a message quoting the first error seen.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
 import random
@@ -37,7 +36,7 @@ from typing import Iterator, Protocol
 from astuner.errors import WorkerLost
 from astuner.selection import choose_selection
 from astuner.stages import Stages
-from astuner.types import Episode, Sample, Task
+from astuner.types import Episode, Sample, Task, TrainResult
 from astuner.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -206,7 +205,7 @@ def run_loop(
     except WorkerLost as exc:
         log.error("%s", exc)  # in the run's log too: a background run's console may be nobody's
         # Checkpoint the last completed step if the trainer still holds exactly it, so a resume continues there.
-        if exc.trainer_ok and state.step > run.saved_step and not exc.trained_past_state:
+        if exc.trainer_ok and state.step > run.saved_step and not run.trainer_ahead:
             try:
                 summary.last_checkpoint = stages.save_checkpoint(state.step, asdict(state))
                 log.error("saved the last completed step as %s before stopping", summary.last_checkpoint)
@@ -215,16 +214,6 @@ def run_loop(
         raise
     summary.seconds = time.perf_counter() - started
     return summary
-
-
-@contextlib.contextmanager
-def _trained_past_state():
-    """A worker lost during the sync: the trainer holds step `step` while `state` still says step - 1."""
-    try:
-        yield
-    except WorkerLost as exc:
-        exc.trained_past_state = True
-        raise
 
 
 class _Peekable:
@@ -256,6 +245,7 @@ class _Run:
         self.state, self.summary, self.val_tasks, self.total_steps = state, summary, val_tasks, total_steps
         self.selection = choose_selection(settings)
         self.saved_step = state.step  # the last step with a checkpoint (or the resumed one)
+        self.trainer_ahead = False  # the trainer has taken a step that `state` does not record yet
 
     def step(self, step: int, tasks: list[Task], batches: _Peekable, epoch: int, position: int) -> None:
         stages, state, watchdog = self.stages, self.state, self.watchdog
@@ -269,9 +259,13 @@ class _Run:
         t1 = time.perf_counter()
         samples, learned = self.selection.learn(chosen, state, step)
         with watchdog.stage("train"):
-            train_metrics = stages.train(samples, self.selection.objective) if samples else {}
+            trained = stages.train(samples, self.selection.objective) if samples else TrainResult({}, [])
+        trained.attach_to(samples)  # the trainer's logprobs before the update, for the log viewer
+        train_metrics = trained.metrics
         t2 = time.perf_counter()
-        with watchdog.stage("sync"), _trained_past_state():
+        # From here until the state records this step, the trainer holds a step the run state lacks.
+        self.trainer_ahead = True
+        with watchdog.stage("sync"):
             stages.sync_weights()
         seconds = {"rollout": t1 - t0, "train": t2 - t1, "sync": time.perf_counter() - t2}
         metrics = self.selection.report(step, chosen, samples, train_metrics, seconds,
@@ -281,6 +275,7 @@ class _Run:
             self.monitor.save_episodes(step, chosen.episodes, "train", samples)
         self.summary.steps, self.summary.warnings = step, self.selection.standing_warnings()
         state.step, state.epoch, state.position = step, chosen.epoch, chosen.position
+        self.trainer_ahead = False
         self.selection.check_idle(state, samples, metrics, step)
         watchdog.step_finished()  # the median step: rollout to sync (validation and checkpoints are occasional)
         if step % self.settings.test_freq == 0 or step == self.total_steps:

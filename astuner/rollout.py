@@ -60,7 +60,7 @@ from astuner.errors import TrainingStalled
 from astuner.model_tuner import ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
-from astuner.model_tuner.gateway import Gateway
+from astuner.model_tuner.frontends.gateway import Gateway
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.rollout_episode import WorkflowJob, apply_madness, episode_seed, judge_output, workflow_output
 from astuner.task_judge.base_judge import BaseJudge

@@ -8,7 +8,8 @@ driver ever asks whether a method exists.
     required   rollout(tasks, validation, step)     episodes of a training batch, or greedy validation episodes
                rollout_sampled(tasks, step, repeats) `repeats` episodes per task at the training temperature
                                                      (pass@k validation; only called when val_num_repeat > 1)
-               train(samples, objective)            one optimizer step (or ppo_epochs of them); its metrics
+               train(samples, objective)            one optimizer step (or ppo_epochs of them): a TrainResult
+                                                     (metrics, the trainer's logprobs before the update)
                sync_weights()                       the engines now sample from the trainer's weights
                save_checkpoint(step, run_state)     a resumable checkpoint; its path
     optional   lookahead, prefetch(step, tasks)     batches handed early to stages that roll out ahead
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astuner.monitor import validation_metrics
-from astuner.types import Episode, Sample, Task
+from astuner.types import Episode, Sample, Task, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Stages:
         raise NotImplementedError(f"{type(self).__name__} has no sampled validation (pass@k): set "
                                   "astuner.trainer_common.val_num_repeat: 1")
 
-    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
         raise NotImplementedError(f"{type(self).__name__} must implement train")
 
     def sync_weights(self) -> None:

@@ -134,7 +134,7 @@ class Sample:
     # multi_turn.sample_mode=merge); None means every response token is trained on.
     loss_mask: list[int] | None = None
     call_indices: list[int] = field(default_factory=list)  # the episode's calls this sample holds, in order
-    trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the stages)
+    trainer_logprobs: list[float] | None = None  # the trainer's, before the update (set by the loop)
     # The engine's sampling logprobs when old_logprobs were recomputed by the trainer (old_logprobs: trainer).
     engine_logprobs: list[float] | None = None
     policy_version: int = 0  # its episode's (see Episode.policy_version)
@@ -146,3 +146,18 @@ class Sample:
     @property
     def num_trained_tokens(self) -> int:
         return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+@dataclass
+class TrainResult:
+    """What a training step returns: its metrics, and per sample (in the order given) the trainer's logprobs of its
+    response tokens before any update (None for a sample this worker did not forward before the first update)."""
+
+    metrics: dict[str, float]
+    trainer_logprobs: list[list[float] | None]
+
+    def attach_to(self, samples: list[Sample]) -> None:
+        """Record the trainer's logprobs on the samples, where the log viewer reads them (`Sample.trainer_logprobs`)."""
+        for s, logprobs in zip(samples, self.trainer_logprobs):
+            if logprobs is not None:
+                s.trainer_logprobs = logprobs

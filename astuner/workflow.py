@@ -62,8 +62,8 @@ def function_workflow(fn) -> type:
     """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`.
 
     `model` is the chat model of the installed AgentScope line: the ModelTuner itself for 1.x (a 1.x chat model),
-    AgentScope 2.x's own `OpenAIChatModel` served by the episode for 2.x (model_tuner/agentscope2.py)."""
-    from astuner.model_tuner.agentscope2 import agentscope_major
+    AgentScope 2.x's own `OpenAIChatModel` served by the episode for 2.x (model_tuner/frontends/agentscope2.py)."""
+    from astuner.model_tuner.frontends.agentscope2 import agentscope_major
 
     agentscope2 = (agentscope_major() or 0) >= 2
 

@@ -44,7 +44,7 @@ def bench_frontends(model_path, tokenizer, args):
     import httpx
 
     from astuner.engine.hf_engine import HFEngine
-    from astuner.model_tuner.gateway import Gateway
+    from astuner.model_tuner.frontends.gateway import Gateway
 
     engine = HFEngine(model_path, max_batch_size=args.conversations, pad_token_id=tokenizer.pad_token_id or 0)
     gateway = Gateway()

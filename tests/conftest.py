@@ -167,7 +167,7 @@ def real_tokenizers(llama_cpp_models):
 @pytest.fixture()
 def gateway():
     """A fresh gateway (keys, the ASGI app, a loopback server started on first use), closed afterwards."""
-    from astuner.model_tuner.gateway import Gateway
+    from astuner.model_tuner.frontends.gateway import Gateway
 
     gw = Gateway()
     yield gw

@@ -14,9 +14,9 @@ from real_vocab import end_of_turn_ids
 from test_model_tuner import ANSWER_TURN, TOOL_TURN, assert_recorded_exactly, make_tuner
 from test_real_vocabularies import _tuner as family_tuner
 
-from astuner.model_tuner.anthropic_api import to_openai_tools
+from astuner.model_tuner.frontends.anthropic_api import to_openai_tools
 from astuner.model_tuner.chat_format import ChatRenderer, normalize_ids
-from astuner.model_tuner.gateway import Gateway
+from astuner.model_tuner.frontends.gateway import Gateway
 from astuner.model_tuner.formats import ThinkReasoningParser
 
 TOOLS = [{"name": "execute_python_code", "description": "Run Python code.",

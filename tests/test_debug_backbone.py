@@ -113,8 +113,9 @@ def test_engine_logprobs_equal_trainer_logprobs_after_sync(tmp_path, tiny_model_
     samples = episodes_to_samples(episodes, adv_estimator="grpo", norm_by_std=True, epsilon=1e-6,
                                   max_sample_per_task=4)
     before = rt.trainer.compute_logprobs(samples[0].prompt_ids, samples[0].response_ids, 1.0)
-    metrics = stages.train(samples)
-    assert metrics["grad_norm"] > 0
+    trained = stages.train(samples)
+    assert trained.metrics["grad_norm"] > 0
+    assert len(trained.trainer_logprobs) == len(samples)
     after = rt.trainer.compute_logprobs(samples[0].prompt_ids, samples[0].response_ids, 1.0)
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-4  # the policy moved
     stages.sync_weights()

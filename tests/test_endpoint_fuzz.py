@@ -17,7 +17,7 @@ from real_vocab import FAMILIES
 from test_model_tuner import make_tuner
 from test_responses_api import MALFORMED as RESPONSES_MALFORMED
 
-from astuner.model_tuner.gateway import Gateway
+from astuner.model_tuner.frontends.gateway import Gateway
 from astuner.model_tuner.tuner import TunerLimits
 from astuner.types import GenerateResult
 

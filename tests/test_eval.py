@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from astuner.evaluation.metrics import ks_for, paired_difference, pass_at_k, summarize, task_results
+from astuner.algorithm.pass_at_k import ks_for, paired_difference, pass_at_k, summarize, task_results
 from astuner.types import Episode, LLMCall, Task
 
 
@@ -114,7 +114,7 @@ def test_choose_pairs_default_named_and_every_pair():
 
 
 def _report(label, successes):
-    from astuner.evaluation.metrics import TaskResult
+    from astuner.algorithm.pass_at_k import TaskResult
     from astuner.evaluation.runner import ModelReport
 
     tasks = [TaskResult(f"t{i}", float(s), bool(s)) for i, s in enumerate(successes)]

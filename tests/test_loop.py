@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from astuner.errors import TrainingStalled
+from astuner.errors import TrainingStalled, WorkerLost
 from astuner.loop import LoopSettings, ResumeState, count_steps, run_loop, task_batches
 from astuner.monitor import episode_metrics, zero_adv_group_fraction
 from astuner.stages import Stages
-from astuner.types import Episode, LLMCall, Task
+from astuner.types import Episode, LLMCall, Task, TrainResult
 
 
 def settings(**kw):
@@ -96,7 +96,7 @@ class FakeStages(Stages):
 
     def train(self, samples, objective="policy"):
         self.events.append(("train", len(samples)))
-        return {"policy_loss": 0.0}
+        return TrainResult({"policy_loss": 0.0}, [None] * len(samples))
 
     def sync_weights(self):
         self.events.append(("sync",))
@@ -260,7 +260,7 @@ def test_rft_trains_sft_on_episodes_that_pass_the_threshold():
     class Recording(FakeStages):
         def train(self, samples, objective="policy"):
             self.events.append(("train", len(samples), objective, sorted({s.advantage for s in samples})))
-            return {}
+            return TrainResult({}, [None] * len(samples))
 
     stages, monitor = Recording(), FakeMonitor()  # rewards 0 and 1 per task (repeat index)
     run_loop(settings(total_training_steps=2, algorithm="rft", rft_threshold=1.0), stages, TASKS, [], monitor)
@@ -270,3 +270,56 @@ def test_rft_trains_sft_on_episodes_that_pass_the_threshold():
     with pytest.raises(TrainingStalled, match="no episode reached algorithm.rft_reward_threshold = 2"):
         run_loop(settings(total_training_steps=4, algorithm="rft", rft_threshold=2.0, max_idle_steps=2),
                  Recording(), TASKS, [], FakeMonitor())
+
+
+class LostAt(FakeStages):
+    """A worker lost (the trainer still consistent: trainer_ok) in `stage` of step `step`."""
+
+    def __init__(self, stage: str, step: int):
+        super().__init__()
+        self.lose_stage, self.lose_step, self.step_now = stage, step, 0
+
+    def rollout(self, tasks, validation, step=0):
+        self.step_now = step
+        if self.lose_stage == "rollout" and step == self.lose_step and not validation:
+            raise WorkerLost("explorer 0 did not answer", trainer_ok=True)
+        return super().rollout(tasks, validation, step)
+
+    def sync_weights(self):
+        if self.lose_stage == "sync" and self.step_now == self.lose_step:
+            raise WorkerLost("engine 0 died during the sync", trainer_ok=True)
+        super().sync_weights()
+
+
+def test_a_worker_lost_between_steps_saves_the_last_completed_step():
+    stages = LostAt("rollout", 3)
+    with pytest.raises(WorkerLost):
+        run_loop(settings(total_training_steps=6, save_freq=5, val_before_train=False), stages, TASKS, [],
+                 FakeMonitor())
+    assert [e for e in stages.events if e[0] == "save"] == [("save", 2)]
+    assert stages.run_state["step"] == 2
+
+
+def test_a_worker_lost_in_the_sync_saves_nothing_the_state_does_not_describe():
+    # Step 3 trained, then the sync failed: the trainer holds step 3 and the run state says step 2, so a
+    # checkpoint now would resume step 3's batch on weights that already learnt it.
+    stages = LostAt("sync", 3)
+    with pytest.raises(WorkerLost):
+        run_loop(settings(total_training_steps=6, save_freq=5, val_before_train=False), stages, TASKS, [],
+                 FakeMonitor())
+    assert ("train", 4) in stages.events and not [e for e in stages.events if e[0] == "save"]
+
+
+def test_the_loop_records_the_trainers_logprobs_on_the_samples():
+    # Whatever the backbone, the trainer's logprobs before the update reach the samples the log viewer saves.
+    class Reporting(FakeStages):
+        def train(self, samples, objective="policy"):
+            return TrainResult({}, [[-0.25] * len(s.response_ids) if i % 2 else None for i, s in enumerate(samples)])
+
+    class Keeping(FakeMonitor):
+        def save_episodes(self, step, episodes, tag, samples=None):
+            self.samples = samples
+
+    monitor = Keeping()
+    run_loop(settings(total_training_steps=1, val_before_train=False), Reporting(), TASKS, [], monitor)
+    assert [s.trainer_logprobs for s in monitor.samples] == [None, [-0.25, -0.25], None, [-0.25, -0.25]]

@@ -400,11 +400,11 @@ def test_a_call_refused_while_another_held_the_budget_does_not_overflow_the_epis
     tuner, engine = make_tuner(demo_tokenizer, ["word " * 60, ANSWER_TURN], limits=limits)
 
     async def main():
-        unread = await tuner._complete(QUESTION, None)  # spends the whole budget; its client hangs up next
+        unread = await tuner.complete(QUESTION, None)  # spends the whole budget; its client hangs up next
         with pytest.raises(EpisodeOverflow):
-            await tuner._complete(QUESTION, None)  # a parallel call arriving before the hang-up is handled
+            await tuner.complete(QUESTION, None)  # a parallel call arriving before the hang-up is handled
         tuner.discard(unread.call)
-        return await tuner._complete(QUESTION, None)  # the retry
+        return await tuner.complete(QUESTION, None)  # the retry
 
     retry = asyncio.run(main())
     assert retry.content == ANSWER_TURN and not tuner.overflowed

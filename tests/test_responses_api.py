@@ -20,7 +20,7 @@ from test_model_tuner import ANSWER_TURN, TOOL_TURN, assert_recorded_exactly, ma
 from agents.models.openai_responses import OpenAIResponsesModel
 
 from astuner.model_tuner.formats import ThinkReasoningParser
-from astuner.model_tuner.gateway import Gateway
+from astuner.model_tuner.frontends.gateway import Gateway
 from astuner.types import GenerateResult
 
 TOOLS = [{"type": "function", "name": "execute_python_code", "description": "Run Python code.",

@@ -15,7 +15,7 @@ from astuner.trainer.data_parallel import owners
 from astuner.loop import LoopSettings, run_loop
 from astuner.monitor import staleness_metrics
 from astuner.stages import Stages
-from astuner.types import Episode, LLMCall, Sample, Task
+from astuner.types import Episode, LLMCall, Sample, Task, TrainResult
 
 
 def test_staleness_bound_and_needed_version():
@@ -88,7 +88,7 @@ class _AheadStages(Stages):
         return [_episode(t, max(step - 1, 0)) for t in tasks]
 
     def train(self, samples, objective="policy"):
-        return {}
+        return TrainResult({}, [None] * len(samples))
 
     def sync_weights(self):
         pass

@@ -13,6 +13,7 @@ from test_loop import TASKS, FakeMonitor, FakeStages, settings
 
 from astuner.errors import StageTimeout
 from astuner.loop import run_loop
+from astuner.types import TrainResult
 from astuner.watchdog import STOP_SIGNAL, Watchdog, pending, watch
 
 
@@ -78,7 +79,7 @@ def test_a_stage_past_its_deadline_stops_the_run_naming_what_it_waited_on():
         def train(self, samples, objective="policy"):
             with watch("actor", "trainer 0 to train a step"):
                 time.sleep(30)  # a hang: only the watchdog's interrupt ends it
-            return {}
+            return TrainResult({}, [None] * len(samples))
 
     started = time.monotonic()
     with pytest.raises(StageTimeout) as caught:
@@ -137,7 +138,7 @@ def test_a_run_in_another_thread_times_out_there_and_leaves_the_main_thread_alon
         def train(self, samples, objective="policy"):
             for _ in range(300):  # a Python-level wait: an exception sent to a thread lands between instructions
                 time.sleep(0.1)
-            return {}
+            return TrainResult({}, [None] * len(samples))
 
     caught = []
 
@@ -178,7 +179,7 @@ def test_an_interrupt_that_lands_as_the_stage_ends_is_still_the_timeout():
 class BlockedInC(FakeStages):
     def train(self, samples, objective="policy"):
         time.sleep(30)  # one blocking call: an exception sent to the thread would land only after it returns
-        return {}
+        return TrainResult({}, [None] * len(samples))
 
 
 @pytest.mark.parametrize("sigint", ["ignored", "foreign handler"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import LocalTrainerStages
-from astuner.types import Episode, Sample, Task
+from astuner.types import Episode, Sample, Task, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,12 @@ class InProcessStages(LocalTrainerStages):
             e.policy_version = self.version
         return episodes
 
-    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
         self.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
         try:
-            result = self.trainer.train(samples, objective=objective)
+            return self.trainer.train(samples, objective=objective)
         finally:
             release_freed_memory()
-        result.attach_to(samples)  # the trainer's own logprobs, for the log viewer
-        return result.metrics
 
     def sync_weights(self) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())

@@ -18,7 +18,7 @@ from astuner.backbone.ray_cluster import Bundle
 from astuner.errors import WorkerLost
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import Stages
-from astuner.types import Episode, Sample, Task
+from astuner.types import Episode, Sample, Task, TrainResult
 from astuner.watchdog import watch
 
 log = logging.getLogger(__name__)
@@ -142,16 +142,17 @@ class RayStages(Stages):
 
     # --- stages ----------------------------------------------------------------------------------------------
 
-    def train(self, samples: list[Sample], objective: str = "policy") -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
         import ray
 
         shared = ray.put(samples)  # serialised once for every worker
         results = self.get([t.train.remote(shared, objective) for t in self.trainers], self.trainer_names,
                            "train a step", trainer_ok=False)
-        for _, seen in results:  # the trainer's logprobs before the update, for the log viewer
-            for i, logprobs in seen.items():
-                samples[i].trainer_logprobs = logprobs
-        return results[0][0]
+        logprobs: list[list[float] | None] = [None] * len(samples)
+        for _, seen in results:  # each rank's samples forwarded before the update
+            for i, values in seen.items():
+                logprobs[i] = values
+        return TrainResult(results[0][0], logprobs)
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
         path = self.loaded.experiment_dir / f"global_step_{step}"

@@ -177,7 +177,7 @@ class TrinityStages(RayStages):
         self._extra["perf/rollout_tokens_per_s"] = tokens / max(self._extra["time/explorer_busy_s"], 1e-9)
         self._extra["perf/rollout_overlap_fraction"] = overlap / busy if busy > 0 else 0.0
 
-    def train(self, samples, objective: str = "policy") -> dict[str, float]:
+    def train(self, samples, objective: str = "policy"):
         self._pump(due=None)  # start what may run while the trainer trains
         start = time.time()
         try:

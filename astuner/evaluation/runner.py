@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from astuner.errors import UserError
-from astuner.evaluation.metrics import TaskResult, ks_for, paired_difference, summarize, task_results
+from astuner.algorithm.pass_at_k import TaskResult, ks_for, paired_difference, summarize, task_results
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "train")

@@ -1,4 +1,4 @@
-"""One model call of a ModelTuner, step by step (`ModelTuner._complete` runs `complete`).
+"""One model call of a ModelTuner, step by step (`ModelTuner.complete` runs `complete`).
 
 The prompt (conversations.py) gets its new tokens from the episode's budget (budget.py) and goes to the engine;
 the response is cut at the request's stop strings, decoded, split into reasoning and content, parsed for tool

@@ -5,8 +5,8 @@ where a wrong type becomes a plain-text 500 or, worse, a silently different call
 stops E, N, D; `max_tokens: true` as 1, since bool is an int in Python). Pure functions: each takes the decoded
 JSON and returns typed values or raises `RequestError` naming the field and what to send instead.
 
-`read_chat_request` reads OpenAI's `POST /v1/chat/completions`; anthropic_api.py (the Messages API) and
-responses_api.py (the Responses API) read theirs with the same helpers, tool calls and schemas included.
+`read_chat_request` reads OpenAI's `POST /v1/chat/completions`; frontends/anthropic_api.py (the Messages API) and
+frontends/responses_api.py (the Responses API) read theirs with the same helpers, tool calls and schemas included.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ Every call renders the messages to token ids, generates through the inference en
 records an `LLMCall` holding exactly the ids the engine saw and produced (they are never rebuilt from text: a
 decode/encode round trip is not the identity, and training on ids the policy did not sample biases the loss).
 
-Front ends, all over the same `_complete`:
+Front ends, all over the same `complete`:
   `await tuner(messages, tools=..., tool_choice=...)`   an AgentScope `ChatResponse` (ReActAgent(model=tuner))
   `await tuner.chat(messages, tools)`                  an OpenAI-shaped message dict
   `tuner.get_openai_client()`                          an `openai.AsyncOpenAI` served in-process (`sync=True`:
                                                        an `openai.OpenAI`, for code running in a worker thread)
   `tuner.get_anthropic_client()`                       an `anthropic.AsyncAnthropic` (the Messages API), likewise
-  `tuner.base_url`, `tuner.api_key`                    a loopback OpenAI-compatible HTTP endpoint (gateway.py)
+  `tuner.base_url`, `tuner.api_key`                    a loopback OpenAI-compatible HTTP endpoint (frontends/gateway.py)
   `tuner.for_agent(name, trainable)`                   the same, for one named agent of a multi-agent workflow
 
 Token-exact multi-turn: when a request's messages extend an earlier call's messages plus the assistant message
@@ -30,8 +30,8 @@ from typing import Any
 
 from astuner.engine.base import InferenceEngine
 from astuner.madness import validate_checklist
-from astuner.model_tuner import agentscope2
-from astuner.model_tuner.agentscope_adapter import to_chat_response
+from astuner.model_tuner.frontends import agentscope2
+from astuner.model_tuner.frontends.agentscope_adapter import to_chat_response
 from astuner.model_tuner.budget import EpisodeBudget, TunerLimits  # TunerLimits: importable from here too
 from astuner.model_tuner.chat_format import ChatRenderer, normalize_tools, read_tool_choice
 from astuner.model_tuner.completion import complete
@@ -114,7 +114,7 @@ class ModelTuner:
         """Generate one assistant message: {"role": "assistant", "content": str, "tool_calls": [...]}, the
         `tool_calls` key present only when the model called tools (arguments as JSON strings), and
         `reasoning_content` only when a reasoning parser split some out."""
-        return assistant_message(await self._complete(messages, tools))
+        return assistant_message(await self.complete(messages, tools))
 
     def for_agent(self, name: str, trainable: bool = True) -> "AgentModel":
         """The model as one named agent of a multi-agent workflow sees it. Calls of an agent with
@@ -123,40 +123,42 @@ class ModelTuner:
 
     # --- OpenAI front ends ----------------------------------------------------------------------------------
     def get_openai_client(self, sync: bool = False):
-        return self._gateway().client(self._key(CallOptions()), sync=sync)
+        return self.require_gateway().client(self.api_key_for(CallOptions()), sync=sync)
 
     @property
     def base_url(self) -> str:
         """The loopback endpoint's base URL (".../v1"); the server starts on first use."""
-        return self._gateway().base_url()
+        return self.require_gateway().base_url()
 
     def agentscope_model(self, stream: bool = False):
-        """This episode's model as an AgentScope 2.x `OpenAIChatModel`, served in-process (agentscope2.py)."""
+        """This episode's model as an AgentScope 2.x `OpenAIChatModel`, served in-process (frontends/agentscope2.py)."""
         return agentscope2.agentscope_model(self, stream)
 
     def get_anthropic_client(self):
         """An `anthropic.AsyncAnthropic` on the Messages API (`/v1/messages`), served in-process."""
-        return self._gateway().anthropic_client(self._key(CallOptions()))
+        return self.require_gateway().anthropic_client(self.api_key_for(CallOptions()))
 
     @property
     def anthropic_base_url(self) -> str:
         """The loopback endpoint's root for Anthropic clients, which append "/v1/messages" themselves."""
-        return self._gateway().base_url().removesuffix("/v1")
+        return self.require_gateway().base_url().removesuffix("/v1")
 
     @property
     def api_key(self) -> str:
         """This episode's key for `base_url`; revoked when the episode ends."""
-        return self._key(CallOptions())
+        return self.api_key_for(CallOptions())
 
-    def _gateway(self):
+    def require_gateway(self):
+        """The front ends' HTTP gateway; a RuntimeError when this tuner was built without one."""
         if self.gateway is None:
             raise RuntimeError("this ModelTuner was built without the OpenAI gateway (astuner builds it with one)")
         return self.gateway
 
-    def _key(self, options: CallOptions) -> str:
+    def api_key_for(self, options: CallOptions) -> str:
+        """The episode's gateway key for calls made with `options` (one per agent and trainability)."""
         slot = (options.agent, options.trainable)
         if slot not in self._keys:
-            self._keys[slot] = self._gateway().register(self, options)
+            self._keys[slot] = self.require_gateway().register(self, options)
         return self._keys[slot]
 
     def close(self) -> None:
@@ -187,7 +189,7 @@ class ModelTuner:
                 "ModelTuner does not support structured_model (constrained JSON output); use tools instead, "
                 "e.g. ReActAgent's structured output, which goes through the generate_response tool"
             )
-        return to_chat_response(await self._complete(messages, tools, CallOptions(tool_choice=tool_choice)))
+        return to_chat_response(await self.complete(messages, tools, CallOptions(tool_choice=tool_choice)))
 
     # --- the deadline ---------------------------------------------------------------------------------------
     @property
@@ -223,8 +225,8 @@ class ModelTuner:
         return self._budget.generated_tokens
 
     # --- the call itself (completion.py) --------------------------------------------------------------------
-    async def _complete(self, messages: list[dict], tools: list[dict] | None,
-                        options: CallOptions | None = None) -> Turn:
+    async def complete(self, messages: list[dict], tools: list[dict] | None,
+                       options: CallOptions | None = None) -> Turn:
         """One call, whichever front end made it: rendered, generated, parsed, checked and recorded."""
         return await complete(self, messages, tools, options or CallOptions())
 
@@ -276,21 +278,21 @@ class AgentModel:
         if structured_model is not None:
             raise NotImplementedError("structured_model is not supported; use tools instead")
         options = dataclasses.replace(self.options, tool_choice=tool_choice)
-        return to_chat_response(await self.tuner._complete(messages, tools, options))
+        return to_chat_response(await self.tuner.complete(messages, tools, options))
 
     async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
-        return assistant_message(await self.tuner._complete(messages, tools, self.options))
+        return assistant_message(await self.tuner.complete(messages, tools, self.options))
 
     def get_openai_client(self, sync: bool = False):
-        return self.tuner._gateway().client(self.tuner._key(self.options), sync=sync)
+        return self.tuner.require_gateway().client(self.tuner.api_key_for(self.options), sync=sync)
 
     @property
     def base_url(self) -> str:
-        return self.tuner._gateway().base_url()
+        return self.tuner.require_gateway().base_url()
 
     def get_anthropic_client(self):
-        return self.tuner._gateway().anthropic_client(self.tuner._key(self.options))
+        return self.tuner.require_gateway().anthropic_client(self.tuner.api_key_for(self.options))
 
     @property
     def api_key(self) -> str:
-        return self.tuner._key(self.options)
+        return self.tuner.api_key_for(self.options)

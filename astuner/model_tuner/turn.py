@@ -1,7 +1,7 @@
 """The records every front end of ModelTuner shares: one completed call (`Turn`), the per-call options an agent
 may pass, the two ways an episode's calls end, and the OpenAI-shaped assistant message.
 
-The lowest module of the package: tuner.py produces these, and the front ends (gateway.py,
+The lowest module of the package: tuner.py produces these, and the front ends (frontends/: gateway.py,
 agentscope_adapter.py, anthropic_api.py) read them without importing the tuner.
 """
 

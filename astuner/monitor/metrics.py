@@ -14,7 +14,7 @@ import math
 
 from astuner.alarms import ToolUseAlarm
 from astuner.algorithm.samples import merge_ratio
-from astuner.evaluation.metrics import ks_for, summarize, task_results
+from astuner.algorithm.pass_at_k import ks_for, summarize, task_results
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -73,7 +73,7 @@ def _mean_episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, flo
 
 def validation_metrics(greedy: list[Episode], sampled: list[Episode], repeats: int) -> dict[str, float]:
     """`val/*` of the greedy episodes; `val/accuracy` is their success rate. With `repeats` > 1, pass@k for
-    k in ks_for(repeats) over the sampled episodes (unbiased estimator, evaluation/metrics.py)."""
+    k in ks_for(repeats) over the sampled episodes (unbiased estimator, algorithm/pass_at_k.py)."""
     metrics = episode_metrics(greedy, "val")
     metrics["val/accuracy"] = metrics["val/success_rate"]
     if repeats > 1:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from astuner.algorithm.catalog import AlgorithmType
 from astuner.stages import LocalTrainerStages, Validation
+from astuner.types import TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,12 @@ class OfflineStages(LocalTrainerStages):
     def rollout(self, tasks: list, validation: bool, step: int = 0) -> list:
         return tasks
 
-    def train(self, samples: list, objective: str = "sft") -> dict[str, float]:
+    def train(self, samples: list, objective: str = "sft") -> TrainResult:
         from astuner.offline.steps import preference_step
 
         if objective == "sft":
-            return self.trainer.train(samples, objective="sft").metrics
-        return preference_step(self.trainer, samples, objective, self.beta)
+            return self.trainer.train(samples, objective="sft")
+        return TrainResult(preference_step(self.trainer, samples, objective, self.beta), [None] * len(samples))
 
     def sync_weights(self) -> None:
         """No engine: the next step reads the data, not the policy."""

@@ -25,25 +25,11 @@ from astuner.algorithm.loss import token_weights
 from astuner.algorithm.mismatch import mismatch_sums
 from astuner.algorithm.objectives import TokenBatch, token_objective
 from astuner.step_plan import offsets, split_mini_batches
-from astuner.types import Sample
+from astuner.types import Sample, TrainResult  # noqa: F401 (TrainResult: importable from here too)
 
 if TYPE_CHECKING:
     from astuner.algorithm.objectives import TokenObjective  # noqa: F401 (annotations)
 
-
-@dataclass
-class TrainResult:
-    """What a training step returns: its metrics, and per sample (in the order given) the trainer's logprobs of its
-    response tokens before any update (None for a sample this worker did not forward before the first update)."""
-
-    metrics: dict[str, float]
-    trainer_logprobs: list[list[float] | None]
-
-    def attach_to(self, samples: list[Sample]) -> None:
-        """Record the trainer's logprobs on the samples, where the log viewer reads them (`Sample.trainer_logprobs`)."""
-        for s, logprobs in zip(samples, self.trainer_logprobs):
-            if logprobs is not None:
-                s.trainer_logprobs = logprobs
 
 
 @dataclass

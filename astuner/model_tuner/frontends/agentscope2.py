@@ -21,7 +21,7 @@ import importlib
 import importlib.metadata
 from typing import Any
 
-from astuner.model_tuner.gateway import CLIENT_TIMEOUT_S, LOCAL_BASE_URL
+from astuner.model_tuner.frontends.gateway import CLIENT_TIMEOUT_S, LOCAL_BASE_URL
 
 
 def agentscope_major() -> int | None:
@@ -44,7 +44,7 @@ def agentscope_model(model_tuner, stream: bool = False):
     from agentscope.credential import OpenAICredential
     from agentscope.model import OpenAIChatModel
 
-    gateway = model_tuner._gateway()
+    gateway = model_tuner.require_gateway()
     http = http_package_of(openai._base_client)
     client = http.AsyncClient(transport=http.ASGITransport(app=gateway.app), base_url=LOCAL_BASE_URL,
                               timeout=CLIENT_TIMEOUT_S)

@@ -2,7 +2,7 @@
 
 It is the OpenAI Agents SDK's default model (`OpenAIResponsesModel`, what `Agent(model="name")` uses) and what
 Codex-style harnesses speak. A request is converted to the OpenAI chat messages every other front end uses and
-goes through the same `ModelTuner._complete`, so it is recorded with exact ids and extends earlier calls
+goes through the same `ModelTuner.complete`, so it is recorded with exact ids and extends earlier calls
 token-exactly like any other. Conversions:
   instructions                                -> a system message first
   input: a string                             -> one user message

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import uuid
 
-from astuner.model_tuner import chat_completions_api, responses_api
+from astuner.model_tuner.frontends import chat_completions_api, responses_api
 from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
-from astuner.model_tuner.gateway_calls import Delivery
-from astuner.model_tuner.gateway_http import authorized, generate, openai_error, openai_failure
+from astuner.model_tuner.frontends.gateway_calls import Delivery
+from astuner.model_tuner.frontends.gateway_http import authorized, generate, openai_error, openai_failure
 from astuner.model_tuner.request_checks import read_chat_request, read_json_object
 
 

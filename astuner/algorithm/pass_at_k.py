@@ -1,4 +1,4 @@
-"""The evaluation math, pure Python (also used by validation during training).
+"""The evaluation math, pure Python: `astuner eval` (evaluation/runner.py) and validation during training.
 
 Unbiased pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"): with n sampled episodes
 of a task of which c succeeded, the chance that at least one of k drawn without replacement succeeds is

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from astuner.model_tuner.gateway_calls import Entry, complete, hung_up
+from astuner.model_tuner.frontends.gateway_calls import Entry, complete, hung_up
 
 if TYPE_CHECKING:
     from starlette.exceptions import HTTPException

@@ -1,7 +1,7 @@
 """The Anthropic Messages front end: `POST /v1/messages` beside the OpenAI route, on the same app and keys.
 
 Coding-agent harnesses speak this API. A request is converted to the OpenAI-shaped messages every other front
-end uses and goes through the same `ModelTuner._complete`, so it is recorded with exact ids and extends earlier
+end uses and goes through the same `ModelTuner.complete`, so it is recorded with exact ids and extends earlier
 calls token-exactly like any other. Conversions:
   system (text or text blocks)           -> a system message
   user text blocks                       -> a user message; `tool_result` blocks -> tool messages (in order)

@@ -5,7 +5,7 @@ One Starlette (ASGI) app serves `POST /v1/chat/completions` (with and without `s
 anthropic_api.py) and `GET /v1/models`. Every
 request carries an episode's key (`Authorization: Bearer <key>`): keys are issued per (episode, agent) and revoked
 when the episode ends; an unknown or revoked key gets 401 and nothing is recorded. A request runs the episode's
-`ModelTuner._complete` on the episode's event loop, so it is recorded exactly like an AgentScope call.
+`ModelTuner.complete` on the episode's event loop, so it is recorded exactly like an AgentScope call.
 
 Three ways in:
   `tuner.get_openai_client()`           `openai.AsyncOpenAI` whose HTTP goes straight into the app in-process
@@ -55,8 +55,8 @@ import socket
 import threading
 import time
 
-from astuner.model_tuner import gateway_anthropic, gateway_http, gateway_openai
-from astuner.model_tuner.gateway_calls import Entry
+from astuner.model_tuner.frontends import gateway_anthropic, gateway_http, gateway_openai
+from astuner.model_tuner.frontends.gateway_calls import Entry
 
 log = logging.getLogger(__name__)
 

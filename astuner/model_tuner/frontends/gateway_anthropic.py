@@ -3,9 +3,9 @@ Each takes the gateway first (gateway.build_app binds it) and answers in the Mes
 
 from __future__ import annotations
 
-from astuner.model_tuner import anthropic_api
-from astuner.model_tuner.gateway_calls import Delivery, failure
-from astuner.model_tuner.gateway_http import anthropic_error, anthropic_failure, authorized, generate
+from astuner.model_tuner.frontends import anthropic_api
+from astuner.model_tuner.frontends.gateway_calls import Delivery, failure
+from astuner.model_tuner.frontends.gateway_http import anthropic_error, anthropic_failure, authorized, generate
 from astuner.model_tuner.request_checks import read_json_object
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from astuner.model_tuner.chat_format import TemplateRefused
 from astuner.model_tuner.turn import CallOptions, EpisodeOverflow, EpisodeTimeout
 
-log = logging.getLogger("astuner.model_tuner.gateway")  # the gateway's log, whichever of its modules writes
+log = logging.getLogger("astuner.model_tuner.frontends.gateway")  # the gateway's log, whichever of its modules writes
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Entry:
 async def complete(entry: Entry, messages: list[dict], tools, options):
     """(turn, None), or (None, (status, message, code, error type)) for a call that failed."""
     try:
-        return await run_on_episode_loop(entry, entry.tuner._complete(messages, tools, options)), None
+        return await run_on_episode_loop(entry, entry.tuner.complete(messages, tools, options)), None
     except asyncio.CancelledError:
         # A request whose own task is being cancelled (a client that hung up, an in-process agent cancelled
         # with its episode) stays cancelled. Otherwise the call was cut on the episode's side: the deadline

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from astuner.errors import WorkerLost
-from astuner.selection import choose_selection
+from astuner.selection import SelectionSettings, choose_selection
 from astuner.stages import Stages
 from astuner.types import Episode, Sample, Task, TrainResult
 from astuner.watchdog import Watchdog
@@ -53,6 +53,8 @@ class MonitorLike(Protocol):
 
 @dataclass
 class LoopSettings:
+    """The run's schedule; what a step trains on is the selection policy's (`selection`, selection.py)."""
+
     train_batch_size: int
     total_epochs: int
     total_training_steps: int | None
@@ -61,29 +63,14 @@ class LoopSettings:
     val_before_train: bool
     shuffle: bool
     seed: int
-    adv_estimator: str
-    norm_adv_by_std: bool
-    adv_epsilon: float
-    max_sample_per_task: int
-    max_idle_steps: int = 5
-    grad_without_advantage: bool = False  # the KL or entropy term gives zero-advantage samples a gradient too
-    sample_mode: str = "per_call"
-    filter_groups: bool = False
-    filter_metric: str = "score"
-    max_num_gen_batches: int = 0
+    selection: SelectionSettings
     val_num_repeat: int = 1
-    algorithm: str = "grpo"  # an algorithm.type (astuner/algorithm/catalog.py)
-    rft_threshold: float = 1.0
     watchdog_factor: float = 3.0  # a step slower than this many median steps is reported (astuner/watchdog.py)
     stage_timeout_s: float | None = None  # a stage running longer stops the run (None: no deadline)
 
     @classmethod
     def from_config(cls, typed) -> "LoopSettings":
-        from astuner.config.effective import effective
-
-        typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
         a, tc = typed.astuner, typed.astuner.trainer_common
-        fg = tc.algorithm.filter_groups
         return cls(
             train_batch_size=a.data.train_batch_size,
             total_epochs=tc.total_epochs,
@@ -93,19 +80,8 @@ class LoopSettings:
             val_before_train=tc.val_before_train,
             shuffle=a.data.shuffle,
             seed=a.seed,
-            adv_estimator=tc.algorithm.adv_estimator,
-            norm_adv_by_std=tc.algorithm.norm_adv_by_std_in_grpo,
-            adv_epsilon=tc.algorithm.epsilon,
-            max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
-            max_idle_steps=tc.max_idle_steps,
-            grad_without_advantage=tc.use_kl_loss or tc.entropy_coeff > 0,
-            sample_mode=a.rollout.multi_turn.sample_mode,
-            filter_groups=fg.enable,
-            filter_metric=fg.metric,
-            max_num_gen_batches=fg.max_num_gen_batches,
+            selection=SelectionSettings.from_config(typed),
             val_num_repeat=tc.val_num_repeat,
-            algorithm=tc.algorithm.type,
-            rft_threshold=tc.algorithm.rft_reward_threshold,
             watchdog_factor=tc.watchdog_factor,
             stage_timeout_s=tc.stage_timeout_s,
         )
@@ -243,7 +219,7 @@ class _Run:
     def __init__(self, settings, stages, monitor, state, summary, val_tasks, total_steps, watchdog) -> None:
         self.settings, self.stages, self.monitor, self.watchdog = settings, stages, monitor, watchdog
         self.state, self.summary, self.val_tasks, self.total_steps = state, summary, val_tasks, total_steps
-        self.selection = choose_selection(settings)
+        self.selection = choose_selection(settings.selection)
         self.saved_step = state.step  # the last step with a checkpoint (or the resumed one)
         self.trainer_ahead = False  # the trainer has taken a step that `state` does not record yet
 
@@ -276,7 +252,7 @@ class _Run:
         self.summary.steps, self.summary.warnings = step, self.selection.standing_warnings()
         state.step, state.epoch, state.position = step, chosen.epoch, chosen.position
         self.trainer_ahead = False
-        self.selection.check_idle(state, samples, metrics, step)
+        self.selection.check_idle(state, chosen, samples, step)
         watchdog.step_finished()  # the median step: rollout to sync (validation and checkpoints are occasional)
         if step % self.settings.test_freq == 0 or step == self.total_steps:
             self.validate(step)

@@ -20,7 +20,7 @@ from astuner.algorithm.catalog import algorithm
 from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.errors import TrainingStalled
-from astuner.monitor.metrics import StepMetrics
+from astuner.monitor.metrics import StepMetrics, zero_adv_group_fraction
 from astuner.types import Episode, Sample, Task
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,49 @@ def first_error(episodes: list[Episode]) -> tuple[str, str] | None:
             return e.error_source or "workflow", f"episode {e.episode_uid}: {what}"
     return None
 
+
+
+@dataclass
+class SelectionSettings:
+    """What the selection policies read: the algorithm type, advantages, dynamic sampling, RFT's threshold, the
+    idle stop. Copied from the effective config (config/effective.py), so no field needs a condition here."""
+
+    train_batch_size: int
+    adv_estimator: str
+    norm_adv_by_std: bool
+    adv_epsilon: float
+    max_sample_per_task: int
+    max_idle_steps: int = 5
+    grad_without_advantage: bool = False  # the KL or entropy term gives zero-advantage samples a gradient too
+    sample_mode: str = "per_call"
+    filter_groups: bool = False
+    filter_metric: str = "score"
+    max_num_gen_batches: int = 0
+    algorithm: str = "grpo"  # an algorithm.type (astuner/algorithm/catalog.py)
+    rft_threshold: float = 1.0
+
+    @classmethod
+    def from_config(cls, typed) -> SelectionSettings:
+        from astuner.config.effective import effective
+
+        typed = effective(typed)  # keys that do nothing here read their neutral values
+        a, tc = typed.astuner, typed.astuner.trainer_common
+        fg = tc.algorithm.filter_groups
+        return cls(
+            train_batch_size=a.data.train_batch_size,
+            adv_estimator=tc.algorithm.adv_estimator,
+            norm_adv_by_std=tc.algorithm.norm_adv_by_std_in_grpo,
+            adv_epsilon=tc.algorithm.epsilon,
+            max_sample_per_task=a.rollout.multi_turn.max_sample_per_task,
+            max_idle_steps=tc.max_idle_steps,
+            grad_without_advantage=tc.use_kl_loss or tc.entropy_coeff > 0,
+            sample_mode=a.rollout.multi_turn.sample_mode,
+            filter_groups=fg.enable,
+            filter_metric=fg.metric,
+            max_num_gen_batches=fg.max_num_gen_batches,
+            algorithm=tc.algorithm.type,
+            rft_threshold=tc.algorithm.rft_reward_threshold,
+        )
 
 @dataclass
 class Chosen:
@@ -84,7 +127,7 @@ class Plain:
         """Warnings that still hold after the last step, repeated in the run's summary."""
         return self.metrics.standing_warnings()
 
-    def check_idle(self, state, samples: list[Sample], metrics: dict[str, float], step: int) -> None:
+    def check_idle(self, state, chosen: Chosen, samples: list[Sample], step: int) -> None:
         """Never silently idle: `max_idle_steps` steps in a row without a sample that carries a gradient stop
         the run."""
         s = self.settings
@@ -92,7 +135,7 @@ class Plain:
             state.idle_steps = 0
             return
         state.idle_steps += 1
-        why = self.idle_reason(metrics["train/zero_adv_group_fraction"])
+        why = self.idle_reason(zero_adv_group_fraction(chosen.episodes))
         log.warning("step %d trained on nothing: %s (%d of %d idle steps allowed in a row)", step, why,
                     state.idle_steps, s.max_idle_steps)
         if state.idle_steps >= s.max_idle_steps:
@@ -202,7 +245,7 @@ class OfflineSFT:
                seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
         return {**{f"actor/{k}": v for k, v in train_metrics.items()}, "time/train_s": seconds["train"], **extra}
 
-    def check_idle(self, state, samples: list, metrics: dict[str, float], step: int) -> None:
+    def check_idle(self, state, chosen: Chosen, samples: list, step: int) -> None:
         """Every offline example carries a gradient."""
 
     def standing_warnings(self) -> list[str]:
@@ -211,10 +254,6 @@ class OfflineSFT:
 
 class OfflinePreference(OfflineSFT):
     """algorithm.type dpo | orpo: the batch's (chosen, rejected) pairs go to the preference loss as they are."""
-
-    def __init__(self, settings) -> None:
-        super().__init__(settings)
-        self.objective = algorithm(settings.algorithm).objective  # "dpo" or "orpo"
 
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
         return chosen.kept, {}
@@ -230,6 +269,10 @@ SELECTIONS = {
 
 
 def choose_selection(settings):
+    """The policy the catalog names for `settings.algorithm`, training the catalog's objective (a class's own
+    `objective` is its default only)."""
     kind = algorithm(settings.algorithm)
     plain, dynamic = SELECTIONS[kind.selection]
-    return (dynamic if settings.filter_groups and not kind.offline else plain)(settings)
+    policy = (dynamic if settings.filter_groups and not kind.offline else plain)(settings)
+    policy.objective = kind.objective
+    return policy

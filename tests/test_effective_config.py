@@ -75,7 +75,7 @@ def test_the_given_config_is_not_changed(typed):
 def test_settings_builders_read_the_effective_config(typed):
     from astuner.loop import LoopSettings
 
-    s = LoopSettings.from_config(typed("astuner.trainer_common.algorithm.adv_estimator=rloo"))
+    s = LoopSettings.from_config(typed("astuner.trainer_common.algorithm.adv_estimator=rloo")).selection
     assert (s.norm_adv_by_std, s.adv_epsilon, s.filter_metric, s.rft_threshold) == (False, 0.0, "score", 1.0)
 
 

@@ -8,17 +8,21 @@ import pytest
 
 from astuner.errors import TrainingStalled, WorkerLost
 from astuner.loop import LoopSettings, ResumeState, count_steps, run_loop, task_batches
+from astuner.selection import SelectionSettings
 from astuner.monitor import episode_metrics, zero_adv_group_fraction
 from astuner.stages import Stages
 from astuner.types import Episode, LLMCall, Task, TrainResult
 
 
 def settings(**kw):
+    """LoopSettings; keys of SelectionSettings go to its `selection`."""
     base = dict(train_batch_size=2, total_epochs=2, total_training_steps=None, save_freq=2, test_freq=3,
-                val_before_train=True, shuffle=True, seed=0, adv_estimator="grpo", norm_adv_by_std=True,
-                adv_epsilon=1e-6, max_sample_per_task=4)
-    base.update(kw)
-    return LoopSettings(**base)
+                val_before_train=True, shuffle=True, seed=0)
+    chosen = dict(adv_estimator="grpo", norm_adv_by_std=True, adv_epsilon=1e-6, max_sample_per_task=4)
+    for key, value in kw.items():
+        shared = key == "train_batch_size"  # both read it
+        (chosen if key in SelectionSettings.__dataclass_fields__ and not shared else base)[key] = value
+    return LoopSettings(**base, selection=SelectionSettings(train_batch_size=base["train_batch_size"], **chosen))
 
 
 TASKS = [Task(f"t{i}", f"q{i}") for i in range(5)]

@@ -13,6 +13,7 @@ from astuner.backbone.sync_schedule import SyncSchedule, needed_version
 from astuner.config.derived import staleness_bound
 from astuner.trainer.data_parallel import owners
 from astuner.loop import LoopSettings, run_loop
+from astuner.selection import SelectionSettings
 from astuner.monitor import staleness_metrics
 from astuner.stages import Stages
 from astuner.types import Episode, LLMCall, Sample, Task, TrainResult
@@ -117,8 +118,10 @@ class _Monitor:
 def test_the_loop_hands_the_next_batches_early():
     tasks = [Task(task_id=str(i), main_query="q") for i in range(4)]
     settings = LoopSettings(train_batch_size=1, total_epochs=1, total_training_steps=3, save_freq=99, test_freq=99,
-                            val_before_train=False, shuffle=False, seed=0, adv_estimator="grpo",
-                            norm_adv_by_std=False, adv_epsilon=1e-6, max_sample_per_task=4, max_idle_steps=99)
+                            val_before_train=False, shuffle=False, seed=0,
+                            selection=SelectionSettings(train_batch_size=1, adv_estimator="grpo",
+                                                        norm_adv_by_std=False, adv_epsilon=1e-6,
+                                                        max_sample_per_task=4, max_idle_steps=99))
     stages, monitor = _AheadStages(), _Monitor()
     run_loop(settings, stages, tasks, [], monitor)
     # before step s: steps s+1 and s+2, never past total_training_steps = 3

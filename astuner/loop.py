@@ -7,7 +7,7 @@
                                                          # (DAPO: roll out more until groups carry a signal)
         samples  = selection.learn(chosen)               # one per LLM call, GRPO advantage per episode (RFT: SFT)
         trained  = stages.train(samples, objective)      # PPO-clip step(s): TrainResult(metrics, logprobs)
-        stages.sync_weights()                            # the engine samples from the new policy
+        synced   = stages.sync_weights()                  # the engine samples from the new policy: a SyncReport
         log (monitor/metrics.py), validate every test_freq, checkpoint (resumable) every save_freq
 
 The sample-selection policy (plain GRPO, DAPO dynamic sampling, RFT) is one object chosen at start
@@ -242,10 +242,11 @@ class _Run:
         # From here until the state records this step, the trainer holds a step the run state lacks.
         self.trainer_ahead = True
         with watchdog.stage("sync"):
-            stages.sync_weights()
+            synced = stages.sync_weights()
         seconds = {"rollout": t1 - t0, "train": t2 - t1, "sync": time.perf_counter() - t2}
+        sync_metrics = synced.metrics() if synced is not None else {}
         metrics = self.selection.report(step, chosen, samples, train_metrics, seconds,
-                                        {**stages.step_metrics(), **chosen.metrics, **learned})
+                                        {**sync_metrics, **stages.step_metrics(), **chosen.metrics, **learned})
         self.monitor.log_metrics(step, metrics)
         if chosen.episodes:
             self.monitor.save_episodes(step, chosen.episodes, "train", samples)

@@ -10,10 +10,11 @@ driver ever asks whether a method exists.
                                                      (pass@k validation; only called when val_num_repeat > 1)
                train(samples, objective)            one optimizer step (or ppo_epochs of them): a TrainResult
                                                      (metrics, the trainer's logprobs before the update)
-               sync_weights()                       the engines now sample from the trainer's weights
+               sync_weights()                       the engines now sample from the trainer's weights: a
+                                                     SyncReport (None where engines take them later, trinity)
                save_checkpoint(step, run_state)     a resumable checkpoint; its path
     optional   lookahead, prefetch(step, tasks)     batches handed early to stages that roll out ahead
-               step_metrics()                       what the stages add to a step's log (sync checks, overlap)
+               step_metrics()                       what the stages add to a step's log (overlap, policy versions)
                validate(tasks, step, repeats)       validation metrics and the score the summary follows
                score_name                           what validate scores: "accuracy" or "loss"
                load_checkpoint(path), resumed(step) resume: the trainer's state, then the engines' weights
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astuner.monitor import validation_metrics
-from astuner.types import Episode, Sample, Task, TrainResult
+from astuner.types import Episode, Sample, SyncReport, Task, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Stages:
     def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
         raise NotImplementedError(f"{type(self).__name__} must implement train")
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> SyncReport | None:
         raise NotImplementedError(f"{type(self).__name__} must implement sync_weights")
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:

@@ -161,3 +161,38 @@ class TrainResult:
         for s, logprobs in zip(samples, self.trainer_logprobs):
             if logprobs is not None:
                 s.trainer_logprobs = logprobs
+
+
+@dataclass
+class SyncReport:
+    """What a weight sync did (`InferenceEngine.load_weights` returns it): whether the engine was checked to serve
+    exactly the trainer's weights (engine/fingerprint.py) and how long the parts took. None: not measured."""
+
+    write_s: float | None = None  # vLLM: the weights into the shared-memory file
+    load_s: float | None = None  # vLLM: its worker's load from that file
+    total_s: float | None = None  # vLLM: the whole sync, wake-up included
+    verified: float | None = None  # 1.0: checked and equal; 0.0: not every tensor could be compared
+    verify_s: float | None = None
+    engine_load_s: float | None = None  # a Ray worker's whole load_weights call, timed by the worker
+
+    def figures(self) -> dict[str, float]:
+        """The measured fields by name (the doctor prints them)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def metrics(self) -> dict[str, float]:
+        """What a step logs of it: sync/verified, time/sync_verify_s and (Ray workers) time/engine_load_s."""
+        out = {} if self.engine_load_s is None else {"time/engine_load_s": self.engine_load_s}
+        if self.verified is not None:
+            out.update({"sync/verified": self.verified, "time/sync_verify_s": self.verify_s or 0.0})
+        return out
+
+    @staticmethod
+    def worst(reports: list[SyncReport]) -> SyncReport:
+        """One report for several engines' syncs: verified only if every engine was, the slowest times."""
+
+        def pick(name: str, combine):
+            values = [getattr(r, name) for r in reports if getattr(r, name) is not None]
+            return combine(values) if values else None
+
+        return SyncReport(**{name: pick(name, min if name == "verified" else max)
+                             for name in ("write_s", "load_s", "total_s", "verified", "verify_s", "engine_load_s")})

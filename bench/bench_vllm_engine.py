@@ -112,8 +112,7 @@ def main() -> None:
                       loss_agg_mode="token-mean", norm_length=64, max_token_len_per_micro_batch=4096)
     syncs = []
     for _ in range(args.repeats + 1):
-        vllm.load_weights(trainer.named_parameters_for_sync())
-        syncs.append(dict(vllm.last_sync))
+        syncs.append(vllm.load_weights(trainer.named_parameters_for_sync()).figures())
     best = min(syncs[1:], key=lambda s: s["total_s"])
     vllm.shutdown()
     del trainer

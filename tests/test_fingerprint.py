@@ -290,7 +290,7 @@ def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_mode
             p.add_(1e-3)  # one training step's worth of change everywhere
     engine = HFEngine(str(tiny_model_dir), device="cpu")
     engine.load_weights(new.named_parameters())
-    assert engine.last_sync["verified"] == 1.0 and engine.last_sync["verify_s"] > 0
+    assert engine.last_sync.verified == 1.0 and engine.last_sync.verify_s > 0
     faulty = SkipsOne(str(tiny_model_dir), device="cpu")
     with pytest.raises(SyncMismatch, match=r"(?s)hf engine does not serve.*\n  model.layers.1.mlp.down_proj.weight: "
                                            r"sent sum") as info:

@@ -11,7 +11,7 @@ from astuner.loop import LoopSettings, ResumeState, count_steps, run_loop, task_
 from astuner.selection import SelectionSettings
 from astuner.monitor import episode_metrics, zero_adv_group_fraction
 from astuner.stages import Stages
-from astuner.types import Episode, LLMCall, Task, TrainResult
+from astuner.types import Episode, LLMCall, SyncReport, Task, TrainResult
 
 
 def settings(**kw):
@@ -327,3 +327,24 @@ def test_the_loop_records_the_trainers_logprobs_on_the_samples():
     monitor = Keeping()
     run_loop(settings(total_training_steps=1, val_before_train=False), Reporting(), TASKS, [], monitor)
     assert [s.trainer_logprobs for s in monitor.samples] == [None, [-0.25, -0.25], None, [-0.25, -0.25]]
+
+
+def test_a_sync_report_reaches_the_steps_metrics():
+    class Syncing(FakeStages):
+        def sync_weights(self):
+            return SyncReport(verified=1.0, verify_s=0.25)
+
+    monitor = FakeMonitor()
+    run_loop(settings(total_training_steps=1, val_before_train=False), Syncing(), TASKS, [], monitor)
+    [(_, metrics)] = monitor.logged
+    assert metrics["sync/verified"] == 1.0 and metrics["time/sync_verify_s"] == 0.25
+    assert "time/engine_load_s" not in metrics  # timed by Ray workers only
+
+
+def test_sync_reports_of_several_engines_combine_to_the_worst():
+    a = SyncReport(verified=1.0, verify_s=0.25, engine_load_s=2.0)
+    b = SyncReport(verified=0.0, verify_s=0.5, engine_load_s=1.0)
+    worst = SyncReport.worst([a, b])
+    assert worst.metrics() == {"time/engine_load_s": 2.0, "sync/verified": 0.0, "time/sync_verify_s": 0.5}
+    assert SyncReport.worst([SyncReport(), SyncReport()]).metrics() == {}  # nothing measured, nothing logged
+    assert SyncReport(total_s=1.5, verified=1.0).figures() == {"total_s": 1.5, "verified": 1.0}

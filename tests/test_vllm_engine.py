@@ -121,7 +121,7 @@ def test_sync_after_a_train_step_makes_engine_equal_trainer(engine, trainer, ato
     trainer_after = t.compute_logprobs(PROMPT, res.token_ids, 1.0)
     assert _mean_abs(after, trainer_after) < atol
     assert _mean_abs(after, before) > 1e-2  # the update reached the engine
-    assert engine.last_sync["total_s"] > 0
+    assert engine.last_sync.total_s > 0
     # The prefix cache was reset: a cached prompt does not answer from the old weights' KV blocks.
     again = engine.generate_batch([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert _mean_abs(again.logprobs, t.compute_logprobs(PROMPT, again.token_ids, 1.0)) < atol
@@ -150,7 +150,7 @@ def test_each_sync_is_verified_and_a_skipped_tensor_stops_it(engine, trainer):
 
     t = trainer()
     engine.load_weights(t.named_parameters_for_sync())
-    assert engine.last_sync["verified"] == 1.0 and engine.last_sync["verify_s"] > 0
+    assert engine.last_sync.verified == 1.0 and engine.last_sync.verify_s > 0
     res = engine.generate_batch([PROMPT], SamplingParams(temperature=1.0, max_tokens=8))[0]
     assert t.train_step([Sample(PROMPT, res.token_ids, res.logprobs, 1.0, 1.0, "e#0")])["grad_norm"] > 0
     skipped = "model.layers.1.post_attention_layernorm.weight"
@@ -158,7 +158,7 @@ def test_each_sync_is_verified_and_a_skipped_tensor_stops_it(engine, trainer):
                                           r"this sync did not send it"):
         engine.load_weights((n, w) for n, w in t.named_parameters_for_sync() if n != skipped)
     engine.load_weights(trainer().named_parameters_for_sync())  # the module's engine back at the initial weights
-    assert engine.last_sync["verified"] == 1.0
+    assert engine.last_sync.verified == 1.0
 
 
 def test_a_refused_prefix_cache_reset_stops_the_sync():
@@ -188,7 +188,7 @@ def test_lora_sync_gives_the_same_equality(engine, trainer, atol):
     after = engine.sequence_logprobs(sequence, len(PROMPT))
     assert _mean_abs(after, t.compute_logprobs(PROMPT, res.token_ids, 1.0)) < atol
     assert _mean_abs(after, res.logprobs) > 1e-2  # the adapters moved the policy
-    assert engine.last_sync["verified"] == 1.0
+    assert engine.last_sync.verified == 1.0
 
 
 def test_a_lora_sync_whose_merged_linear_did_not_take_stops_it(engine, trainer):

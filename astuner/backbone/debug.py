@@ -9,7 +9,7 @@ from pathlib import Path
 
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import LocalTrainerStages
-from astuner.types import Episode, Sample, Task, TrainResult
+from astuner.types import Episode, Sample, SyncReport, Task, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,10 @@ class InProcessStages(LocalTrainerStages):
         finally:
             release_freed_memory()
 
-    def sync_weights(self) -> None:
-        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+    def sync_weights(self) -> SyncReport:
+        report = self.engine.load_weights(self.trainer.named_parameters_for_sync())
         self.version += 1
-
-    def step_metrics(self) -> dict[str, float]:
-        """The last sync's check that the engine serves the trainer's weights (engine/fingerprint.py)."""
-        return verification_metrics(self.engine)
+        return report
 
     def resumed(self, step: int) -> None:
         self.engine.load_weights(self.trainer.named_parameters_for_sync())
@@ -66,11 +63,6 @@ class InProcessStages(LocalTrainerStages):
     def shutdown(self) -> None:
         self.runner.close()
         self.engine.shutdown()
-
-
-def verification_metrics(engine) -> dict[str, float]:
-    sync = getattr(engine, "last_sync", None) or {}
-    return {"sync/verified": sync["verified"], "time/sync_verify_s": sync["verify_s"]} if "verified" in sync else {}
 
 
 def release_freed_memory() -> None:

@@ -144,15 +144,17 @@ class Worker:
 
     # --- weights ---------------------------------------------------------------------------------------------
 
-    def sync_local(self, version: int) -> dict[str, float]:
-        """verl: this worker's engine takes this worker's trainer weights (same process, no transfer); the load's
-        seconds and its verification (engine/fingerprint.py)."""
-        from astuner.backbone.debug import verification_metrics
+    def sync_local(self, version: int):
+        """verl: this worker's engine takes this worker's trainer weights (same process, no transfer); its
+        SyncReport (verification: engine/fingerprint.py) with the load's seconds as this worker timed them."""
+        import dataclasses
+
+        from astuner.types import SyncReport
 
         start = time.perf_counter()
-        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        report = self.engine.load_weights(self.trainer.named_parameters_for_sync()) or SyncReport()
         self.version = version
-        return {"time/engine_load_s": time.perf_counter() - start, **verification_metrics(self.engine)}
+        return dataclasses.replace(report, engine_load_s=time.perf_counter() - start)
 
     def export_weights(self) -> dict | None:
         """The trainer's weights for the object store: name -> (numpy array, torch dtype name). bf16 travels as

@@ -16,7 +16,7 @@ import logging
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.backbone.ray_run import RayStages, engine_tp, episodes_of, run_on_ray
-from astuner.types import Episode, Task
+from astuner.types import Episode, SyncReport, Task
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,11 @@ class VerlStages(RayStages):
         sent = self.send_rollout(self.trainers, self.trainer_names, tasks, True, step, repeats)
         return episodes_of(self.gather_rollouts(sent, "validation", step))
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> SyncReport:
         self.trainer_version += 1
         loads = self.get([t.sync_local.remote(self.trainer_version) for t in self.trainers], self.trainer_names,
                          "load the new weights into its engine", trainer_ok=False)
-        for key in loads[0]:  # the slowest worker's time; verified only if every worker's engine was
-            self._extra[key] = (min if key == "sync/verified" else max)(load[key] for load in loads)
+        return SyncReport.worst(loads)  # the slowest worker's time; verified only if every worker's engine was
 
     def resumed(self, step: int) -> None:
         self.trainer_version = step

@@ -159,8 +159,8 @@ def check_sync(ctx: Context) -> Check:
     if (missing := _needs(ctx, name, "engine", "trainer")) is not None:
         return missing
     engine = ctx.built["engine"]
-    engine.load_weights(ctx.built["trainer"].named_parameters_for_sync())
-    last = dict(engine.last_sync)
+    report = engine.load_weights(ctx.built["trainer"].named_parameters_for_sync())
+    last = report.figures()
     seen = ", ".join(f"{k} {v:.3g}" for k, v in last.items())
     if last.get("verified", 1.0) != 1.0:
         return Check(name, "fail", seen, "the engine serves other weights than the trainer's: see the log",
@@ -188,16 +188,16 @@ def check_cycle(ctx: Context) -> Check:
     metrics = trainer.train_step([Sample(prompt, sampled["response"], sampled["logprobs"], 1.0, 1.0, "doctor")])
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
-    engine.load_weights(trainer.named_parameters_for_sync())
+    synced = engine.load_weights(trainer.named_parameters_for_sync())
     after = parity(ctx, prompt)
     status, todo = parity_verdict(after["mean"], after["max"], engine.dtype)
     sleep = f"sleep freed {freed:.1f} GiB" if freed is not None else "sleep skipped (CPU)"
     seen = (f"{sleep}; train step grad norm {metrics.get('grad_norm', float('nan')):.3g}; sync verified "
-            f"{engine.last_sync.get('verified', 1.0):g}; parity after it: mean {after['mean']:.2e}, "
+            f"{1.0 if synced.verified is None else synced.verified:g}; parity after it: mean {after['mean']:.2e}, "
             f"max {after['max']:.2e}")
     if not metrics.get("num_optimizer_steps"):
         status, todo = "fail", "the train step made no optimizer step: see the log"
-    elif engine.last_sync.get("verified", 1.0) != 1.0:
+    elif synced.verified not in (None, 1.0):
         status, todo = "fail", "the sync after the train step did not take: see the log"
     return Check(name, status, seen, todo, figures={"freed_gib": freed, "mean": after["mean"], "max": after["max"]})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, runtime_checkable
 
-from astuner.types import GenerateResult, SamplingParams
+from astuner.types import GenerateResult, SamplingParams, SyncReport
 
 
 @runtime_checkable
@@ -17,8 +17,9 @@ class InferenceEngine(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a pending request (its caller gets CancelledError); unknown or finished ids are ignored."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        """Replace the policy weights (names as in the trainer's `named_parameters()`)."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> SyncReport:
+        """Replace the policy weights (names as in the trainer's `named_parameters()`); what the sync did, and
+        whether the engine was checked to serve them (also kept as `last_sync`)."""
 
     def sleep(self) -> None:
         """Release accelerator memory before a train step (the next load_weights takes it back); may do nothing."""

@@ -31,7 +31,7 @@ import torch
 
 from astuner.algorithm.sampling_filter import filter_logits, is_filtered
 from astuner.engine.fingerprint import FingerprintBuilder, SyncMismatch, differences, fingerprint
-from astuner.types import GenerateResult, SamplingParams
+from astuner.types import GenerateResult, SamplingParams, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class HFEngine:
         self._live: dict[str, _Request] = {}  # request_id -> request, for abort()
         self._worker: threading.Thread | None = None
         self._closed = False
-        self.last_sync: dict[str, float] = {}  # the last weight sync's verification (verified, verify_s)
+        self.last_sync = SyncReport()  # the last weight sync's verification
 
     # ---------------------------------------------------------------- public API
 
@@ -112,7 +112,7 @@ class HFEngine:
                 results += self._decode(chunk)
         return results
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Copy the tensors into the model, then verify it serves them (fingerprint.py): a mismatch raises."""
         params = dict(self.model.named_parameters())
         sent, verify_s = FingerprintBuilder(), 0.0
@@ -130,7 +130,8 @@ class HFEngine:
             verify_s += time.perf_counter() - t0
         if problems:
             raise SyncMismatch("hf", problems)
-        self.last_sync = {"verified": 1.0, "verify_s": verify_s}
+        self.last_sync = SyncReport(verified=1.0, verify_s=verify_s)
+        return self.last_sync
 
     def _copy_in(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)

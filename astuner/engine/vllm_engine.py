@@ -48,7 +48,7 @@ from typing import Iterable
 
 from astuner.engine.fingerprint import SyncMismatch, changed, compared, differences, from_wire
 from astuner.engine.shared_weights import SharedWeightFile
-from astuner.types import GenerateResult, SamplingParams
+from astuner.types import GenerateResult, SamplingParams, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class VLLMEngine:
         self._closed = False
         self._live: dict[str, concurrent.futures.Future] = {}
         self._shared = SharedWeightFile(self.dtype)
-        self.last_sync: dict[str, float] = {}
+        self.last_sync = SyncReport()
         self.tensor_parallel_size = tensor_parallel_size
         self._said_tp_unverified = False
         self._said_unseen = False
@@ -230,7 +230,7 @@ class VLLMEngine:
         if future is not None:
             future.cancel()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> SyncReport:
         """Write the tensors into the shared-memory file and have vLLM's worker reload from it, in place."""
         t0 = time.perf_counter()
         if self._asleep:
@@ -248,9 +248,10 @@ class VLLMEngine:
         self._reset_prefix_cache()
         t2 = time.perf_counter()
         verified = self._verify()
-        self.last_sync = {"write_s": t1 - t0, "load_s": max(worker_s or [0.0]), "total_s": time.perf_counter() - t0,
-                          "verified": float(verified),
-                          "verify_s": time.perf_counter() - t2 + self._shared.fingerprint_s}
+        self.last_sync = SyncReport(write_s=t1 - t0, load_s=max(worker_s or [0.0]), total_s=time.perf_counter() - t0,
+                                    verified=float(verified),
+                                    verify_s=time.perf_counter() - t2 + self._shared.fingerprint_s)
+        return self.last_sync
 
     def _verify(self) -> bool:
         """Compare what the worker serves with what was written (fingerprint.py); a mismatch raises. With tensor

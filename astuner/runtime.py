@@ -99,10 +99,9 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
     the workers of the trainer group it will join (sharded, the model then reaches the device as shards only)."""
     from astuner import preflight
+    from astuner.config.effective import effective
     from astuner.trainer import Trainer
     from astuner.trainer.settings import TrainerSettings
-
-    from astuner.config.effective import effective
 
     typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
     tc = typed.astuner.trainer_common

@@ -103,7 +103,7 @@ class Chosen:
 class Plain:
     """Every episode of the step's batch trains the policy with its group-relative advantage."""
 
-    objective = "policy"
+    objective: str  # the catalog's, set by choose_selection
 
     def __init__(self, settings) -> None:
         self.settings = settings
@@ -209,8 +209,6 @@ class RejectionSampling(Plain):
     """RFT: of every episode rolled out, those with reward >= rft_reward_threshold, learnt by SFT on their exact
     ids (advantage 1 on every call)."""
 
-    objective = "sft"
-
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
         self._stop_if_all_failed(chosen.episodes, state, step)
         passed = [e for e in chosen.episodes if e.trainable and e.reward >= self.settings.rft_threshold]
@@ -229,7 +227,7 @@ class OfflineSFT:
     """algorithm.type sft: the batch's conversations, their assistant tokens trained by the SFT loss. The data
     is the rollout: `stages.rollout` hands the batch back as it is (offline/stages.py)."""
 
-    objective = "sft"
+    objective: str  # the catalog's, set by choose_selection
 
     def __init__(self, settings) -> None:
         self.settings = settings
@@ -269,8 +267,7 @@ SELECTIONS = {
 
 
 def choose_selection(settings):
-    """The policy the catalog names for `settings.algorithm`, training the catalog's objective (a class's own
-    `objective` is its default only)."""
+    """The policy the catalog names for `settings.algorithm`, training the catalog's objective."""
     kind = algorithm(settings.algorithm)
     plain, dynamic = SELECTIONS[kind.selection]
     policy = (dynamic if settings.filter_groups and not kind.offline else plain)(settings)

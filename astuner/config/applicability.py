@@ -26,9 +26,8 @@ ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.
                 "astuner.trainer_common.entropy_coeff", "astuner.trainer_common.val_num_repeat",
                 "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss",
                 "astuner.trainer_common.old_logprobs", "astuner.trainer_common.rollout_is_cap")
+# The backbones' registry is astuner/backbone/__init__.py (above the config); a test keeps it to "debug" and these.
 RAY_BACKBONES = ("verl", "trinity")
-# The backbones' registry is astuner/backbone/__init__.py (above the config); a test keeps these names equal to it.
-BACKBONE_NAMES = ("debug", *RAY_BACKBONES)
 OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).

@@ -53,10 +53,11 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
         _move_into_place(tmp, path, tag)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (OSError, RuntimeError)) and _disk_nearly_full(path.parent):
+        free = _free_bytes(path.parent) if isinstance(exc, (OSError, RuntimeError)) else None
+        if free is not None and free < 256 * 2**20:
             # torch.save on a full disk says only "unexpected pos": name the cause and the remedy.
             raise OSError(f"saving checkpoint {path} failed with the disk nearly full "
-                          f"({shutil.disk_usage(path.parent).free / 2**30:.1f} GiB free; {exc}): free space, "
+                          f"({free / 2**30:.1f} GiB free; {exc}): free space, "
                           "or save less often (trainer_common.save_freq) and keep fewer checkpoints") from exc
         raise
 
@@ -115,11 +116,11 @@ def _move_into_place(tmp: Path, path: Path, tag: str) -> None:
         tmp.rename(path)
 
 
-def _disk_nearly_full(folder: Path, floor: int = 256 * 2**20) -> bool:
+def _free_bytes(folder: Path) -> int | None:
     try:
-        return shutil.disk_usage(folder).free < floor
+        return shutil.disk_usage(folder).free
     except OSError:
-        return False
+        return None
 
 def load(trainer, path: Path) -> dict:
     """Restore weights, optimizer, step count and RNG from a checkpoint `save_checkpoint` wrote with a run

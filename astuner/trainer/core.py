@@ -47,8 +47,8 @@ from astuner.trainer.precision import MasterWeights, cast_parameters, resolve_pr
 from astuner.step_plan import lr_at, split_micro_batches
 from astuner.trainer.forward import HeadPath, active_dropout, check_fast_head, response_logprobs
 from astuner.trainer.settings import TrainerSettings
-from astuner.trainer.step import TrainResult, forward_backward, train_step
-from astuner.types import Sample
+from astuner.trainer.step import forward_backward, train_step
+from astuner.types import Sample, TrainResult
 
 log = logging.getLogger(__name__)
 

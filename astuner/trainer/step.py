@@ -25,7 +25,7 @@ from astuner.algorithm.loss import token_weights
 from astuner.algorithm.mismatch import mismatch_sums
 from astuner.algorithm.objectives import TokenBatch, token_objective
 from astuner.step_plan import offsets, split_mini_batches
-from astuner.types import Sample, TrainResult  # noqa: F401 (TrainResult: importable from here too)
+from astuner.types import Sample, TrainResult
 
 if TYPE_CHECKING:
     from astuner.algorithm.objectives import TokenObjective  # noqa: F401 (annotations)

@@ -19,7 +19,7 @@ async def models(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return openai_error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
+        return _unauthorized()
     return JSONResponse({"object": "list", "data": [{"id": entry.tuner.model_name, "object": "model",
                                                      "created": 0, "owned_by": "astuner"}]})
 
@@ -30,7 +30,7 @@ async def chat_completions(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return openai_error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
+        return _unauthorized()
     try:
         chat = read_chat_request(read_json_object(await request.body()), entry.options)
         read_tool_choice(normalize_tools(chat.tools), chat.options.tool_choice)  # naming no offered tool
@@ -52,7 +52,7 @@ async def responses(gateway, request):
     """OpenAI's Responses API (responses_api.py): the chat route's keys, checks, errors and delivery."""
     entry = authorized(gateway, request)
     if entry is None:
-        return openai_error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")
+        return _unauthorized()
     try:
         call = responses_api.read_responses_request(read_json_object(await request.body()), entry.options,
                                                     call_origins(entry.tuner))
@@ -70,3 +70,8 @@ def call_origins(tuner) -> dict[str, int]:
     of an episode serves one tuner), and ids are unique in it (`call_<index>_<j>`)."""
     return {tool_call["id"]: index for index, call in enumerate(list(tuner.calls))
             for tool_call in (call.reply or {}).get("tool_calls") or []}
+
+
+def _unauthorized():
+    """The OpenAI-shaped 401 of every route here."""
+    return openai_error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")

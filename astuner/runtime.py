@@ -132,6 +132,7 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         use_kl_loss=tc.use_kl_loss,
         kl_loss_coef=tc.kl_loss_coef,
         kl_loss_type=tc.kl_loss_type,
+        beta=tc.algorithm.beta,
         loss_agg_mode=tc.loss_agg_mode,
         norm_length=typed.astuner.rollout.max_response_length_in_one_turn,
         max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
@@ -239,10 +240,10 @@ class Prepared:
     """What every backbone's driver knows before any weights load: user code checked, data read, the model's
     limits and the memory plan announced."""
 
-    workflow_cls: type
+    workflow_cls: type | None  # None: offline data, no workflow
     judge: object
-    train_tasks: list[Task]
-    val_tasks: list[Task]
+    train_tasks: list  # Tasks, or offline Examples / Pairs
+    val_tasks: list
     model_path: str
     max_model_len: int
     tokenizer: object
@@ -252,34 +253,43 @@ class Prepared:
 
 def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None) -> Prepared:
     """In the order that fails fastest: user code, data, the model's config and memory estimate; no weights.
-    `total_steps_of(n_train_tasks)` gives the run's step count; `device_of()` the trainer's
-    `preflight.DeviceFacts` (None: this process's device, where the debug backbone trains)."""
+    The data source is the catalog's (`task_reader/sources.py`: the workflow's tasks, or offline_data's
+    conversations or pairs, which need no workflow). `total_steps_of(n_train_items)` gives the run's step count;
+    `device_of()` the trainer's `preflight.DeviceFacts` (None: this process's device, where the debug backbone
+    trains)."""
     from astuner import preflight
     from astuner.logs import announce
-    from astuner.task_reader import build_task_reader
+    from astuner.task_reader.sources import DATA_SOURCES
 
     typed = loaded.typed
     quiet_library_progress()
     configure_tools(typed)
-    workflow_cls = load_workflow(loaded)
-    judge = build_judge(loaded)
-    reader = build_task_reader(typed, loaded.config_dir)
-    train_tasks, val_tasks = reader.training_tasks(), reader.validation_tasks()
-    log.info("tasks: %d training, %d validation", len(train_tasks), len(val_tasks))
+    data = algorithm(typed.astuner.trainer_common.algorithm.type).data
+    source = DATA_SOURCES[data](typed, loaded.config_dir, data)
+    workflow_cls, judge = (load_workflow(loaded), build_judge(loaded)) if source.runs_workflow else (None, None)
+    source.read()
 
     model_path = build_policy_model_path(typed)
     facts = preflight.read_model_facts(model_path)
-    max_model_len = preflight.resolve_max_model_len(
-        typed.astuner.rollout.max_model_len, facts, typed.astuner.rollout.max_response_length_in_one_turn
-    )
+    max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts, source.turn_cap)
     tokenizer = load_tokenizer(model_path)
+    train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps,
                                device_of() if device_of else None)
-    announce(plan.block(facts))
+    announce(source.describe() + plan.block(facts))
     preflight.check_fits(plan, facts)
     return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,
                     total_steps, plan)
+
+
+def _chat_text(typed, model_path: str, tokenizer):
+    """The chat renderer the rollouts use, and the texts that end an assistant turn (offline data is cut there)."""
+    from astuner.model_tuner import ChatRenderer
+
+    ends = tuple(dict.fromkeys(tokenizer.decode([i], skip_special_tokens=False)
+                               for i in stop_token_ids(model_path, tokenizer)))
+    return ChatRenderer(tokenizer, typed.astuner.rollout.tool_prompt), ends
 
 
 def configure_tools(typed) -> None:

@@ -224,8 +224,8 @@ class DynamicRejectionSampling(RejectionSampling, DynamicSampling):
 
 
 class OfflineSFT:
-    """algorithm.type sft: the batch's conversations, their assistant tokens trained by the SFT loss. The data
-    is the rollout: `stages.rollout` hands the batch back as it is (offline/stages.py)."""
+    """algorithm.type sft: the batch's conversations, their assistant tokens trained by the SFT loss. The batch
+    is the data itself: nothing is rolled out."""
 
     objective: str  # the catalog's, set by choose_selection
 
@@ -233,9 +233,9 @@ class OfflineSFT:
         self.settings = settings
 
     def gather(self, stages, tasks: list, batches, step: int, epoch: int, position: int) -> Chosen:
-        return Chosen([], stages.rollout(tasks, validation=False, step=step), epoch, position)
+        return Chosen([], tasks, epoch, position)
 
-    def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
         first = chosen.position - len(chosen.kept)  # the uid names the row of the epoch's order
         return [x.as_sample(f"sft{first + i}") for i, x in enumerate(chosen.kept)], {}
 
@@ -251,10 +251,13 @@ class OfflineSFT:
 
 
 class OfflinePreference(OfflineSFT):
-    """algorithm.type dpo | orpo: the batch's (chosen, rejected) pairs go to the preference loss as they are."""
+    """algorithm.type dpo | orpo: the batch's (chosen, rejected) pairs, as a pair objective takes them (every
+    chosen, then every rejected: algorithm/preference.py)."""
 
-    def learn(self, chosen: Chosen, state, step: int) -> tuple[list, dict[str, float]]:
-        return chosen.kept, {}
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
+        from astuner.algorithm.preference import pair_samples
+
+        return pair_samples(chosen.kept), {}
 
 
 # The catalog's `selection` names -> (policy, policy with dynamic sampling); offline data has no dynamic sampling.

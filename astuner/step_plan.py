@@ -1,6 +1,6 @@
 """How one training step is cut up and scheduled: mini-batches (one optimizer step each), micro-batches by token
 budget (one forward/backward each), and the learning rate of each optimizer step. Pure Python; the Trainer
-(`astuner/trainer/core.py`) applies them, and the offline steps reuse the micro-batching.
+(`astuner/trainer/core.py`) applies them; pair objectives (DPO, ORPO) keep each pair in one micro-batch.
 """
 
 from __future__ import annotations
@@ -68,3 +68,11 @@ def split_micro_batches(lengths_B: list[int], budget: int) -> list[list[int]]:
         else:
             batches.append([i])
     return batches
+
+
+def split_pair_micro_batches(lengths_B: list[int], budget: int) -> list[list[int]]:
+    """For 2P samples where i and i + P form a pair (a chosen and its rejected): `split_micro_batches` over the
+    pairs' summed lengths, each micro-batch's chosen indices first, then their rejected ones."""
+    half = len(lengths_B) // 2
+    pairs = split_micro_batches([lengths_B[i] + lengths_B[i + half] for i in range(half)], budget)
+    return [idx + [i + half for i in idx] for idx in pairs]

@@ -104,7 +104,7 @@ def fingerprint(out: Path, initial: str) -> dict:
     kept = [{k: v for k, v in row.items() if not any(t in k for t in TIMED)} for row in rows]
     return {"checkpoint": final.name, "weights_sha256": weights, "trained": weights != initial,
             "metrics_sha256": hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16],
-            "last_metrics": {k: v for k, v in kept[-1].items() if isinstance(v, (int, float))}}
+            "last_metrics": {k: v for k, v in kept[-1].items() if isinstance(v, (int, float))}, "rows": kept}
 
 
 def run_all(names: list[str], repo: Path) -> dict:
@@ -123,7 +123,7 @@ def run_all(names: list[str], repo: Path) -> dict:
                 results[kind] = {"error": done.stderr[-2000:]}
             else:
                 results[kind] = fingerprint(out, initial)
-            print(kind, json.dumps({k: v for k, v in results[kind].items() if k != "last_metrics"}), flush=True)
+            print(kind, json.dumps({k: v for k, v in results[kind].items() if k not in ("last_metrics", "rows")}), flush=True)
     return results
 
 
@@ -136,11 +136,30 @@ def compare(a: dict, b: dict) -> int:
         print(f"{kind:5s} {'identical' if same else 'DIFFERENT'}  weights {x.get('weights_sha256')} / "
               f"{y.get('weights_sha256')}  metrics {x.get('metrics_sha256')} / {y.get('metrics_sha256')}")
         if not same:
-            for k in sorted(set(x.get("last_metrics", {})) | set(y.get("last_metrics", {}))):
-                u, v = x.get("last_metrics", {}).get(k), y.get("last_metrics", {}).get(k)
-                if u != v:
-                    print(f"      {k}: {u} != {v}")
+            explain(x.get("rows") or [x.get("last_metrics", {})], y.get("rows") or [y.get("last_metrics", {})])
     return differ
+
+
+def explain(rows_a: list[dict], rows_b: list[dict]) -> None:
+    """Which metrics differ: keys logged on one side only, and values that differ (with the largest relative gap)."""
+    only_a = sorted({k for r in rows_a for k in r} - {k for r in rows_b for k in r})
+    only_b = sorted({k for r in rows_b for k in r} - {k for r in rows_a for k in r})
+    if only_a:
+        print(f"      only before: {', '.join(only_a)}")
+    if only_b:
+        print(f"      only after: {', '.join(only_b)}")
+    gaps: dict[str, float] = {}
+    for ra, rb in zip(rows_a, rows_b):
+        for k in set(ra) & set(rb):
+            u, v = ra[k], rb[k]
+            if u != v:
+                rel = (abs(u - v) / max(abs(u), abs(v), 1e-30)
+                       if isinstance(u, (int, float)) and isinstance(v, (int, float)) else float("inf"))
+                gaps[k] = max(gaps.get(k, 0.0), rel)
+    for k, rel in sorted(gaps.items()):
+        print(f"      {k}: differs, largest relative gap {rel:.2e}")
+    if len(rows_a) != len(rows_b):
+        print(f"      {len(rows_a)} rows before, {len(rows_b)} after")
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from astuner.algorithm.preference import dpo_loss, orpo_loss
 from astuner.model_tuner import ChatRenderer
-from astuner.offline.data import tokenize_conversation
+from astuner.task_reader.offline_data import tokenize_conversation
 
 END = ("<|im_end|>",)
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",

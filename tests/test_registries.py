@@ -24,11 +24,11 @@ def test_algorithm_types_are_the_catalog():
 def test_catalog_objectives_exist():
     from astuner.algorithm.catalog import ALGORITHMS
     from astuner.algorithm.objectives import TOKEN_OBJECTIVES
-    from astuner.algorithm.preference import PREFERENCE_OBJECTIVES
 
     for a in ALGORITHMS.values():
-        table = PREFERENCE_OBJECTIVES if a.data == "pairs" else TOKEN_OBJECTIVES
-        assert a.objective in table, a.name
+        assert a.objective in TOKEN_OBJECTIVES, a.name
+        # A pair objective takes pairs, and only pair data gives them.
+        assert TOKEN_OBJECTIVES[a.objective].paired == (a.data == "pairs"), a.name
 
 
 def test_catalog_keys_are_config_keys():

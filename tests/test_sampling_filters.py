@@ -67,8 +67,7 @@ def _sft_loss(tmp_path, tiny_model_dir, overrides):
 
     from astuner.config import load_config
     from astuner.model_tuner import ChatRenderer
-    from astuner.offline.data import tokenize_conversation
-    from astuner.offline.steps import sft_validation_loss
+    from astuner.task_reader.offline_data import tokenize_conversation
     from astuner.runtime import build_trainer, load_tokenizer
 
     _write(tmp_path, "train.jsonl", _rows(2))
@@ -79,7 +78,8 @@ def _sft_loss(tmp_path, tiny_model_dir, overrides):
     renderer = ChatRenderer(tokenizer)
     samples = [tokenize_conversation(renderer, r["messages"], None, ("<|im_end|>",)).as_sample(str(i))
                for i, r in enumerate(_rows(2))]
-    return sft_validation_loss(trainer, samples)
+    sums = trainer.forward(samples, "sft")
+    return sums["nll"] / sums["response_tokens"]
 
 
 def test_sft_ignores_the_rollouts_sampling_filter(tmp_path, tiny_model_dir):

@@ -172,3 +172,13 @@ def test_verl_reserves_tensor_parallel_gpus_per_worker_and_checks_the_total():
     assert missing_resources(bundles, [node, node]) == []  # two 8-GPU nodes hold 8 workers of 2 GPUs
     assert missing_resources(verl_bundles(4, 1.0, 1.0, 2, 0.0), [node]) == []
     assert [b.gpus for b in verl_bundles(2, 1.0, 0.0, 2, 0.0)] == [0.0, 0.0]  # a CPU cluster: no GPUs asked
+
+
+def test_explorer_figures_keep_their_log_names():
+    from astuner.backbone.trinity import ExplorerFigures
+
+    figures = ExplorerFigures(policy_version=3, explorer_version=2, num_syncs=2, explorer_busy_s=4.0,
+                              rollout_tokens_per_s=50.0)
+    assert figures.metrics() == {"trinity/policy_version": 3.0, "trinity/explorer_version": 2.0,
+                                 "trinity/num_syncs": 2.0, "time/explorer_busy_s": 4.0,
+                                 "perf/rollout_tokens_per_s": 50.0}  # what a step did not measure is left out

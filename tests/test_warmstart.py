@@ -130,7 +130,7 @@ def test_chains_are_half_with_several_tools_none_with_one_and_the_share_is_check
 
 
 # Mistral Nemo's template moves the tools to the last user turn, so no SFT conversation with tools splits into
-# turns there (offline/data.py refuses it, naming the message).
+# turns there (task_reader/offline_data.py refuses it, naming the message).
 FAMILIES = ["demo", "qwen2.5", "llama3.1", "qwen3_coder"]
 
 
@@ -155,7 +155,7 @@ def test_demonstrations_parse_back_with_the_family_tool_parser(family, family_to
     from astuner.model_tuner import ChatRenderer, detect_formats
     from astuner.model_tuner.formats import template_source
     from astuner.model_tuner.tool_parser import TOOL_PARSERS
-    from astuner.offline.data import tokenize_conversation
+    from astuner.task_reader.offline_data import tokenize_conversation
     from astuner.tool_demos import demonstrations
 
     tokenizer = family_tokenizers[family]

@@ -23,12 +23,14 @@ Every function returns each pair's contribution to L, so summing contributions o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from astuner.algorithm.objective_base import TokenBatch, TokenObjective
+from astuner.types import Sample
 
 
 def dpo_loss(pi_chosen_P: Tensor, pi_rejected_P: Tensor, ref_chosen_P: Tensor, ref_rejected_P: Tensor,
@@ -60,37 +62,76 @@ def orpo_loss(pi_chosen_P: Tensor, pi_rejected_P: Tensor, chosen_len_P: Tensor, 
     return loss_P, stats
 
 
-@dataclass(frozen=True)
-class PairObjective:
-    """A loss over (chosen, rejected) sequence pairs, weighted by `beta`; `loss` is its formula's function."""
+class PairObjective(TokenObjective):
+    """A loss over (chosen, rejected) sequence pairs, weighted by `beta`, trained by `Trainer.forward_backward`
+    like every objective. Its samples come as one list: the P chosen sequences, then the P rejected ones in the
+    same order (`pair_samples`), so sample i and sample i + P form pair i; a micro-batch always holds both sides
+    of its pairs, chosen first (`Trainer.micro_batches(paired=True)`). `bound` fixes the counts of the
+    mini-batch the formulas divide by (P, T_chosen), so micro-batch losses sum to the mini-batch's."""
 
-    beta: float
-    name: ClassVar[str]
-    needs_reference: ClassVar[bool]
-    loss: ClassVar
+    loss_metric = "loss"
+    paired = True
+    entropy_metric = False
+    pair_formula: ClassVar  # dpo_loss or orpo_loss
 
-    def pair_loss(self, pi_chosen_P: Tensor, pi_rejected_P: Tensor, **context) -> tuple[Tensor, dict[str, Tensor]]:
-        """Each pair's contribution to the batch loss; `context`: the reference sums, lengths and counts."""
-        return type(self).loss(pi_chosen_P, pi_rejected_P, beta=self.beta, **context)
+    def __init__(self, beta: float, num_pairs: int = 0, chosen_tokens_total: float = 0.0) -> None:
+        self.beta, self.num_pairs, self.chosen_tokens_total = beta, num_pairs, chosen_tokens_total
+
+    @classmethod
+    def from_settings(cls, settings) -> PairObjective:
+        return cls(settings.beta)
+
+    def bound(self, samples: list[Sample]) -> PairObjective:
+        half = len(samples) // 2
+        return type(self)(self.beta, half, float(sum(s.num_trained_tokens for s in samples[:half])))
+
+    def reported(self) -> tuple[str, ...]:
+        return self.stat_keys
+
+    def mean_over(self, key: str, tally) -> float:
+        return tally.forwarded_samples / 2  # every stat is a mean over pairs
+
+    def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.num_pairs == 0:
+            raise ValueError(f"{self.name}: the objective was not bound to its mini-batch (PairObjective.bound)")
+        sums_B, lens_B = sequence_sums(batch.logprobs_R, batch.mask_R, batch.seq_index_R, len(batch.samples))
+        ref_B = torch.zeros_like(sums_B)
+        if batch.ref_logprobs_R is not None:
+            ref_B, _ = sequence_sums(batch.ref_logprobs_R, batch.mask_R, batch.seq_index_R, len(batch.samples))
+        n = len(batch.samples) // 2
+        contrib_P, stats = type(self).pair_formula(
+            sums_B[:n], sums_B[n:], ref_chosen_P=ref_B[:n], ref_rejected_P=ref_B[n:], chosen_len_P=lens_B[:n],
+            rejected_len_P=lens_B[n:], beta=self.beta, num_pairs=self.num_pairs,
+            chosen_tokens_total=self.chosen_tokens_total)
+        return contrib_P.sum(), {k: v.sum() for k, v in stats.items()}
 
 
-@dataclass(frozen=True)
+def sequence_sums(logprobs_R: Tensor, mask_R: Tensor, seq_index_R: Tensor, num_samples: int
+                  ) -> tuple[Tensor, Tensor]:
+    """(S(y): the sum of the trained tokens' logprobs, the trained-token count) per sample."""
+    zeros = torch.zeros(num_samples, device=logprobs_R.device, dtype=logprobs_R.dtype)
+    return zeros.index_add(0, seq_index_R, logprobs_R * mask_R), zeros.index_add(0, seq_index_R, mask_R)
+
+
 class DPO(PairObjective):
     """loss_p = -log sigmoid(beta * [(S_pi(c) - S_ref(c)) - (S_pi(r) - S_ref(r))]), mean over pairs."""
 
-    name: ClassVar[str] = "dpo"
-    needs_reference: ClassVar[bool] = True
-    loss: ClassVar = dpo_loss
+    name = "dpo"
+    needs_reference = True
+    stat_keys = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
+    pair_formula = staticmethod(dpo_loss)
 
 
-@dataclass(frozen=True)
 class ORPO(PairObjective):
     """loss_p = NLL_p - beta * log sigmoid(log_odds(chosen) - log_odds(rejected)) / P; no reference model."""
 
-    name: ClassVar[str] = "orpo"
-    needs_reference: ClassVar[bool] = False
-    loss: ClassVar = orpo_loss
+    name = "orpo"
+    stat_keys = ("nll", "log_odds_ratio", "rewards/accuracy")
+    pair_formula = staticmethod(orpo_loss)
 
 
-# algorithm.type -> objective class (built from algorithm.beta)
-PREFERENCE_OBJECTIVES: dict[str, type[PairObjective]] = {"dpo": DPO, "orpo": ORPO}
+def pair_samples(pairs: list, uid: str = "pair") -> list[Sample]:
+    """The samples of `pairs` (task_reader/offline_data.py's Pair) in a pair objective's order: every chosen, then every
+    rejected."""
+    return ([p.chosen.as_sample(f"{uid}{i}/chosen") for i, p in enumerate(pairs)]
+            + [p.rejected.as_sample(f"{uid}{i}/rejected") for i, p in enumerate(pairs)])

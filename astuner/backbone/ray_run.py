@@ -73,7 +73,6 @@ class RayStages(Stages):
         self.trainers: list = []
         self.group = None  # the placement group: released at shutdown, or its CPUs/GPUs stay reserved
         self.trainer_names: list[str] = []
-        self._extra: dict[str, float] = {}
         self.stuck: set[str] = set()  # actors that died or missed a deadline: killed at shutdown without waiting
         self.trainer_version = 0  # loop steps the trainer has completed (its weights' policy version)
         self.sharded = False  # fsdp2: every trainer call that runs the model goes to all ranks at once
@@ -165,10 +164,6 @@ class RayStages(Stages):
         states = self.get([t.load_checkpoint.remote(str(path)) for t in self.trainers], self.trainer_names,
                           f"load checkpoint {path}", trainer_ok=False)
         return states[0]
-
-    def step_metrics(self) -> dict[str, float]:
-        out, self._extra = self._extra, {}
-        return out
 
     def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
                      repeats: int | None = None) -> Sent:

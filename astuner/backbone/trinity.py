@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
@@ -35,9 +36,32 @@ log = logging.getLogger(__name__)
 DEFAULT_IS_CAP = 2.0
 
 
+@dataclass
+class ExplorerFigures:
+    """What the explorers add to a step's log: how much of their rollout overlapped the trainer's previous step,
+    their rate, the weights' load time, and the policy versions; None: not measured in this step."""
+
+    policy_version: int = 0
+    explorer_version: int = 0
+    num_syncs: int = 0
+    rollout_train_overlap_s: float | None = None  # per explorer, mean over the batch's parts
+    rollout_overlap_fraction: float | None = None  # of the explorers' busy time
+    explorer_busy_s: float | None = None  # the slowest part's rollout time
+    rollout_tokens_per_s: float | None = None  # over explorer_busy_s
+    engine_load_s: float | None = None  # the slowest explorer's weight load
+
+    def metrics(self) -> dict[str, float]:
+        names = {"rollout_train_overlap_s": "perf/", "rollout_overlap_fraction": "perf/", "explorer_busy_s": "time/",
+                 "rollout_tokens_per_s": "perf/", "engine_load_s": "time/", "policy_version": "trinity/",
+                 "explorer_version": "trinity/", "num_syncs": "trinity/"}
+        return {prefix + name: float(getattr(self, name)) for name, prefix in names.items()
+                if getattr(self, name) is not None}
+
+
 class TrinityStages(RayStages):
     def __init__(self, loaded, prep) -> None:
         super().__init__(loaded, prep)
+        self.figures = ExplorerFigures()
         typed = loaded.typed
         sync = typed.trinity.synchronizer
         bound = staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness)
@@ -123,7 +147,7 @@ class TrinityStages(RayStages):
             if len(done) == len(refs + gathering):
                 self.get(gathering, self.trainer_names[1:], f"gather the weights of step {version}", trainer_ok=False)
                 seconds = self.get(refs, self.explorer_names, f"load the weights of step {version}")
-                self._extra["time/engine_load_s"] = max(seconds)
+                self.figures.engine_load_s = max(seconds)
             elif time.perf_counter() - sent > self.sync_timeout + self.timeout_s:
                 raise WorkerLost(f"the driver waited more than trinity.synchronizer.sync_timeout = "
                                  f"{self.sync_timeout:g} s (after the batches queued before it) for the explorers "
@@ -169,13 +193,14 @@ class TrinityStages(RayStages):
         if self.train_window is not None:
             t0, t1 = self.train_window
             overlap = sum(max(0.0, min(start + seconds, t1) - max(start, t0)) for _, seconds, start in results)
-        self._extra["perf/rollout_train_overlap_s"] = overlap / max(len(results), 1)
+        figures = self.figures
+        figures.rollout_train_overlap_s = overlap / max(len(results), 1)
         # The loop's rollout time is the wait for a batch that may have been ready already; the explorers' own
         # time gives the rate.
         tokens = sum(len(c.response_ids) for episodes, _, _ in results for e in episodes for c in e.calls)
-        self._extra["time/explorer_busy_s"] = max(seconds for _, seconds, _ in results)
-        self._extra["perf/rollout_tokens_per_s"] = tokens / max(self._extra["time/explorer_busy_s"], 1e-9)
-        self._extra["perf/rollout_overlap_fraction"] = overlap / busy if busy > 0 else 0.0
+        figures.explorer_busy_s = max(seconds for _, seconds, _ in results)
+        figures.rollout_tokens_per_s = tokens / max(figures.explorer_busy_s, 1e-9)
+        figures.rollout_overlap_fraction = overlap / busy if busy > 0 else 0.0
 
     def train(self, samples, objective: str = "policy"):
         self._pump(due=None)  # start what may run while the trainer trains
@@ -190,9 +215,14 @@ class TrinityStages(RayStages):
         if self.schedule.scheduled_sync(self.trainer_version):
             self._push(f"sync_interval {self.schedule.sync_interval}")
         self._pump(due=None)
-        self._extra["trinity/policy_version"] = float(self.trainer_version)
-        self._extra["trinity/explorer_version"] = float(self.explorer_version)
-        self._extra["trinity/num_syncs"] = float(self.num_syncs)
+        self.figures.policy_version = self.trainer_version
+        self.figures.explorer_version = self.explorer_version
+        self.figures.num_syncs = self.num_syncs
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's `ExplorerFigures`; the next step starts a fresh record."""
+        done, self.figures = self.figures, ExplorerFigures()
+        return done.metrics()
 
     def resumed(self, step: int) -> None:
         self.trainer_version = step

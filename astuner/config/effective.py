@@ -6,7 +6,8 @@ builders (`TrainerSettings` in runtime.py, `SelectionSettings` in selection.py) 
 `epsilon` 0 when advantages are not divided by their std, and so on. The neutral values are the ones under which the key changes nothing.
 
 Offline algorithm types (`algorithm/catalog.py`) draw no rollouts: the sampling filter does not shape their data,
-so `top_k` / `top_p` read "no filter" there.
+so `top_k` / `top_p` read "no filter" there; a type that takes one optimizer step per batch (`mini_batches`
+False: dpo, orpo) reads `mini_batch_num` 1.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def effective(typed):
     value; every other read goes to the config itself. Which keys are inactive is decided on the config as
     given, before any is reset."""
     inactive = {key: value for key, value in NEUTRAL.items() if not APPLIES_ONLY_WITH[key][1](typed, None)}
-    if algorithm(typed.astuner.trainer_common.algorithm.type).offline:
+    kind = algorithm(typed.astuner.trainer_common.algorithm.type)
+    if kind.offline:
         inactive.update(OFFLINE_NEUTRAL)
+    if not kind.mini_batches:  # the whole batch is one optimizer step
+        inactive[TC + "mini_batch_num"] = 1
     return _Neutralised(typed, "", inactive)
 
 

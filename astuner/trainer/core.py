@@ -44,7 +44,7 @@ from astuner.trainer import checkpoint, fsdp
 from astuner.algorithm.objectives import TokenObjective, token_objective
 from astuner.trainer.lora import apply_lora, merged_named_tensors, set_adapter_dropout
 from astuner.trainer.precision import MasterWeights, cast_parameters, resolve_precision
-from astuner.step_plan import lr_at, split_micro_batches
+from astuner.step_plan import lr_at, split_micro_batches, split_pair_micro_batches
 from astuner.trainer.forward import HeadPath, active_dropout, check_fast_head, response_logprobs
 from astuner.trainer.settings import TrainerSettings
 from astuner.trainer.step import forward_backward, train_step
@@ -155,13 +155,13 @@ class Trainer:
     def compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
-    def micro_batches(self, samples: list[Sample], backward: bool = False, reference: bool = False
-                      ) -> Iterator[list[int]]:
+    def micro_batches(self, samples: list[Sample], backward: bool = False, reference: bool = False,
+                      paired: bool = False) -> Iterator[list[int]]:
         """Indices of `samples` per micro-batch (token budget, `step_plan.split_micro_batches`). Sharded, every
         forward is collective: after its own, a worker runs pad passes (a forward, with `reference` of the
-        reference too, and with `backward` a backward) up to the busiest worker's count."""
-        micro_batches = split_micro_batches([s.num_tokens for s in samples],
-                                            self.settings.max_token_len_per_micro_batch)
+        reference too, and with `backward` a backward) up to the busiest worker's count. `paired`: pairs whole."""
+        split = split_pair_micro_batches if paired else split_micro_batches
+        micro_batches = split([s.num_tokens for s in samples], self.settings.max_token_len_per_micro_batch)
         # The count is agreed before any forward: a collective of its own, it must not interleave with theirs.
         pads = 0 if self._root is None else self.dp.max_int(len(micro_batches)) - len(micro_batches)
         yield from micro_batches
@@ -206,13 +206,16 @@ class Trainer:
 
     def forward_backward(self, samples: list[Sample], objective: str | TokenObjective = "policy",
                          logprobs_out: list | None = None) -> dict[str, float]:
-        """Backward the loss of one mini-batch, micro-batch by micro-batch, into `.grad` (no optimizer step).
-        `logprobs_out` (one slot per sample): receives the forwarded samples' logprobs, for the log viewer.
-
-        Returns sums over the mini-batch: loss, response tokens, the objective's token-summed stats, tokens
-        processed, counts.
-        """
+        """Backward one mini-batch's loss, micro-batch by micro-batch, into `.grad` (no optimizer step); returns
+        sums over the mini-batch (loss, response tokens, the objective's stats, counts). `logprobs_out` (a slot per
+        sample) receives the forwarded samples' logprobs, for the log viewer."""
         return forward_backward(self, samples, objective, logprobs_out)
+
+    @torch.no_grad()
+    def forward(self, samples: list[Sample], objective: str | TokenObjective = "policy") -> dict[str, float]:
+        """The sums `forward_backward` returns, without a gradient and in eval mode (validation losses)."""
+        self.model.eval()
+        return forward_backward(self, samples, objective, backward=False)
 
     @property
     def current_lr(self) -> float:

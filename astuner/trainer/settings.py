@@ -53,6 +53,8 @@ class TrainerSettings:
     entropy_coeff: float = 0.0
     old_logprobs: str = "engine"  # engine: the rollouts' sampling logprobs; trainer: recomputed before the update
     rollout_is_cap: float | None = None
+    # --- pair objectives (algorithm/preference.py: DPO, ORPO) ---
+    beta: float = 0.1
     # --- model ---
     reference_model: bool = False  # keep a frozen copy of the initial policy (DPO; implied by use_kl_loss)
     gradient_checkpointing: bool = False

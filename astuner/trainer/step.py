@@ -44,6 +44,7 @@ class _Tally:
     train_tokens: int = 0
     micro_batches: int = 0
     skipped: int = 0
+    forwarded_samples: int = 0
 
     def add(self, sums: dict[str, float], step: dict[str, float]) -> None:
         """A mini-batch's `forward_backward` sums and its optimizer step."""
@@ -52,6 +53,7 @@ class _Tally:
         self.response_tokens += sums["response_tokens"]
         self.weighted_tokens += sums["weighted_tokens"]
         self.train_tokens += sums["train_tokens"]
+        self.forwarded_samples += sums["num_forwarded_samples"]
         for k in self.totals:
             self.totals[k] += sums[k]
 
@@ -60,7 +62,7 @@ class _Tally:
             metrics[objective.loss_metric] = sum(self.losses) / len(self.losses)
             metrics["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
             for k, v in self.totals.items():
-                metrics[k] = v / (self.weighted_tokens if k in objective.weighted_metrics else self.response_tokens)
+                metrics[k] = v / objective.mean_over(k, self)
             metrics["forwarded_token_fraction"] = self.response_tokens / max(self.weighted_tokens, 1)
         metrics.update(
             train_tokens=float(self.train_tokens),
@@ -69,6 +71,8 @@ class _Tally:
             num_optimizer_steps=float(len(self.losses)),
             num_samples_skipped_zero_adv=float(self.skipped / epochs),
         )
+        if objective.paired:
+            metrics["num_pairs"] = metrics["num_samples"] / 2
 
 
 def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> TrainResult:
@@ -115,10 +119,14 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
     return TrainResult(metrics, [seen.get(id(s)) for s in samples])
 
 
-def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: list | None = None
-                     ) -> dict[str, float]:
-    """`Trainer.forward_backward`: backward one mini-batch's loss into `.grad`, micro-batch by micro-batch."""
-    objective = token_objective(objective, trainer.settings)
+def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: list | None = None,
+                     backward: bool = True) -> dict[str, float]:
+    """`Trainer.forward_backward`: backward one mini-batch's loss into `.grad`, micro-batch by micro-batch
+    (backward False: `Trainer.forward`, the same sums without a gradient)."""
+    objective = token_objective(objective, trainer.settings).bound(samples)
+    if objective.paired and (len(samples) % 2 or trainer.dp is not None):
+        raise ValueError(f"objective {objective.name} takes (chosen, rejected) pairs in one process: an even "
+                         f"number of samples, chosen first (algorithm/preference.py), got {len(samples)}")
     for s in samples:
         if len(s.old_logprobs) != len(s.response_ids):
             raise ValueError(f"sample of episode {s.episode_uid}: old_logprobs and response_ids lengths differ")
@@ -129,28 +137,33 @@ def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: li
     weights_B = token_weights([s.num_trained_tokens for s in samples], [s.episode_uid for s in samples],
                               trainer.settings.loss_agg_mode, trainer.settings.norm_length)
     # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the objective says.
-    keep = [i for i, s in enumerate(samples)
-            if weights_B[i] > 0 and (objective.trains_zero_advantage or s.advantage != 0.0)]
+    # A pair objective forwards every sample: dropping one side would unpair the rest.
+    keep = [i for i, s in enumerate(samples) if objective.paired
+            or (weights_B[i] > 0 and (objective.trains_zero_advantage or s.advantage != 0.0))]
     if trainer.dp is not None:  # a worker of a group backwards the episodes it owns (trainer/data_parallel.py)
         keep = [i for i in keep if trainer.dp.mine(samples[i])]
     kept = [samples[i] for i in keep]
     dev = trainer.device
     sums = {k: torch.zeros((), device=dev) for k in ("loss", "entropy", *objective.stat_keys)}
     n_tokens_R = n_micro = 0
-    for idx in trainer.micro_batches(kept, backward=True, reference=objective.needs_reference):
+    for idx in trainer.micro_batches(kept, backward=backward, reference=objective.needs_reference,
+                                     paired=objective.paired):
         n_micro += 1
         mb = [kept[i] for i in idx]
         ref_R = None
         if objective.needs_reference:
             with torch.no_grad():
                 ref_R, _ = trainer.forward_logprobs(mb, reference=True)
-        logprobs_R, entropy_R = trainer.forward_logprobs(mb, with_entropy=True, entropy_grad=objective.entropy_grad)
-        batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R)
+        with torch.set_grad_enabled(backward):
+            logprobs_R, entropy_R = trainer.forward_logprobs(mb, with_entropy=objective.entropy_metric,
+                                                             entropy_grad=objective.entropy_grad)
+            batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R)
+            loss, stats = objective.loss(batch)
         if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
             for i, logprobs in zip(idx, batch.per_sample(logprobs_R)):
                 logprobs_out[keep[i]] = logprobs
-        loss, stats = objective.loss(batch)
-        loss.backward()
+        if backward:
+            loss.backward()
 
         n_tokens_R += int(batch.mask_R.sum().item())
         sums["loss"] += loss.detach()

@@ -100,13 +100,18 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
     return value
 
 
-def load_examples(path: Path, data: str, renderer, end_texts: tuple[str, ...], max_len: int,
-                  key: str) -> tuple[list, dict[str, int]]:
-    """Examples (`data` "conversations") or Pairs ("pairs") of a jsonl file, and counts of rows dropped for being too long.
+def read_rows(path: Path, key: str) -> list[dict]:
+    """The JSON objects of a jsonl file (`key`: the config key that names it, for the messages)."""
+    return _read_jsonl(path, key)
+
+
+def encode_rows(rows: list[dict], path: Path, data: str, renderer, end_texts: tuple[str, ...], max_len: int,
+                key: str) -> tuple[list, dict[str, int]]:
+    """Examples (`data` "conversations") or Pairs ("pairs") of a jsonl file's rows, and counts of rows dropped for
+    being too long.
 
     A row whose template cannot be split into turns, or that has no assistant message, is an error naming the
     line: training silently on part of a dataset is worse than stopping."""
-    rows = _read_jsonl(path, key)
     out: list = []
     dropped = {"too_long": 0}
     for n, row in enumerate(rows, start=1):

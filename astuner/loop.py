@@ -160,14 +160,16 @@ def run_loop(
     monitor: MonitorLike,
     resume: ResumeState | None = None,
     on_slow=None,
+    progress=None,
 ) -> RunSummary:
-    """`on_slow(line)`: shows the watchdog's line on the progress bar when a step runs slow."""
+    """`on_slow(line)`: shows the watchdog's line on the progress bar when a step runs slow; `progress`:
+    (description, total) -> a bar with update(), handed to the stages' rollouts (stages.py)."""
     state = resume or ResumeState()
     summary = RunSummary(steps=state.step, val_scores={int(k): v for k, v in state.val_scores.items()},
                          score_name=stages.score_name)
     watchdog = Watchdog(settings.watchdog_factor, deadline_s=settings.stage_timeout_s, on_slow=on_slow)
     run = _Run(settings, stages, monitor, state, summary, val_tasks, count_steps(len(train_tasks), settings),
-               watchdog)
+               watchdog, progress)
     started = time.perf_counter()
     batches = _Peekable(task_batches(train_tasks, settings, state.epoch, state.position))
     try:
@@ -216,8 +218,10 @@ class _Peekable:
 class _Run:
     """One run's step, validation and checkpoint; what they share lives here."""
 
-    def __init__(self, settings, stages, monitor, state, summary, val_tasks, total_steps, watchdog) -> None:
+    def __init__(self, settings, stages, monitor, state, summary, val_tasks, total_steps, watchdog,
+                 progress=None) -> None:
         self.settings, self.stages, self.monitor, self.watchdog = settings, stages, monitor, watchdog
+        self.progress = progress
         self.state, self.summary, self.val_tasks, self.total_steps = state, summary, val_tasks, total_steps
         self.selection = choose_selection(settings.selection)
         self.saved_step = state.step  # the last step with a checkpoint (or the resumed one)
@@ -231,7 +235,7 @@ class _Run:
         watchdog.step_started(step)
         t0 = time.perf_counter()
         with watchdog.stage("rollout"):
-            chosen = self.selection.gather(stages, tasks, batches, step, epoch, position)
+            chosen = self.selection.gather(stages, tasks, batches, step, epoch, position, self.progress)
         t1 = time.perf_counter()
         samples, learned = self.selection.learn(chosen, state, step)
         with watchdog.stage("train"):
@@ -268,7 +272,7 @@ class _Run:
             return
         t0 = time.perf_counter()
         with self.watchdog.stage("validation"):
-            result = self.stages.validate(self.val_tasks, step, self.settings.val_num_repeat)
+            result = self.stages.validate(self.val_tasks, step, self.settings.val_num_repeat, self.progress)
         metrics = {**result.metrics, "time/validation_s": time.perf_counter() - t0}
         self.summary.val_scores[step] = self.state.val_scores[str(step)] = result.score
         self.monitor.log_metrics(step, metrics)
@@ -295,9 +299,8 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
             announce(f"resumed at step {resume.step} of {total_steps} from {checkpoint}")
         monitor = Monitor(loaded.experiment_dir, total_steps, tokenizer=tokenizer,
                           resume_step=None if resume is None else resume.step)
-        stages.progress = monitor.episode_bar
         summary = run_loop(settings, stages, train_tasks, val_tasks, monitor, resume=resume,
-                           on_slow=monitor.show_stall)
+                           on_slow=monitor.show_stall, progress=monitor.episode_bar)
     finally:
         if monitor is not None:
             monitor.close()

@@ -109,8 +109,9 @@ class Plain:
         self.settings = settings
         self.metrics = StepMetrics()
 
-    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int) -> Chosen:
-        episodes = stages.rollout(tasks, validation=False, step=step)
+    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int,
+               progress=None) -> Chosen:
+        episodes = stages.rollout(tasks, validation=False, step=step, progress=progress)
         return Chosen(episodes, episodes, epoch, position)
 
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
@@ -175,9 +176,10 @@ class DynamicSampling(Plain):
     groups carry a signal, or `max_num_gen_batches` batches were rolled out, or the data ends. Tasks already in
     this step (a batch that crosses an epoch) are skipped; the loop's data cursor moves past every batch used."""
 
-    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int) -> Chosen:
+    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int,
+               progress=None) -> Chosen:
         s = self.settings
-        episodes = stages.rollout(tasks, validation=False, step=step)
+        episodes = stages.rollout(tasks, validation=False, step=step, progress=progress)
         want = s.train_batch_size
         kept = informative_groups(episodes, s.filter_metric)
         generated, seen = 1, {t.task_id for t in tasks}
@@ -190,7 +192,7 @@ class DynamicSampling(Plain):
             seen.update(t.task_id for t in more)
             if not more:
                 continue
-            extra = stages.rollout(more, validation=False, step=step)
+            extra = stages.rollout(more, validation=False, step=step, progress=progress)
             generated += 1
             episodes = episodes + extra
             kept += informative_groups(extra, s.filter_metric)
@@ -232,7 +234,8 @@ class OfflineSFT:
     def __init__(self, settings) -> None:
         self.settings = settings
 
-    def gather(self, stages, tasks: list, batches, step: int, epoch: int, position: int) -> Chosen:
+    def gather(self, stages, tasks: list, batches, step: int, epoch: int, position: int,
+               progress=None) -> Chosen:
         return Chosen([], tasks, epoch, position)
 
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:

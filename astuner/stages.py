@@ -5,9 +5,11 @@ A backbone subclasses `Stages` and decides where each stage runs (this process, 
 the trainer). Five methods are required; the others have the defaults written here, so neither the loop nor a
 driver ever asks whether a method exists.
 
-    required   rollout(tasks, validation, step)     episodes of a training batch, or greedy validation episodes
-               rollout_sampled(tasks, step, repeats) `repeats` episodes per task at the training temperature
-                                                     (pass@k validation; only called when val_num_repeat > 1)
+    required   rollout(tasks, validation, step, progress)   episodes of a training batch, or greedy validation
+                                                     episodes; `progress`: (description, total) -> a bar with
+                                                     update() (the monitor's), or None
+               rollout_sampled(tasks, step, repeats, progress)  `repeats` episodes per task at the training
+                                                     temperature (pass@k validation; only when val_num_repeat > 1)
                train(samples, objective)            one optimizer step (or ppo_epochs of them): a TrainResult
                                                      (metrics, the trainer's logprobs before the update)
                sync_weights()                       the engines now sample from the trainer's weights: a
@@ -15,7 +17,7 @@ driver ever asks whether a method exists.
                save_checkpoint(step, run_state)     a resumable checkpoint; its path
     optional   lookahead, prefetch(step, tasks)     batches handed early to stages that roll out ahead
                step_metrics()                       what the stages add to a step's log (overlap, policy versions)
-               validate(tasks, step, repeats)       validation metrics and the score the summary follows
+               validate(tasks, step, repeats, progress)  validation metrics and the score the summary follows
                score_name                           what validate scores: "accuracy" or "loss"
                load_checkpoint(path), resumed(step) resume: the trainer's state, then the engines' weights
                shutdown()                           release engines, actors and placement
@@ -50,12 +52,11 @@ class Validation:
 class Stages:
     lookahead: int = 0  # batches after the current one that `prefetch` may be handed
     score_name = "accuracy"  # what `validate` scores: "accuracy" (higher is better) or "loss"
-    progress = None  # set by the driver: (description, total) -> a bar with update(), or None
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         raise NotImplementedError(f"{type(self).__name__} must implement rollout")
 
-    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int, progress=None) -> list[Episode]:
         raise NotImplementedError(f"{type(self).__name__} has no sampled validation (pass@k): set "
                                   "astuner.trainer_common.val_num_repeat: 1")
 
@@ -74,10 +75,10 @@ class Stages:
     def step_metrics(self) -> dict[str, float]:
         return {}
 
-    def validate(self, tasks: list[Task], step: int, repeats: int) -> Validation:
+    def validate(self, tasks: list[Task], step: int, repeats: int, progress=None) -> Validation:
         """Greedy episodes of every task; with `repeats` > 1 also pass@k over that many sampled episodes."""
-        episodes = self.rollout(tasks, validation=True, step=step)
-        sampled = self.rollout_sampled(tasks, step, repeats) if repeats > 1 else []
+        episodes = self.rollout(tasks, validation=True, step=step, progress=progress)
+        sampled = self.rollout_sampled(tasks, step, repeats, progress) if repeats > 1 else []
         return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled)
 
     def load_checkpoint(self, path: Path) -> dict:

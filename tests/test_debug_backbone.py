@@ -190,9 +190,9 @@ def test_rollout_progress_counts_every_episode():
         def update(self, k):
             self.n += k
 
-    stages = InProcessStages(Runner(), None, None, Path("."), None, progress=Bar)
-    stages.rollout([object()] * 4, validation=False)
-    stages.rollout([object()] * 4, validation=True)
-    stages.rollout_sampled([object()] * 4, step=0, repeats=5)  # pass@k validation
+    stages = InProcessStages(Runner(), None, None, Path("."), None)
+    stages.rollout([object()] * 4, validation=False, progress=Bar)
+    stages.rollout([object()] * 4, validation=True, progress=Bar)
+    stages.rollout_sampled([object()] * 4, step=0, repeats=5, progress=Bar)  # pass@k validation
     assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4),
                                                       ("validation", 20, 20)]

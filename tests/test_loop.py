@@ -92,7 +92,7 @@ class FakeStages(Stages):
         self.events = []
         self.rewards, self.flags = rewards, flags
 
-    def rollout(self, tasks, validation, step=0):
+    def rollout(self, tasks, validation, step=0, progress=None):
         self.events.append(("val" if validation else "rollout", len(tasks)))
         return [Episode(t, i, f"{t.task_id}#{i}", calls=[call(2)], reward=self.rewards(step, i), is_success=i > 0,
                         flags=list(self.flags(step)), error="Traceback ...\nValueError: boom" if self.flags(step) else None)
@@ -211,7 +211,7 @@ def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
     informative = {"t1", "t3"}
     base_rollout = stages.rollout
 
-    def rollout(tasks, validation, step=0):
+    def rollout(tasks, validation, step=0, progress=None):
         eps = base_rollout(tasks, validation, step)
         for e in eps:
             e.reward = float(e.repeat_index) if e.task.task_id in informative else 1.0
@@ -233,7 +233,7 @@ def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
     assert stages.run_state["position"] == 5
     # A cap of 1 batch: step 1 trains on t1 alone, step 2 on t3 alone.
     capped = FakeStages()
-    capped.rollout = lambda tasks, validation, step=0: [
+    capped.rollout = lambda tasks, validation, step=0, progress=None: [
         Episode(t, i, f"{t.task_id}#{i}", calls=[call(2)], reward=float(i) if t.task_id in informative else 1.0)
         for t in tasks for i in range(2)]
     run_loop(settings(total_epochs=1, shuffle=False, val_before_train=False, filter_groups=True,
@@ -241,9 +241,24 @@ def test_dynamic_sampling_rolls_out_more_tasks_until_the_batch_is_full():
     assert [e for e in capped.events if e[0] == "train"] == [("train", 2), ("train", 2)]
 
 
+def test_the_loop_hands_its_progress_bars_to_every_rollout():
+    seen = []
+
+    class Recording(FakeStages):
+        def rollout(self, tasks, validation, step=0, progress=None):
+            seen.append(("val" if validation else "train", progress))
+            return super().rollout(tasks, validation, step, progress)
+
+    def bars(description, total):
+        raise AssertionError("a fake stage draws no bar")
+
+    run_loop(settings(total_training_steps=2), Recording(), TASKS, TASKS[:2], FakeMonitor(), progress=bars)
+    assert {kind for kind, _ in seen} == {"val", "train"} and all(p is bars for _, p in seen)
+
+
 def test_validation_reports_pass_at_k_with_val_num_repeat():
     class Sampled(FakeStages):
-        def rollout_sampled(self, tasks, step, sampled_repeats):
+        def rollout_sampled(self, tasks, step, sampled_repeats, progress=None):
             self.events.append(("val-sampled", len(tasks) * sampled_repeats))
             # Task t0 succeeds on 1 of 4 samples, t1 on none.
             return [Episode(t, i, f"s:{t.task_id}#{i}", calls=[call(2)], reward=0.0,
@@ -283,7 +298,7 @@ class LostAt(FakeStages):
         super().__init__()
         self.lose_stage, self.lose_step, self.step_now = stage, step, 0
 
-    def rollout(self, tasks, validation, step=0):
+    def rollout(self, tasks, validation, step=0, progress=None):
         self.step_now = step
         if self.lose_stage == "rollout" and step == self.lose_step and not validation:
             raise WorkerLost("explorer 0 did not answer", trainer_ok=True)

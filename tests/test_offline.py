@@ -132,10 +132,11 @@ def test_bad_offline_data_names_the_line(tmp_path, tiny_model_dir, monkeypatch, 
     from astuner.cli import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n{not json\n")
+    # A blank line counts: the message names the file's own line number.
+    (tmp_path / "train.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n\n{not json\n")
     _write(tmp_path, "val.jsonl", _rows(1))
     assert main(["--conf", str(_config(tmp_path, tiny_model_dir, "sft"))]) == 2
-    assert "train.jsonl line 2 is not JSON" in capsys.readouterr().err
+    assert "train.jsonl, line 3: invalid JSON" in capsys.readouterr().err
     _write(tmp_path, "train.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     assert main(["--conf", str(_config(tmp_path, tiny_model_dir, "sft"))]) == 2
     assert "line 1: no assistant message" in capsys.readouterr().err

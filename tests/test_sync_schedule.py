@@ -85,7 +85,7 @@ class _AheadStages(Stages):
     def prefetch(self, step, tasks):
         self.prefetched.append((step, [t.task_id for t in tasks]))
 
-    def rollout(self, tasks, validation, step=0, sampled_repeats=None):
+    def rollout(self, tasks, validation, step=0, progress=None):
         return [_episode(t, max(step - 1, 0)) for t in tasks]
 
     def train(self, samples, objective="policy"):

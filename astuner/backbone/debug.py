@@ -17,25 +17,25 @@ log = logging.getLogger(__name__)
 class InProcessStages(LocalTrainerStages):
     """Every stage in this process: the engine and trainer hold separate copies of the weights."""
 
-    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer, progress=None) -> None:
+    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer) -> None:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
-        self.progress = progress  # (description, total) -> a bar with update(), or None
         self.version = 0  # trainer steps behind the engine's weights: always the last one here
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
-        return self._run(tasks, validation, step)
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
+        return self._run(tasks, validation, step, progress)
 
-    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
-        return self._run(tasks, True, step, repeats)
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int, progress=None) -> list[Episode]:
+        return self._run(tasks, True, step, progress, repeats)
 
-    def _run(self, tasks: list[Task], validation: bool, step: int, repeats: int | None = None) -> list[Episode]:
+    def _run(self, tasks: list[Task], validation: bool, step: int, progress, repeats: int | None = None
+             ) -> list[Episode]:
         try:
-            if self.progress is None:
+            if progress is None:
                 episodes = self.runner.run(tasks, validation=validation, step=step, sampled_repeats=repeats)
             else:
                 total = len(tasks) * ((repeats or 1) if validation else self.runner.settings.num_repeat)
-                with self.progress("validation" if validation else "rollout", total) as bar:
+                with progress("validation" if validation else "rollout", total) as bar:
                     episodes = self.runner.run(tasks, validation=validation, step=step,
                                                sampled_repeats=repeats, on_episode_done=lambda _: bar.update(1))
         finally:

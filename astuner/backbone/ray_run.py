@@ -69,7 +69,6 @@ class RayStages(Stages):
         self.timeout_s = tc.actor_timeout_s
         self.world = tc.nnodes * tc.n_gpus_per_node
         self.cpus = tc.cpus_per_worker
-        self.progress = None  # (description, total) -> a bar with update(), or None
         self.trainers: list = []
         self.group = None  # the placement group: released at shutdown, or its CPUs/GPUs stay reserved
         self.trainer_names: list[str] = []
@@ -175,9 +174,10 @@ class RayStages(Stages):
         return Sent([actors[i].rollout.remote(parts[i], validation, step, repeats) for i in used],
                      [names[i] for i in used], [len(parts[i]) * per_task for i in used])
 
-    def gather_rollouts(self, sent: Sent, description: str, step: int) -> list[tuple[list[Episode], float, float]]:
-        """(episodes, seconds, wall-clock start) of every part, in part order, updating the progress bar as parts
-        finish."""
+    def gather_rollouts(self, sent: Sent, description: str, step: int, progress=None
+                        ) -> list[tuple[list[Episode], float, float]]:
+        """(episodes, seconds, wall-clock start) of every part, in part order, updating the `progress` bar (the
+        stages contract's) as parts finish."""
         import contextlib
 
         import ray
@@ -186,7 +186,7 @@ class RayStages(Stages):
         start = time.perf_counter()
         results: dict[int, list] = {}
         pending = dict(enumerate(refs))
-        with (self.progress(description, sum(sizes)) if self.progress else contextlib.nullcontext()) as bar, \
+        with (progress(description, sum(sizes)) if progress else contextlib.nullcontext()) as bar, \
                 watch("actor", f"{', '.join(names)} to roll out step {step}"):
             while pending:
                 left = self.timeout_s - (time.perf_counter() - start)

@@ -158,9 +158,9 @@ class TrinityStages(RayStages):
 
     # --- stages ----------------------------------------------------------------------------------------------
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         if validation:
-            return self._validate(tasks, step, None)
+            return self._validate(tasks, step, None, progress)
         self.pending.setdefault(step, tasks)
         self._pump(due=step)
         sent = self.inflight.pop(step)
@@ -170,19 +170,19 @@ class TrinityStages(RayStages):
         if staleness > self.schedule.bound:  # the schedule guarantees this; a breach is a bug, not a warning
             raise RuntimeError(f"step {step} was rolled out at policy version {version}: staleness {staleness} "
                                f"exceeds the bound {self.schedule.bound}")
-        results = self.gather_rollouts(sent, "rollout", step)
+        results = self.gather_rollouts(sent, "rollout", step, progress)
         self._confirm_syncs()
         self._record_overlap(results)
         return episodes_of(results)
 
-    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
-        return self._validate(tasks, step, repeats)
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int, progress=None) -> list[Episode]:
+        return self._validate(tasks, step, repeats, progress)
 
-    def _validate(self, tasks: list[Task], step: int, repeats: int | None) -> list[Episode]:
+    def _validate(self, tasks: list[Task], step: int, repeats: int | None, progress) -> list[Episode]:
         if self.explorer_version < self.trainer_version:
             self._push("validation scores the trainer's current weights")
         sent = self.send_rollout(self.explorers, self.explorer_names, tasks, True, step, repeats)
-        results = self.gather_rollouts(sent, "validation", step)
+        results = self.gather_rollouts(sent, "validation", step, progress)
         self._confirm_syncs()
         return episodes_of(results)
 

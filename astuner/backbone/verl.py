@@ -43,13 +43,13 @@ class VerlStages(RayStages):
             self.shutdown()  # nothing placed outlives a failed start
             raise
 
-    def rollout(self, tasks: list[Task], validation: bool, step: int = 0) -> list[Episode]:
+    def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         sent = self.send_rollout(self.trainers, self.trainer_names, tasks, validation, step)
-        return episodes_of(self.gather_rollouts(sent, "validation" if validation else "rollout", step))
+        return episodes_of(self.gather_rollouts(sent, "validation" if validation else "rollout", step, progress))
 
-    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int) -> list[Episode]:
+    def rollout_sampled(self, tasks: list[Task], step: int, repeats: int, progress=None) -> list[Episode]:
         sent = self.send_rollout(self.trainers, self.trainer_names, tasks, True, step, repeats)
-        return episodes_of(self.gather_rollouts(sent, "validation", step))
+        return episodes_of(self.gather_rollouts(sent, "validation", step, progress))
 
     def sync_weights(self) -> SyncReport:
         self.trainer_version += 1

@@ -30,7 +30,7 @@ class OfflineStages(LocalTrainerStages):
         self.trainer, self.tokenizer, self.kind = trainer, tokenizer, kind
         self.experiment_dir = experiment_dir
 
-    def rollout(self, tasks: list, validation: bool, step: int = 0) -> list:
+    def rollout(self, tasks: list, validation: bool, step: int = 0, progress=None) -> list:
         raise TypeError(f"algorithm.type {self.kind.name} trains on offline_data: it has no rollouts")
 
     def train(self, samples: list, objective: str = "sft") -> TrainResult:
@@ -39,7 +39,7 @@ class OfflineStages(LocalTrainerStages):
     def sync_weights(self) -> None:
         """No engine: the next step reads the data, not the policy."""
 
-    def validate(self, tasks: list, step: int, repeats: int) -> Validation:
+    def validate(self, tasks: list, step: int, repeats: int, progress=None) -> Validation:
         """The validation set's loss: the token-mean NLL (sft), or the pair loss and its means over pairs."""
         from astuner.algorithm.objectives import token_objective
         from astuner.algorithm.preference import pair_samples

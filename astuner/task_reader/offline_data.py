@@ -10,7 +10,6 @@ rewrites earlier turns (e.g. drops old reasoning) is refused with the message in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,29 +67,6 @@ class Pair:
     rejected: Example
 
 
-def _read_jsonl(path: Path, key: str) -> list[dict]:
-    if not path.is_file():
-        raise UserError(f"{key}: {path} is not a file")
-    rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{key}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{key}: {path} line {n} is not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{key}: {path} line {n} is not a JSON object")
-        rows.append(row)
-    if not rows:
-        raise UserError(f"{key}: {path} has no rows")
-    return rows
-
-
 def _messages(row: dict, field: str, where: str) -> list[dict]:
     value = row.get(field)
     if isinstance(value, str):  # TRL also accepts a plain-text prompt / completion
@@ -100,12 +76,28 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
     return value
 
 
-def read_rows(path: Path, key: str) -> list[dict]:
-    """The JSON objects of a jsonl file (`key`: the config key that names it, for the messages)."""
-    return _read_jsonl(path, key)
+def read_rows(path: Path, key: str) -> list[tuple[str, dict]]:
+    """(location, row) of every row of a .jsonl, .json or .parquet file, read as the task reader reads its files;
+    each row must be an object (`key`: the config key that names the file, for the messages)."""
+    from astuner.task_reader.jsonl_reader import SUFFIXES, read_rows as file_rows
+
+    if not path.is_file():
+        raise UserError(f"{key}: {path} is not a file")
+    if path.suffix.lower() not in SUFFIXES:
+        raise UserError(f"{key}: {path}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+    try:
+        rows = list(file_rows(path))
+    except UserError as exc:
+        raise UserError(f"{key}: {exc}") from None
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise UserError(f"{key}: {path}, {where}: expected a JSON object, got {type(row).__name__}")
+    if not rows:
+        raise UserError(f"{key}: {path} has no rows")
+    return rows
 
 
-def encode_rows(rows: list[dict], path: Path, data: str, renderer, end_texts: tuple[str, ...], max_len: int,
+def encode_rows(rows: list[tuple[str, dict]], path: Path, data: str, renderer, end_texts: tuple[str, ...], max_len: int,
                 key: str) -> tuple[list, dict[str, int]]:
     """Examples (`data` "conversations") or Pairs ("pairs") of a jsonl file's rows, and counts of rows dropped for
     being too long.
@@ -114,8 +106,8 @@ def encode_rows(rows: list[dict], path: Path, data: str, renderer, end_texts: tu
     line: training silently on part of a dataset is worse than stopping."""
     out: list = []
     dropped = {"too_long": 0}
-    for n, row in enumerate(rows, start=1):
-        where = f"{key}: {path} line {n}"
+    for location, row in rows:
+        where = f"{key}: {path}, {location}"
         tools = row.get("tools")
         try:
             if data == "conversations":

@@ -36,8 +36,9 @@ RUNS = {
                            "astuner.trainer_common.policy_loss.loss_mode=gspo"]),
     "rft": ("rft", ["astuner.trainer_common.algorithm.rft_reward_threshold=0.05"]),
     "sft": ("sft", []),
-    "dpo": ("dpo", []),
-    "orpo": ("orpo", []),
+    # Validation on the training pairs: the pair losses' no-gradient path too.
+    "dpo": ("dpo", ["astuner.offline_data.val_file=data/dpo_train.jsonl"]),
+    "orpo": ("orpo", ["astuner.offline_data.val_file=data/dpo_train.jsonl"]),
 }
 # A random model never boxes the right sum: the reward is the answer's length, so that groups differ.
 JUDGE = """

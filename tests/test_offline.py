@@ -159,3 +159,18 @@ def test_sft_resumes_at_the_exact_batch(tmp_path, tiny_model_dir, monkeypatch):
     assert steps == [1, 2, 3, 4, 5]  # each step once, continuing at step 3
     state = json.loads((tmp_path / "out_sft" / "global_step_5" / "astuner_resume" / "state.json").read_text())
     assert (state["epoch"], state["position"]) == (1, 4)  # 6 rows, 2 per step: step 5 ends at row 4 of epoch 1
+
+
+def test_offline_rows_read_like_task_files(tmp_path):
+    from astuner.errors import UserError
+    from astuner.task_reader.offline_data import read_rows
+
+    (tmp_path / "train.json").write_text(json.dumps(_rows(2)))
+    rows = read_rows(tmp_path / "train.json", "astuner.offline_data.train_file")
+    assert [where for where, _ in rows] == ["row 0", "row 1"] and rows[0][1] == _rows(2)[0]
+    (tmp_path / "bad.json").write_text(json.dumps([_rows(1)[0], ["not", "an", "object"]]))
+    with pytest.raises(UserError, match=r"astuner.offline_data.train_file: .*bad.json, row 1: expected a JSON object"):
+        read_rows(tmp_path / "bad.json", "astuner.offline_data.train_file")
+    (tmp_path / "train.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match="unsupported file type '.csv'"):
+        read_rows(tmp_path / "train.csv", "astuner.offline_data.train_file")

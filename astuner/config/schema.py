@@ -94,9 +94,9 @@ class AuxiliaryModelSection(Section):
 class OfflineDataSection(Section):
     train_file: Optional[str] = key(
         None,
-        'For algorithm.type sft, dpo, orpo: a .jsonl of conversations. sft: {"messages": [...], "tools": [...]} '
-        '(OpenAI chat messages, tool calls and tool results included; loss on assistant tokens only). dpo, orpo: '
-        '{"prompt": [...], "chosen": [...], "rejected": [...]} (message lists, as in TRL).',
+        'For algorithm.type sft, dpo, orpo: a .jsonl (or .json, .parquet) of conversations. sft: {"messages": '
+        '[...], "tools": [...]} (OpenAI chat messages, tool calls and tool results included; loss on assistant '
+        'tokens only). dpo, orpo: {"prompt": [...], "chosen": [...], "rejected": [...]} (message lists, as in TRL).',
     )
     val_file: Optional[str] = key(None, "Same format; its loss is logged every test_freq steps (val/loss).")
 

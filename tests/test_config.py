@@ -502,6 +502,10 @@ def test_grpo_family_settings_that_defeat_their_purpose_warn(tmp_path, elsewhere
                        "rollout: {num_repeat: 4, max_model_len: 512}, offline_data: {train_file: a.jsonl}}")
     assert any("without rollouts" in w and "astuner.rollout.num_repeat" in w and "clip_ratio_low" in w
                and "max_model_len" not in w for w in offline)
+    # dpo takes one optimizer step per batch (the catalog): a mini-batch split is named as doing nothing.
+    pairs = "offline_data: {train_file: a.jsonl}, trainer_common: {algorithm: {type: TYPE}, mini_batch_num: 2}"
+    assert any("mini_batch_num has no effect" in w for w in warnings("astuner: {" + pairs.replace("TYPE", "dpo") + "}"))
+    assert not any("mini_batch_num" in w for w in warnings("astuner: {" + pairs.replace("TYPE", "sft") + "}"))
 
 
 def test_inapplicable_keys_follow_engine_and_backbone(seed_file, elsewhere):

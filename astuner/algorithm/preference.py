@@ -131,7 +131,7 @@ class ORPO(PairObjective):
 
 
 def pair_samples(pairs: list, uid: str = "pair") -> list[Sample]:
-    """The samples of `pairs` (task_reader/offline_data.py's Pair) in a pair objective's order: every chosen, then every
-    rejected."""
+    """The samples of `pairs` (task_reader/offline_data.py's `Pair`s) in a pair objective's order: every chosen,
+    then every rejected."""
     return ([p.chosen.as_sample(f"{uid}{i}/chosen") for i, p in enumerate(pairs)]
             + [p.rejected.as_sample(f"{uid}{i}/rejected") for i, p in enumerate(pairs)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from astuner.algorithm.catalog import ALGORITHMS, offline_types, spoken, types_reading
+from astuner.algorithm.catalog import ALGORITHMS, algorithm, offline_types, spoken, types_reading
 from astuner.config.derived import resolve_engine_name, staleness_bound
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
@@ -172,6 +172,9 @@ def config_warnings(loaded: LoadedConfig, backbone: str) -> list[str]:
                 f"algorithm.type {tc.algorithm.type} trains on astuner.offline_data without rollouts, so these keys "
                 f"have no effect: {', '.join(unused)}."
             )
+    if not algorithm(tc.algorithm.type).mini_batches and "astuner.trainer_common.mini_batch_num" in loaded.user_keys:
+        out.append(f"algorithm.type {tc.algorithm.type} takes one optimizer step per batch, so "
+                   "astuner.trainer_common.mini_batch_num has no effect; lower data.train_batch_size for smaller steps.")
     if tc.algorithm.adv_estimator == "dr_grpo" and tc.loss_agg_mode != "seq-mean-token-sum-norm":
         out.append(
             f"adv_estimator dr_grpo runs with loss_agg_mode {tc.loss_agg_mode}: Dr. GRPO's second half is the "

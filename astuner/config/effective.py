@@ -3,7 +3,8 @@
 `config/applicability.py` says where a key acts (and warns when a user sets one where it does not). The settings
 builders (`TrainerSettings` in runtime.py, `SelectionSettings` in selection.py) copy fields from
 `effective(typed)` without restating those rules: `kl_loss_coef` already reads 0 there when `use_kl_loss` is off,
-`epsilon` 0 when advantages are not divided by their std, and so on. The neutral values are the ones under which the key changes nothing.
+`epsilon` 0 when advantages are not divided by their std, and so on. The neutral values are the ones under which
+the key changes nothing.
 
 Offline algorithm types (`algorithm/catalog.py`) draw no rollouts: the sampling filter does not shape their data,
 so `top_k` / `top_p` read "no filter" there; a type that takes one optimizer step per batch (`mini_batches`

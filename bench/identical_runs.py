@@ -76,7 +76,9 @@ def config(name: str, model: Path, out: Path, repo: Path) -> list[str]:
               "astuner.trainer_common.test_freq=99999"]
     if kind in ("grpo", "rft"):
         conf = repo / "tutorial" / "quickstart" / "quickstart.yaml"
-        extra = ["astuner.rollout.engine=hf", "astuner.rollout.num_repeat=4", "astuner.data.train_batch_size=2",
+        # The tutorial's sampling and judge may change; the bench pins its own, so checkouts stay comparable.
+        extra = ["astuner.rollout.engine=hf", "astuner.rollout.temperature=1.0", "astuner.rollout.num_repeat=4",
+                 "astuner.data.train_batch_size=2",
                  "astuner.rollout.max_response_length_in_one_turn=16", "astuner.trainer_common.max_idle_steps=99",
                  "astuner.trainer_common.val_before_train=false", f"astuner.trainer_common.algorithm.type={kind}",
                  f"astuner.task_judge.judge_protocol={model.parent / 'length_judge.py'}->LengthJudge"]

@@ -200,8 +200,10 @@ def test_a_sync_judge_can_be_left_behind_without_blocking_the_loop_close():
 @pytest.mark.parametrize("answer, reward", [
     ("27 + 6 = 33. The answer is \\boxed{33}.", 1.0),
     ("\\boxed{33}", 1.0),  # right is right, whatever the form
-    ("27 + 6 = 34. The answer is \\boxed{34}.", 0.3),  # one box, a wrong sum: format credit
-    ("\\boxed{34}", 0.3),  # ... a bare guess too (stricter credit starved vLLM seeds of signal: see the README)
+    ("27 + 6 = 34. The answer is \\boxed{34}.", 0.3),  # the asked form, a wrong sum: form credit
+    ("\\boxed{34}", 0.0),  # a bare guess computes nothing: no credit (seeds settled on it: see the README)
+    ("27 + 6 = 34. The answer is \\boxed{35}.", 0.0),  # the box does not hold the sum it wrote
+    ("7 + 6 = 13. The answer is \\boxed{13}.", 0.0),  # another task's sum
     ("27 + 6 = 34. \\boxed{34} or \\boxed{34}", 0.0),  # scattered boxes
     ("27 + 6 = 33.", 0.0),  # no box
 ])

@@ -1,11 +1,13 @@
 """The quick-start judge: success is the right number inside \\boxed{}.
 
-Reward: 1.0 when the last boxed number is right; 0.3 for exactly one boxed number that is wrong; 0.0 otherwise
-(no box, or several boxes none of them last-and-right). The partial credit rewards following the format (which
-the demo model rarely does at step 0) without ever paying an unboxed answer, so the policy cannot settle on the
-easier "a + b = c" without the box. It is paid for one box only: with credit for any box, some seeds learned to
-scatter boxed numbers ("\\boxed{2}. This answer is \\boxed{2}.") and stopped computing the sum
-(bench/quickstart_seeds.py).
+Reward: 1.0 when the last boxed number is right; 0.3 for an answer in the asked form with a wrong sum, "a + b = X.
+The answer is \\boxed{X}." (one box, holding the X the answer wrote for this task's a + b); 0.0 otherwise.
+
+Why this credit (bench/quickstart_seeds.py, README): crediting any single wrong box let some seeds settle on a
+bare "\\boxed{N}" guess, which never computes the sum; crediting any box at all let them scatter boxes. The form
+credit pays only an attempt at the task's own sum, so the policy learns to compute and box together. It needs
+the rollouts' temperature at 0.7 (quickstart.yaml): at 1.0 the 135M model writes the form too rarely in its first
+steps for GRPO to have a signal.
 """
 
 import re
@@ -14,6 +16,7 @@ from astuner.task_judge.base_judge import BaseJudge
 
 BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
 ANY_BOX = re.compile(r"\\boxed\{")
+QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
 
 
 class BoxedAnswerJudge(BaseJudge):
@@ -22,7 +25,9 @@ class BoxedAnswerJudge(BaseJudge):
         boxed = BOXED.findall(text)
         if not boxed:
             return 0.0, False
-        correct = boxed[-1] == str(workflow_task.task.metadata["answer"]).strip()
-        if correct:
+        if boxed[-1] == str(workflow_task.task.metadata["answer"]).strip():
             return 1.0, True
-        return (0.3 if len(ANY_BOX.findall(text)) == 1 else 0.0), False
+        a, b = QUESTION.match(workflow_task.task.main_query).groups()
+        form = re.search(rf"\b{a}\s*\+\s*{b}\s*=\s*(-?\d+)", text)
+        single = len(ANY_BOX.findall(text)) == 1
+        return (0.3 if single and form is not None and form.group(1) == boxed[0] else 0.0), False

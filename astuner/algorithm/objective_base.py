@@ -74,6 +74,11 @@ class TokenObjective:
         """Token means the step reports (over the forwarded tokens, or those of `weighted_metrics`)."""
         return ("entropy",)
 
+    def forwards(self, sample: Sample, weight: float) -> bool:
+        """Whether a sample of the mini-batch is forwarded: zero-weight samples contribute nothing, zero-advantage
+        ones nothing either unless the objective trains them."""
+        return weight > 0 and (self.trains_zero_advantage or sample.advantage != 0.0)
+
     def mean_over(self, key: str, tally) -> float:
         """What a reported stat's sum over a step is divided by (`tally`: the step's counts, trainer/step.py)."""
         return tally.weighted_tokens if key in self.weighted_metrics else tally.response_tokens

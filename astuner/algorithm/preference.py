@@ -85,6 +85,9 @@ class PairObjective(TokenObjective):
         half = len(samples) // 2
         return type(self)(self.beta, half, float(sum(s.num_trained_tokens for s in samples[:half])))
 
+    def forwards(self, sample: Sample, weight: float) -> bool:
+        return True  # every side of every pair: dropping one would unpair the rest
+
     def reported(self) -> tuple[str, ...]:
         return self.stat_keys
 

@@ -136,10 +136,7 @@ def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: li
     # calls it joins would.
     weights_B = token_weights([s.num_trained_tokens for s in samples], [s.episode_uid for s in samples],
                               trainer.settings.loss_agg_mode, trainer.settings.norm_length)
-    # Zero-weight samples contribute nothing; zero-advantage ones nothing either unless the objective says.
-    # A pair objective forwards every sample: dropping one side would unpair the rest.
-    keep = [i for i, s in enumerate(samples) if objective.paired
-            or (weights_B[i] > 0 and (objective.trains_zero_advantage or s.advantage != 0.0))]
+    keep = [i for i, s in enumerate(samples) if objective.forwards(s, weights_B[i])]
     if trainer.dp is not None:  # a worker of a group backwards the episodes it owns (trainer/data_parallel.py)
         keep = [i for i in keep if trainer.dp.mine(samples[i])]
     kept = [samples[i] for i in keep]

@@ -266,6 +266,8 @@ def export(
         "--base-model", help="The base model folder of a LoRA checkpoint. Default: the one its adapter_config.json "
         "names.", show_default=False)] = None,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+    model: Annotated[str, typer.Option(
+        "--model", help="Which model of a run of several (astuner.models): policy, or a model's name.")] = "policy",
 ) -> None:
     """Write a merged Hugging Face model folder from a checkpoint (LoRA adapters merged into their base model).
 
@@ -280,8 +282,17 @@ def export(
     if Path(out).exists() and any(Path(out).iterdir()):
         raise UserError(f"export --out {out}: the folder exists and is not empty; choose a new one")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    source = Path(checkpoint)
+    if model != "policy":
+        from astuner.backbone.local_models import checkpoint_models
+
+        names = checkpoint_models(source)
+        if model not in names:
+            raise UserError(f"export --model {model}: {checkpoint} holds no model of that name; its models are: "
+                            f"{', '.join(['policy', *names])}")
+        source = source / model
     try:
-        folder = export_merged(Path(checkpoint), Path(out), base_model=base_model, dtype=dtype)
+        folder = export_merged(source, Path(out), base_model=base_model, dtype=dtype)
     except FileNotFoundError as exc:
         raise UserError(f"export: {exc}") from None
     print(f"astuner: merged model written to {folder}", file=sys.stderr)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astuner.errors import UserError
@@ -70,15 +70,24 @@ class RunPlan:
     kv_sequences: float = 0.0  # full-length sequences the KV cache holds
     resized: tuple[str, ...] = ()  # what the memory fit changed, in words
     misfit: str = ""  # why the run does not fit even with the least of everything (check_fits raises it)
+    # astuner.models: each other model's trainer and engine, in bytes, and a line saying what they hold
+    others_bytes: int = 0
+    others: tuple[str, ...] = ()
+    other_engines: int = 0  # engines of other models (an adapter on the policy's base has none of its own)
+
+    @property
+    def engines(self) -> int:
+        """Engines this process runs, each with a KV cache of kv_cache_bytes: the policy's and other models'."""
+        return 1 + self.other_engines
 
     @property
     def weights_bytes(self) -> int:
-        """Weights, gradients, optimizer states, the engine's and the reference model's weights."""
-        return self.trainer_bytes + self.engine_bytes + self.ref_bytes
+        """Weights, gradients, optimizer states, the engine's and the reference model's weights (every model's)."""
+        return self.trainer_bytes + self.engine_bytes + self.ref_bytes + self.others_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes + self.kv_cache_bytes
+        return self.weights_bytes + self.activation_bytes + self.kv_cache_bytes * self.engines
 
     def block(self, model: ModelFacts) -> str:
         available = "unknown" if self.available_bytes is None else f"{self.available_bytes / GIB:.1f} GiB"
@@ -97,10 +106,12 @@ class RunPlan:
                 "memory estimate",
                 f"{self.total_bytes / GIB:.1f} GiB (trainer {self.trainer_bytes / GIB:.1f}, engine "
                 f"{self.engine_bytes / GIB:.1f}, KV cache {self.kv_cache_bytes / GIB:.1f} ({self.kv_sequences:.1f} "
-                f"sequences of max_model_len), reference {self.ref_bytes / GIB:.1f}, activations "
-                f"{self.activation_bytes / GIB:.1f}); available {available}",
+                f"sequences of max_model_len){f' x {self.engines} engines' if self.engines > 1 else ''}, "
+                f"reference {self.ref_bytes / GIB:.1f}, activations {self.activation_bytes / GIB:.1f}"
+                f"{f', other models {self.others_bytes / GIB:.1f}' if self.others else ''}); available {available}",
             ),
         ]
+        rows[1:1] = [("other model", line) for line in self.others]
         rows += [("memory fit", note) for note in self.resized if not note.startswith("micro-batch")]
         width = max(len(k) for k, _ in rows)
         return "effective config:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -228,8 +239,9 @@ def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
 
 
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int,
-              device_facts: DeviceFacts | None = None) -> RunPlan:
-    """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`)."""
+              device_facts: DeviceFacts | None = None, others: dict[str, ModelFacts] | None = None) -> RunPlan:
+    """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`); `others`:
+    the facts of astuner.models by name, whose trainers and engines it counts too."""
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.algorithm.catalog import algorithm
@@ -276,15 +288,39 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
+    if others:
+        plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts))
     return fit_memory(plan, facts.shape, typed, precision, processes)
+
+
+def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_engine_bytes: int,
+                  policy: ModelFacts) -> dict:
+    """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank) and engine, the
+    engine sized as the policy's (a vLLM share of the card is per engine). A LoRA model on the policy's own LoRA
+    base (runtime.adapter_models) adds its adapter only: the base is shared in the trainer and the engine."""
+    from astuner.config.schema_models import lora_rank_of
+
+    total, lines, engines = 0, [], 0
+    for name, f in others.items():
+        lora = lora_rank_of(typed, name) > 0
+        shared = lora and lora_rank_of(typed, "policy") > 0 and f.path == policy.path
+        trainer = _trainer_bytes(f.num_params, precision, lora)
+        if shared:
+            trainer -= (2 if precision == "bf16" else 4) * f.num_params  # the frozen base, held once
+        engine = 0 if shared else 4 * f.num_params if policy_engine_bytes == 4 * policy.num_params \
+            else policy_engine_bytes
+        total += trainer + engine
+        engines += not shared
+        what = "LoRA adapter on the policy's base; " if shared else ""
+        lines.append(f"{name}: {f.path} ({f.architecture}, {f.num_params / 1e6:.1f}M parameters; {what}trainer "
+                     f"{trainer / GIB:.2f} GiB, engine {engine / GIB:.2f} GiB)")
+    return {"others_bytes": total, "others": tuple(lines), "other_engines": engines}
 
 
 def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, processes: int = 1) -> RunPlan:
     """The plan with activations and KV cache counted, vLLM's CPU KV cache sized and the micro-batch budget
     lowered to what memory holds (module docstring); UserError with the figures when one full-length sequence
     does not fit. `processes`: the run's processes that may share this host (Ray backbones)."""
-    from dataclasses import replace
-
     from astuner.algorithm.sampling_filter import is_filtered
     from astuner.trainer.fused_head import CHUNK_ROWS
 
@@ -314,12 +350,12 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
             and os.environ.get("ASTUNER_SKIP_MEMORY_CHECK") != "1":
         room = plan.available_bytes // processes - RESERVE - fixed
         kv_least = per_seq if cpu_vllm else kv  # vLLM: one full-length sequence; HF: its cache grows to kv
-        if act(L) + kv_least > room:
+        if act(L) + kv_least * plan.engines > room:
             misfit = _misfit_message(plan, processes, cpu_vllm, kv_least, act(L))
         else:
             if cpu_vllm:  # KV up to half of what is left, keeping room for one full-length micro-batch
-                kv = max(per_seq, min(kv, room // 2, room - act(L)))
-            room -= kv
+                kv = max(per_seq, min(kv, room // (2 * plan.engines), (room - act(L)) // plan.engines))
+            room -= kv * plan.engines
             if act(budget) > room:
                 lo = _largest_fitting_budget(act, L, budget, room)
                 resized.append(f"micro-batch budget lowered from {budget} to {lo} tokens to fit in memory "

@@ -61,6 +61,7 @@ from astuner.model_tuner import ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
 from astuner.model_tuner.formats import REASONING_PARSERS, detect_formats, template_source
 from astuner.model_tuner.frontends.gateway import Gateway
+from astuner.model_tuner.roster import Roster
 from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.rollout_episode import WorkflowJob, apply_madness, episode_seed, judge_output, workflow_output
 from astuner.task_judge.base_judge import BaseJudge
@@ -138,10 +139,12 @@ class RolloutRunner:
         stop_token_ids: tuple[int, ...],
         config: Any = None,
         auxiliary=None,
+        roster: Roster | None = None,
     ) -> None:
         self.settings = settings
         self.auxiliary = auxiliary  # auxiliary.AuxiliaryPool or None
         self.engine = engine
+        self.roster = roster  # several models (astuner.models): which engine serves each agent; None: `engine`
         self.tokenizer = tokenizer
         self.workflow_cls = workflow_cls
         self.judge = judge
@@ -284,6 +287,7 @@ class RolloutRunner:
             gateway=self.gateway,
             top_p=self.settings.top_p,
             top_k=self.settings.top_k,
+            roster=self.roster,
         )
 
     def _flagged_by_records(self, episode: Episode, tuner: ModelTuner, tools: tool_failures.ToolHealth,

@@ -123,6 +123,7 @@ async def judge_output(judge: BaseJudge, timeout: float, episode: Episode, workf
         episode.output_metadata = dict(output.metadata)  # a judge may add to it (EnvServiceJudge)
         episode.metrics = {k: float(v) for k, v in output.metrics.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        episode.agent_rewards = agent_rewards(output.agent_rewards)
     except UserError:
         raise
     except JudgeTimeout as exc:
@@ -137,6 +138,14 @@ async def judge_output(judge: BaseJudge, timeout: float, episode: Episode, workf
         episode.error_source = "judge"
         return "could not be judged"
     return None
+
+
+def agent_rewards(given) -> dict[str, float]:
+    """WorkflowOutput.agent_rewards as {agent: float}; anything else is the workflow's mistake, said plainly."""
+    if not isinstance(given, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in given.items()):
+        raise UserError(f"WorkflowOutput.agent_rewards must map agent names to numbers, got {given!r:.200}")
+    return {k: float(v) for k, v in given.items()}
 
 
 async def score(judge: BaseJudge, timeout: float, episode: Episode, workflow_task: WorkflowTask,

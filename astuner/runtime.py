@@ -7,11 +7,13 @@ import inspect
 import logging
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from astuner.algorithm.catalog import algorithm
+from astuner.config.schema_models import lora_rank_of
 from astuner.errors import UserError, user_code_error
+from astuner.model_tuner.roster import POLICY
 from astuner.logs import debug_from_user_modules
 from astuner.tokenizer import load_tokenizer, stop_token_ids
 from astuner.types import Task
@@ -29,6 +31,8 @@ class Runtime:
     trainer: object
     runner: object
     plan: object = None  # preflight.RunPlan
+    others: dict = field(default_factory=dict)  # astuner.models: name -> (engine, trainer)
+    adapters: frozenset = frozenset()  # the models served as LoRA adapters on one base (engine/adapters.py)
 
 
 def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None = None) -> type:
@@ -95,9 +99,10 @@ def build_policy_model_path(typed) -> str:
 
 
 def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
-                  world: int = 1):
+                  world: int = 1, entry=None):
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
-    the workers of the trainer group it will join (sharded, the model then reaches the device as shards only)."""
+    the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
+    `entry`: an astuner.models entry, whose LoRA rank and learning rate replace the run's."""
     from astuner import preflight
     from astuner.config.effective import effective
     from astuner.trainer import Trainer
@@ -141,16 +146,20 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         strategy=tc.strategy,
         group_size=world,
     )
+    if entry is not None:
+        settings = replace(settings, lr=settings.lr if entry.lr is None else entry.lr,
+                           lora=settings.lora if entry.lora_rank is None else _lora_settings(tc.lora, entry.lora_rank))
     return Trainer(model_path, settings)
 
 
-def _lora_settings(section):
-    if section.rank == 0:
+def _lora_settings(section, rank: int | None = None):
+    rank = section.rank if rank is None else rank
+    if rank == 0:
         return None
     from astuner.trainer.settings import LoraSettings
 
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
-    return LoraSettings(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
+    return LoraSettings(rank=rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
 
 
 def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
@@ -275,8 +284,10 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     tokenizer = load_tokenizer(model_path)
     train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
+    others = {name: preflight.read_model_facts(path, f"astuner.models.{name}.path")
+              for name, path in other_model_paths(typed).items()}
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps,
-                               device_of() if device_of else None)
+                               device_of() if device_of else None, others)
     announce(source.describe() + plan.block(facts))
     preflight.check_fits(plan, facts)
     return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,
@@ -299,8 +310,10 @@ def configure_tools(typed) -> None:
     allow_unsandboxed(typed.astuner.rollout.python_tool_unsandboxed)
 
 
-def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str, max_model_len: int):
-    """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check)."""
+def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str, max_model_len: int,
+                 roster=None):
+    """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check); `roster`:
+    the engines of several models by agent (`roster_of`)."""
     from astuner.rollout import RolloutRunner, RolloutSettings
 
     typed = loaded.typed
@@ -314,6 +327,7 @@ def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str
         stop_token_ids(model_path, tokenizer),
         config=loaded.cfg,
         auxiliary=_auxiliary_pool(typed) if engine is not None else None,
+        roster=roster,
     )
 
 
@@ -347,13 +361,108 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     typed = loaded.typed
     seed_everything(typed.astuner.seed)
     prep = prepare(loaded, backbone, total_steps_of)
-    engine = build_engine(typed, prep.model_path, prep.tokenizer, prep.max_model_len, prep.plan.kv_cache_bytes)
+    adapters = adapter_models(typed, prep.model_path)  # models served as adapters on the policy's base
+    shared = build_adapter_engine(typed, prep, adapters) if adapters else None
+    engine = shared.view(POLICY) if shared else build_engine(typed, prep.model_path, prep.tokenizer,
+                                                             prep.max_model_len, prep.plan.kv_cache_bytes)
     trainer = build_trainer(typed, prep.model_path, prep.total_steps, prep.plan.micro_batch_token_budget)
+    others = build_other_models(typed, prep, shared, trainer)
     runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
-                          prep.max_model_len)
+                          prep.max_model_len, roster_of(typed, engine, others))
     check_token_pipeline(typed, runner, engine_trainer_logprob_check(
         engine, trainer, runner.renderer, runner.stop_token_ids, check_sampling(typed)))
-    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan)
+    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan, others,
+                   frozenset([POLICY, *adapters]) if adapters else frozenset())
+
+
+def other_model_paths(typed) -> dict[str, str]:
+    """astuner.models' folders, by name, resolved as astuner.model.path is."""
+    from astuner.model_cache import ModelPathError, resolve_model_path
+
+    out = {}
+    for name, entry in typed.astuner.models.items():
+        try:
+            out[name] = resolve_model_path(entry.path)
+        except ModelPathError as exc:
+            raise UserError(f"astuner.models.{name}.path: {exc}") from None
+    return out
+
+
+def build_other_models(typed, prep: Prepared, shared=None, policy_trainer=None) -> dict[str, tuple[object, object]]:
+    """astuner.models: each model's engine and trainer, built as the policy's with its own weights, LoRA rank and
+    learning rate. They share the policy's tokenizer (checked), so one renderer and parser serve every agent.
+    A model of `shared` (an AdapterHFEngine) is its adapter there, and its trainer holds the policy trainer's
+    frozen base, not a copy."""
+    from astuner.trainer.lora import share_frozen_weights
+
+    out = {}
+    for name, path in other_model_paths(typed).items():
+        check_same_tokenizer(prep.tokenizer, path, f"astuner.models.{name}.path")
+        adapter = shared is not None and name in shared.adapters
+        engine = shared.view(name) if adapter else build_engine(typed, path, prep.tokenizer, prep.max_model_len,
+                                                                 prep.plan.kv_cache_bytes)
+        trainer = build_trainer(typed, path, prep.total_steps, prep.plan.micro_batch_token_budget,
+                                entry=typed.astuner.models[name])
+        if adapter:
+            freed = share_frozen_weights(trainer.model, policy_trainer.model)
+            log.info("model %s: a LoRA adapter on the policy's base (%.2f GiB of base weights shared)", name,
+                     freed / 2**30)
+        out[name] = (engine, trainer)
+    return out
+
+
+def adapter_models(typed, policy_path: str) -> list[str]:
+    """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
+    and the policy train LoRA adapters. They need the HF engine (a UserError says so)."""
+    if lora_rank_of(typed, POLICY) == 0:
+        return []
+    names = [name for name, path in other_model_paths(typed).items()
+             if path == policy_path and lora_rank_of(typed, name) > 0]
+    from astuner.config.derived import resolve_engine_name
+
+    if names and resolve_engine_name(typed.astuner.rollout.engine) != "hf":
+        raise UserError(f"astuner.models {', '.join(names)}: LoRA adapters on the policy's base are served by the HF "
+                        "engine (one base, an adapter per model); set astuner.rollout.engine: hf. vLLM's multi-LoRA "
+                        "serving is not wired yet; for vLLM give each model its own folder or lora_rank: 0.")
+    return names
+
+
+def build_adapter_engine(typed, prep: Prepared, names: list[str]):
+    """One HF engine over the policy's base with an adapter for the policy and for each model of `names`."""
+    from astuner.engine.adapters import AdapterHFEngine
+
+    tc, tokenizer = typed.astuner.trainer_common, prep.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    lora = {name: _lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
+    return AdapterHFEngine(prep.model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
+                           seed=typed.astuner.seed, pad_token_id=pad)
+
+
+def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
+    """The model at `path` reads and writes the policy's tokens, under the same chat template; else UserError."""
+    from transformers import AutoTokenizer
+
+    try:
+        other = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{key}: cannot load a tokenizer from {path!r} ({' '.join(str(exc).split())[:300]})") from None
+    differs = [what for what, a, b in (
+        ("vocabulary", tokenizer.get_vocab(), other.get_vocab()),
+        ("chat template", tokenizer.chat_template, other.chat_template),
+        ("end-of-sequence token", tokenizer.eos_token, other.eos_token)) if a != b]
+    if differs:
+        raise UserError(f"{key}: {path} has another {' and '.join(differs)} than the policy (astuner.model.path); "
+                        "the models of a run share one tokenizer and chat template: pick models of one family")
+
+
+def roster_of(typed, engine, others: dict):
+    """Which engine serves each named agent (astuner.agents); None for a one-model run."""
+    if not others and not typed.astuner.agents:
+        return None
+    from astuner.model_tuner.roster import Roster
+
+    return Roster({POLICY: engine, **{name: e for name, (e, _) in others.items()}},
+                  {agent: (entry.model, entry.trainable) for agent, entry in typed.astuner.agents.items()})
 
 
 def _auxiliary_pool(typed):

@@ -106,13 +106,16 @@ class AuxiliaryModelConfig:
     max_tokens: int = 512
 
 
-def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelConfig | None,
+def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelConfig | dict | None,
                train_dataset: DatasetConfig | None, eval_dataset: DatasetConfig | None,
                algorithm: AlgorithmConfig | None, project_name: str, experiment_dir: str | None,
                auxiliary_models: dict | None = None) -> dict:
     """The astuner YAML (as a dict) for tune()'s config objects."""
     if train_dataset is None:
         raise UserError("tune(): give train_dataset=DatasetConfig(path=...) or config_path=...")
+    roster: dict[str, Any] = {}
+    if isinstance(model, dict):
+        model, roster = _per_agent_models(model)
     model = model or TunerModelConfig()
     algorithm = algorithm or AlgorithmConfig()
     if algorithm.algorithm_type not in ALGORITHMS:
@@ -132,6 +135,7 @@ def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelC
     }
     if judge_spec is not None:
         astuner["task_judge"] = {"judge_protocol": judge_spec}
+    astuner.update(roster)
     if auxiliary_models:
         astuner["auxiliary_models"] = {
             str(name): {k: v for k, v in (asdict(m) if isinstance(m, AuxiliaryModelConfig) else dict(m)).items()
@@ -153,6 +157,29 @@ def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelC
             node = node.setdefault(part, {})
         node[leaf] = value
     return tree
+
+
+def _per_agent_models(models: dict) -> tuple[TunerModelConfig, dict[str, Any]]:
+    """tune(model={agent: TunerModelConfig}): the first agent's model is the policy (it also serves any agent not
+    named); every other agent gets a model of its own, named after it. Sampling settings are the run's, so they
+    must agree."""
+    if not models:
+        raise UserError("tune(): model={} names no agent; give model=TunerModelConfig(...) or {agent: "
+                        "TunerModelConfig(...), ...}")
+    for name, m in models.items():
+        if not isinstance(m, TunerModelConfig):
+            raise UserError(f"tune(): model[{name!r}] must be a TunerModelConfig, got {type(m).__name__}")
+    (first_name, first), *rest = models.items()
+    shared = ("max_model_len", "temperature", "max_tokens", "engine")
+    for name, m in rest:
+        differ = [k for k in shared if getattr(m, k) != getattr(first, k)]
+        if differ:
+            raise UserError(f"tune(): model[{name!r}] sets {', '.join(differ)} unlike model[{first_name!r}]; the "
+                            "rollout's sampling settings are one for the run, so give every model the same ones")
+    return first, {
+        "models": {str(name): {"path": m.model_path} for name, m in rest},
+        "agents": {str(first_name): {"model": "policy"}, **{str(name): {"model": str(name)} for name, _ in rest}},
+    }
 
 
 def _reader_section(train: DatasetConfig, val: DatasetConfig | None) -> dict:
@@ -198,13 +225,16 @@ def ship_functions(functions: dict[str, Callable], path: Path) -> Path:
     return path.resolve()
 
 
-def tune(*, workflow_func: Callable, judge_func: Callable | None = None, model: TunerModelConfig | None = None,
+def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
+         model: TunerModelConfig | dict[str, TunerModelConfig] | None = None,
          train_dataset: DatasetConfig | None = None, eval_dataset: DatasetConfig | None = None,
          algorithm: AlgorithmConfig | None = None, config_path: str | None = None, project_name: str | None = None,
          experiment_dir: str | None = None, overrides: list[str] | None = None, backbone: str = "debug",
          auxiliary_models: dict[str, AuxiliaryModelConfig | dict] | None = None, with_ray: bool = False) -> int:
     """Train `workflow_func` (judged by `judge_func`) and return the exit code astuner would (0 = trained).
     `with_ray` is the CLI's --with-ray: with backbone verl or trinity, start a local Ray cluster if none answers.
+    `model` as {agent: TunerModelConfig}: one trained model per agent (the first is the policy), and
+    `workflow_func` gets {agent: its model} as its `model` argument.
 
     Bad input raises `UserError` with the same one-paragraph message the CLI prints."""
     import yaml

@@ -69,6 +69,7 @@ class LLMCall:
     flags: list[str] = field(default_factory=list)
     agent: str = ""  # ModelTuner.for_agent name; "" for the episode's main model
     trainable: bool = True  # False: served and recorded, never a training sample
+    model: str = "policy"  # the model that served it (astuner.agents), the one its sample trains
     extends_previous: bool = False  # prompt = an earlier call's exact prompt + response ids + new messages
     tool_call_attempted: bool = False  # the output held a tool call (well-formed or not)
     tool_call_parse_failed: bool = False  # ... and the parser could not use some of it
@@ -103,6 +104,8 @@ class Episode:
     error_source: str | None = None
     seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # the workflow's and the judge's, logged per step
+    # An agent's own reward (WorkflowOutput.agent_rewards): its calls take it in place of `reward`.
+    agent_rewards: dict[str, float] = field(default_factory=dict)
     # Trainer steps behind the weights that generated it (0: the initial model); the trinity backbone's explorers
     # may run on older weights than the trainer's, and the step's staleness is trainer step - 1 - this.
     policy_version: int = 0
@@ -138,6 +141,7 @@ class Sample:
     # The engine's sampling logprobs when old_logprobs were recomputed by the trainer (old_logprobs: trainer).
     engine_logprobs: list[float] | None = None
     policy_version: int = 0  # its episode's (see Episode.policy_version)
+    model: str = "policy"  # the model that trains on it (its call's)
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,8 @@ class WorkflowOutput:
     response: the agent's answer (e.g. an AgentScope `Msg`), handed to a function judge as `response`.
     metrics: numbers to log for this episode (their mean per step is logged as `<split>/metrics/<name>`).
     stats: filled by astuner before judging: {"calls": LLM calls, "response_tokens": tokens generated}.
+    agent_rewards: {agent name: reward} for agents rewarded apart from the episode (a judge may set them too);
+        the calls of an agent listed here train with its own reward, the others with the episode's.
     """
 
     reward: float | None = None
@@ -42,6 +44,7 @@ class WorkflowOutput:
     response: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    agent_rewards: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,7 +62,8 @@ def task_dict(task: Task) -> dict[str, Any]:
 
 
 def function_workflow(fn) -> type:
-    """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`.
+    """A Workflow class running `async def fn(task: dict, model, auxiliary_models) -> WorkflowOutput`; with
+    astuner.agents, `model` is {agent name: that agent's model}.
 
     `model` is the chat model of the installed AgentScope line: the ModelTuner itself for 1.x (a 1.x chat model),
     AgentScope 2.x's own `OpenAIChatModel` served by the episode for 2.x (model_tuner/frontends/agentscope2.py)."""
@@ -71,7 +75,11 @@ def function_workflow(fn) -> type:
         name = getattr(fn, "__qualname__", "function_workflow")
 
         async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
-            model = model_tuner.agentscope_model() if agentscope2 else model_tuner
+            if model_tuner.roster.agents:  # astuner.agents: each named agent's own model
+                agents = {name: model_tuner.for_agent(name) for name in model_tuner.roster.agents}
+                model = {name: m.agentscope_model() if agentscope2 else m for name, m in agents.items()}
+            else:
+                model = model_tuner.agentscope_model() if agentscope2 else model_tuner
             result = await fn(task_dict(workflow_task.task), model, workflow_task.auxiliary_models)
             if not isinstance(result, WorkflowOutput):
                 raise TypeError(f"{self.name} returned {type(result).__name__}, expected WorkflowOutput")

@@ -3,15 +3,20 @@
 Rules:
   * Only `episode.trainable` episodes take part (failed / timed-out episodes have no trustworthy reward): they
     are left out of the advantage groups as well as of the samples.
-  * Advantages are computed per episode within its group (`episode.group_id`) by the named estimator
-    (`registry.ADV_ESTIMATORS`) and broadcast to every sample of the episode.
+  * Advantages are computed per reward unit within its group by the named estimator (`registry.ADV_ESTIMATORS`)
+    and broadcast to every sample of the unit. A unit is the calls of one episode served by one model (several
+    models: astuner.models / astuner.agents), except that an agent with its own reward
+    (`WorkflowOutput.agent_rewards`) forms a unit of its own with that reward; the others take the episode's.
+    Its group: the units of one task and one model, (task_id, model). With one model and no agent rewards a unit
+    is an episode and a group a task, as in GRPO.
   * Calls with an empty response are dropped (no token to train on); they do not use up a slot below.
   * Subset rule, when an episode has n > k = `max_sample_per_task` remaining calls: keep the calls at indices
         i_j = floor(j * (n - 1) / (k - 1))   for j = 0 .. k-1        (k >= 2)
         i_0 = n - 1                                                (k == 1)
     i.e. the first call, the last call and evenly spaced ones between, in their original order. Because
     n > k the step (n-1)/(k-1) exceeds 1, so the indices are distinct. Example n=7, k=4: [0, 2, 4, 6].
-    The episode's weight in the loss does not depend on how many of its calls are kept (see `loss.py`).
+    The rule applies per unit. The episode's weight in the loss does not depend on how many of its calls are kept
+    (see `loss.py`).
   * Calls made with `trainable=False` (`ModelTuner.for_agent(name, trainable=False)`) never become samples.
   * `sample_mode` (multi_turn.sample_mode):
       per_call  one sample per call;
@@ -27,6 +32,8 @@ Rules:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from astuner.algorithm.registry import get_adv_estimator
 from astuner.types import Episode, LLMCall, Sample
@@ -57,24 +64,21 @@ def episodes_to_samples(
     if sample_mode not in SAMPLE_MODES:
         raise ValueError(f"sample_mode must be one of {', '.join(SAMPLE_MODES)}, got {sample_mode!r}")
     estimator = get_adv_estimator(adv_estimator)
-    trainable = [ep for ep in episodes if ep.trainable]
+    units = [u for ep in episodes if ep.trainable for u in reward_units(ep)]
     if constant_advantage is not None:  # rejection-sampling fine-tuning: every kept episode weighs the same
-        advantages_E = [constant_advantage] * len(trainable)
+        advantages_U = [constant_advantage] * len(units)
     else:
-        advantages_E = estimator(
-            [ep.reward for ep in trainable], [ep.group_id for ep in trainable], norm_by_std=norm_by_std,
-            epsilon=epsilon,
-        )
+        advantages_U = estimator([u.reward for u in units], [u.group_id for u in units], norm_by_std=norm_by_std,
+                                 epsilon=epsilon)
 
     samples: list[Sample] = []
-    for ep, adv in zip(trainable, advantages_E):
-        calls = [c for c in ep.calls if c.response_ids and c.trainable]
-        units = [_to_sample(c, adv, ep.episode_uid, i) for i, c in enumerate(ep.calls)
-                 if c.response_ids and c.trainable]
+    for unit, adv in zip(units, advantages_U):
+        calls = [(i, c) for i, c in unit.calls if c.response_ids and c.trainable]
+        pieces = [_to_sample(c, adv, unit.episode.episode_uid, i, unit.model) for i, c in calls]
         if sample_mode == "merge":
-            units = merge_samples(units, [c.agent for c in calls])
-        for i in subset_indices(len(units), max_sample_per_task):
-            samples.append(units[i])
+            pieces = merge_samples(pieces, [c.agent for _, c in calls])
+        for i in subset_indices(len(pieces), max_sample_per_task):
+            samples.append(pieces[i])
     version = {e.episode_uid: e.policy_version for e in episodes}
     for s in samples:
         s.policy_version = version.get(s.episode_uid, 0)
@@ -82,6 +86,32 @@ def episodes_to_samples(
 
 
 SAMPLE_MODES = ("per_call", "merge")
+
+
+@dataclass
+class RewardUnit:
+    """Calls of one episode that share a reward and a model (rules in the module docstring)."""
+
+    episode: Episode
+    model: str
+    reward: float
+    calls: list[tuple[int, LLMCall]]  # (index in the episode, call)
+
+    @property
+    def group_id(self) -> tuple[str, str]:
+        return self.episode.group_id, self.model
+
+
+def reward_units(episode: Episode) -> list[RewardUnit]:
+    """The episode's reward units, in order of their first call (an episode without calls: one, the policy's)."""
+    by_key: dict[tuple[str, str], list[tuple[int, LLMCall]]] = {}
+    for i, c in enumerate(episode.calls):
+        own = c.agent if c.agent in episode.agent_rewards else ""
+        by_key.setdefault((c.model, own), []).append((i, c))
+    if not by_key:
+        return [RewardUnit(episode, "policy", episode.reward, [])]
+    return [RewardUnit(episode, model, episode.agent_rewards[own] if own else episode.reward, calls)
+            for (model, own), calls in by_key.items()]
 
 
 def extends(prefix_ids: list[int], ids: list[int]) -> bool:
@@ -127,7 +157,8 @@ def merge_ratio(episodes: list[Episode]) -> float:
     return joined / total if total else 0.0
 
 
-def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: int = -1) -> Sample:
+def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: int = -1,
+               model: str = "policy") -> Sample:
     if len(call.response_logprobs) != len(call.response_ids):
         raise ValueError(
             f"episode {episode_uid}: {len(call.response_ids)} response tokens but "
@@ -144,4 +175,5 @@ def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: in
         temperature=float(call.temperature),
         episode_uid=episode_uid,
         call_indices=[call_index] if call_index >= 0 else [],
+        model=model,
     )

@@ -7,6 +7,7 @@ import ctypes
 import logging
 from pathlib import Path
 
+from astuner.backbone.local_models import POLICY, LocalModel, load_models, save_models, sync_models, train_models
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import LocalTrainerStages
 from astuner.types import Episode, Sample, SyncReport, Task, TrainResult
@@ -15,12 +16,15 @@ log = logging.getLogger(__name__)
 
 
 class InProcessStages(LocalTrainerStages):
-    """Every stage in this process: the engine and trainer hold separate copies of the weights."""
+    """Every stage in this process: the engine and trainer hold separate copies of the weights. `others`: the
+    run's other trained models (astuner.models) by name, each its own engine and trainer (local_models.py)."""
 
-    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer) -> None:
+    def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer,
+                 others: dict[str, LocalModel] | None = None, policy_adapter: bool = False) -> None:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.version = 0  # trainer steps behind the engine's weights: always the last one here
+        self.models = {POLICY: LocalModel(engine, trainer, policy_adapter), **(others or {})}
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         return self._run(tasks, validation, step, progress)
@@ -45,24 +49,37 @@ class InProcessStages(LocalTrainerStages):
         return episodes
 
     def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
-        self.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
+        for model in self.models.values():
+            model.engine.sleep()  # vLLM on a shared GPU frees its memory for the step; the sync wakes it
         try:
-            return self.trainer.train(samples, objective=objective)
+            if len(self.models) == 1:
+                return self.trainer.train(samples, objective=objective)
+            return train_models(self.models, samples, objective)
         finally:
             release_freed_memory()
 
     def sync_weights(self) -> SyncReport:
-        report = self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        report = sync_models(self.models)
         self.version += 1
         return report
 
+    def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        path = self.experiment_dir / f"global_step_{step}"
+        save_models(self.models, path, self.tokenizer, run_state)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return load_models(self.models, path)
+
     def resumed(self, step: int) -> None:
-        self.engine.load_weights(self.trainer.named_parameters_for_sync())
+        sync_models(self.models)
         self.version = step
 
     def shutdown(self) -> None:
         self.runner.close()
-        self.engine.shutdown()
+        for model in self.models.values():
+            model.engine.shutdown()
 
 
 def release_freed_memory() -> None:
@@ -86,6 +103,8 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(loaded.typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
-    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer)
+    others = {name: LocalModel(engine, trainer, name in rt.adapters) for name, (engine, trainer) in rt.others.items()}
+    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, others,
+                             POLICY in rt.adapters)
     return drive(loaded, settings, stages, rt.train_tasks, rt.val_tasks, count_steps(len(rt.train_tasks), settings),
                  rt.tokenizer, checkpoint)

@@ -82,7 +82,7 @@ class Worker:
             self.engine = runtime.build_engine(engine_typed, model_path, self.tokenizer, max_model_len,
                                                kv_cache_bytes)
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
-                                               max_model_len)
+                                               max_model_len, runtime.roster_of(typed, self.engine, {}))
         if "trainer" in roles:
             self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens, world)
 

@@ -46,6 +46,8 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.task_judge", "the reward"),
     ("astuner.task_judge.timeout", "deadlines"),
     ("astuner.auxiliary_models", "the rollout shape"),
+    ("astuner.models", "the models trained"),
+    ("astuner.agents", "the rollout shape"),
     ("astuner.trainer_common", "the algorithm"),
     ("astuner.trainer_common.total_epochs", "the run's length"),
     ("astuner.trainer_common.total_training_steps", "the run's length"),
@@ -82,7 +84,8 @@ UNCLASSIFIED = "unclassified (refused to be safe)"
 
 
 # Keys holding a file or folder, and where a relative one is looked for, in order (as task_reader/base.py,
-# hf_reader.py, workflow.load_class and from_pretrained look). "auxiliary_models.*" matches any entry's name.
+# hf_reader.py, workflow.load_class and from_pretrained look). "auxiliary_models.*" and "models.*" match any
+# entry's name.
 PATH_KEYS: dict[str, tuple[str, ...]] = {
     "astuner.model.path": ("cwd",),
     "astuner.task_reader.jsonl_dataset_file.training.file_path": ("cwd", "yaml"),
@@ -93,6 +96,7 @@ PATH_KEYS: dict[str, tuple[str, ...]] = {
     "astuner.rollout.agentscope_workflow": ("yaml", "cwd"),
     "astuner.task_judge.judge_protocol": ("yaml", "cwd"),
     "astuner.auxiliary_models.*.model_path": ("cwd",),
+    "astuner.models.*.path": ("cwd",),
 }
 
 
@@ -106,7 +110,7 @@ class Bases:
 
 def _path_order(key: str) -> tuple[str, ...] | None:
     parts = key.split(".")
-    if len(parts) == 4 and parts[:2] == ["astuner", "auxiliary_models"]:
+    if len(parts) == 4 and parts[:2] in (["astuner", "auxiliary_models"], ["astuner", "models"]):
         key = ".".join([*parts[:2], "*", parts[3]])
     return PATH_KEYS.get(key)
 

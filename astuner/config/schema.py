@@ -34,6 +34,7 @@ from astuner.config.schema_episode import (
     TaskReaderSection,
 )
 from astuner.config.schema_keys import Section, key, old_name, section
+from astuner.config.schema_models import AgentEntry, ModelEntry
 from astuner.config.schema_trainer import (
     LOSS_AGG_MODES,
     AlgorithmSection,
@@ -46,6 +47,8 @@ from astuner.config.schema_trainer import (
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "AgentEntry",
+    "ModelEntry",
     "AlgorithmSection",
     "AstunerSection",
     "AuxiliaryModelSection",
@@ -127,6 +130,19 @@ class AstunerSection(Section):
         "or {judge: {base_url: ..., api_key_env: OPENAI_API_KEY, model_name: ...}}. Function workflows and judges "
         "get them as `auxiliary_models`, class workflows as `model_tuner.auxiliary_models`; never trained, their "
         "calls are logged as aux/<name>/... metrics.",
+    )
+    models: dict[str, ModelEntry] = key(
+        {},
+        "Trained models beside the policy (astuner.model, named `policy`), by name: {critic: {path: ...}}. Each "
+        "has its own engine, trainer, optimizer, checkpoint folder (global_step_N/<name>/) and metrics "
+        "(model/<name>/...); an agent's calls train only the model that served them. Debug backbone; the models "
+        "share the policy's tokenizer.",
+    )
+    agents: dict[str, AgentEntry] = key(
+        {},
+        "Which model serves each named agent (`model_tuner.for_agent(name)`): {planner: {model: critic}}, and "
+        "whether its calls train (trainable). An agent not listed is served by `policy`. A function workflow "
+        "then gets {agent: its model} as `model`.",
     )
     offline_data: OfflineDataSection = section(
         OfflineDataSection, "Demonstrations or preference pairs for algorithm.type sft, dpo, orpo (no rollouts)."

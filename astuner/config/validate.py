@@ -89,7 +89,7 @@ def unknown_key_message(key: str) -> str:
 
 
 # Keys whose entries are named by the user (checked entry by entry by pydantic, not here).
-OPEN_MAPS = ("astuner.auxiliary_models",)
+OPEN_MAPS = ("astuner.auxiliary_models", "astuner.models", "astuner.agents")
 
 
 def _unknown_keys(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:
@@ -168,6 +168,7 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
     from pydantic import ValidationError
 
     from astuner.config.schema import RunConfig
+    from astuner.config.schema_models import roster_problems
 
     problems: list[tuple[str, str]] = []
     _unknown_keys(tree, default_tree(), "", problems)
@@ -175,6 +176,7 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
         # Unknown keys are reported above, with a suggestion; the rest is checked without them, so that one
         # message lists every problem.
         typed = RunConfig.model_validate(_known_only(tree, default_tree(), ""))
+        problems += roster_problems(typed.astuner.models, typed.astuner.agents)
         return (typed if not problems else None), problems
     except ValidationError as exc:
         seen = {path for path, _ in problems}

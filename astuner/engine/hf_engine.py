@@ -44,6 +44,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop | None = None
     request_id: str | None = None
     aborted: bool = False  # set from the event loop's thread, read by the worker: a plain bool is enough
+    adapter: str | None = None  # the LoRA adapter it runs under (engine/adapters.py); None: the plain model
 
 
 class HFEngine:
@@ -77,7 +78,8 @@ class HFEngine:
     # ---------------------------------------------------------------- public API
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+        adapter: str | None = None,
     ) -> GenerateResult:
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -85,7 +87,7 @@ class HFEngine:
             return GenerateResult([], [], "length")
         self._ensure_worker()
         loop = asyncio.get_running_loop()
-        request = _Request(list(prompt_ids), sampling, loop.create_future(), loop, request_id)
+        request = _Request(list(prompt_ids), sampling, loop.create_future(), loop, request_id, adapter=adapter)
         if request_id is not None:
             self._live[request_id] = request
         self._queue.put(request)
@@ -103,11 +105,12 @@ class HFEngine:
             request.aborted = True
             request.loop.call_soon_threadsafe(_cancel, request.future)
 
-    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
+                       adapter: str | None = None) -> list[GenerateResult]:
         """Synchronous batch generation (benchmarks and tests): the raw engine, no queue."""
         results: list[GenerateResult] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            chunk = [_Request(list(p), sampling) for p in prompts[start : start + self.max_batch_size]]
+            chunk = [_Request(list(p), sampling, adapter=adapter) for p in prompts[start : start + self.max_batch_size]]
             with self._model_lock:
                 results += self._decode(chunk)
         return results

@@ -128,7 +128,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     from astuner import preflight
     from astuner.model_cache import ModelPathError, resolve_model_path
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import build_engine, load_tokenizer, stop_token_ids
+    from astuner.runtime import build_engine, load_tokenizer, roster_of, stop_token_ids
 
     typed = loaded.typed
     label = model_label(spec, {r.label for r in reports})
@@ -149,8 +149,11 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
                                               typed.astuner.rollout.max_response_length_in_one_turn)
     tokenizer = load_tokenizer(path)
     engine = build_engine(typed, path, tokenizer, max_len)
+    others = {name: build_engine(typed, other, tokenizer, max_len)
+              for name, other in _other_model_paths(typed, spec, path).items()}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
-                           stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary)
+                           stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary,
+                           roster=roster_of(typed, engine, {name: (e, None) for name, e in others.items()}))
     start = time.perf_counter()
     try:
         bar = progress(f"eval {label}", len(tasks) * (1 + k_samples)) if progress else None
@@ -162,12 +165,32 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
             bar.close()
     finally:
         runner.close(auxiliary=False)  # the pool serves the next model too
-        engine.shutdown()
+        for e in (engine, *others.values()):
+            e.shutdown()
     results = task_results(greedy, sampled, ks)
     summary = summarize(results, greedy + sampled, ks)
     summary["seconds"] = time.perf_counter() - start
     log.info("eval %s: %s", label, json.dumps(summary))
     return ModelReport(label, str(path), results, summary)
+
+
+def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:
+    """The folders of astuner.models for one evaluated model: a checkpoint's own `<checkpoint>/<name>/` where it
+    has one (a run of several models), else the config's path, said on the console."""
+    from astuner.logs import announce
+    from astuner.runtime import other_model_paths
+
+    out = {}
+    for name, configured in other_model_paths(typed).items():
+        own = Path(path) / name
+        if spec is not None and (own / "config.json").is_file():
+            out[name] = str(own)
+        else:
+            if spec is not None:
+                announce(f"eval --model {spec}: it holds no folder {name}/, so model {name} is "
+                         f"astuner.models.{name}.path ({configured})")
+            out[name] = configured
+    return out
 
 
 def comparisons(reports: list[ModelReport], pairs: list[tuple[str, str]] | None = None) -> list[Difference]:

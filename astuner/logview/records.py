@@ -52,6 +52,7 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
             n = len(call.response_ids)
             calls.append({
                 "agent": call.agent,
+                "model": call.model,
                 "trainable": call.trainable,
                 "messages": call.messages or [],
                 "reply": call.reply,

@@ -9,7 +9,9 @@ Tables:
   episodes(id, split, step, idx, uid, task_id, query, reward, success, flags, error, seconds, n_calls,
            advantage, output)
   calls(episode_id, idx, agent, trainable, messages, response_text, finish_reason, flags, prompt_tokens,
-        tokens)
+        tokens, model)
+`model` is the model that served the call (astuner.models; "policy" in a one-model run; a store written before
+the column existed reads "policy").
 `tokens` is JSON: {"ids", "text" (each token decoded alone), "logprob" (engine, as sampled), "trainer_logprob"
 (the trainer's before the update, or null where the call was not trained), "mask" (1 = trained), "advantage"}.
 """
@@ -32,7 +34,7 @@ CREATE TABLE IF NOT EXISTS episodes (
 CREATE INDEX IF NOT EXISTS episodes_by_step ON episodes (split, step, idx);
 CREATE TABLE IF NOT EXISTS calls (
     episode_id INTEGER NOT NULL, idx INTEGER NOT NULL, agent TEXT, trainable INTEGER, messages TEXT,
-    response_text TEXT, finish_reason TEXT, flags TEXT, prompt_tokens INTEGER, tokens TEXT,
+    response_text TEXT, finish_reason TEXT, flags TEXT, prompt_tokens INTEGER, tokens TEXT, model TEXT,
     PRIMARY KEY (episode_id, idx)
 );
 """
@@ -45,6 +47,9 @@ def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
         conn.executescript(SCHEMA)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+        if "model" not in columns:  # a store an older version wrote, continued by a resumed run
+            conn.execute("ALTER TABLE calls ADD COLUMN model TEXT")
     conn.row_factory = sqlite3.Row
     return conn
 
@@ -80,10 +85,11 @@ class StepWriter:
                 episode_id = cur.lastrowid
                 self.conn.executemany(
                     "INSERT INTO calls (episode_id, idx, agent, trainable, messages, response_text, finish_reason, "
-                    "flags, prompt_tokens, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "flags, prompt_tokens, tokens, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(episode_id, i, c["agent"], int(c["trainable"]), json.dumps(c["messages"], ensure_ascii=False),
                       c["response_text"], c["finish_reason"], json.dumps(c["flags"]), c["prompt_tokens"],
-                      json.dumps(c["tokens"], ensure_ascii=False)) for i, c in enumerate(ep["calls"])])
+                      json.dumps(c["tokens"], ensure_ascii=False), c.get("model", "policy"))
+                     for i, c in enumerate(ep["calls"])])
 
     def close(self) -> None:
         self.conn.close()
@@ -151,5 +157,6 @@ def episode(conn: sqlite3.Connection, episode_id: int) -> dict | None:
         for key in ("messages", "flags", "tokens"):
             call[key] = json.loads(call[key])
         call["trainable"] = bool(call["trainable"])
+        call["model"] = call.get("model") or "policy"
         out["calls"].append(call)
     return out

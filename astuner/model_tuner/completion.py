@@ -67,7 +67,7 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
         top_k=tuner.top_k,
     )
     started = time.perf_counter()
-    result = await _generate(tuner, prompt.ids, sampling, index, max_tokens)
+    result = await _generate(tuner, prompt.ids, sampling, index, max_tokens, options.agent)
     tuner._check_deadline()  # a call that outlived the deadline is not handed back to the agent
     seconds = time.perf_counter() - started
     sample = cut_at_stop(tuner.tokenizer, result, options.stop)
@@ -85,17 +85,19 @@ def call_temperature(temperature: float, requested: float | None) -> float:
     return temperature
 
 
-async def _generate(tuner, prompt_ids: list[int], sampling: SamplingParams, index: int, max_tokens: int):
+async def _generate(tuner, prompt_ids: list[int], sampling: SamplingParams, index: int, max_tokens: int,
+                    agent: str = ""):
     """The engine's result. Until it comes the call can be aborted (`ModelTuner.expire`); then its reservation
     goes back to the budget, however the call ended."""
     request_id = f"{tuner.episode_uid}/{index}/{id(tuner):x}"
-    tuner._in_flight.add(request_id)
+    engine = tuner.engine_for(agent)
+    tuner._in_flight[request_id] = engine
     close_item(tuner._tool_item)  # the agent is back: its tools have answered
     try:
         with watch("model call", f"{index} of {tuner.episode_uid}", parent=tuner._watch_parent):
-            return await tuner.engine.generate(list(prompt_ids), sampling, request_id=request_id)
+            return await engine.generate(list(prompt_ids), sampling, request_id=request_id)
     finally:
-        tuner._in_flight.discard(request_id)
+        tuner._in_flight.pop(request_id, None)
         tuner._budget.release(max_tokens)
 
 
@@ -143,6 +145,7 @@ def _record(tuner, messages: list[dict], prompt: Prompt, options: CallOptions, t
         flags=list(reading.fired),
         agent=options.agent,
         trainable=options.trainable,
+        model=tuner.roster.model_of(options.agent),
         extends_previous=prompt.extends,
         tool_call_attempted=bool(parsed.tool_calls or parsed.errors),
         tool_call_parse_failed=bool(parsed.errors),

@@ -38,6 +38,7 @@ from astuner.model_tuner.completion import complete
 from astuner.model_tuner.conversations import Conversations, Prompt, stop_texts
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
+from astuner.model_tuner.roster import POLICY, Roster
 from astuner.model_tuner.tool_parser import TOOL_PARSERS, ToolParser
 from astuner.model_tuner.turn import CallOptions, EpisodeTimeout, Turn, assistant_message
 from astuner.types import LLMCall
@@ -64,10 +65,11 @@ class ModelTuner:
         episode_uid: str = "",
         reasoning_parser=None,
         gateway=None,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        top_p: float = 1.0, top_k: int = 0,
+        roster: Roster | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # the policy's; the roster says which serves each named agent (astuner.agents)
+        self.roster = roster or Roster.single(engine)
         self.top_p, self.top_k = float(top_p), int(top_k)
         self.tokenizer = tokenizer
         self.renderer = renderer
@@ -89,7 +91,7 @@ class ModelTuner:
         self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
         self._conversations = Conversations(stop_texts(tokenizer, stop_token_ids))  # token-exact multi-turn
         self.expired_reason: str | None = None
-        self._in_flight: set[str] = set()  # engine request ids of calls awaiting the engine
+        self._in_flight: dict[str, InferenceEngine] = {}  # request id of a call awaiting an engine -> that engine
         name = str(getattr(tokenizer, "name_or_path", "") or "model").rstrip("/").rsplit("/", 1)[-1]
         self.model_name = f"astuner/{name}"
 
@@ -116,10 +118,17 @@ class ModelTuner:
         `reasoning_content` only when a reasoning parser split some out."""
         return assistant_message(await self.complete(messages, tools))
 
+    def engine_for(self, agent: str) -> InferenceEngine:
+        """The engine that serves `agent`'s calls: the policy's (`self.engine`) or its model's."""
+        model = self.roster.model_of(agent)
+        return self.engine if model == POLICY else self.roster.engines[model]
+
     def for_agent(self, name: str, trainable: bool = True) -> "AgentModel":
-        """The model as one named agent of a multi-agent workflow sees it. Calls of an agent with
-        trainable=False are served by the same engine and recorded, but never become training samples."""
-        return AgentModel(self, CallOptions(agent=str(name), trainable=bool(trainable)))
+        """The model as one named agent of a multi-agent workflow sees it: served by the model astuner.agents
+        names for it (`policy` when unlisted). Calls of an agent with trainable=False (here or in astuner.agents)
+        are served and recorded, but never become training samples."""
+        name = str(name)
+        return AgentModel(self, CallOptions(agent=name, trainable=bool(trainable) and self.roster.trainable(name)))
 
     # --- OpenAI front ends ----------------------------------------------------------------------------------
     def get_openai_client(self, sync: bool = False):
@@ -200,8 +209,8 @@ class ModelTuner:
         """End the episode's access to the model: abort its pending engine requests; later calls raise."""
         if self.expired_reason is None:
             self.expired_reason = reason
-        for request_id in list(self._in_flight):
-            self.engine.abort(request_id)
+        for request_id, engine in list(self._in_flight.items()):
+            engine.abort(request_id)
 
     def _check_deadline(self) -> None:
         if self.expired_reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
@@ -296,3 +305,10 @@ class AgentModel:
     @property
     def api_key(self) -> str:
         return self.tuner.api_key_for(self.options)
+
+    def require_gateway(self):
+        return self.tuner.require_gateway()
+
+    def agentscope_model(self, stream: bool = False):
+        """This agent's model as an AgentScope 2.x `OpenAIChatModel` (frontends/agentscope2.py)."""
+        return agentscope2.agentscope_model(self, stream)

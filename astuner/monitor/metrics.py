@@ -1,7 +1,8 @@
 """The metrics of a step and of a validation, assembled from what the stages returned; the warnings they raise.
 
     train/*      episodes rolled out this step (reward, success, lengths, tool use, madness, failures)
-    actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...)
+    actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...); another model's (astuner.models)
+                 as model/<name>/actor/*
     rollout/*    token-pipeline health and staleness (parse failures, prefix reuse, merge ratio, logprob gap)
     time/*, perf/*  stage durations and rates
     val/*        validation: greedy accuracy, and pass@k when val_num_repeat > 1
@@ -115,7 +116,17 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
         mine = [c for c in calls if c.agent == agent]
         out[f"agent/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
         out[f"agent/{agent}/response_length"] = sum(len(c.response_ids) for c in mine) / len(mine)
+        out[f"agent/{agent}/tool_calls_per_episode"] = tool_calls_received(mine) / max(len(episodes), 1)
     return out
+
+
+def actor_key(name: str) -> str:
+    """The log name of a trainer metric: actor/<name>, or model/<model>/actor/<name> for another model than the
+    policy (astuner.models; the stages name those model/<model>/<name>)."""
+    if name.startswith("model/"):
+        _, model, rest = name.split("/", 2)
+        return f"model/{model}/actor/{rest}"
+    return f"actor/{name}"
 
 
 def staleness_metrics(episodes: list[Episode], step: int) -> dict[str, float]:
@@ -159,7 +170,7 @@ class StepMetrics:
                 seconds: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
         """`seconds`: rollout/train/sync durations; `extra`: the stages' and the sample selection's figures."""
         metrics = episode_metrics(episodes, "train")
-        metrics.update({f"actor/{k}": v for k, v in train_metrics.items()})
+        metrics.update({actor_key(k): v for k, v in train_metrics.items()})
         metrics.update(pipeline_metrics(episodes, train_metrics))
         metrics.update(staleness_metrics(episodes, step))
         warn_pipeline(step, metrics)

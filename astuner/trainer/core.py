@@ -295,9 +295,10 @@ class Trainer:
         weights may be missing (saved once); anything else missing or unexpected is a ValueError."""
         checkpoint.restore_state(self, state)
 
-    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
+    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True,
+                        include: dict[str, Path] | None = None) -> None:
         """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""
-        checkpoint.save(self, Path(path), tokenizer, run_state, write)
+        checkpoint.save(self, Path(path), tokenizer, run_state, write, include)
 
     def load_checkpoint(self, path: Path) -> dict:
         """Weights, optimizer, step count and RNG from `path`; returns the run state (`trainer_checkpoint.load`)."""

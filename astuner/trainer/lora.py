@@ -44,6 +44,35 @@ def apply_lora(model, settings: LoraSettings):
         raise ValueError(f"trainer_common.lora.target_modules {targets}: {exc}") from None
 
 
+def adapter_tensors(model) -> Iterator[tuple[str, Tensor]]:
+    """(name, detached tensor) of the LoRA adapter alone: what an engine serving it over a shared base loads
+    (engine/adapters.py)."""
+    return ((n, p.detach()) for n, p in model.named_parameters() if is_lora_param(n))
+
+
+def share_frozen_weights(model, donor) -> int:
+    """Point every frozen parameter of `model` (the base under its adapters) at `donor`'s parameter of the same
+    name, so two LoRA trainers on one base hold it once; returns the bytes let go. Both must be the same base with
+    adapters on the same modules (names and shapes are checked)."""
+    def frozen(m):
+        return {f"{mod}.{name}" if mod else name: (module, name, p) for mod, module in m.named_modules()
+                for name, p in module._parameters.items() if p is not None and not p.requires_grad}
+
+    mine, theirs = frozen(model), frozen(donor)
+    if mine.keys() != theirs.keys():
+        raise ValueError(f"the bases differ: {len(set(mine) ^ set(theirs))} frozen parameters are in one only")
+    let_go: dict[int, int] = {}  # id -> bytes: a tied tensor (embedding and head) is let go once
+    for name, (module, attr, p) in mine.items():
+        other = theirs[name][2]
+        if other is p:
+            continue
+        if other.shape != p.shape or other.dtype != p.dtype:
+            raise ValueError(f"{name}: {tuple(p.shape)} {p.dtype} here, {tuple(other.shape)} {other.dtype} shared")
+        module._parameters[attr] = other
+        let_go[id(p)] = p.numel() * p.element_size()
+    return sum(let_go.values())
+
+
 def set_adapter_dropout(model, training: bool) -> None:
     """Dropout on the adapters' input on or off; the base model's modes are left as they are."""
     for name, module in model.named_modules():

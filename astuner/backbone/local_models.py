@@ -1,0 +1,109 @@
+"""Several trained models in this process (astuner.models): each with its own engine and trainer.
+
+A step's samples are split by the model that served their call (`Sample.model`); each trainer takes one step
+on its own samples only, so a call of one agent never moves another model's weights. A model that got no sample
+this step takes no step. Metrics: the policy's keep their usual names (every curve and alarm of a one-model run
+reads them); another model's are named `model/<name>/<metric>` here, logged as `model/<name>/actor/<metric>`
+(monitor/metrics.py), with `num_samples` also when it trained on none.
+
+Checkpoints: the policy's folder is `global_step_N/` as in a one-model run; each other model's is
+`global_step_N/<name>/` (a Hugging Face folder or adapter with its own resume state). They are written first,
+into a staging folder, and moved into the policy's folder before it is marked complete, so a checkpoint holds
+every model or is not complete at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from astuner.errors import UserError
+from astuner.types import Sample, SyncReport, TrainResult
+
+log = logging.getLogger(__name__)
+
+POLICY = "policy"
+
+
+@dataclass
+class LocalModel:
+    """One trained model: the engine that samples from it and its trainer. `adapter`: the engine serves its LoRA
+    adapter over a base shared with other models (engine/adapters.py), so a sync sends the adapter alone."""
+
+    engine: object
+    trainer: object
+    adapter: bool = False
+
+    def sync(self) -> SyncReport:
+        if self.adapter:
+            from astuner.trainer.lora import adapter_tensors
+
+            return self.engine.load_weights(adapter_tensors(self.trainer.model))
+        return self.engine.load_weights(self.trainer.named_parameters_for_sync())
+
+
+def train_models(models: dict[str, LocalModel], samples: list[Sample], objective) -> TrainResult:
+    """One step of every model that has samples, on its samples only; their metrics in one dict (module
+    docstring) and the trainers' logprobs in the order of `samples`."""
+    metrics: dict[str, float] = {}
+    logprobs: list[list[float] | None] = [None] * len(samples)
+    for name, model in models.items():
+        mine = [i for i, s in enumerate(samples) if s.model == name]
+        if name != POLICY:
+            metrics[f"model/{name}/num_samples"] = float(len(mine))
+        if not mine:
+            continue
+        result = model.trainer.train([samples[i] for i in mine], objective=objective)
+        for i, lp in zip(mine, result.trainer_logprobs):
+            logprobs[i] = lp
+        prefix = "" if name == POLICY else f"model/{name}/"
+        metrics.update({prefix + k: v for k, v in result.metrics.items()})
+    unknown = sorted({s.model for s in samples} - set(models))
+    if unknown:  # the roster and the stages are built from one config: this is a bug, not a user error
+        raise RuntimeError(f"samples of models {unknown} that this run does not train ({', '.join(models)})")
+    return TrainResult(metrics, logprobs)
+
+
+def sync_models(models: dict[str, LocalModel]) -> SyncReport:
+    """Every engine serves its trainer's weights: one report, verified only if every sync was."""
+    return SyncReport.worst([m.sync() for m in models.values()])
+
+
+def save_models(models: dict[str, LocalModel], path: Path, tokenizer, run_state: dict) -> None:
+    """The checkpoint at `path`: every other model first, into a staging folder, then the policy's folder, which
+    takes them in before it is marked complete (module docstring)."""
+    others = {name: m for name, m in models.items() if name != POLICY}
+    staging = path.parent / f".{path.name}.models-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for name, model in others.items():
+            model.trainer.save_checkpoint(staging / name, tokenizer=tokenizer,
+                                          run_state={"model": name, "step": run_state.get("step", 0)})
+        models[POLICY].trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
+                                               include={name: staging / name for name in others})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def checkpoint_models(path: Path) -> list[str]:
+    """The other models a checkpoint holds (its subfolders with weights and resume state), by name."""
+    from astuner.resume import RESUME_DIR
+
+    return sorted(p.name for p in Path(path).iterdir() if p.is_dir() and (p / RESUME_DIR / "state.json").is_file())
+
+
+def load_models(models: dict[str, LocalModel], path: Path) -> dict:
+    """Every model's weights, optimizer and step count from the checkpoint at `path`; the policy's run state."""
+    missing = [name for name in models if name != POLICY and not (path / name).is_dir()]
+    if missing:
+        raise UserError(f"checkpoint {path} holds no folder for model(s) {', '.join(missing)} of astuner.models: "
+                        "it was written by a run with other models. Resume with that run's config, or start "
+                        "afresh (astuner.trainer_common.resume_mode: disable).")
+    state = models[POLICY].trainer.load_checkpoint(path)
+    for name, model in models.items():
+        if name != POLICY:
+            model.trainer.load_checkpoint(path / name)
+    return state

@@ -1,0 +1,57 @@
+"""The model roster: the trained models beside the policy (`astuner.models`) and which model serves each named
+agent (`astuner.agents`). Declared here, imported by `schema.py`; `roster_problems` checks the names.
+
+A run with neither key trains one model, `policy` (`astuner.model`), as it always did. Imports only pydantic.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from astuner.config.schema_keys import Section, key
+
+POLICY = "policy"  # the name of the model `astuner.model` configures
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # a model name is a folder of every checkpoint
+
+
+class ModelEntry(Section):
+    path: Optional[str] = key(None, "The model: a local Hugging Face folder, a hub id in the local cache, or a "
+                              'checkpoint folder (for example an `astuner sft` output). Required.')
+    lora_rank: Optional[int] = key(None, "LoRA rank of this model (0: full fine-tuning); null: "
+                                   "astuner.trainer_common.lora.rank.", ge=0)
+    lr: Optional[float] = key(None, "Learning rate of this model's optimizer; null: astuner.trainer_common.optim.lr.",
+                              gt=0)
+
+
+class AgentEntry(Section):
+    model: str = key(POLICY, "The model that serves this agent's calls: `policy` or a name of astuner.models.")
+    trainable: bool = key(True, "False: the agent's calls are served and recorded, never trained on.")
+
+
+def roster_problems(models: dict, agents: dict) -> list[tuple[str, str]]:
+    """(dotted key, message) for every model or agent name that is wrong: a reserved or unusable model name, a
+    model entry without a path, an agent served by a model the roster does not have."""
+    problems: list[tuple[str, str]] = []
+    known = [POLICY, *models]
+    for name, entry in models.items():
+        where = f"astuner.models.{name}"
+        if name == POLICY:
+            problems.append((where, f"'{where}': the name 'policy' is astuner.model's; give this model another name"))
+        elif not _NAME.match(name):
+            problems.append((where, f"'{where}': a model name starts with a letter and holds only letters, digits, "
+                             "'_' and '-' (it names a folder of each checkpoint)"))
+        if entry.path is None:
+            problems.append((f"{where}.path", f"'{where}.path' is not set: name the model's folder"))
+    for agent, entry in agents.items():
+        if entry.model not in known:
+            where = f"astuner.agents.{agent}.model"
+            problems.append((where, f"'{where}' is {entry.model!r}, which is not a model of this run; the models "
+                             f"are: {', '.join(known)}"))
+    return problems
+
+
+def lora_rank_of(typed, name: str) -> int:
+    """The LoRA rank model `name` trains with (0: full fine-tuning): its own, else trainer_common.lora.rank."""
+    own = None if name == POLICY else typed.astuner.models[name].lora_rank
+    return typed.astuner.trainer_common.lora.rank if own is None else own

@@ -1,0 +1,34 @@
+"""Which model serves each named agent of an episode, and the engines that serve the models.
+
+`astuner.agents` maps an agent to a model (`policy`, or a name of `astuner.models`) and says whether its calls
+train; an agent not listed, and the episode's main model, are served by `policy`. The roster is shared by every
+episode of a runner; a call looks its agent up when it is made, so every front end (AgentScope, the OpenAI and
+Anthropic clients, the loopback endpoint) routes the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from astuner.engine.base import InferenceEngine
+
+POLICY = "policy"
+
+
+@dataclass(frozen=True)
+class Roster:
+    engines: dict[str, InferenceEngine]  # model name -> its engine; always holds POLICY
+    agents: dict[str, tuple[str, bool]] = field(default_factory=dict)  # agent -> (model, trainable)
+
+    @classmethod
+    def single(cls, engine: InferenceEngine) -> "Roster":
+        """One model, `policy`, serving every agent: a run without astuner.models."""
+        return cls({POLICY: engine})
+
+    def model_of(self, agent: str) -> str:
+        return self.agents.get(agent, (POLICY, True))[0]
+
+    def trainable(self, agent: str) -> bool:
+        """False when astuner.agents says the agent's calls do not train (for_agent's own flag can only add to
+        that)."""
+        return self.agents.get(agent, (POLICY, True))[1]

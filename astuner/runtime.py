@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from astuner.algorithm.catalog import algorithm
-from astuner.config.schema_models import lora_rank_of
+from astuner.config.schema_models import lora_rank_of, same_folder
 from astuner.errors import UserError, user_code_error
 from astuner.model_tuner.roster import POLICY
 from astuner.logs import debug_from_user_modules
@@ -417,7 +417,7 @@ def adapter_models(typed, policy_path: str) -> list[str]:
     if lora_rank_of(typed, POLICY) == 0:
         return []
     names = [name for name, path in other_model_paths(typed).items()
-             if path == policy_path and lora_rank_of(typed, name) > 0]
+             if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
     from astuner.config.derived import resolve_engine_name
 
     if names and resolve_engine_name(typed.astuner.rollout.engine) != "hf":

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = REPO / "tutorial" / "multi_agent"
 TARGET = 0.8
@@ -33,18 +31,18 @@ AGENTS = ("finder", "keeper")
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its children (vLLM engines run in their own)."""
-    total = 0
+    """Resident memory of a process and all its descendants (vLLM's engine core and worker run in their own)."""
+    import psutil
+
     try:
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    except OSError:
-        children = []
-    for p in [str(pid), *children]:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
+            total += p.memory_info().rss
+        except psutil.Error:
             pass
     return total
 
@@ -72,7 +70,9 @@ def point(row: dict, split: str) -> dict:
 
 def grpo(conf: Path, model: Path, args, out: Path, minutes_before: float) -> dict:
     folder = out / "grpo"
-    roster = yaml.safe_load(conf.read_text())["astuner"].get("models", {})
+    from astuner.config import load_config
+
+    roster = load_config(conf).typed.astuner.models  # composed: a YAML may take them from its defaults
     cmd = [sys.executable, "-m", "astuner.cli", "--conf", str(conf), f"astuner.model.path={model}",
            *[f"astuner.models.{name}.path={model}" for name in roster], f"astuner.experiment_dir={folder}",
            f"astuner.trainer_common.total_training_steps={args.steps}",
@@ -148,8 +148,14 @@ def main() -> None:
     ap.add_argument("--warm-start", type=Path)
     ap.add_argument("--warm-start-minutes", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=Path("bench_multi_agent"))
+    ap.add_argument("--replot", type=Path, help="draw the figure of an earlier run's results.json into --out")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.replot:
+        result = json.loads(args.replot.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(result, args.out / "multi_agent.png", f"Two agents, {Path(result['conf']).stem} (2 CPU cores)")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.warm_start:
         model, sft_minutes = args.warm_start.resolve(), args.warm_start_minutes

@@ -88,7 +88,8 @@ FRAMEWORKS_YAML = "tutorial/frameworks/frameworks.yaml"
 LOOKUP_CALL = hermes_call("lookup_code", "name", r"access code of ([A-Z][a-z]+ [A-Z][a-z]+)\?")
 
 
-def train_framework_agent(repo, tmp_path, tiny_model_dir, monkeypatch, workflow: str, steps: int) -> list[dict]:
+def train_framework_agent(repo, tmp_path, tiny_model_dir, monkeypatch, workflow: str, steps: int,
+                          extra: tuple[str, ...] = ()) -> list[dict]:
     """Train `workflow` of tutorial/frameworks/ for `steps` steps on the tiny model (first calls scripted) and
     check what every framework must do: no failed episode, the scripted call parsed and run, the tool's result sent
     back in a second call that starts with the first. Returns the training steps' metrics."""
@@ -104,7 +105,7 @@ def train_framework_agent(repo, tmp_path, tiny_model_dir, monkeypatch, workflow:
                  "astuner.rollout.max_response_length_in_one_turn=48", "astuner.rollout.max_model_len=2048",
                  "astuner.rollout.compute_madness_checklist=[]", "astuner.trainer_common.val_before_train=false",
                  f"astuner.trainer_common.total_training_steps={steps}", "astuner.trainer_common.test_freq=99",
-                 "astuner.trainer_common.save_freq=99", "trinity.trainer.max_token_len_per_gpu=4096"])
+                 "astuner.trainer_common.save_freq=99", "trinity.trainer.max_token_len_per_gpu=4096", *extra])
     assert code == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if "train/failure_rate" in m]

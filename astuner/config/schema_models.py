@@ -55,3 +55,10 @@ def lora_rank_of(typed, name: str) -> int:
     """The LoRA rank model `name` trains with (0: full fine-tuning): its own, else trainer_common.lora.rank."""
     own = None if name == POLICY else typed.astuner.models[name].lora_rank
     return typed.astuner.trainer_common.lora.rank if own is None else own
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether two model paths name one folder (however spelled: relative, through a symlink): models on one base."""
+    from pathlib import Path
+
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())

@@ -353,6 +353,9 @@ class VLLMEngine:
                 self._llm = self._call(self._start(**engine_args(self.model_path, on_cuda=on_cuda, **settings)),
                                        timeout_s,
                                        "the vLLM engine to start (model load, torch.compile, KV cache allocation)")
+            # vLLM's processes end with this one, even killed outright (vllm_worker.astuner_watch_driver).
+            self._call(self._llm.collective_rpc("astuner_watch_driver", args=(os.getpid(),)), timeout_s,
+                       "vLLM's worker to watch this process")
         except BaseException as exc:
             self._stop_loop()
             if run_log_path() is not None and isinstance(exc, Exception):

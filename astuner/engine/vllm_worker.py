@@ -14,6 +14,28 @@ class WeightSyncExtension:
 
     _astuner_buffers: dict | None = None
 
+    def astuner_watch_driver(self, driver_pid: int, poll_s: float = 1.0) -> None:
+        """End this engine when astuner's process is gone, however it ended (SIGKILL, the kernel's OOM killer):
+        vLLM's engine core and this worker outlive a parent killed outright, each holding the model (and the worker
+        its KV cache), and would starve the next run. A daemon thread polls the driver; when it is gone, the
+        engine core (this worker's parent, checked by its process title) is killed and this worker exits."""
+        import os
+        import signal
+        import threading
+
+        def watch() -> None:
+            while _alive(driver_pid):
+                time.sleep(poll_s)
+            parent = os.getppid()
+            if parent not in (1, driver_pid) and "VLLM" in _title(parent):
+                try:
+                    os.kill(parent, signal.SIGKILL)
+                except OSError:
+                    pass
+            os._exit(1)
+
+        threading.Thread(target=watch, name="astuner-driver-watch", daemon=True).start()
+
     def astuner_load_shared(self, path: str, manifest: list[tuple[str, str, list[int], int, int]]) -> float:
         """Load weights from `path` (a file in /dev/shm that astuner's trainer rewrote in place) described by
         `manifest` rows (name, dtype, shape, nbytes, offset). Returns the seconds spent here.
@@ -133,3 +155,21 @@ def _repack_tied_head(model) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _title(pid: int) -> str:
+    """A process's command line as `ps` shows it (vLLM titles its processes "VLLM::EngineCore", "VLLM::Worker")."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

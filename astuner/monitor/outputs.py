@@ -121,8 +121,11 @@ class Monitor:
             "seconds": round(episode.seconds, 3),
             "policy_version": episode.policy_version,
             "output_metadata": episode.output_metadata,
+            "agent_rewards": episode.agent_rewards,
             "calls": [
                 {
+                    "agent": call.agent,
+                    "model": call.model,
                     "prompt": decode(call.prompt_ids, skip_special_tokens=False),
                     "response": call.response_text,
                     "prompt_tokens": len(call.prompt_ids),

@@ -48,3 +48,9 @@ class AgentScope2CodeAgent(Workflow):
 async def run_agent(task: dict, model, auxiliary_models) -> WorkflowOutput:
     """The tune() form: `model` is AgentScope 2.x's OpenAIChatModel, served by the episode."""
     return WorkflowOutput(reward=None, metadata={"final_answer": await answer(model, task["question"])})
+
+
+async def run_named_agent(task: dict, model, auxiliary_models) -> WorkflowOutput:
+    """With astuner.agents set (say {coder: {model: policy}}), a function workflow's `model` is {agent: that agent's
+    OpenAIChatModel}, each served by the model astuner.agents names for it."""
+    return WorkflowOutput(reward=None, metadata={"final_answer": await answer(model["coder"], task["question"])})

@@ -1,0 +1,128 @@
+"""Two agents' models: two separate LoRA models against two LoRA adapters on one shared base (and one model alone).
+
+    python bench/shared_base.py [--model demo:smollm2-135m-instruct] [--requests 16] [--max-tokens 64] [--rank 16]
+
+Each setup runs in a process of its own and does what a step of the multi-agent tutorial does in the debug backbone:
+build every engine and trainer, sample `--requests` requests per model concurrently (each with its own seed, at
+temperature 1; the engines batch them), then one LoRA training step per model on what was sampled. Printed per
+setup: peak resident memory (ru_maxrss: includes the moment the second trainer's own base is loaded, before it is
+let go), resident memory after the step (freed heap returned first), and generated tokens per second over both
+models' requests. Run it alone: two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPS = ("one", "two", "adapters")
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_setup(setup: str, args) -> dict:
+    import torch
+
+    from astuner.engine.adapters import AdapterHFEngine
+    from astuner.engine.hf_engine import HFEngine
+    from astuner.model_cache import resolve_model_path
+    from astuner.tokenizer import load_tokenizer
+    from astuner.trainer import Trainer
+    from astuner.trainer.lora import LoraSettings, adapter_tensors, share_frozen_weights
+    from astuner.trainer.settings import TrainerSettings
+    from astuner.types import SamplingParams, Sample
+
+    torch.manual_seed(0)
+    path = resolve_model_path(args.model)
+    tok = load_tokenizer(path)
+    lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, dropout=0.0, target_modules="all-linear")
+    settings = TrainerSettings(lr=1e-4, lora=lora, max_token_len_per_micro_batch=8192)
+    names = ["policy"] if setup == "one" else ["policy", "keeper"]
+    trainers = {n: Trainer(path, settings) for n in names[:1]}
+    if setup == "adapters":
+        shared = AdapterHFEngine(path, {n: lora for n in names}, seed=0)
+        engines = {n: shared.view(n) for n in names}
+    else:
+        engines = {n: HFEngine(path, seed=0) for n in names}
+    for n in names[1:]:
+        trainers[n] = Trainer(path, settings)
+        if setup == "adapters":
+            share_frozen_weights(trainers[n].model, trainers["policy"].model)
+    for n in names:  # the trainers' adapters into the engines, as the first sync does
+        if setup == "adapters":
+            engines[n].load_weights(adapter_tensors(trainers[n].model))
+        else:
+            engines[n].load_weights(trainers[n].named_parameters_for_sync())
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    built = rss_mib()
+
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"Tell me about the number {i}."}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for i in range(args.requests)]
+
+    async def sample_all():
+        jobs = [engines[n].generate(list(p), SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i),
+                                    request_id=f"{n}/{i}") for n in names for i, p in enumerate(prompts)]
+        return await asyncio.gather(*jobs)
+
+    start = time.perf_counter()
+    results = asyncio.run(sample_all())
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    for k, n in enumerate(names):  # one step per model on its own samples
+        mine = results[k * len(prompts):(k + 1) * len(prompts)]
+        samples = [Sample(list(p), r.token_ids, r.logprobs, 1.0 if i % 2 else -1.0, 1.0, f"{n}{i}")
+                   for i, (p, r) in enumerate(zip(prompts, mine)) if r.token_ids]
+        trainers[n].train(samples)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    out = {"setup": setup, "models": len(names), "built_mib": built, "after_step_mib": rss_mib(),
+           "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "tokens": tokens, "sample_s": seconds, "tokens_per_s": tokens / seconds}
+    for e in {id(e): e for e in engines.values()}.values():
+        e.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo:smollm2-135m-instruct")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # one setup, in this process
+    args = ap.parse_args()
+    if args.setup:
+        print(json.dumps(run_setup(args.setup, args)))
+        return
+    rows = []
+    for setup in SETUPS:
+        cmd = [sys.executable, __file__, "--setup", setup, "--model", args.model, "--requests", str(args.requests),
+               "--max-tokens", str(args.max_tokens), "--rank", str(args.rank)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if out.returncode:
+            raise SystemExit(f"{setup} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    one = rows[0]
+    print(f"{'setup':10} {'models':>6} {'built MiB':>10} {'after step':>11} {'peak MiB':>9} {'x one':>6} "
+          f"{'tokens/s':>9}")
+    for r in rows:
+        print(f"{r['setup']:10} {r['models']:>6} {r['built_mib']:>10.0f} {r['after_step_mib']:>11.0f} "
+              f"{r['peak_mib']:>9.0f} {r['after_step_mib'] / one['after_step_mib']:>6.2f} {r['tokens_per_s']:>9.1f}")
+    print("x one: resident memory after the step, relative to one model alone")
+
+
+if __name__ == "__main__":
+    main()

@@ -298,12 +298,12 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
     """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank) and engine, the
     engine sized as the policy's (a vLLM share of the card is per engine). A LoRA model on the policy's own LoRA
     base (runtime.adapter_models) adds its adapter only: the base is shared in the trainer and the engine."""
-    from astuner.config.schema_models import lora_rank_of, same_folder
+    from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
 
     total, lines, engines = 0, [], 0
     for name, f in others.items():
         lora = lora_rank_of(typed, name) > 0
-        shared = lora and lora_rank_of(typed, "policy") > 0 and same_folder(f.path, policy.path)
+        shared = lora and lora_rank_of(typed, POLICY) > 0 and same_folder(f.path, policy.path)
         trainer = _trainer_bytes(f.num_params, precision, lora)
         if shared:
             trainer -= (2 if precision == "bf16" else 4) * f.num_params  # the frozen base, held once

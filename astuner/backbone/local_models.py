@@ -20,12 +20,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from astuner.config.schema_models import POLICY
 from astuner.errors import UserError
 from astuner.types import Sample, SyncReport, TrainResult
 
 log = logging.getLogger(__name__)
-
-POLICY = "policy"
 
 
 @dataclass

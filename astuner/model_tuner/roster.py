@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from astuner.config.schema_models import POLICY
 from astuner.engine.base import InferenceEngine
 
-POLICY = "policy"
+__all__ = ["POLICY", "Roster"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,6 @@ class Roster:
         return self.agents.get(agent, (POLICY, True))[0]
 
     def trainable(self, agent: str) -> bool:
-        """False when astuner.agents says the agent's calls do not train (for_agent's own flag can only add to
-        that)."""
+        """False when astuner.agents says the agent's calls do not train (`for_agent(name, trainable=False)` can
+        turn them off too, never on)."""
         return self.agents.get(agent, (POLICY, True))[1]

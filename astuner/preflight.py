@@ -234,8 +234,13 @@ def optimizer_steps_per_step(typed) -> int:
 
 def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
     if lora:  # frozen base weights only; adapters, their gradients and Adam states are a few % of them
-        return int((2 if precision == "bf16" else 4) * P * 1.05)
+        return int(_base_bytes(P, precision) * 1.05)
     return (18 if precision == "bf16" else 16) * P
+
+
+def _base_bytes(P: int, precision: str) -> int:
+    """A LoRA trainer's frozen base weights."""
+    return (2 if precision == "bf16" else 4) * P
 
 
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int,
@@ -305,10 +310,12 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
         lora = lora_rank_of(typed, name) > 0
         shared = lora and lora_rank_of(typed, POLICY) > 0 and same_folder(f.path, policy.path)
         trainer = _trainer_bytes(f.num_params, precision, lora)
-        if shared:
-            trainer -= (2 if precision == "bf16" else 4) * f.num_params  # the frozen base, held once
-        engine = 0 if shared else 4 * f.num_params if policy_engine_bytes == 4 * policy.num_params \
-            else policy_engine_bytes
+        if shared:  # the frozen base is held once, in the policy's trainer and engine
+            trainer, engine = trainer - _base_bytes(f.num_params, precision), 0
+        elif policy_engine_bytes == 4 * policy.num_params:  # an engine holding the weights: this model's
+            engine = 4 * f.num_params
+        else:  # vLLM's share of a card (or none, offline), per engine
+            engine = policy_engine_bytes
         total += trainer + engine
         engines += not shared
         what = "LoRA adapter on the policy's base; " if shared else ""

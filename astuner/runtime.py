@@ -32,7 +32,6 @@ class Runtime:
     runner: object
     plan: object = None  # preflight.RunPlan
     others: dict = field(default_factory=dict)  # astuner.models: name -> (engine, trainer)
-    adapters: frozenset = frozenset()  # the models served as LoRA adapters on one base (engine/adapters.py)
 
 
 def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None = None) -> type:
@@ -368,11 +367,10 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runti
     trainer = build_trainer(typed, prep.model_path, prep.total_steps, prep.plan.micro_batch_token_budget)
     others = build_other_models(typed, prep, shared, trainer)
     runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
-                          prep.max_model_len, roster_of(typed, engine, others))
+                          prep.max_model_len, roster_of(typed, engine, {n: e for n, (e, _) in others.items()}))
     check_token_pipeline(typed, runner, engine_trainer_logprob_check(
         engine, trainer, runner.renderer, runner.stop_token_ids, check_sampling(typed)))
-    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan, others,
-                   frozenset([POLICY, *adapters]) if adapters else frozenset())
+    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan, others)
 
 
 def other_model_paths(typed) -> dict[str, str]:
@@ -440,12 +438,7 @@ def build_adapter_engine(typed, prep: Prepared, names: list[str]):
 
 def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
     """The model at `path` reads and writes the policy's tokens, under the same chat template; else UserError."""
-    from transformers import AutoTokenizer
-
-    try:
-        other = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"{key}: cannot load a tokenizer from {path!r} ({' '.join(str(exc).split())[:300]})") from None
+    other = load_tokenizer(path, key)
     differs = [what for what, a, b in (
         ("vocabulary", tokenizer.get_vocab(), other.get_vocab()),
         ("chat template", tokenizer.chat_template, other.chat_template),
@@ -456,12 +449,13 @@ def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
 
 
 def roster_of(typed, engine, others: dict):
-    """Which engine serves each named agent (astuner.agents); None for a one-model run."""
+    """Which engine serves each named agent (astuner.agents); `others`: {model name: its engine}. None for a
+    one-model run."""
     if not others and not typed.astuner.agents:
         return None
     from astuner.model_tuner.roster import Roster
 
-    return Roster({POLICY: engine, **{name: e for name, (e, _) in others.items()}},
+    return Roster({POLICY: engine, **others},
                   {agent: (entry.model, entry.trainable) for agent, entry in typed.astuner.agents.items()})
 
 

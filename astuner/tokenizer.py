@@ -9,20 +9,22 @@ from __future__ import annotations
 from astuner.errors import UserError
 
 
-def load_tokenizer(model_path: str):
+def load_tokenizer(model_path: str, key: str = "astuner.model.path"):
+    """The tokenizer of `model_path` (a UserError naming `key`, the config key that gave the path, when it cannot be
+    loaded or has no chat template)."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(
-            f"astuner.model.path: cannot load a tokenizer from {model_path!r} ({' '.join(str(exc).split())[:300]}). "
+            f"{key}: cannot load a tokenizer from {model_path!r} ({' '.join(str(exc).split())[:300]}). "
             "Give a local Hugging Face model folder with its tokenizer files (tokenizer.json or tokenizer.model and "
             "tokenizer_config.json; there is no hub access at run time), or demo:smollm2-135m-instruct."
         ) from None
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
-            f"astuner.model.path: the tokenizer of {model_path!r} has no chat template, so chat messages cannot be "
+            f"{key}: the tokenizer of {model_path!r} has no chat template, so chat messages cannot be "
             "turned into prompts; use an instruct/chat model or add chat_template to tokenizer_config.json."
         )
     return tokenizer

@@ -45,7 +45,7 @@ SHORT = ["astuner.rollout.engine=hf", "astuner.data.train_batch_size=2", "astune
 def on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "tutorial" / "agent_quickstart"))
     yield
-    for name in ("lookup_task", "two_agents"):
+    for name in ("lookup_task", "two_agents", "openai_agent"):
         sys.modules.pop(name, None)
 
 

@@ -20,11 +20,11 @@ class InProcessStages(LocalTrainerStages):
     run's other trained models (astuner.models) by name, each its own engine and trainer (local_models.py)."""
 
     def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer,
-                 others: dict[str, LocalModel] | None = None, policy_adapter: bool = False) -> None:
+                 others: dict[str, LocalModel] | None = None) -> None:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.version = 0  # trainer steps behind the engine's weights: always the last one here
-        self.models = {POLICY: LocalModel(engine, trainer, policy_adapter), **(others or {})}
+        self.models = {POLICY: LocalModel(engine, trainer), **(others or {})}
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         return self._run(tasks, validation, step, progress)
@@ -103,8 +103,7 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(loaded.typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
-    others = {name: LocalModel(engine, trainer, name in rt.adapters) for name, (engine, trainer) in rt.others.items()}
-    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, others,
-                             POLICY in rt.adapters)
+    others = {name: LocalModel(engine, trainer) for name, (engine, trainer) in rt.others.items()}
+    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, others)
     return drive(loaded, settings, stages, rt.train_tasks, rt.val_tasks, count_steps(len(rt.train_tasks), settings),
                  rt.tokenizer, checkpoint)

@@ -29,17 +29,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LocalModel:
-    """One trained model: the engine that samples from it and its trainer. `adapter`: the engine serves its LoRA
-    adapter over a base shared with other models (engine/adapters.py), so a sync sends the adapter alone."""
+    """One trained model: the engine that samples from it and its trainer."""
 
     engine: object
     trainer: object
-    adapter: bool = False
 
     def sync(self) -> SyncReport:
-        if self.adapter:
-            from astuner.trainer.lora import adapter_tensors
+        """The engine serves the trainer's weights: merged ones, or, for an adapter on a base shared with other
+        models (engine/adapters.py), the adapter alone."""
+        from astuner.engine.adapters import AdapterView
+        from astuner.trainer.lora import adapter_tensors
 
+        if isinstance(self.engine, AdapterView):
             return self.engine.load_weights(adapter_tensors(self.trainer.model))
         return self.engine.load_weights(self.trainer.named_parameters_for_sync())
 

@@ -13,31 +13,26 @@ depend on which requests share its group.
 
 from __future__ import annotations
 
-import time
 from typing import Iterable
 
 import torch
 
-from astuner.engine.fingerprint import FingerprintBuilder, SyncMismatch, differences, fingerprint
 from astuner.engine.hf_engine import HFEngine
+from astuner.trainer.lora import ADAPTER_NAME, is_lora_param, lora_config
 from astuner.types import GenerateResult, SamplingParams, SyncReport
-
-TRAINER_ADAPTER = ".default."  # the trainer's own adapter name inside its parameter names (trainer/lora.py)
 
 
 class AdapterHFEngine(HFEngine):
     """The HF engine with one LoRA adapter per model over one base; `adapters`: {model name: LoraSettings}."""
 
     def __init__(self, model_path: str, adapters: dict, **kwargs) -> None:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         super().__init__(model_path, **kwargs)
         self.adapters = dict(adapters)
         peft = None
         for name, lora in self.adapters.items():
-            targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=targets,
-                                bias="none", task_type="CAUSAL_LM")
+            config = lora_config(lora, dropout=0.0)  # the engine never trains
             if peft is None:
                 peft = get_peft_model(self.model, config, adapter_name=name)  # injects into self.model in place
             else:
@@ -65,32 +60,18 @@ class AdapterHFEngine(HFEngine):
         return results  # type: ignore[return-value]
 
     def load_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Copy one adapter's tensors (the trainer's names) into the engine, then verify it serves them."""
-        own = {n: p for n, p in self.model.named_parameters() if f".{name}." in n and (".lora_A." in n or
-                                                                                   ".lora_B." in n)}
-        sent, verify_s, seen = FingerprintBuilder(), 0.0, set()
-        with self._model_lock, torch.no_grad():
+        """Copy one adapter's tensors (the trainer's names) into the engine, then verify it serves them all."""
+        own = {n: p for n, p in self.model.named_parameters() if is_lora_param(n) and f".{name}." in n}
+
+        def renamed():
             for trainer_name, tensor in named_tensors:
-                target = trainer_name.replace(TRAINER_ADAPTER, f".{name}.")
+                target = trainer_name.replace(f".{ADAPTER_NAME}.", f".{name}.")
                 if target not in own:
                     raise KeyError(f"adapter {name!r} has no parameter {target!r} (the trainer's {trainer_name!r}): "
                                    "its LoRA settings differ from the engine's")
-                value = tensor.to(own[target].device, own[target].dtype)
-                t0 = time.perf_counter()
-                sent.add(target, value)
-                verify_s += time.perf_counter() - t0
-                own[target].copy_(value)
-                seen.add(target)
-            t0 = time.perf_counter()
-            problems = differences(sent.result(), fingerprint((n, own[n]) for n in seen))
-            verify_s += time.perf_counter() - t0
-        missing = sorted(set(own) - seen)
-        if missing:
-            raise KeyError(f"the sync of adapter {name!r} left {len(missing)} of its tensors out, e.g. {missing[0]}")
-        if problems:
-            raise SyncMismatch("hf", problems)
-        self.last_sync = SyncReport(verified=1.0, verify_s=verify_s)
-        return self.last_sync
+                yield target, tensor
+
+        return self._load_verified(renamed(), own, every=f"the sync of adapter {name!r}")
 
 
 class AdapterView:

@@ -117,8 +117,14 @@ class HFEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Copy the tensors into the model, then verify it serves them (fingerprint.py): a mismatch raises."""
-        params = dict(self.model.named_parameters())
-        sent, verify_s = FingerprintBuilder(), 0.0
+        return self._load_verified(named_tensors, dict(self.model.named_parameters()))
+
+    def _load_verified(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor],
+                       every: str | None = None) -> SyncReport:
+        """Copy `named_tensors` into `params` (names as there), then compare the fingerprint of `params` with what
+        was sent: a tensor not sent keeps its old value and is named. `every`: what the sync is, for a KeyError
+        when it must send every one of `params` (an adapter's sync)."""
+        sent, verify_s, seen = FingerprintBuilder(), 0.0, set()
         with self._model_lock, torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
@@ -128,8 +134,12 @@ class HFEngine:
                 sent.add(name, value)
                 verify_s += time.perf_counter() - t0
                 self._copy_in(name, params[name], value)
+                seen.add(name)
+            missing = sorted(set(params) - seen)
+            if every is not None and missing:
+                raise KeyError(f"{every} left {len(missing)} of its tensors out, e.g. {missing[0]}")
             t0 = time.perf_counter()
-            problems = differences(sent.result(), fingerprint(self.model.named_parameters()))
+            problems = differences(sent.result(), fingerprint(params.items()))
             verify_s += time.perf_counter() - t0
         if problems:
             raise SyncMismatch("hf", problems)

@@ -153,7 +153,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
               for name, other in _other_model_paths(typed, spec, path).items()}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
                            stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary,
-                           roster=roster_of(typed, engine, {name: (e, None) for name, e in others.items()}))
+                           roster=roster_of(typed, engine, others))
     start = time.perf_counter()
     try:
         bar = progress(f"eval {label}", len(tasks) * (1 + k_samples)) if progress else None

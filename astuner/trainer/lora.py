@@ -30,18 +30,25 @@ log = logging.getLogger(__name__)
 ADAPTER_NAME = "default"
 
 
-def apply_lora(model, settings: LoraSettings):
-    """Inject LoRA layers into `model` (in place); returns the PEFT wrapper (for saving). Only adapters train."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(settings: LoraSettings, dropout: float | None = None):
+    """PEFT's LoraConfig for `settings` (`dropout`: in place of the settings', e.g. 0 where nothing trains)."""
+    from peft import LoraConfig
 
     targets = settings.target_modules
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(targets) if not isinstance(targets, str) else targets,
-                        bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                      lora_dropout=settings.dropout if dropout is None else dropout,
+                      target_modules=list(targets) if not isinstance(targets, str) else targets,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model, settings: LoraSettings):
+    """Inject LoRA layers into `model` (in place); returns the PEFT wrapper (for saving). Only adapters train."""
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(settings))
     except ValueError as exc:  # no module matched target_modules
-        raise ValueError(f"trainer_common.lora.target_modules {targets}: {exc}") from None
+        raise ValueError(f"trainer_common.lora.target_modules {settings.target_modules}: {exc}") from None
 
 
 def adapter_tensors(model) -> Iterator[tuple[str, Tensor]]:

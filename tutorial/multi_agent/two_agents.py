@@ -9,7 +9,6 @@ when the final code is the person's (CodeJudge).
 The one astuner-specific line per agent is where its client comes from: `model_tuner.for_agent(name)`.
 """
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent_quickstart"))
 
 from astuner import Workflow, WorkflowOutput  # noqa: E402
-from lookup_task import BADGES, BOXED, CODES, TOOL_SCHEMAS, find_badge, lookup_code  # noqa: E402
+from lookup_task import BADGES, BOXED, CODES, find_badge, lookup_code  # noqa: E402
+from openai_agent import answer as agent  # noqa: E402  the quick-start's tool loop, one tool per agent here
 
 FINDER = ("You find badge numbers. Call find_badge with the person's full name, then give the badge number inside "
           "\\boxed{}. Never guess.")
@@ -26,26 +26,6 @@ KEEPER = ("You answer questions about access codes. Codes are kept by badge numb
 MAX_TURNS = 3
 KEPT = {number: CODES[person] for person, number in BADGES.items()}  # badge -> its code
 BADGE = re.compile(r"\b(\d{4})\b")
-
-
-async def agent(client, system: str, question: str, tool) -> str:
-    """One agent's tool loop on an OpenAI client: ask, run the tool it calls, until it answers."""
-    schema = [s for s in TOOL_SCHEMAS if s["function"]["name"] == tool.__name__]
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    for _ in range(MAX_TURNS):
-        response = await client.chat.completions.create(model="agent", messages=messages, tools=schema)
-        message = response.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return message.content or ""
-        for call in message.tool_calls:
-            try:
-                result = tool(**json.loads(call.function.arguments or "{}")) if call.function.name == tool.__name__ \
-                    else f"Error: no tool named {call.function.name!r}; the tool is {tool.__name__}."
-            except (TypeError, ValueError) as error:  # arguments the tool does not take: the agent reads why
-                result = f"Error: {error}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return messages[-1].get("content") or ""
 
 
 def last_badge(text: str) -> str | None:
@@ -58,10 +38,10 @@ class FinderAndKeeper(Workflow):
         name = workflow_task.task.metadata["name"]
         finder = model_tuner.for_agent("finder").get_openai_client()
         keeper = model_tuner.for_agent("keeper").get_openai_client()
-        found = await agent(finder, FINDER, workflow_task.task.main_query, find_badge)
+        found = await agent(finder, workflow_task.task.main_query, FINDER, {"find_badge": find_badge}, MAX_TURNS)
         badge = last_badge(found)
-        answer = await agent(keeper, KEEPER, f"What is the access code kept for badge {badge}?", lookup_code) \
-            if badge else ""
+        answer = await agent(keeper, f"What is the access code kept for badge {badge}?", KEEPER,
+                             {"lookup_code": lookup_code}, MAX_TURNS) if badge else ""
         boxed = BOXED.findall(answer)
         finder_ok = float(badge == BADGES[name])
         keeper_ok = float(bool(boxed) and badge in KEPT and boxed[-1] == KEPT[badge])

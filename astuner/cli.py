@@ -320,8 +320,9 @@ def warmstart(
     chain_share: Annotated[float | None, typer.Option(
         help="Share of the demonstrations that chain two calls (one tool's result passed to another). Default: 0.5 "
         "with several tools, 0 with one.", min=0.0, max=1.0, show_default=False)] = None,
-    out: Annotated[str | None, typer.Option(help="The SFT run's folder. Default: <experiment_dir>_warmstart.",
-                                            show_default=False)] = None,
+    out: Annotated[str | None, typer.Option(
+        help="The warm start's folder: each draw's SFT run in draw_N/, and `model`, a link to the checkpoint kept. "
+        "Default: <experiment_dir>_warmstart.", show_default=False)] = None,
 ) -> None:
     """Warm-start a tool agent: SFT on demonstrations of made-up tools shaped like the agent's own.
 

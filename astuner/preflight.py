@@ -6,6 +6,7 @@ Memory estimate (bytes, fp32 master weights with AdamW, as the trainer runs):
              = 18 * P          bf16 (CUDA default): weights 2 + fp32 master 4 + fp32 gradients 4 + Adam 8
              = 2 or 4 * P      LoRA: the frozen base in bf16 or fp32 (+5% for adapters and their states)
     engine   =  4 * P          the engine's own fp32 copy on CPU (hf, or vLLM's weights; its KV cache on top)
+             + VLLM_CPU_RUNTIME  vLLM on CPU: its engine-core process and its worker's runtime, per engine
              =  u * M          vLLM on a GPU of M bytes: it reserves gpu_memory_utilization u for weights and KV
                                cache, and keeps it while the trainer's states stay resident
     ref      =  4 * P          the frozen reference model, only with the KL loss
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 GIB = 1024**3
 RESERVE = GIB  # the interpreter, tokenizer, data and allocator slack beside the estimated tensors
+# vLLM on CPU runs two processes beside the driver: the engine core (0.6 GiB resident) and the worker, whose
+# resident size is 0.9 GiB over its weights and KV cache. Measured with the demo model (SmolLM2-135M, fp32) at
+# 1 GiB of KV and 16 sequences and at 3 GiB and 64: 1.50 and 1.52 GiB over weights + KV, the same at both sizes.
+VLLM_CPU_RUNTIME = int(1.5 * GIB)
 
 
 @dataclass
@@ -276,6 +281,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         engine, engine_bytes = "none (offline data)", 0
     elif engine == "vllm" and device == "cuda":  # its share of the card (unknown card: not counted)
         engine_bytes = int(a.rollout.gpu_memory_utilization * (found.total_bytes or 0))
+    elif engine == "vllm":
+        engine_bytes += VLLM_CPU_RUNTIME
     precision = resolve_precision(tc.precision, device)
     plan = RunPlan(
         backbone=backbone,
@@ -312,8 +319,8 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
         trainer = _trainer_bytes(f.num_params, precision, lora)
         if shared:  # the frozen base is held once, in the policy's trainer and engine
             trainer, engine = trainer - _base_bytes(f.num_params, precision), 0
-        elif policy_engine_bytes == 4 * policy.num_params:  # an engine holding the weights: this model's
-            engine = 4 * f.num_params
+        elif policy_engine_bytes - 4 * policy.num_params in (0, VLLM_CPU_RUNTIME):  # an engine on CPU: this model's
+            engine = 4 * f.num_params + policy_engine_bytes - 4 * policy.num_params
         else:  # vLLM's share of a card (or none, offline), per engine
             engine = policy_engine_bytes
         total += trainer + engine
@@ -393,7 +400,7 @@ def _misfit_message(plan: RunPlan, processes: int, cpu_vllm: bool, kv_least: int
         f"this run does not fit in {plan.available_bytes / GIB:.1f} GiB of memory"
         f"{f' shared by {processes} processes' if processes > 1 else ''}: weights, gradients and "
         f"optimizer states {(plan.trainer_bytes + plan.ref_bytes) / GIB:.1f} GiB, the engine's weights "
-        f"{plan.engine_bytes / GIB:.1f} GiB, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
+        f"{plan.engine_bytes / GIB:.1f} GiB{' (with its processes)' if cpu_vllm else ''}, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
         f"of max_model_len={L} tokens {kv_least / GIB:.1f} GiB, and the activations of one {L}-token "
         f"micro-batch {act_bytes / GIB:.1f} GiB, beside {RESERVE / GIB:.0f} GiB for the process itself. Lower "
         "astuner.rollout.max_model_len, set astuner.trainer_common.gradient_checkpointing: true, use a "

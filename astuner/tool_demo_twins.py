@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from astuner.tool_schema import function_of, kind_of, plain_parameters
@@ -70,6 +70,11 @@ OBJECTS = [("parcel", "parcel"), ("window", "time window"), ("address", "address
            ("route", "route"), ("box", "box"), ("profile", "profile"), ("layout", "layout")]
 ARRAYS = [("stops", "stops"), ("tags", "tags"), ("entries", "entries"), ("picks", "picks"), ("legs", "legs"),
           ("samples", "samples")]
+# What a chain's first tool hands the second (with_identifier): (argument name, words); values are made-up
+# identifiers, four digits or two letters and three digits.
+IDENTIFIERS = [("order_id", "order id"), ("ticket_ref", "ticket reference"), ("member_key", "member key"),
+               ("account_tag", "account tag"), ("case_id", "case id"), ("serial", "serial"), ("pass_id", "pass id"),
+               ("file_ref", "file reference"), ("parcel_no", "parcel no")]
 # Tool names: a verb and what the tool gives.
 VERBS = ["get", "find", "check", "estimate", "lookup", "compute", "quote", "measure", "rate", "fetch"]
 NOUNS = [("shipping_cost", "shipping cost"), ("tide_level", "tide level"), ("ticket_price", "ticket price"),
@@ -286,14 +291,15 @@ def make_twin(tool: dict, rng: random.Random, banned: frozenset[str], taken_name
     """A made-up tool with the argument shapes of `tool`, named apart from `banned` and `taken_names` (the
     episode's tool names, and its tools' argument names, which it adds to)."""
     args = _twin_object(plain_parameters(tool)[0], rng, banned, taken_names)
-    free = [n for n in NOUNS if f"noun:{n[0]}" not in taken_names] or NOUNS  # two tools never give one thing
+    unsaid = [n for n in NOUNS if not (words_of(n[0]) | words_of(n[1])) & banned] or NOUNS
+    free = [n for n in unsaid if f"noun:{n[0]}" not in taken_names] or unsaid  # two tools never give one thing
     return _named(args, rng.choice(free), rng, banned, taken_names)
 
 
 def _named(args: Slot, noun: tuple[str, str], rng: random.Random, banned: frozenset[str],
            taken_names: set[str]) -> Twin:
     """The twin with parameters `args` that gives `noun` ((name part, words)), under a fresh verb_noun name."""
-    verbs = [v for v in VERBS if f"{v}_{noun[0]}" not in taken_names | banned] or VERBS
+    verbs = [v for v in VERBS if v not in banned and f"{v}_{noun[0]}" not in taken_names | banned] or VERBS
     name = f"{rng.choice(verbs)}_{noun[0]}"
     while name in taken_names or name in banned:
         name += "_x"
@@ -304,3 +310,30 @@ def _named(args: Slot, noun: tuple[str, str], rng: random.Random, banned: frozen
     schema = {"type": "function", "function": {"name": name, "description": description,
                                                "parameters": args.schema}}
     return Twin(name, noun[1], args, schema)
+
+
+def with_identifier(twin: Twin, slot: Slot, rng: random.Random, banned: frozenset[str]) -> tuple[Twin, Slot]:
+    """`twin` with its string argument `slot` made an identifier (IDENTIFIERS: a name none of the user's words
+    says, made-up values), and that new slot; `twin` and `slot` unchanged when every identifier name is taken."""
+    if slot.schema.get("format"):  # a date, an address: kept as the user's schema has it
+        return twin, slot
+    taken = {f.name for f in twin.args.fields}
+    options = [o for o in IDENTIFIERS if o[0] not in taken and not (words_of(o[0]) | words_of(o[1])) & banned]
+    if not options:
+        return twin, slot
+    name, words = rng.choice(options)
+    if rng.random() < 0.5:
+        pool = tuple(str(rng.randint(1000, 9999)) for _ in range(12))
+    else:
+        pool = tuple(f"{rng.choice(LETTERS)}{rng.choice(LETTERS)}{rng.randint(100, 999)}" for _ in range(12))
+    ident = Slot(name, words, {**slot.schema, "description": f"The {words}."}, "string", _fitting(pool, slot.schema, rng))
+    fields = tuple(ident if f is slot else f for f in twin.args.fields)
+    schema = {**twin.args.schema, "properties": {f.name: f.schema for f in fields},
+              "required": [name if r == slot.name else r for r in twin.args.schema.get("required", [])]}
+    args = replace(twin.args, schema=schema, fields=fields,
+                   required=frozenset(name if r == slot.name else r for r in twin.args.required))
+    said = [f.words for f in fields]
+    described = " and ".join([", ".join(said[:-1]), said[-1]]) if len(said) > 1 else "".join(said)
+    function = {**twin.schema["function"], "description": f"The {twin.noun}, from the {described}.",
+                "parameters": schema}
+    return Twin(twin.name, twin.noun, args, {**twin.schema, "function": function}), ident

@@ -10,10 +10,17 @@ right type, under the schema's own names, read from the question; a result read 
 answer), and GRPO still has the task to learn.
 
 Episodes, in the shape of the hand-written ones of tutorial/agent_quickstart/warmup_tools.py:
-  single  system, question, one call to one of the offered twins, its result, the boxed answer
-  chain   a first twin's result is the value of one argument of a second twin (the tutorial's flight -> gate)
+  single  system, question, one call to the one twin offered, its result, the boxed answer
+  chain   two twins offered; the first one's result, an identifier, is the value of one argument of the second
+          (the tutorial's flight -> gate, the lookup task's name -> badge -> code)
 A new set of twins is drawn for every episode, so the model learns to read names from the schema, not to recall
 them. Optional arguments are passed in about half the calls, and the question names only what is passed.
+
+Three choices, from what warm-started models did on the agent quick-start (two tools to chain; its README has the
+figures): a single-call episode offers only its tool (when every twin was offered, a second tool could go unused,
+and the model answered after its first call); what a chain passes on is an identifier (four digits, or LL999), as
+a badge or an order number is, not a word like "olive"; and a question that gives one value gives it bare half the
+time (`asked`), so the argument's name is read from the schema, not copied from the question.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from astuner.tool_demo_twins import (
     _named,
     make_twin,
     user_vocabulary,
+    with_identifier,
 )
 
 SYSTEMS_SINGLE = [
@@ -95,6 +103,18 @@ def say_item(slot: Slot, value: Any) -> str:
 def say_all(fields: tuple[Slot, ...], values: dict) -> str:
     parts = [say(f, values[f.name]) for f in fields if f.name in values]
     return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else (parts[0] if parts else "nothing")
+
+
+def asked(groups: list[tuple[tuple[Slot, ...], dict]], rng: random.Random, bare_share: float = 0.5) -> str:
+    """How a question gives the values of `groups` ((fields, values) of each tool called): each one named ("the
+    planet Mars and the quantity 3"), or, when it gives a single scalar, in `bare_share` of the episodes the value
+    alone ("Mars"). Real questions seldom name the argument ("the access code of Mira Okafor"); a model whose
+    every demonstration named it learnt to copy an argument name from the question, and took a word of the tool's
+    name when the question had none (measured: `find_badge(badge=...)` in every episode of one draw)."""
+    given = [(f, values[f.name]) for fields, values in groups for f in fields if f.name in values]
+    if len(given) == 1 and given[0][0].kind in ("string", "number", "integer", "enum") and rng.random() < bare_share:
+        return _text(given[0][1])
+    return " and ".join(say_all(fields, values) for fields, values in groups if any(f.name in values for f in fields))
 
 
 def _text(value: Any) -> str:
@@ -178,8 +198,9 @@ def demonstrations(tools: list[dict], count: int = 32, seed: int = 0, chain_shar
                 rows.append(row)
                 continue
         twin = offered[i % len(offered)]
+        offered = [twin]  # one tool offered, one called: with several offered, the chains are the episodes
         arguments = draw_value(twin.args, rng)
-        question = f"What is the {twin.noun} for {say_all(twin.args.fields, arguments)}?"
+        question = f"What is the {twin.noun} for {asked([(twin.args.fields, arguments)], rng) or 'nothing'}?"
         answer = result_value(twin, arguments)
         system = rng.choice(SYSTEMS_SINGLE).format(tool=twin.name, noun=twin.noun)
         rows.append(_episode(system, question, [(twin, arguments, f"The {twin.noun} is {answer}.")], answer,
@@ -196,6 +217,9 @@ def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: f
         return None
     second = rng.choice(seconds)
     carried = rng.choice(_passable(second))
+    if carried.kind == "string":  # what one tool hands another is most often an identifier: a number, a code
+        second, carried = with_identifier(second, carried, rng, banned)
+        offered = [second if t.name == second.name else t for t in offered]
     others = [t for t in offered if t is not second]
     if not others:  # one tool: a second twin of the same shape gives the value
         others = [make_twin(tools[0], rng, banned, names)]
@@ -210,10 +234,8 @@ def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: f
     second_args = draw_value(second.args, rng)
     second_args[carried.name] = passed
     answer = result_value(second, second_args)
-    told = [s for s in second.args.fields if s.name in second_args and s.name != carried.name]
-    given = " and ".join(p for p in (say_all(first.args.fields, first_args) if first_args else "",
-                                     say_all(tuple(told), second_args) if told else "") if p)
-    question = f"What is the {second.noun} for {given or 'this'}?"
+    told = tuple(s for s in second.args.fields if s.name != carried.name)
+    question = f"What is the {second.noun} for {asked([(first.args.fields, first_args), (told, second_args)], rng) or 'this'}?"
     system = SYSTEM_CHAIN.format(first=first.name, second=second.name, carried=carried.words, noun=second.noun)
     steps = [(first, first_args, f"The {carried.words} is {_text(passed)}."),
              (second, second_args, f"The {second.noun} is {answer}.")]

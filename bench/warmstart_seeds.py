@@ -79,7 +79,8 @@ def table(conf: Path, base: float | None, runs: list[dict], steps: int) -> None:
         c = r["curve"]
         by_step = ", ".join(f"{p['step']}: {p['success']:.2f}" for p in c[1:])
         tools = f"{c[0]['tool_calls']:.2f} -> {c[-1]['tool_calls']:.2f}" if c else "-"
-        folder, tools_file = Path(r["folder"]), Path(r["warm_start"]).parent / "tools.json"
+        # The warm start's `model` links to the kept draw's checkpoint; its tools.json is beside it.
+        folder, tools_file = Path(r["folder"]), Path(r["warm_start"]).resolve().parent / "tools.json"
         shares = [complete_calls(folder, tools_file, p["step"]) for p in (c[0], c[-1])] if c else [None, None]
         complete = " -> ".join("-" if v is None else f"{v:.2f}" for v in shares)
         print(f"| {r['seed']} | {c[0]['success'] if c else float('nan'):.2f} | {by_step} | {tools} | {complete} | "

@@ -236,3 +236,15 @@ def test_only_json_whitespace_is_trimmed_before_a_value_is_read_as_json(raw, val
     text = f"<tool_call>\n<function=f>\n<parameter=x>\n{raw}\n</parameter>\n</function>\n</tool_call>"
     out = TOOL_PARSERS["qwen3_coder"]().parse(text, {"f"})
     assert out.errors == [] and [(c.name, c.arguments) for c in out.tool_calls] == [("f", {"x": value})]
+
+
+def test_qwen3_coder_reads_a_parameter_by_its_declared_type():
+    """Qwen3-Coder writes every value as bare text: a string parameter holding digits (a badge "6282")
+    stays the string the schema declares, as vLLM's parser reads it; other types, or no schema, read as JSON."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "badge": {"type": "string"}, "count": {"type": "integer"}, "either": {"type": ["string", "null"]}}}}}]
+    text = ("<tool_call><function=f><parameter=badge>\n6282\n</parameter><parameter=count>\n7\n</parameter>"
+            "<parameter=either>\n12\n</parameter></function></tool_call>")
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    assert parser.parse(text, {"f"}, tools=tools).tool_calls[0].arguments == {"badge": "6282", "count": 7, "either": 12}
+    assert parser.parse(text, {"f"}).tool_calls[0].arguments == {"badge": 6282, "count": 7, "either": 12}

@@ -5,7 +5,7 @@ the later commands read are the reader's).
 Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
 random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns
 and no stop for steps without signal appended to each run, eval and warm start (a key the command sets itself is
-left to it). Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
+left to it); a warm start makes one draw. Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
 commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and stopped.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
@@ -82,6 +82,8 @@ if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"]):
     if "astuner.model.path" not in given:
         extra["astuner.model.path"] = TINY
     args = args + [f"{{k}}={{v}}" for k, v in extra.items()]
+    if args[:1] == ["warmstart"] and not any(a.startswith("--draws") for a in args):
+        args.append("--draws=1")  # a random model's draws never score: one shows the command works
 sys.exit(subprocess.call(real + args))
 '''
 

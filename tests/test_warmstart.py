@@ -5,6 +5,7 @@ quick-start's workflow, and the command end to end on the tiny model."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -89,17 +90,18 @@ def test_twins_of_an_unseen_schema_keep_its_shapes_and_none_of_its_names():
     assert len(rows) == 24
     assert rows == demonstrations(USER_TOOLS, count=24, seed=3)  # pure and seeded
     assert rows != demonstrations(USER_TOOLS, count=24, seed=4)
-    chains = 0
+    chains = identifiers = 0
     optional_passed = set()
     for row in rows:
         text = json.dumps(row).lower()
         assert not [w for w in USER_WORDS if f'"{w}"' in text or f" {w} " in text], text
         assert not [d for d in USER_DESCRIPTIONS if d.lower() in text]
         offered = {t["function"]["name"]: t["function"]["parameters"] for t in row["tools"]}
-        # Every user tool has a twin of its shape among the offered tools.
+        # Every offered tool is a twin of one of the user's; a single call is offered its tool alone, a chain its
+        # two (the identifier it carries reshapes nothing: a string stays a string).
         shapes = [shape(p) for p in offered.values()]
-        for tool in USER_TOOLS:
-            assert shape(tool["function"]["parameters"]) in shapes
+        assert all(s in [shape(t["function"]["parameters"]) for t in USER_TOOLS] for s in shapes)
+        assert len(offered) == len(calls_of(row))
         for t in row["tools"]:  # enums keep their size with other values
             for p in t["function"]["parameters"]["properties"].values():
                 assert not set(p.get("enum", [])) & USER_WORDS
@@ -115,7 +117,33 @@ def test_twins_of_an_unseen_schema_keep_its_shapes_and_none_of_its_names():
             chains += 1
             result = messages[3]["content"].rsplit(" is ", 1)[1].rstrip(".")
             assert result in [str(v) for v in calls[1][1].values()]
-    assert chains >= 4 and optional_passed == {True, False}
+            name, passed = calls[1][0], next(k for k, v in calls[1][1].items() if str(v) == result)
+            if "enum" not in offered[name]["properties"][passed] and isinstance(calls[1][1][passed], str):
+                identifiers += 1  # a string carried is an identifier: four digits or LL999
+                assert re.fullmatch(r"\d{4}|[A-Z]{2}\d{3}", result), result
+    assert chains >= 4 and identifiers >= 2 and optional_passed == {True, False}
+
+
+def test_no_name_or_description_of_the_demonstrations_says_a_word_of_the_users_tool_names(lookup_task):
+    """The agent quick-start's tools (find_badge, lookup_code): no twin gives a "badge colour" or a "voucher code",
+    nor uses their verbs."""
+    from astuner.tool_demos import demonstrations
+
+    said, bare = set(), 0
+    rows = demonstrations(lookup_task.TOOL_SCHEMAS, count=64, seed=0)
+    for row in rows:
+        for tool in row["tools"]:
+            function = tool["function"]
+            said |= set(re.split(r"[^a-z0-9]+", f"{function['name']} {function['description']}".lower()))
+            said |= {w for name in function["parameters"]["properties"] for w in name.split("_")}
+        # One value asked for: about half the questions give it bare ("the tide level for Mars"), so the
+        # argument's name is read from the schema, not copied from the question.
+        called = next(t for t in row["tools"] if t["function"]["name"] == calls_of(row)[0][0])
+        first_argument = next(iter(called["function"]["parameters"]["properties"].values()))
+        words = first_argument["description"].removeprefix("The ").rstrip(".")
+        bare += f" {words} " not in row["messages"][1]["content"]
+    assert not said & {"find", "badge", "lookup", "code"}, said & {"find", "badge", "lookup", "code"}
+    assert len(rows) // 4 < bare < len(rows) * 3 // 4, bare
 
 
 def test_chains_are_half_with_several_tools_none_with_one_and_the_share_is_checked():
@@ -174,7 +202,7 @@ def test_demonstrations_parse_back_with_the_family_tool_parser(family, family_to
             turn = renderer.render_text(messages[: i + 1], tools, add_generation_prompt=False)[len(before):]
             for end in ends:
                 turn = turn.split(end)[0] if end and end in turn else turn
-            parsed = parser.parse(turn, {t["function"]["name"] for t in tools})
+            parsed = parser.parse(turn, {t["function"]["name"] for t in tools}, tools=tools)
             assert parsed.errors == [], (family, turn)
             expected = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
             assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected, (family, turn)
@@ -217,13 +245,17 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
                  f"astuner.model.path={tiny_model_dir}", *small])
     out, err = capsys.readouterr()
     assert code == 0, err
-    # A random model scores no episode: the check draws once more (seed 1, a fresh folder), then says so.
-    first, folder = tmp_path / "run_warmstart", tmp_path / "run_warmstart_1"
+    # A random model scores no episode: the check draws once more (seed 1, draw_2/), then says so; the last draw
+    # is kept, linked as <folder>/model, the path the command names.
+    warm = tmp_path / "run_warmstart"
+    first, folder = warm / "draw_1", warm / "draw_2"
     checkpoint = folder / "global_step_2"
     assert out.strip().splitlines()[-1] == (f"astuner --conf {TUTORIAL / 'agent_quickstart.yaml'} "
-                                            f"{' '.join(small)} astuner.model.path={checkpoint} "
+                                            f"{' '.join(small)} astuner.model.path={warm / 'model'} "
                                             f"astuner.experiment_dir={tmp_path / 'run_from_warmstart'}")
     assert (checkpoint / "config.json").is_file() and (first / "global_step_2" / "config.json").is_file()
+    assert (warm / "model").resolve() == checkpoint.resolve() and not (warm / "model").readlink().is_absolute()
+    assert sorted(p.name for p in warm.iterdir()) == ["draw_1", "draw_2", "model"]
     assert "0 of 32 sampled episodes on 8 training task(s) scored" in err
     assert "drawing other demonstrations (seed 1)" in err and "no draw of 2 scored" in err
     assert "with --seed 2" in err  # what to do when GRPO then finds no reward
@@ -258,7 +290,7 @@ def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_ta
     from astuner.cli import main
     from astuner.offline import warmstart
 
-    checks = iter([warmstart.DrawCheck(32, 0, 0, 8), warmstart.DrawCheck(32, 5, 3, 8)])
+    checks = iter([warmstart.DrawCheck(32, 0, 0, 8), warmstart.DrawCheck(32, 5, 3, 8), warmstart.DrawCheck(32, 5, 3, 8)])
     monkeypatch.setattr(warmstart, "check_warm_start", lambda loaded, checkpoint, settings: next(checks))
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(USER_TOOLS))
@@ -268,7 +300,17 @@ def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_ta
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "draw 2 of at most 3 (seed 6)" in err and "draw 3" not in err and "WARNING" not in err
-    assert f"astuner.model.path={tmp_path / 'run_warmstart_1' / 'global_step_2'}" in out.splitlines()[-1]
+    warm = tmp_path / "run_warmstart"
+    assert f"astuner.model.path={warm / 'model'}" in out.splitlines()[-1]
+    assert (warm / "model").resolve() == (warm / "draw_2" / "global_step_2").resolve()
+    # Run again: the folder is not empty, so the next warm start writes beside it, never into it.
+    code = main(["warmstart", "--conf", str(TUTORIAL / "agent_quickstart.yaml"), "--tools", str(tools),
+                 "--count", "4", "--epochs", "1", "--draws", "1", f"astuner.experiment_dir={tmp_path / 'run'}",
+                 f"astuner.model.path={tiny_model_dir}", "astuner.data.train_batch_size=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"astuner.model.path={tmp_path / 'run_warmstart_1' / 'model'}" in out.splitlines()[-1]
+    assert (warm / "model").resolve() == (warm / "draw_2" / "global_step_2").resolve()
 
 
 def _tool(name: str, parameters, description: str = "d") -> dict:
@@ -399,5 +441,5 @@ def test_the_next_command_trains_in_a_folder_of_its_own(tmp_path, monkeypatch):
                                              f"astuner.experiment_dir={run}"],
                            grpo_folder(run), tmp_path / "ck" / "global_step_16")
     assert command == (f"astuner --conf my_agent.yaml astuner.rollout.n=4 "
-                       f"astuner.model.path={tmp_path}/ck/global_step_16 "
+                       "astuner.model.path=ck/global_step_16 "
                        "astuner.experiment_dir=launcher_record/my_agent_from_warmstart_1")

@@ -185,7 +185,7 @@ def parse_tool_calls(tool_parser, text: str, tools: list[dict] | None, call_inde
     """The response's content and tool calls (ids `call_<index>_<j>`); calls to tools nobody offered are errors."""
     if not tools and not tool_parser.has_tool_call(text):
         return ParsedOutput(content=text)
-    parsed = tool_parser.parse(text, tool_names_of(tools), id_prefix=f"call_{call_index}")
+    parsed = tool_parser.parse(text, tool_names_of(tools), id_prefix=f"call_{call_index}", tools=tools)
     if not tools:
         # A call nobody offered is flagged but not returned: the agent has nothing to run it with. Its text
         # stays, without the family's markers (a JSON answer is a call to Llama 3's parser, and an answer too).

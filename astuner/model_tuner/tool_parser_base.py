@@ -30,11 +30,14 @@ class ParsedOutput:
 class ToolParser(Protocol):
     markers: tuple[str, ...]
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         """Split `text` into plain content and tool calls.
 
         tool_names: the names offered in this call; None skips the name check, an empty set means no tools were
-        offered (so any call is an error). id_prefix: call ids are f"{id_prefix}_{index}".
+        offered (so any call is an error). id_prefix: call ids are f"{id_prefix}_{index}". tools: the offered
+        schemas; a format that writes argument values as bare text (Qwen3-Coder's) reads them by their declared
+        type, so a string argument "0042" stays a string.
         """
 
     def has_tool_call(self, text: str) -> bool:

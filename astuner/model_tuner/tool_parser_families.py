@@ -30,7 +30,8 @@ class HermesToolParser(_TaggedBlocks):
     close_tag = "</tool_call>"
     markers = (open_tag, close_tag)
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
@@ -58,8 +59,10 @@ class HermesToolParser(_TaggedBlocks):
 class Qwen3CoderToolParser(_TaggedBlocks):
     """Qwen3-Coder's XML calls: <tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>.
 
-    Parameter values are raw text: a value that parses as JSON (number, object, list, true/false/null) becomes
-    that value, anything else stays a string (what Qwen3-Coder's template writes for a string argument)."""
+    Parameter values are raw text. A parameter the offered schema declares a string (only) stays the text, as
+    vLLM's qwen3_coder parser reads it: a badge "6282" or a code "0042" is not a number. Any other value that
+    parses as JSON (number, object, list, true/false/null) becomes that value, anything else stays a string (what
+    Qwen3-Coder's template writes for a string argument)."""
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
@@ -70,7 +73,8 @@ class Qwen3CoderToolParser(_TaggedBlocks):
     def has_tool_call(self, text: str) -> bool:
         return super().has_tool_call(text) or "<function=" in text
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"
@@ -79,8 +83,10 @@ class Qwen3CoderToolParser(_TaggedBlocks):
                 out.errors.append(f"{where}: expected <function=NAME>...</function> inside <tool_call>")
                 continue
             name, inner = match.group(1).strip(), match.group(2)
+            texts = _string_parameters(tools, name)
             try:
-                arguments = {p.group(1).strip(): _json_or_text(p.group(2)) for p in self._parameter.finditer(inner)}
+                arguments = {p.group(1).strip(): p.group(2) if p.group(1).strip() in texts else _json_or_text(p.group(2))
+                             for p in self._parameter.finditer(inner)}
             except ValueError as exc:
                 out.errors.append(f"{where} ({name}): {exc}")
                 continue
@@ -94,6 +100,16 @@ class Qwen3CoderToolParser(_TaggedBlocks):
 
 
 
+def _string_parameters(tools: list[dict] | None, name: str) -> set[str]:
+    """The parameters of the offered tool `name` whose schema type is "string" and nothing else."""
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
+    return set()
+
+
 class Llama3JsonToolParser:
     """Llama 3.x JSON calls: the whole answer is {"name": ..., "parameters": {...}} (or "arguments"), optionally
     after <|python_tag|>; several calls are joined by ";". Text that is not such an object is plain content."""
@@ -105,7 +121,8 @@ class Llama3JsonToolParser:
         stripped = text.strip()
         return self.python_tag in stripped or (stripped.startswith("{") and '"name"' in stripped)
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         stripped = text.strip()
         if not (stripped.startswith(self.python_tag) or (stripped.startswith("{") and '"name"' in stripped)):
             return _finish(ParsedOutput(content=stripped), self.markers)
@@ -152,7 +169,8 @@ class MistralToolParser:
     def has_tool_call(self, text: str) -> bool:
         return self.marker in text
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         head, *segments = text.split(self.marker)
         out = ParsedOutput(content="")
         content, index = [head], 0
@@ -202,7 +220,8 @@ class Gemma4ToolParser(_TaggedBlocks):
     markers = (open_tag, close_tag, quote)
     _call = re.compile(r"\s*call\s*:\s*([^{\s]+)\s*(\{.*\})\s*$", re.DOTALL)
 
-    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call") -> ParsedOutput:
+    def parse(self, text: str, tool_names: set[str] | None = None, id_prefix: str = "call",
+              tools: list[dict] | None = None) -> ParsedOutput:
         out, bodies = self._split(text)
         for index, body in enumerate(bodies):
             where = f"tool call {index}"

@@ -6,19 +6,24 @@
 2. demonstrations with made-up twins of those tools (astuner/tool_demos.py: same argument shapes and types, none
    of the user's names, so the task itself is left to GRPO), written to `<folder>/demonstrations.jsonl`;
 3. the SFT: `algorithm.type: sft` on them (offline/run.py), with the config's model, chat template, tool prompt
-   and trainer settings, so the protocol learned is the one the rollouts render. The folder is
-   `<experiment_dir>_warmstart` (a fresh `_N` when it holds a run); its last checkpoint is what GRPO starts from.
+   and trainer settings, so the protocol learned is the one the rollouts render;
 4. a check of the draw: episodes sampled with the warm start on the first training tasks, scored by the config's
-   judge. When none scores, GRPO from it would compare equal rewards only (measured on the agent quick-start: half
-   the draws did that), so other demonstrations are drawn (the next seed), up to `draws` warm starts;
+   judge. When none scores, GRPO from it would compare equal rewards only (measured on the agent quick-start with
+   an earlier generator: half the draws did that), so other demonstrations are drawn (the next seed), up to
+   `draws` warm starts;
 5. the command to run next: GRPO from that checkpoint, in a folder of its own (`<experiment_dir>_from_warmstart`),
    since the config's folder may hold a run of the base model that a resume would refuse to continue.
+
+The folder is `<experiment_dir>_warmstart` (a fresh `_N` when it is not empty): the dry run's log, each draw's SFT
+run in `draw_<N>/` (its demonstrations, tools, log and checkpoints), and `model`, a link to the checkpoint kept, so
+the path to train from is the same whichever draw was kept (what a tutorial's command can name).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -166,13 +171,25 @@ def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> D
     return draw_check(run_episodes(loaded, str(checkpoint), tasks, settings.check_samples))
 
 
-def warmstart_folder(loaded, out: str | None) -> Path:
-    """Where the warm start writes: --out, else `<experiment_dir>_warmstart`; a fresh `_N` when it holds a run."""
-    from astuner.resume import fresh_folder, holds_a_run
+KEPT = "model"  # the link, in the warm start's folder, to the checkpoint kept
 
+
+def warmstart_folder(loaded, out: str | None) -> Path:
+    """Where the warm start writes: --out, else `<experiment_dir>_warmstart`; a fresh `_N` when it is not empty."""
     folder = Path(out).expanduser().absolute() if out else loaded.experiment_dir.with_name(
         loaded.experiment_dir.name + "_warmstart")
-    return fresh_folder(folder) if folder.is_dir() and holds_a_run(folder) else folder
+    used = lambda f: f.is_dir() and any(f.iterdir()) or f.is_file()  # noqa: E731
+    n, base = 1, folder
+    while used(folder):
+        folder, n = base.with_name(f"{base.name}_{n}"), n + 1
+    return folder
+
+
+def keep(folder: Path, checkpoint: Path) -> Path:
+    """`folder/model`, a relative link to `checkpoint` (the folder moves with it); that path."""
+    link = folder / KEPT
+    link.symlink_to(os.path.relpath(checkpoint.absolute(), folder.absolute()), target_is_directory=True)
+    return link
 
 
 def sft_overrides(folder: Path, settings: WarmStartSettings, project: str, user: list[str]) -> list[str]:
@@ -225,7 +242,9 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
 
     loaded = load_config(conf, overrides)
     folder = warmstart_folder(loaded, out)
-    sft_keys = sft_overrides(folder, settings, loaded.typed.astuner.project_name, overrides)  # refused ones: now
+    project = loaded.typed.astuner.project_name
+    sft_overrides(folder, settings, project, overrides)  # keys it refuses stop the command now
+    folder.mkdir(parents=True, exist_ok=True)
     if tools_file:
         tools = read_tools_file(Path(tools_file).expanduser())
         source = tools_file
@@ -242,18 +261,16 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         say(f"warmstart: {note}")
     for draw in range(settings.draws):
         seed = settings.seed + draw
-        if draw:  # the previous draw's folder holds its run: a fresh one
-            folder = warmstart_folder(loaded, out)
-            sft_keys = sft_overrides(folder, settings, loaded.typed.astuner.project_name, overrides)
-        count = write_demonstrations(folder, tools, replace(settings, seed=seed))
+        run = folder / f"draw_{draw + 1}"
+        count = write_demonstrations(run, tools, replace(settings, seed=seed))
         say(f"warmstart: draw {draw + 1} of at most {settings.draws} (seed {seed}): {len(tools)} tool(s) from {source} "
             f"({', '.join(names)}); {count} demonstrations with made-up tools of the same argument shapes in "
-            f"{folder / DEMONSTRATIONS}")
-        checkpoint = _sft(conf, sft_keys, folder)
-        setup_logging(folder, "check.log")
+            f"{run / DEMONSTRATIONS}")
+        checkpoint = _sft(conf, sft_overrides(run, settings, project, overrides), run)
+        setup_logging(run, "check.log")
         check = check_warm_start(loaded, checkpoint, settings)
         say(f"warmstart: {checkpoint}: {check.scored} of {check.episodes} sampled episodes on {check.tasks} training "
-            f"task(s) scored; {check.signal_tasks} task(s) give GRPO rewards to compare (log: {folder / 'check.log'})")
+            f"task(s) scored; {check.signal_tasks} task(s) give GRPO rewards to compare (log: {run / 'check.log'})")
         if not check.stuck:
             break
         if draw + 1 < settings.draws:
@@ -263,7 +280,9 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
             say(f"warmstart: WARNING: no draw of {settings.draws} scored on the training tasks; GRPO from the last one "
                 "will likely stop without a learning signal. Try --draws with more, a few demonstrations of your own "
                 "task (algorithm.type sft on offline_data), or a larger model")
-    return WarmStartResult(checkpoint, grpo_command(conf, overrides, grpo_folder(loaded.experiment_dir), checkpoint))
+    kept = keep(folder, checkpoint)
+    say(f"warmstart: {kept} is {checkpoint}")
+    return WarmStartResult(kept, grpo_command(conf, overrides, grpo_folder(loaded.experiment_dir), kept))
 
 
 def _sft(conf: str, sft_keys: list[str], folder: Path) -> Path:
@@ -288,14 +307,19 @@ def grpo_folder(experiment_dir: Path) -> Path:
     return fresh_folder(folder) if folder.is_dir() and holds_a_run(folder) else folder
 
 
+def _from_here(path: Path) -> Path:
+    """`path` relative to the working directory when it is under it (a command to copy reads shorter)."""
+    try:
+        return path.absolute().relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
 def grpo_command(conf: str, overrides: list[str], folder: Path, checkpoint: Path) -> str:
     """The command that trains the agent from the warm start: the user's config and overrides, the checkpoint as
     the model and `folder` as the run's folder (relative to the working directory when it is under it)."""
     own = ("astuner.model.path", "astuner.experiment_dir")
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in own]
-    try:
-        folder = folder.relative_to(Path.cwd())
-    except ValueError:
-        pass
+    folder, checkpoint = _from_here(folder), _from_here(checkpoint)
     words = ["astuner", "--conf", conf, *kept, f"astuner.model.path={checkpoint}", f"astuner.experiment_dir={folder}"]
     return " ".join(shlex.quote(str(w)) for w in words)

@@ -3,7 +3,8 @@
 Two ways to train it:
     astuner --conf agent_quickstart.yaml astuner.rollout.agentscope_workflow='tune_agent.py->run_agent'
     python tune_agent.py          (tune() with the same YAML; the judge is a function here)
-Both start from the warm start that `astuner --conf sft.yaml` saves (README.md), run from this folder.
+Both start from the warm start that `astuner warmstart --conf agent_quickstart.yaml` saves (README.md), run from
+this folder.
 `model` is the episode's model (an AgentScope chat model, recorded with exact token ids), so the ReAct agent of
 react_agent.py runs on it unchanged.
 """
@@ -30,4 +31,4 @@ async def judge(task: dict, response, auxiliary_models) -> JudgeOutput:
 
 if __name__ == "__main__":
     tune(workflow_func=run_agent, judge_func=judge, config_path=str(Path(__file__).with_name("agent_quickstart.yaml")),
-         overrides=["astuner.model.path=launcher_record/sft/global_step_16"])
+         overrides=["astuner.model.path=launcher_record/agent_quickstart_warmstart/model"])

@@ -10,7 +10,14 @@ from test_run_contract import write_run
 from astuner.config import load_config
 from astuner.errors import UserError
 from astuner.memory import ModelShape, blocks_of
-from astuner.preflight import GIB, RESERVE, VLLM_CPU_RUNTIME, ModelFacts, check_fits, make_plan
+from astuner.preflight import (
+    GIB,
+    RESERVE,
+    VLLM_CPU_RUNTIME,
+    ModelFacts,
+    check_fits,
+    make_plan,
+)
 
 # SmolLM2-135M-Instruct's config.json: 30 layers, hidden 576, MLP 1536, vocabulary 49152, 3 KV heads of 64.
 DEMO = ModelShape(layers=30, hidden=576, intermediate=1536, vocab=49152, kv_heads=3, head_dim=64)

@@ -440,6 +440,6 @@ def test_the_next_command_trains_in_a_folder_of_its_own(tmp_path, monkeypatch):
     command = grpo_command("my_agent.yaml", ["astuner.rollout.n=4", "astuner.model.path=base",
                                              f"astuner.experiment_dir={run}"],
                            grpo_folder(run), tmp_path / "ck" / "global_step_16")
-    assert command == (f"astuner --conf my_agent.yaml astuner.rollout.n=4 "
+    assert command == ("astuner --conf my_agent.yaml astuner.rollout.n=4 "
                        "astuner.model.path=ck/global_step_16 "
                        "astuner.experiment_dir=launcher_record/my_agent_from_warmstart_1")

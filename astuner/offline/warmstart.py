@@ -178,9 +178,8 @@ def warmstart_folder(loaded, out: str | None) -> Path:
     """Where the warm start writes: --out, else `<experiment_dir>_warmstart`; a fresh `_N` when it is not empty."""
     folder = Path(out).expanduser().absolute() if out else loaded.experiment_dir.with_name(
         loaded.experiment_dir.name + "_warmstart")
-    used = lambda f: f.is_dir() and any(f.iterdir()) or f.is_file()  # noqa: E731
     n, base = 1, folder
-    while used(folder):
+    while folder.is_file() or folder.is_dir() and any(folder.iterdir()):
         folder, n = base.with_name(f"{base.name}_{n}"), n + 1
     return folder
 

@@ -319,7 +319,7 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
         trainer = _trainer_bytes(f.num_params, precision, lora)
         if shared:  # the frozen base is held once, in the policy's trainer and engine
             trainer, engine = trainer - _base_bytes(f.num_params, precision), 0
-        elif policy_engine_bytes - 4 * policy.num_params in (0, VLLM_CPU_RUNTIME):  # an engine on CPU: this model's
+        elif policy_engine_bytes - 4 * policy.num_params in (0, VLLM_CPU_RUNTIME):  # on CPU: this model's
             engine = 4 * f.num_params + policy_engine_bytes - 4 * policy.num_params
         else:  # vLLM's share of a card (or none, offline), per engine
             engine = policy_engine_bytes
@@ -396,11 +396,12 @@ def _misfit_message(plan: RunPlan, processes: int, cpu_vllm: bool, kv_least: int
     """Why the run does not fit even with one full-length micro-batch (`act_bytes`) and the least KV cache, with
     the figures and what to change."""
     L = plan.max_model_len
+    with_processes = " (with its processes)" if cpu_vllm else ""
     return (
         f"this run does not fit in {plan.available_bytes / GIB:.1f} GiB of memory"
         f"{f' shared by {processes} processes' if processes > 1 else ''}: weights, gradients and "
         f"optimizer states {(plan.trainer_bytes + plan.ref_bytes) / GIB:.1f} GiB, the engine's weights "
-        f"{plan.engine_bytes / GIB:.1f} GiB{' (with its processes)' if cpu_vllm else ''}, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
+        f"{plan.engine_bytes / GIB:.1f} GiB{with_processes}, a KV cache for {'one sequence' if cpu_vllm else 'its sequences'} "
         f"of max_model_len={L} tokens {kv_least / GIB:.1f} GiB, and the activations of one {L}-token "
         f"micro-batch {act_bytes / GIB:.1f} GiB, beside {RESERVE / GIB:.0f} GiB for the process itself. Lower "
         "astuner.rollout.max_model_len, set astuner.trainer_common.gradient_checkpointing: true, use a "

@@ -326,7 +326,8 @@ def with_identifier(twin: Twin, slot: Slot, rng: random.Random, banned: frozense
         pool = tuple(str(rng.randint(1000, 9999)) for _ in range(12))
     else:
         pool = tuple(f"{rng.choice(LETTERS)}{rng.choice(LETTERS)}{rng.randint(100, 999)}" for _ in range(12))
-    ident = Slot(name, words, {**slot.schema, "description": f"The {words}."}, "string", _fitting(pool, slot.schema, rng))
+    ident = Slot(name, words, {**slot.schema, "description": f"The {words}."}, "string",
+                 _fitting(pool, slot.schema, rng))
     fields = tuple(ident if f is slot else f for f in twin.args.fields)
     schema = {**twin.args.schema, "properties": {f.name: f.schema for f in fields},
               "required": [name if r == slot.name else r for r in twin.args.schema.get("required", [])]}

@@ -235,7 +235,8 @@ def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: f
     second_args[carried.name] = passed
     answer = result_value(second, second_args)
     told = tuple(s for s in second.args.fields if s.name != carried.name)
-    question = f"What is the {second.noun} for {asked([(first.args.fields, first_args), (told, second_args)], rng) or 'this'}?"
+    given = asked([(first.args.fields, first_args), (told, second_args)], rng)
+    question = f"What is the {second.noun} for {given or 'this'}?"
     system = SYSTEM_CHAIN.format(first=first.name, second=second.name, carried=carried.words, noun=second.noun)
     steps = [(first, first_args, f"The {carried.words} is {_text(passed)}."),
              (second, second_args, f"The {second.noun} is {answer}.")]

@@ -85,8 +85,8 @@ class Qwen3CoderToolParser(_TaggedBlocks):
             name, inner = match.group(1).strip(), match.group(2)
             texts = _string_parameters(tools, name)
             try:
-                arguments = {p.group(1).strip(): p.group(2) if p.group(1).strip() in texts else _json_or_text(p.group(2))
-                             for p in self._parameter.finditer(inner)}
+                arguments = {p.group(1).strip(): p.group(2) if p.group(1).strip() in texts
+                             else _json_or_text(p.group(2)) for p in self._parameter.finditer(inner)}
             except ValueError as exc:
                 out.errors.append(f"{where} ({name}): {exc}")
                 continue

@@ -304,10 +304,7 @@ def _named(args: Slot, noun: tuple[str, str], rng: random.Random, banned: frozen
     while name in taken_names or name in banned:
         name += "_x"
     taken_names |= {name, f"noun:{noun[0]}"}
-    words_of = [s.words for s in args.fields]
-    described = " and ".join([", ".join(words_of[:-1]), words_of[-1]]) if len(words_of) > 1 else "".join(words_of)
-    description = f"The {noun[1]}" + (f", from the {described}." if described else ".")
-    schema = {"type": "function", "function": {"name": name, "description": description,
+    schema = {"type": "function", "function": {"name": name, "description": _description(noun[1], args.fields),
                                                "parameters": args.schema}}
     return Twin(name, noun[1], args, schema)
 
@@ -333,8 +330,12 @@ def with_identifier(twin: Twin, slot: Slot, rng: random.Random, banned: frozense
               "required": [name if r == slot.name else r for r in twin.args.schema.get("required", [])]}
     args = replace(twin.args, schema=schema, fields=fields,
                    required=frozenset(name if r == slot.name else r for r in twin.args.required))
+    function = {**twin.schema["function"], "description": _description(twin.noun, fields), "parameters": schema}
+    return Twin(twin.name, twin.noun, args, {**twin.schema, "function": function}), ident
+
+
+def _description(noun: str, fields: tuple[Slot, ...]) -> str:
+    """A twin's description: "The tide level, from the city, quantity and size." (what it gives, from what)."""
     said = [f.words for f in fields]
     described = " and ".join([", ".join(said[:-1]), said[-1]]) if len(said) > 1 else "".join(said)
-    function = {**twin.schema["function"], "description": f"The {twin.noun}, from the {described}.",
-                "parameters": schema}
-    return Twin(twin.name, twin.noun, args, {**twin.schema, "function": function}), ident
+    return f"The {noun}" + (f", from the {described}." if described else ".")

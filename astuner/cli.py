@@ -5,16 +5,16 @@ when the command runs, and the backbone (torch and friends) only after the confi
 Every bad input ends as one `astuner: error: ...` paragraph on stderr and exit code 2, never a traceback.
 """
 
-import contextlib
 import os
-import signal
 import sys
-import threading
 from typing import Annotated
 
 import typer
 
+from astuner.cli_serve import key_app, serve_app
 from astuner.errors import StageTimeout, TrainingStalled, UserError, WorkerLost
+from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
+from astuner.launch import run
 
 # Older Typer raises the click package's exceptions; newer Typer vendors click and raises its own types.
 _CLI_ERRORS: tuple = tuple(t for t in (getattr(typer, "TyperException", None),) if t)
@@ -29,7 +29,6 @@ except ImportError:  # only newer Typer gets here, and it needs no click
 
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
-TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports it
 STALLED_EXIT = 1
 
 app = typer.Typer(
@@ -76,9 +75,11 @@ def launch(
     Warm-start a tool agent on made-up tools shaped like its own: astuner warmstart --conf x.yaml
 
     Check a node before a long job (engine, parity, sync, memory plan): astuner doctor --conf x.yaml
+
+    Serve the model for training over the Tinker API: astuner serve --conf x.yaml (keys: astuner serve-key)
     """
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
     except Terminated:
         print("astuner: terminated (SIGTERM); the engine's processes were stopped", file=sys.stderr)
@@ -86,75 +87,6 @@ def launch(
     except KeyboardInterrupt:
         print("astuner: interrupted", file=sys.stderr)
         raise typer.Exit(INTERRUPT_EXIT) from None
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler, a timeout, `kill`): unwinds like Ctrl-C, so every `finally` runs and the engine's
-    own processes (vLLM's engine core and workers, which outlive a parent killed outright) are stopped."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
-    """The command's work, without argument parsing. Raises UserError for bad input."""
-    from astuner.backbone import BACKBONES  # the registry; light (no torch, no Hydra)
-
-    if backbone not in BACKBONES:
-        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
-    if with_ray and backbone == "debug":
-        raise UserError("--with-ray places the verl or trinity backbone on a Ray cluster; the debug backbone runs in "
-                        "this one process. Drop --with-ray, or add --backbone verl (or trinity).")
-
-    from astuner.config import config_warnings, load_config, save_config
-    from astuner.resume import plan_start
-
-    loaded = load_config(conf, overrides)
-    for note in loaded.derived:
-        print(f"astuner: derived {note}", file=sys.stderr)
-    for warning in config_warnings(loaded, backbone):
-        # Printed rather than logged: logging is configured by the backbone, which has not started yet.
-        print(f"astuner: warning: {warning}", file=sys.stderr)
-    start = plan_start(loaded)
-    loaded = start.loaded
-    print(f"astuner: {start.message}", file=sys.stderr)
-    if start.note:
-        print(f"astuner: {start.note}", file=sys.stderr)
-    save_config(loaded, resumed_at=start.resumed_step)
-    print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
-
-    # Runs must not reach for the Hugging Face hub (offline clusters, reproducibility); a user can still opt in.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from astuner.backbone import run_backbone
-
-    viewer = None
-    if with_logview:
-        from astuner.logview.app import LogViewServer
-
-        viewer = LogViewServer(loaded.experiment_dir, loaded.typed.astuner.logview.port)
-        print(f"astuner: log viewer at {viewer.start()} (this run's trajectories appear as its steps finish)",
-              file=sys.stderr)
-    try:
-        run_backbone(backbone, loaded, checkpoint=start.checkpoint, with_ray=with_ray)
-    finally:
-        if viewer is not None:
-            viewer.stop()
-            print(f"astuner: log viewer stopped; reopen this run with: astuner logview {loaded.experiment_dir}",
-                  file=sys.stderr)
 
 
 def _subcommand_app() -> typer.Typer:
@@ -414,7 +346,7 @@ def doctor(
 
 
 SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app,
-               "doctor": doctor_app}
+               "doctor": doctor_app, "serve": serve_app, "serve-key": key_app}
 
 
 def _fail(message: str) -> int:

@@ -102,9 +102,15 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
     the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
     `entry`: an astuner.models entry, whose LoRA rank and learning rate replace the run's."""
+    from astuner.trainer import Trainer
+
+    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, entry))
+
+
+def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, entry=None):
+    """The TrainerSettings of `build_trainer`."""
     from astuner import preflight
     from astuner.config.effective import effective
-    from astuner.trainer import Trainer
     from astuner.trainer.settings import TrainerSettings
 
     typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
@@ -121,7 +127,7 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
         precision=tc.precision,
-        lora=_lora_settings(tc.lora),
+        lora=lora_settings(tc.lora),
         # The sampling filter shapes the distribution rollouts were drawn from (offline data: no filter).
         top_k=typed.astuner.rollout.top_k,
         top_p=typed.astuner.rollout.top_p,
@@ -147,11 +153,11 @@ def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: 
     )
     if entry is not None:
         settings = replace(settings, lr=settings.lr if entry.lr is None else entry.lr,
-                           lora=settings.lora if entry.lora_rank is None else _lora_settings(tc.lora, entry.lora_rank))
-    return Trainer(model_path, settings)
+                           lora=settings.lora if entry.lora_rank is None else lora_settings(tc.lora, entry.lora_rank))
+    return settings
 
 
-def _lora_settings(section, rank: int | None = None):
+def lora_settings(section, rank: int | None = None):
     rank = section.rank if rank is None else rank
     if rank == 0:
         return None
@@ -431,7 +437,7 @@ def build_adapter_engine(typed, prep: Prepared, names: list[str]):
 
     tc, tokenizer = typed.astuner.trainer_common, prep.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    lora = {name: _lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
+    lora = {name: lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
     return AdapterHFEngine(prep.model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
                            seed=typed.astuner.seed, pad_token_id=pad)
 

@@ -239,7 +239,7 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
     Bad input raises `UserError` with the same one-paragraph message the CLI prints."""
     import yaml
 
-    from astuner.cli import run
+    from astuner.launch import run
 
     workflow_spec = function_spec(workflow_func, "workflow_func")
     judge_spec = None if judge_func is None else function_spec(judge_func, "judge_func")

@@ -4,8 +4,8 @@ the later commands read are the reader's).
 
 Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
 random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns
-and no stop for steps without signal appended to each run, eval and warm start (a key the command sets itself is
-left to it); a warm start makes one draw. Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
+and no stop for steps without signal appended to each run, eval, warm start and serve (a key the command sets
+itself is left to it); a warm start makes one draw. Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
 commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and stopped.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
@@ -76,7 +76,7 @@ if args[:1] == ["logview"]:
         proc.terminate()
         proc.wait(30)
 given = {{a.split("=", 1)[0].lstrip("+") for a in args if "=" in a and not a.startswith("-")}}
-if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"]):
+if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"], ["serve"]):
     args = [a.replace("demo:smollm2-135m-instruct", TINY) for a in args]
     extra = {{k: v for k, v in SHRINK.items() if k not in given}}
     if "astuner.model.path" not in given:

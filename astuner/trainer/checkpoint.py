@@ -181,6 +181,9 @@ def restore_state(trainer, state: dict) -> None:
         raise ValueError(f"weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
     optimizer = state["optimizer"]
+    if optimizer is None:  # weights only: the optimizer starts afresh (Adam moments of other weights would mislead)
+        trainer.optimizer.state.clear()
+        return
     if trainer.sharded:
         optimizer = fsdp.shard_optimizer_state(optimizer, trainer._params)
     trainer.optimizer.load_state_dict(optimizer)

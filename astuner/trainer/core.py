@@ -2,7 +2,7 @@
 
 A small client: losses are objects handed to it (`algorithm/objectives.py`), not branches inside it.
     forward_backward(batch, objective)  backward one mini-batch's loss into the gradients, micro-batch by micro-batch
-    optim_step()                         grad-norm clip, AdamW step at the scheduled learning rate
+    optim_step(adam=None)                grad-norm clip, AdamW step at the scheduled learning rate (or the caller's)
     forward_logprobs(samples)            the response tokens' logprobs (`trainer/forward.py`)
     state_dict() / load_state_dict()     weights, optimizer and step count (`trainer/checkpoint.py` writes them)
     train(samples, objective)            one whole step (`trainer/step.py`) -> TrainResult(metrics, trainer logprobs)
@@ -33,7 +33,6 @@ The model stays in eval mode (no dropout), so that before any update the trainer
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -46,11 +45,9 @@ from astuner.trainer.lora import apply_lora, merged_named_tensors, set_adapter_d
 from astuner.trainer.precision import MasterWeights, cast_parameters, resolve_precision
 from astuner.step_plan import lr_at, split_micro_batches, split_pair_micro_batches
 from astuner.trainer.forward import HeadPath, active_dropout, check_fast_head, response_logprobs
-from astuner.trainer.settings import TrainerSettings
-from astuner.trainer.step import forward_backward, train_step
+from astuner.trainer.settings import AdamStep, TrainerSettings
+from astuner.trainer.step import forward_backward, optimizer_step, train_step
 from astuner.types import Sample, TrainResult
-
-log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -212,10 +209,11 @@ class Trainer:
         return forward_backward(self, samples, objective, logprobs_out)
 
     @torch.no_grad()
-    def forward(self, samples: list[Sample], objective: str | TokenObjective = "policy") -> dict[str, float]:
+    def forward(self, samples: list[Sample], objective: str | TokenObjective = "policy",
+                logprobs_out: list | None = None) -> dict[str, float]:
         """The sums `forward_backward` returns, without a gradient and in eval mode (validation losses)."""
         self.model.eval()
-        return forward_backward(self, samples, objective, backward=False)
+        return forward_backward(self, samples, objective, logprobs_out, backward=False)
 
     @property
     def current_lr(self) -> float:
@@ -223,26 +221,11 @@ class Trainer:
         return lr_at(self.optimizer_steps, s.lr, s.lr_warmup_steps, max(1, s.total_optimizer_steps),
                      s.lr_scheduler_type, s.min_lr_ratio)
 
-    def optim_step(self) -> dict[str, float]:
-        """Grad-norm clip and AdamW step on the accumulated gradients, then zero them: {grad_norm, lr}. A
-        non-finite grad norm skips the update (it would poison the Adam moments for good)."""
-        self._check_joined()
-        lr = self.current_lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        max_norm = self.settings.grad_clip if self.settings.grad_clip is not None else float("inf")
-        if self.dp is not None and self._root is None:  # sharded: reduce-scattered in the backward already
-            self.dp.all_reduce_grads(self._master.model_params)
-        self._master.grads_to_masters()
-        grad_norm = fsdp.full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
-        if torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.step()
-            self._master.masters_to_model()
-            self.optimizer_steps += 1
-        else:
-            log.warning("non-finite grad norm (%s): optimizer step skipped", grad_norm)
-        self._master.zero_grad()
-        return {"grad_norm": grad_norm, "lr": lr}
+    def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
+        """Grad-norm clip and AdamW step on the accumulated gradients, then zero them: {grad_norm, lr}
+        (`trainer/step.py`). `adam`: this step's settings from the caller, in place of the configured learning
+        rate schedule, weight decay and clip."""
+        return optimizer_step(self, adam)
 
     def zero_grad(self) -> None:
         self._check_joined()
@@ -292,7 +275,8 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned ("model": whole weights by name, adapters only with LoRA). Tied
-        weights may be missing (saved once); anything else missing or unexpected is a ValueError."""
+        weights may be missing (saved once); anything else missing or unexpected is a ValueError. "optimizer" None:
+        the weights alone, with a fresh optimizer state."""
         checkpoint.restore_state(self, state)
 
     def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True,

@@ -27,6 +27,18 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
+class AdamStep:
+    """One optimizer step's AdamW settings, given by the caller (the Tinker API's AdamParams) instead of the
+    configured schedule. grad_clip None: no clipping."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+
+
+@dataclass(frozen=True)
 class TrainerSettings:
     # --- optimizer and schedule (step_plan.lr_at) ---
     lr: float = 1e-6

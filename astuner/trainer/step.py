@@ -15,6 +15,7 @@ token (`forwarded_token_fraction` says what share of the weighted tokens was for
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,11 +26,13 @@ from astuner.algorithm.loss import token_weights
 from astuner.algorithm.mismatch import mismatch_sums
 from astuner.algorithm.objectives import TokenBatch, token_objective
 from astuner.step_plan import offsets, split_mini_batches
+from astuner.trainer import fsdp
 from astuner.types import Sample, TrainResult
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from astuner.algorithm.objectives import TokenObjective  # noqa: F401 (annotations)
-
 
 
 @dataclass
@@ -211,3 +214,28 @@ def recompute_old_logprobs(trainer, samples: list[Sample]
     return out, {"logprob_abs_diff_mean": sums["logprob_abs_diff"] / tokens,
                  "logprob_abs_diff_max": sums["logprob_abs_diff_max"],
                  "kl_engine_trainer_k3": sums["kl_engine_trainer_k3"] / tokens}, recomputed
+
+
+def optimizer_step(trainer, adam=None) -> dict[str, float]:
+    """`Trainer.optim_step`. A non-finite grad norm skips the update (it would poison the Adam moments for good)."""
+    trainer._check_joined()
+    lr = trainer.current_lr if adam is None else adam.lr
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+        if adam is not None:
+            group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
+    clip = trainer.settings.grad_clip if adam is None else adam.grad_clip
+    max_norm = clip if clip is not None else float("inf")
+    master = trainer._master
+    if trainer.dp is not None and trainer._root is None:  # sharded: reduce-scattered in the backward already
+        trainer.dp.all_reduce_grads(master.model_params)
+    master.grads_to_masters()
+    grad_norm = fsdp.full(torch.nn.utils.clip_grad_norm_(trainer._params, max_norm)).item()
+    if torch.isfinite(torch.tensor(grad_norm)):
+        trainer.optimizer.step()
+        master.masters_to_model()
+        trainer.optimizer_steps += 1
+    else:
+        log.warning("non-finite grad norm (%s): optimizer step skipped", grad_norm)
+    master.zero_grad()
+    return {"grad_norm": grad_norm, "lr": lr}

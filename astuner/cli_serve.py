@@ -1,0 +1,166 @@
+"""`astuner serve` and `astuner serve-key`: the commands (light imports only; the server loads torch when it starts)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from astuner.errors import UserError
+
+
+def _app() -> typer.Typer:
+    return typer.Typer(add_completion=False, rich_markup_mode=None,
+                       context_settings={"help_option_names": ["-h", "--help"]})
+
+
+serve_app = _app()
+key_app = _app()
+
+
+def _say(line: str) -> None:
+    print(f"astuner: {line}", file=sys.stderr, flush=True)
+
+
+@serve_app.command()
+def serve(
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The YAML config: its model (astuner.model.path), "
+                                      "trainer settings and experiment_dir.", show_default=False)],
+    overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides.",
+                                                          show_default=False)] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; another than loopback only with keys "
+                                      "(astuner serve-key create).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port; 0: any free port.")] = 8000,
+    max_training_clients: Annotated[int, typer.Option(help="Training clients held at once (each is a trainer "
+                                                      "with its optimizer state).", min=1)] = 2,
+    public_url: Annotated[str | None, typer.Option(help="The address remote agents reach this server at (default: "
+                                                   "http://HOST:PORT).", show_default=False)] = None,
+    with_logview: Annotated[bool, typer.Option("--with-logview", help="With remote agents: serve the run's "
+                                               "trajectory and metrics viewer on 127.0.0.1, as a run does.")] = False,
+) -> None:
+    """Serve the config's model for training over the Tinker API (the `tinker` SDK works unchanged), or run the
+    config's training with its agents elsewhere.
+
+    Example: astuner serve --conf tutorial/quickstart/quickstart.yaml, then in Python:
+    tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")
+
+    Ctrl-C stops the server after saving every open training client's state (weights and optimizer) and printing
+    its tinker:// path; a restarted server loads it with create_training_client_from_state_with_optimizer.
+
+    With rollout.agentscope_workflow: astuner.serve.remote_board->RemoteAgents, the config's training loop runs
+    here and remote clients (astuner.remote.RemoteClient) run its episodes: see tutorial/remote_agent/.
+    """
+    from astuner.config import load_config
+    from astuner.serve import check_host, serve_dir
+    from astuner.serve.keys import KeyStore
+
+    loaded = load_config(conf, list(overrides or []))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    keys = KeyStore(serve_dir(loaded) / "keys.json")
+    check_host(host, keys)  # before any model loads
+    if loaded.typed.astuner.rollout.agentscope_workflow == REMOTE_WORKFLOW:
+        return _serve_remote_agents(conf, list(overrides or []), keys, host, port, public_url, with_logview)
+    if with_logview:
+        raise UserError("serve --with-logview shows a run's episodes: it applies with remote agents "
+                        f"(rollout.agentscope_workflow: {REMOTE_WORKFLOW}); a Tinker API client logs its own")
+    _serve_tinker(loaded, keys, host, port, max_training_clients)
+
+
+REMOTE_WORKFLOW = "astuner.serve.remote_board->RemoteAgents"
+
+
+def _serve_tinker(loaded, keys, host: str, port: int, max_training_clients: int) -> None:
+    from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
+    from astuner.logs import setup_logging
+    from astuner.serve import build_service, serve_dir, serve_summary, tinker_server
+
+    log_file = setup_logging(serve_dir(loaded), "serve.log")
+    _say(f"loading {loaded.typed.astuner.model.path}; the server's log goes to {log_file}")
+    service = build_service(loaded, max_training_clients)
+    server = tinker_server(service, keys, host, port)
+    print(serve_summary(service, server.url, keys), file=sys.stderr)
+    _say(f"serving the Tinker API at {server.url}; Ctrl-C saves the open training clients and stops")
+    server.start()
+    try:
+        with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does: the clients' states are saved
+            server.wait()
+    except Terminated:
+        _say("terminated (SIGTERM)")
+        raise typer.Exit(TERMINATED_EXIT) from None
+    finally:
+        server.stop()
+        for path in service.save_open_clients("at_shutdown"):
+            _say(f"saved {path} (resume with create_training_client_from_state_with_optimizer)")
+        service.engine.shutdown()
+
+
+def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port: int, public_url: str | None,
+                         with_logview: bool) -> None:
+    """The YAML's training run, its episodes taken by remote clients (`astuner.remote`) from this server."""
+    from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
+    from astuner.launch import run
+    from astuner.serve import Server
+    from astuner.serve.remote_app import RemoteApp
+    from astuner.serve.remote_board import EpisodeBoard, install_board
+
+    board = EpisodeBoard()
+    server = Server(RemoteApp(board, keys), keys, host, port)
+    board.public_url = (public_url or server.url).rstrip("/")
+    install_board(board)
+    server.start()
+    _say(f"remote agents: episodes at {board.public_url}/astuner/v1/episodes/next, model calls at "
+         f"{board.public_url}/v1 (each episode's own key); the run starts now")
+    try:
+        with sigterm_as_interrupt():
+            run(conf, "debug", overrides, with_logview=with_logview)
+    except Terminated:
+        _say("terminated (SIGTERM); the last checkpoint resumes with the same command")
+        raise typer.Exit(TERMINATED_EXIT) from None
+    finally:
+        board.run_over = True  # waiting clients hear it before the server closes
+        time.sleep(0.5)
+        install_board(None)
+        server.stop()
+
+
+@key_app.command("create")
+def key_create(
+    name: Annotated[str, typer.Argument(help="Who the key is for (a client, a machine).", show_default=False)],
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The served YAML config.", show_default=False)],
+) -> None:
+    """Create a client's key; it is printed once (keep it: only its digest is stored)."""
+    store = _keys(conf)
+    key = store.create(name)
+    _say(f"key {name!r} created; the server accepts it at once (and only keys from now on)")
+    print(key)
+
+
+@key_app.command("revoke")
+def key_revoke(
+    name: Annotated[str, typer.Argument(help="The key's name.", show_default=False)],
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The served YAML config.", show_default=False)],
+) -> None:
+    """Revoke a client's key (a running server refuses it from its next request)."""
+    _keys(conf).revoke(name)
+    _say(f"key {name!r} revoked")
+
+
+@key_app.command("list")
+def key_list(conf: Annotated[str, typer.Option("--conf", "-c", help="The served YAML config.",
+                                               show_default=False)]) -> None:
+    """The names of the keys (the keys themselves are not stored)."""
+    for name in _keys(conf).names():
+        print(name)
+
+
+def _keys(conf: str):
+    from astuner.config import load_config
+    from astuner.serve import serve_dir
+    from astuner.serve.keys import KeyStore
+
+    if not os.path.exists(conf):
+        raise UserError(f"serve-key: no config at {conf}")
+    return KeyStore(serve_dir(load_config(conf, [])) / "keys.json")

@@ -1,0 +1,55 @@
+"""The work of `astuner --conf x.yaml` without its argument parsing: check the config, plan the start (fresh or
+resumed), save the config, run the backbone. `astuner serve` (remote agents) and `tune()` call it too."""
+
+import os
+import sys
+
+from astuner.errors import UserError
+
+
+def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
+    """The command's work, without argument parsing. Raises UserError for bad input."""
+    from astuner.backbone import BACKBONES  # the registry; light (no torch, no Hydra)
+
+    if backbone not in BACKBONES:
+        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
+    if with_ray and backbone == "debug":
+        raise UserError("--with-ray places the verl or trinity backbone on a Ray cluster; the debug backbone runs in "
+                        "this one process. Drop --with-ray, or add --backbone verl (or trinity).")
+
+    from astuner.config import config_warnings, load_config, save_config
+    from astuner.resume import plan_start
+
+    loaded = load_config(conf, overrides)
+    for note in loaded.derived:
+        print(f"astuner: derived {note}", file=sys.stderr)
+    for warning in config_warnings(loaded, backbone):
+        # Printed rather than logged: logging is configured by the backbone, which has not started yet.
+        print(f"astuner: warning: {warning}", file=sys.stderr)
+    start = plan_start(loaded)
+    loaded = start.loaded
+    print(f"astuner: {start.message}", file=sys.stderr)
+    if start.note:
+        print(f"astuner: {start.note}", file=sys.stderr)
+    save_config(loaded, resumed_at=start.resumed_step)
+    print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
+
+    # Runs must not reach for the Hugging Face hub (offline clusters, reproducibility); a user can still opt in.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from astuner.backbone import run_backbone
+
+    viewer = None
+    if with_logview:
+        from astuner.logview.app import LogViewServer
+
+        viewer = LogViewServer(loaded.experiment_dir, loaded.typed.astuner.logview.port)
+        print(f"astuner: log viewer at {viewer.start()} (this run's trajectories appear as its steps finish)",
+              file=sys.stderr)
+    try:
+        run_backbone(backbone, loaded, checkpoint=start.checkpoint, with_ray=with_ray)
+    finally:
+        if viewer is not None:
+            viewer.stop()
+            print(f"astuner: log viewer stopped; reopen this run with: astuner logview {loaded.experiment_dir}",
+                  file=sys.stderr)

@@ -1,0 +1,135 @@
+"""`astuner serve`: the YAML's model, trainer and engine behind the Tinker API, on a port.
+
+    app.py              the HTTP endpoints (Starlette), keys, size limits, the API's error shapes
+    futures.py          request ids, long polls, each training client's requests in seq_id order
+    tinker_service.py   training clients (astuner Trainers), snapshots, sampling sessions
+    tinker_losses.py    the API's built-in losses as trainer objectives
+    tinker_sampling.py  sample / compute_logprobs on the HF engine
+    wire_proto.py       the API's protobuf messages, by hand
+    keys.py             the clients' keys (`astuner serve-key`)
+
+Nothing here is imported by `astuner --help`; torch loads when the server builds its model.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from pathlib import Path
+
+from astuner.errors import UserError
+
+LOOPBACK = "127.0.0.1"
+
+
+def serve_dir(loaded) -> Path:
+    return Path(loaded.experiment_dir) / "serve"
+
+
+def check_host(host: str, keys) -> None:
+    """Another host than loopback only with keys: an open port would hand anyone the model and its trainer."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not keys.any():
+        raise UserError(f"astuner serve --host {host}: listening beyond this machine needs keys; create one per "
+                        f"client first (astuner serve-key create NAME --conf ...), or serve on {LOOPBACK}")
+
+
+def build_service(loaded, max_training_clients: int = 2):
+    """The Tinker service of a config: its model's tokenizer and HF engine; trainers come per client."""
+    from astuner import runtime
+    from astuner.engine.hf_engine import HFEngine
+    from astuner.serve.tinker_service import TinkerService
+    from astuner.tokenizer import load_tokenizer
+
+    runtime.quiet_library_progress()
+    typed = loaded.typed
+    model_path = runtime.build_policy_model_path(typed)
+    tokenizer = load_tokenizer(model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = HFEngine(model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed,
+                      pad_token_id=pad)
+    return TinkerService(typed, model_path, tokenizer, engine, serve_dir(loaded) / "state", max_training_clients)
+
+
+def serve_summary(service, url: str, keys) -> str:
+    """The effective-config block of `astuner serve`: what is served, where, to whom, and the memory it takes."""
+    from astuner import preflight
+
+    facts = preflight.read_model_facts(service.model_path)
+    device = service.engine.device.type
+    P, gib = facts.num_params, preflight.GIB
+    engine, full, lora = 4 * P, preflight._trainer_bytes(P, "fp32", False), preflight._trainer_bytes(P, "fp32", True)
+    most = engine + service.max_training_clients * full
+    available = preflight.available_memory(device)
+    names = keys.names()
+    rows = [
+        ("model", f"{facts.path} ({facts.architecture}, {P / 1e6:.1f}M parameters), served as {service.model_name!r}"),
+        ("engine", f"hf on {device} (sampling; trainers come with each training client)"),
+        ("listening", url),
+        ("keys", f"{len(names)} ({', '.join(names)})" if names else f"none: {LOOPBACK} only, any tml- key accepted"),
+        ("training clients", f"at most {service.max_training_clients}; each {lora / gib:.2f} GiB with LoRA, "
+                             f"{full / gib:.2f} GiB full fine-tuning (weights, gradients, AdamW), plus activations"),
+        ("memory estimate", f"{engine / gib:.2f} GiB engine; at most {most / gib:.2f} GiB with every client full; "
+                            f"available {'unknown' if available is None else f'{available / gib:.1f} GiB'}"),
+        ("saved state", str(service.state_dir)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "effective config:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def tinker_server(service, keys, host: str = LOOPBACK, port: int = 0, poll_wait_s: float | None = None) -> Server:
+    """The Tinker API of `service` on host:port (not started)."""
+    from astuner.serve.app import POLL_WAIT_S, TinkerApp
+
+    tinker = TinkerApp(service, keys, POLL_WAIT_S if poll_wait_s is None else poll_wait_s)
+    return Server(tinker.app, keys, host, port, on_stop=tinker.close)
+
+
+class Server:
+    """uvicorn serving an ASGI app in a thread (`start`) until `stop`; `on_stop` runs after it stopped."""
+
+    def __init__(self, app, keys, host: str = LOOPBACK, port: int = 0, on_stop=None):
+        import uvicorn
+
+        check_host(host, keys)
+        self.on_stop = on_stop
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, int(port)))
+        except OSError as exc:
+            raise UserError(f"astuner serve cannot listen on {host}:{port} ({exc.strerror}); choose another --port "
+                            f"(0: any free port)") from None
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                                    timeout_keep_alive=75))
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="astuner-serve", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"astuner serve did not start on {self.url} within {timeout:g}s")
+            time.sleep(0.01)
+        return self.url
+
+    def wait(self) -> None:
+        while self.thread is not None and self.thread.is_alive():
+            self.thread.join(0.5)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        if self.on_stop is not None:
+            self.on_stop()

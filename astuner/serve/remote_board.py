@@ -1,0 +1,180 @@
+"""Episodes run by remote agents: the board they take episodes from, and the workflow that posts them.
+
+With `rollout.agentscope_workflow: astuner.serve.remote_board->RemoteAgents`, `astuner serve` runs the YAML's
+training loop and every episode becomes an offer on the board. A client (`astuner.remote`, anywhere) takes one,
+runs its agent against the server's OpenAI or Anthropic endpoint (`<server>/v1`) under the episode's own key,
+and posts the outcome (a reward, or data for the YAML's judge). Everything else is the loop's as for a local
+workflow: the episode's calls are recorded with their exact token ids, its deadline (`rollout.episode_timeout`)
+holds whoever runs it, and an episode whose client disappears times out, is flagged and never trained. A result
+posted after the deadline is refused (410). Several clients on several machines may serve one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from astuner.workflow import Workflow, WorkflowOutput, WorkflowTask
+
+_BOARD: EpisodeBoard | None = None
+
+
+class BoardError(ValueError):
+    """A result the board cannot take: `status` is the HTTP status it answers (404, 409, 410, 400)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Offer:
+    episode_id: str
+    payload: dict
+    deadline: float  # time.monotonic()
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    taken_by: str | None = None
+
+
+@dataclass
+class EpisodeBoard:
+    """Offers in the order the loop made them; thread-safe (the loop and the HTTP server run apart)."""
+
+    public_url: str = ""  # what clients are told to call: "<public_url>/v1" for the model
+    gateway: Any = None  # the run's OpenAI gateway (model_tuner/frontends/gateway.py), once an episode ran
+    _offers: dict[str, Offer] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+    taken: int = 0
+    finished: int = 0
+    expired: int = 0
+    run_over: bool = False  # the run ended: clients waiting for an episode are told to stop
+
+    def offer(self, payload: dict, deadline: float) -> Offer:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            episode_id = f"ep-{next(self._ids)}"
+            offer = Offer(episode_id, {**payload, "episode_id": episode_id}, deadline, loop.create_future(), loop)
+            self._offers[episode_id] = offer
+        return offer
+
+    def withdraw(self, offer: Offer) -> None:
+        """The episode ended (done, timed out, cancelled): a later result is refused."""
+        with self._lock:
+            if self._offers.pop(offer.episode_id, None) is not None and not offer.future.done():
+                self.expired += 1
+
+    def take(self, client: str) -> dict | None:
+        """The oldest offer nobody took, with the seconds left to its deadline."""
+        now = time.monotonic()
+        with self._lock:
+            for offer in self._offers.values():
+                if offer.taken_by is None and offer.deadline > now:
+                    offer.taken_by = client
+                    self.taken += 1
+                    return {**offer.payload, "deadline_s": round(offer.deadline - now, 3)}
+        return None
+
+    async def wait_take(self, client: str, wait_s: float) -> dict | None:
+        end = time.monotonic() + wait_s
+        while True:
+            got = self.take(client)
+            if got is not None or self.run_over or time.monotonic() >= end:
+                return got
+            await asyncio.sleep(0.02)
+
+    def finish(self, episode_id: str, client: str, output: WorkflowOutput | BaseException) -> None:
+        with self._lock:
+            offer = self._offers.get(episode_id)
+            if offer is None:
+                raise BoardError(410, f"episode {episode_id} is over (its deadline passed, or it was finished): "
+                                      f"this result is not used and the episode is not trained")
+            if offer.taken_by != client:
+                raise BoardError(409, f"episode {episode_id} was taken by another client")
+            del self._offers[episode_id]
+            self.finished += 1
+
+        def resolve() -> None:
+            if not offer.future.done():
+                if isinstance(output, BaseException):
+                    offer.future.set_exception(output)
+                else:
+                    offer.future.set_result(output)
+
+        offer.loop.call_soon_threadsafe(resolve)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            waiting = sum(1 for o in self._offers.values() if o.taken_by is None)
+            running = len(self._offers) - waiting
+        return {"waiting": waiting, "running": running, "taken": self.taken, "finished": self.finished,
+                "expired": self.expired}
+
+
+def install_board(board: EpisodeBoard | None) -> None:
+    """`astuner serve` installs the board its HTTP server reads (None: removes it)."""
+    global _BOARD
+    _BOARD = board
+
+
+class RemoteAgentError(RuntimeError):
+    """What a remote client reported as its agent's failure (the episode is flagged failed)."""
+
+
+class RemoteAgents(Workflow):
+    """The workflow of a run whose agents run elsewhere: each episode waits for a remote client's outcome."""
+
+    name = "remote_agents"
+
+    async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
+        board = _BOARD
+        if board is None:
+            raise RuntimeError("RemoteAgents episodes are run by remote clients: start this config with "
+                               "`astuner serve --conf ...` (not `astuner --conf ...`)")
+        gateway = model_tuner.require_gateway()
+        board.gateway = gateway
+        task = workflow_task.task
+        payload = {
+            "task": {**task.metadata, "task_id": task.task_id, "query": task.main_query,
+                     "init_messages": task.init_messages},
+            "episode_uid": workflow_task.episode_uid, "is_validation": workflow_task.is_validation,
+            "repeat_index": workflow_task.repeat_index,
+            "base_url": f"{board.public_url}/v1", "api_key": model_tuner.api_key, "model": "policy",
+        }
+        offer = board.offer(payload, model_tuner.deadline)
+        try:
+            return await offer.future
+        finally:
+            board.withdraw(offer)
+
+
+def workflow_output(body: dict) -> WorkflowOutput:
+    """A client's posted result as a WorkflowOutput (reward None: the YAML's judge scores it)."""
+    if not isinstance(body, dict):
+        raise BoardError(400, "the result must be a JSON object")
+    known = {"reward", "is_success", "metadata", "metrics", "agent_rewards", "response"}
+    extra = sorted(set(body) - known)
+    if extra:
+        raise BoardError(400, f"unknown result fields {extra}; a result has {', '.join(sorted(known))}")
+    reward = body.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        raise BoardError(400, f"reward must be a number or null, got {reward!r}")
+    for key in ("metadata", "metrics", "agent_rewards"):
+        if not isinstance(body.get(key, {}), dict):
+            raise BoardError(400, f"{key} must be an object")
+    for key in ("metrics", "agent_rewards"):
+        bad = [k for k, v in body.get(key, {}).items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if bad:
+            raise BoardError(400, f"{key} values must be numbers ({', '.join(bad)} are not)")
+    success = body.get("is_success")
+    if success is not None and not isinstance(success, bool):
+        raise BoardError(400, "is_success must be true, false or null")
+    return WorkflowOutput(reward=None if reward is None else float(reward), is_success=success,
+                          metadata=dict(body.get("metadata", {})), response=body.get("response"),
+                          metrics={k: float(v) for k, v in body.get("metrics", {}).items()},
+                          agent_rewards={k: float(v) for k, v in body.get("agent_rewards", {}).items()})

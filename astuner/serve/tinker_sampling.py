@@ -1,0 +1,102 @@
+"""`sample` and `compute_logprobs` of the Tinker API on astuner's HF engine.
+
+A request's sampling_params map onto the engine's: temperature (0: greedy), max_tokens, top_k (-1: off), top_p,
+seed, and `stop`: token ids, or strings that are one token each (the engine stops on tokens). No `stop` stops at
+the tokenizer's end-of-sequence tokens; an empty list stops only at max_tokens. Prompt logprobs come from one
+forward of the engine's model on the prompt: log pi(x_i | x_<i), NaN for the first token (and, with
+prompt_logprobs_last_n = N, for all but the last N).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from astuner.serve.futures import Outcome, RequestError
+from astuner.serve.wire_proto import sample_response
+from astuner.types import SamplingParams
+
+REFUSED_FIELDS = {"topk_prompt_logprobs": "top-k prompt logprobs", "topk_sample_logprobs": "top-k sample logprobs",
+                  "prompt_alt_tokens_k": "alternative prompt tokens"}
+
+
+def prompt_tokens(prompt: dict) -> list[int]:
+    tokens: list[int] = []
+    for chunk in (prompt or {}).get("chunks", []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise RequestError(f"a {chunk.get('type')} chunk: astuner serve samples from text tokens only")
+        tokens += [int(t) for t in chunk.get("tokens", [])]
+    if not tokens:
+        raise RequestError("the prompt holds no tokens")
+    return tokens
+
+
+def stop_ids(stop, tokenizer) -> tuple[int, ...]:
+    if stop is None:
+        eos = tokenizer.eos_token_id
+        return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    stops = [stop] if isinstance(stop, (str, int)) else list(stop)
+    ids = []
+    for s in stops:
+        if isinstance(s, int):
+            ids.append(s)
+            continue
+        encoded = tokenizer.encode(s, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise RequestError(f"stop {s!r} is {len(encoded)} tokens; astuner serve stops on single tokens: give "
+                               f"token ids, or strings that are one token")
+        ids.append(encoded[0])
+    return tuple(ids)
+
+
+def sampling_params(params: dict, tokenizer, prompt_len: int, max_len: int | None) -> SamplingParams:
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        raise RequestError("sampling_params.max_tokens is required by astuner serve")
+    if max_len is not None and prompt_len + int(max_tokens) > max_len:
+        raise RequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                           f"({max_len})")
+    top_k = int(params.get("top_k", -1))
+    return SamplingParams(temperature=float(params.get("temperature", 1.0)), max_tokens=int(max_tokens),
+                          stop_token_ids=stop_ids(params.get("stop"), tokenizer), seed=params.get("seed"),
+                          top_p=float(params.get("top_p", 1.0)), top_k=0 if top_k < 0 else top_k)
+
+
+def check_request(body: dict) -> None:
+    for key, what in REFUSED_FIELDS.items():
+        if body.get(key):
+            raise RequestError(f"{key}: {what} are not served by astuner serve")
+    if body.get("target_prompt_logprobs") is not None:
+        raise RequestError("target_prompt_logprobs are not served by astuner serve")
+    n = body.get("num_samples", 1)
+    if not isinstance(n, int) or not 1 <= n <= 256:
+        raise RequestError(f"num_samples must be 1..256, got {n!r}")
+
+
+def prompt_logprobs(engine, tokens: list[int], last_n: int | None) -> list[float]:
+    import torch
+
+    with engine._model_lock, torch.no_grad():
+        ids = torch.tensor([tokens], device=engine.device)
+        logits = engine.model(input_ids=ids).logits[0, :-1].float()
+        values = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+    out = [math.nan] + values
+    if last_n is not None:
+        out = [math.nan] * max(0, len(out) - last_n) + out[-last_n:] if last_n > 0 else [math.nan] * len(out)
+    return out
+
+
+async def sample(service, body: dict) -> Outcome:
+    """The SampleResponse of one `asample` request (num_samples sequences, in order)."""
+    tokens = prompt_tokens(body.get("prompt"))
+    config = getattr(service.engine.model, "config", None)
+    params = sampling_params(body.get("sampling_params") or {}, service.tokenizer, len(tokens),
+                             getattr(config, "max_position_embeddings", None))
+    snapshot = service.snapshot_of(body.get("sampling_session_id"))
+    n = body.get("num_samples", 1)
+    async with service.serving(snapshot) as engine:
+        results = await asyncio.gather(*(engine.generate(tokens, params) for _ in range(n)))
+        logprobs = None
+        if body.get("prompt_logprobs"):
+            logprobs = await asyncio.to_thread(prompt_logprobs, engine, tokens, body.get("prompt_logprobs_last_n"))
+    return Outcome(proto=sample_response([(r.token_ids, r.logprobs, r.finish_reason) for r in results], logprobs))

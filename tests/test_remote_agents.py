@@ -1,0 +1,146 @@
+"""Agents that run elsewhere: `astuner serve` runs the training of tutorial/remote_agent/ and client processes
+(`astuner.remote`) run its episodes. The tiny model, two steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astuner.serve.remote_board import BoardError, workflow_output
+from conftest import REPO
+
+TUTORIAL = REPO / "tutorial/remote_agent"
+
+
+def start_server(tmp_path: Path, model_dir: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "astuner.cli", "serve", "--conf", str(TUTORIAL / "remote_agent.yaml"), "--port", "0",
+           f"astuner.model.path={model_dir}", f"astuner.experiment_dir={tmp_path / 'out'}",
+           "astuner.trainer_common.total_training_steps=2", "astuner.data.train_batch_size=2",
+           "astuner.rollout.num_repeat=2", "astuner.trainer_common.test_freq=100",
+           "astuner.trainer_common.val_before_train=false", "astuner.rollout.max_env_worker=8",
+           "astuner.rollout.engine=hf", *overrides]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=log, text=True, start_new_session=True)
+    for line in proc.stderr:
+        log.write(line)
+        log.flush()
+        if "remote agents: episodes at " in line:
+            url = line.split("episodes at ")[1].split("/astuner/")[0]
+            return proc, url
+    raise AssertionError(f"astuner serve did not start (exit {proc.wait()}): {(tmp_path / 'server.log').read_text()}")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        rest = proc.stderr.read()
+        return proc.wait(timeout=timeout), rest
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def trajectories(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted((out / "trajectories").glob("train_step_*.jsonl"))
+            for line in f.read_text().splitlines()]
+
+
+def test_two_client_processes_serve_one_run(tmp_path, tiny_model_dir):
+    proc, url = start_server(tmp_path, tiny_model_dir)
+    clients = [subprocess.Popen([sys.executable, str(TUTORIAL / "agent_client.py"), "--url", url, "--concurrency", "4",
+                                 "--idle-exit", "120"], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    code, rest = finish(proc, timeout=300)
+    assert code == 0, rest
+    counts = []
+    for client in clients:
+        _, err = client.communicate(timeout=60)  # the server told them the run is over
+        assert client.returncode == 0, err
+        counts.append(int(err.split("agent_client: ")[1].split()[0]))
+    episodes = trajectories(tmp_path / "out")
+    assert len(episodes) == 2 * 2 * 2  # steps x tasks x repeats
+    assert all(e["calls"] and not e["flags"] and "final_answer" in e["output_metadata"] for e in episodes)
+    runners = {e["output_metadata"]["remote_client"] for e in episodes}
+    assert len(runners) == 2, runners  # both processes ran training episodes
+    assert sum(counts) >= len(episodes)  # and the final validation's
+    rows = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
+
+
+def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_model_dir):
+    """One episode is taken and never answered: it times out at its deadline, is flagged and not trained, and its
+    late result is refused; the other is run by the same client, with a model call, and trains."""
+    from astuner.remote import RemoteClient
+
+    # One validation task (the run validates at its end, and nobody here takes those episodes: each waits out its
+    # deadline).
+    val = tmp_path / "val.jsonl"
+    val.write_text((REPO / "tutorial/agent_quickstart/data/val.jsonl").read_text().splitlines()[0] + "\n")
+    proc, url = start_server(tmp_path, tiny_model_dir, "astuner.trainer_common.total_training_steps=1",
+                             "astuner.data.train_batch_size=1", "astuner.rollout.episode_timeout=6",
+                             f"astuner.task_reader.jsonl_dataset_file.validation.file_path={val}")
+    client = RemoteClient(url, name="flaky", reconnect_s=5)
+    held, answered = client.next_episode(wait_s=30), client.next_episode(wait_s=30)
+    assert held is not None and answered is not None and 0 < held.deadline_s <= 6
+    reply = answered.openai_client(sync=True).chat.completions.create(
+        model=answered.model, messages=[{"role": "user", "content": answered.task["query"]}], max_tokens=4)
+    assert client.post_result(answered, 1.0, metadata={"final_answer": reply.choices[0].message.content})
+    with pytest.raises(Exception, match="invalid_api_key|401|Incorrect"):  # the episode ended: its key is revoked
+        answered.openai_client(sync=True).chat.completions.create(model="policy", max_tokens=2,
+                                                                 messages=[{"role": "user", "content": "hi"}])
+    code, rest = finish(proc, timeout=120)
+    assert code == 0, rest
+    by_uid = {e["episode_uid"]: e for e in trajectories(tmp_path / "out")}
+    timed_out = by_uid[held.episode_uid]
+    assert "timeout" in timed_out["flags"] and not timed_out["calls"]
+    assert by_uid[answered.episode_uid]["reward"] == 1.0 and by_uid[answered.episode_uid]["calls"]
+    row = json.loads((tmp_path / "out/metrics.jsonl").read_text().splitlines()[0])
+    assert row["train/failure_rate"] == 0.5 and row["actor/num_samples"] == 1
+
+
+def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
+    import time
+
+    from astuner.remote import RemoteClient, RemoteError
+
+    proc, url = start_server(tmp_path, tiny_model_dir, "astuner.data.train_batch_size=1",
+                             "astuner.rollout.episode_timeout=4")
+    try:
+        mine, other = RemoteClient(url, name="a", reconnect_s=5), RemoteClient(url, name="b", reconnect_s=5)
+        first, second = mine.next_episode(wait_s=30), mine.next_episode(wait_s=30)
+        with pytest.raises(RemoteError, match="409.*another client"):
+            other.post_result(first, 1.0)
+        with pytest.raises(RemoteError, match="400.*reward must be a number"):
+            mine.post_result(first, "high")
+        with pytest.raises(RemoteError, match="400.*unknown result fields"):
+            mine.post_result(first, 1.0, score=3)
+        second.openai_client(sync=True).chat.completions.create(model=second.model, max_tokens=2,
+                                                                messages=[{"role": "user", "content": "hi"}])
+        assert mine.post_result(second, 1.0)  # the step trains it and goes on to the next, which nobody takes
+        time.sleep(first.seconds_left + 1.0)
+        assert mine.post_result(first, 1.0) is False  # past its deadline: 410, not trained
+        assert mine.post_error(first, "the agent crashed") is False
+    finally:
+        code, rest = finish(proc, timeout=120)
+    assert code == 1 and "all 2 episodes failed or timed out" in rest, rest  # step 2: nothing to train, it says so
+
+
+def test_results_are_checked_before_they_reach_the_run():
+    assert workflow_output({"reward": 1, "metadata": {"a": 1}}).reward == 1.0
+    assert workflow_output({}).reward is None  # the judge scores it
+    for body, words in [({"reward": True}, "reward must be a number"), ({"metrics": {"x": "1"}}, "numbers"),
+                        ({"is_success": "yes"}, "is_success"), ({"extra": 1}, "unknown result fields"),
+                        ([1], "JSON object")]:
+        with pytest.raises(BoardError, match=words):
+            workflow_output(body)
+
+
+def test_the_client_needs_no_torch():
+    code = ("import sys; sys.path.insert(0, 'tutorial/agent_quickstart'); import astuner.remote, openai_agent; "
+            "heavy = [m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -1,0 +1,218 @@
+"""`astuner serve`'s parts: the hand-written protobuf against the SDK's generated one, fuzzed; the losses by hand;
+the training queue's order; keys; the command's refusals and its save at Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from astuner.serve import wire_proto as wp
+from astuner.serve.futures import Futures, Outcome, TrainingQueue
+from astuner.serve.tinker_losses import cispo, cross_entropy, importance_sampling, ppo
+
+pb = pytest.importorskip("tinker.proto.tinker_public_pb2") if sys.version_info < (3, 11) else \
+    __import__("tinker.proto.tinker_public_pb2", fromlist=["x"])
+os.environ["TINKER_TELEMETRY"] = "0"
+
+
+def _request(sparse: bool) -> bytes:
+    r = pb.ForwardBackwardRequest(model_id="s-1:train:0", seq_id=7, loss_fn="ppo", forward_only=True)
+    r.loss_fn_config["clip_low_threshold"] = 0.5
+    r.loss_fn_config_v2["clip_low_threshold"].number = 0.7  # v2 wins
+    d = r.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([7, 8], "<i4").tobytes()
+    d.model_input.add().encoded_text.tokens = np.array([300000], "<i4").tobytes()
+    t = d.loss_fn_inputs["target_tokens"]
+    t.dtype, t.dense = pb.DTYPE_INT64, np.array([8, 300000, 5], "<i8").tobytes()
+    t.shape.extend([3])
+    w = d.loss_fn_inputs["weights"]
+    w.dtype = pb.DTYPE_FLOAT32
+    if sparse:  # [[0, 2.5], [0, 0]] as CSR
+        w.shape.extend([2, 2])
+        w.sparse_csr.values = np.array([2.5], "<f4").tobytes()
+        w.sparse_csr.crow_indices = np.array([0, 1, 1], "<i8").tobytes()
+        w.sparse_csr.col_indices = np.array([1], "<i8").tobytes()
+    else:
+        w.shape.extend([3])
+        w.dense = np.array([0, 1, 0.5], "<f4").tobytes()
+    return r.SerializeToString()
+
+
+def test_a_forward_backward_request_reads_as_the_sdk_wrote_it():
+    req = wp.read_forward_backward(_request(sparse=False))
+    assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("s-1:train:0", 7, "ppo", True)
+    assert req.config == {"clip_low_threshold": 0.7}
+    assert req.data[0].tokens == [7, 8, 300000]
+    assert req.data[0].inputs["target_tokens"].tolist() == [8, 300000, 5]
+    assert req.data[0].inputs["weights"].tolist() == [0, 1, 0.5]
+    sparse = wp.read_forward_backward(_request(sparse=True)).data[0].inputs["weights"]
+    assert sparse.tolist() == [[0, 2.5], [0, 0]]
+
+
+def test_results_parse_with_the_sdks_messages():
+    out = pb.ForwardBackwardOutput()
+    out.ParseFromString(wp.forward_backward_output({"logprobs": [np.array([-1.0, -2.0]), np.array([-3.0])]}, 2,
+                                                   {"loss:sum": 3.5}))
+    record = out.loss_fn_outputs[0]
+    assert record.num_datums == 2 and dict(out.metrics) == {"loss:sum": 3.5}
+    assert np.frombuffer(record.fields["logprobs"].data, "<f4").tolist() == [-1, -2, -3]
+    assert np.frombuffer(record.fields["logprobs"].offsets, "<i8").tolist() == [0, 8, 12]
+    sample = pb.SampleResponse()
+    sample.ParseFromString(wp.sample_response([([1, 2], [-0.5, -0.25], "length"), ([3], [-1.0], "stop")],
+                                              [float("nan"), -1.0]))
+    assert [s.stop_reason for s in sample.sequences] == [pb.STOP_REASON_LENGTH, pb.STOP_REASON_STOP]
+    assert np.frombuffer(sample.sequences[0].tokens, "<i4").tolist() == [1, 2]
+    assert np.isnan(np.frombuffer(sample.prompt_logprobs, "<f4")[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_body_reads_or_fails_as_a_proto_error(body):
+    try:
+        wp.read_forward_backward(body)
+    except wp.ProtoError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(_request(False)) - 1), st.integers(0, 255))
+def test_a_corrupted_request_reads_or_fails_as_a_proto_error(pos, byte):
+    body = bytearray(_request(False))
+    body[pos] = byte
+    try:
+        wp.read_forward_backward(bytes(body))
+    except wp.ProtoError:
+        pass
+
+
+def test_losses_by_hand():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    q = torch.tensor([-1.0, -2.5])
+    adv = torch.tensor([1.0, 1.0])
+    assert cross_entropy(logp, torch.tensor([1.0, 0.5])).item() == pytest.approx(2.0)
+    # ratio [1, e^0.5 = 1.6487]: IS -(1 + 1.6487); PPO clips the second at 1.2: -(1 + 1.2)
+    assert importance_sampling(logp, q, adv).item() == pytest.approx(-(1 + np.exp(0.5)), rel=1e-6)
+    assert ppo(logp, q, adv, 0.8, 1.2).item() == pytest.approx(-2.2, rel=1e-6)
+    # with a negative advantage the unclipped (larger) loss is kept: -min(-1.6487, -1.2) = 1.6487
+    assert ppo(logp, q, -adv, 0.8, 1.2).item() == pytest.approx(-(-1) + np.exp(0.5), rel=1e-6)
+    loss = cispo(logp, q, adv, 0.8, 1.2)  # -(1 * -1 + 1.2 * -2) = 3.4; gradient -clip(ratio) * A, no ratio grad
+    assert loss.item() == pytest.approx(3.4, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-1.0, -1.2])
+
+
+def test_training_requests_run_in_seq_order_and_repeats_get_one_id():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    queue = TrainingQueue(Futures(loop))
+    queue.open("m")
+    ran: list[int] = []
+
+    def job(i):
+        return lambda: (ran.append(i), Outcome(json={"i": i}))[1]
+
+    ids = [queue.submit("m", seq, job(seq)) for seq in (3, 2)]
+    time.sleep(0.2)
+    assert ran == []  # 1 has not come
+    assert queue.submit("m", 3, job(99)) == ids[0]  # a retry of 3: the same request
+    queue.submit("m", 1, job(1))
+    deadline = time.monotonic() + 10
+    while len(ran) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queue.shutdown()
+    assert ran == [1, 2, 3]
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_keys_are_stored_as_digests_and_revoked_at_once(tmp_path):
+    from astuner.serve.keys import KeyStore
+
+    store = KeyStore(tmp_path / "keys.json")
+    assert not store.any()
+    key = store.create("laptop")
+    assert key.startswith("tml-") and key not in (tmp_path / "keys.json").read_text()
+    assert oct((tmp_path / "keys.json").stat().st_mode & 0o777) == "0o600"
+    server_view = KeyStore(tmp_path / "keys.json")
+    assert server_view.owner(key) == "laptop" and server_view.owner("tml-guess") is None
+    time.sleep(0.01)
+    store.revoke("laptop")
+    assert server_view.owner(key) is None
+
+
+def test_serve_refuses_another_host_without_keys(tmp_path, tiny_model_dir, capsys):
+    from astuner.cli import main
+    from test_serve_tinker import write_yaml
+
+    yaml = write_yaml(tmp_path, tiny_model_dir)
+    assert main(["serve", "--conf", str(yaml), "--host", "0.0.0.0"]) == 2
+    assert "needs keys" in capsys.readouterr().err
+    assert main(["serve", "--conf", str(yaml), "--with-logview"]) == 2
+    assert "applies with remote agents" in capsys.readouterr().err
+    assert main(["serve-key", "create", "laptop", "--conf", str(yaml)]) == 0
+    assert capsys.readouterr().out.strip().startswith("tml-")
+    assert main(["serve-key", "list", "--conf", str(yaml)]) == 0
+    assert capsys.readouterr().out.split() == ["laptop"]
+    assert main(["serve-key", "revoke", "nobody", "--conf", str(yaml)]) == 2
+    assert "the keys are: laptop" in capsys.readouterr().err
+
+
+def test_a_served_run_needs_a_key_once_keys_exist(tmp_path, tiny_model_dir, capsys):
+    """Started as a user would (the command, in the background), with a key: a wrong key is a 401;
+    Ctrl-C saves the open training client, and a restarted server trains on from it; SIGTERM saves too."""
+    import tinker
+    from tinker import types
+
+    from astuner.cli import main
+    from test_serve_tinker import TOKENS, datum, write_yaml
+
+    yaml = write_yaml(tmp_path, tiny_model_dir)
+    main(["serve-key", "create", "ci", "--conf", str(yaml)])
+    key = capsys.readouterr().out.strip()
+
+    def start():
+        # SIGINT as a terminal's Ctrl-C delivers it (a test run started in the background would pass it on ignored)
+        proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "serve", "--conf", str(yaml), "--port", "0"],
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        for line in proc.stderr:
+            if "serving the Tinker API at" in line:
+                return proc, line.split(" at ")[1].split(";")[0]
+        raise AssertionError(f"the server did not start (exit {proc.wait()})")
+
+    proc, url = start()
+    try:
+        with pytest.raises(tinker.AuthenticationError):
+            tinker.ServiceClient(base_url=url, api_key="tml-wrong").get_server_capabilities()
+        sc = tinker.ServiceClient(base_url=url, api_key=key)
+        tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        before = tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=60)
+    saved = [line.split("saved ")[1].split(" ")[0] for line in rest.splitlines() if "astuner: saved tinker://" in line]
+    assert len(saved) == 1, rest
+    proc, url = start()
+    try:
+        sc = tinker.ServiceClient(base_url=url, api_key=key)
+        again = sc.create_training_client_from_state_with_optimizer(saved[0]).result()
+        after = again.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+        assert after == before
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # a scheduler's stop: saves as Ctrl-C does
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 143
+    assert "astuner: saved tinker://" in rest

@@ -139,7 +139,10 @@ class RemoteClient:
                     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                     await self._post(f"/astuner/v1/episodes/{episode.episode_id}/error", {"error": text})
                 else:
-                    await self._post_result(episode, result)
+                    try:
+                        await self._post_result(episode, result)
+                    except RemoteError as exc:  # a result the run refused (400): this episode fails, not the rest
+                        await self._post(f"/astuner/v1/episodes/{episode.episode_id}/error", {"error": str(exc)})
                 state["posted"] += 1
                 state["idle_since"] = time.monotonic()
 

@@ -148,6 +148,9 @@ def test_keys_are_stored_as_digests_and_revoked_at_once(tmp_path):
     time.sleep(0.01)
     store.revoke("laptop")
     assert server_view.owner(key) is None
+    assert server_view.open_access()  # no keys left: a loopback server takes any key again...
+    server_view.required = True
+    assert not server_view.open_access()  # ...one beyond loopback takes none
 
 
 def test_serve_refuses_another_host_without_keys(tmp_path, tiny_model_dir, capsys):

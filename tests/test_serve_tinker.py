@@ -153,6 +153,23 @@ def test_train_sample_save_and_load(served, client, tiny_model_dir):
     stepped = [c.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy() for c in (tc, again)]
     np.testing.assert_array_equal(*stepped)
 
+    seeded = sampler.sample(types.ModelInput.from_ints(TOKENS[:5]), num_samples=3, sampling_params=types.SamplingParams(
+        max_tokens=6, temperature=1.0, stop=[], seed=7)).result().sequences
+    assert len({tuple(s.tokens) for s in seeded}) > 1  # one seed per request, not one sequence three times
+
+    # A name saved again holds the newer weights, and its samplers serve them.
+    path = tc.save_weights_for_sampler("latest").result().path
+    named = client.create_sampling_client(model_path=path).result()
+    old = named.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.save_weights_for_sampler("latest").result()
+    new = client.create_sampling_client(model_path=path).result().compute_logprobs(
+        types.ModelInput.from_ints(TOKENS)).result()
+    now = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert new[1:] != old[1:]
+    assert_close_normwise(torch.tensor(new[1:]), torch.tensor(now), what="re-saved sampler")
+
     base = client.create_sampling_client(base_model=str(tiny_model_dir)).result()
     greedy = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
     first = base.sample(types.ModelInput.from_ints(TOKENS[:5]), 1, greedy).result().sequences[0].tokens
@@ -196,6 +213,9 @@ def test_http_errors_are_4xx_with_a_message(served):
         garbage = http.post("/api/v1/forward_backward", content=b"\xff\xff\xff", headers={"X-API-Key": "tml-x"})
         assert garbage.status_code == 400 and "varint" in garbage.json()["detail"]
         assert http.post("/api/v1/retrieve_future", json={"request_id": "req-nope"}).status_code == 404
+        gone = http.post("/api/v1/load_weights", json={"model_id": "s0-1:train:9", "seq_id": 1, "optimizer": False,
+                                                       "path": "tinker://s0-1:train:9/weights/x"})
+        assert gone.status_code == 400 and "no training client" in gone.json()["detail"]  # not a poll forever
         assert http.get("/api/v1/nothing").status_code == 404
 
 

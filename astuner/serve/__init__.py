@@ -2,7 +2,8 @@
 
     app.py              the HTTP endpoints (Starlette), keys, size limits, the API's error shapes
     futures.py          request ids, long polls, each training client's requests in seq_id order
-    tinker_service.py   training clients (astuner Trainers), snapshots, sampling sessions
+    tinker_service.py   training clients (astuner Trainers), their states and sampler saves
+    snapshots.py        the weights samplers serve, sampling sessions, the engine's switches between them
     tinker_losses.py    the API's built-in losses as trainer objectives
     tinker_sampling.py  sample / compute_logprobs on the HF engine
     wire_proto.py       the API's protobuf messages, by hand
@@ -34,6 +35,7 @@ def check_host(host: str, keys) -> None:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
+    keys.required = keys.required or not loopback
     if not loopback and not keys.any():
         raise UserError(f"astuner serve --host {host}: listening beyond this machine needs keys; create one per "
                         f"client first (astuner serve-key create NAME --conf ...), or serve on {LOOPBACK}")

@@ -83,8 +83,8 @@ class TinkerApp:
         return handle
 
     def _authorize(self, request: Request) -> None:
-        if not self.keys.any():
-            return  # loopback only (serve refuses another host without keys)
+        if self.keys.open_access():
+            return  # loopback, no keys
         if self.keys.owner(request.headers.get("x-api-key")) is None:
             raise Http(401, "a valid astuner serve key is needed in X-API-Key (astuner serve-key create NAME)")
 
@@ -92,12 +92,12 @@ class TinkerApp:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
             raise Http(413, f"request body of {size} bytes; the limit is {limit}")
-        body = b""
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise Http(413, f"request body over the limit of {limit} bytes")
-        return body
+        return bytes(body)
 
     async def _json(self, request: Request) -> dict:
         body = await self._body(request)
@@ -209,6 +209,7 @@ class TinkerApp:
             rid = self.queue.run_now(lambda: self.service.load_state(model_id, path, optimizer, create=True))
             return {"request_id": rid, "model_id": model_id}
         model_id, seq_id = self._field(data, "model_id"), self._field(data, "seq_id", int)
+        self.service.model(model_id)
         return self._sequenced(model_id, seq_id, lambda: self.service.load_state(model_id, path, optimizer))
 
     # --- sampling -------------------------------------------------------------------------------------------------
@@ -220,14 +221,14 @@ class TinkerApp:
 
     async def sampler(self, request: Request) -> dict:
         try:
-            return self.service.sampler_info(request.path_params["sampler_id"])
+            return self.service.sampling.info(request.path_params["sampler_id"])
         except RequestError as exc:
             raise Http(404, str(exc)) from None
 
     async def asample(self, request: Request) -> dict:
         data = await self._json(request)
         check_request(data)
-        self.service.snapshot_of(self._field(data, "sampling_session_id"))
+        self.service.sampling.snapshot_of(self._field(data, "sampling_session_id"))
         rid = self.futures.new()
         n = data.get("num_samples", 1)
         ids = [f"{rid}-{i}" for i in range(n)]

@@ -85,14 +85,17 @@ class TrainingQueue:
         self._seen: dict[tuple[str, int], str] = {}  # (model_id, seq_id) -> request_id, for repeated requests
 
     def open(self, model_id: str, first_seq: int = 1) -> None:
+        """Start ordering a model's requests (a repeated creation keeps the order it has)."""
         with self._lock:
-            self._next[model_id] = first_seq
-            self._waiting[model_id] = {}
+            if model_id not in self._next:
+                self._next[model_id] = first_seq
+                self._waiting[model_id] = {}
 
     def close(self, model_id: str) -> None:
         with self._lock:
             self._next.pop(model_id, None)
-            self._waiting.pop(model_id, None)
+            for request_id, _ in self._waiting.pop(model_id, {}).values():  # never to run: their polls hear it
+                self.futures.resolve(request_id, Outcome(error=f"training client {model_id} was closed"))
             for seen in [k for k in self._seen if k[0] == model_id]:
                 del self._seen[seen]
 
@@ -101,6 +104,9 @@ class TrainingQueue:
         with self._lock:
             if (model_id, seq_id) in self._seen:
                 return self._seen[(model_id, seq_id)]
+            if model_id not in self._next:
+                raise RequestError(f"no training client {model_id!r} on this server (closed, or made by a server "
+                                   f"that has since restarted)")
             request_id = self.futures.new()
             self._seen[(model_id, seq_id)] = request_id
             if seq_id < self._next.get(model_id, 0):

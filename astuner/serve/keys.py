@@ -24,7 +24,8 @@ def digest(key: str) -> str:
 class KeyStore:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._mtime: float | None = None
+        self.required = False  # set for a server beyond loopback: without keys it refuses every request
+        self._mtime: tuple | None = None
         self._digests: dict[str, str] = {}  # digest -> name
 
     def _read(self) -> dict[str, str]:
@@ -67,6 +68,11 @@ class KeyStore:
         self._refresh()
         return bool(self._digests)
 
+    def open_access(self) -> bool:
+        """Any key is taken: no keys exist and the server is on loopback (a server beyond it whose last key was
+        revoked takes none)."""
+        return not self.required and not self.any()
+
     def owner(self, key: str | None) -> str | None:
         """The name of the client holding `key`, or None for no valid key."""
         self._refresh()
@@ -80,7 +86,8 @@ class KeyStore:
 
     def _refresh(self) -> None:
         try:
-            mtime = self.path.stat().st_mtime_ns
+            st = self.path.stat()
+            mtime = (st.st_mtime_ns, st.st_ino, st.st_size)  # a rewrite within one clock tick still shows
         except FileNotFoundError:
             mtime = None
         if mtime != self._mtime:

@@ -63,7 +63,7 @@ class RemoteApp:
 
     def _client(self, request: Request) -> str | None:
         name = request.headers.get("x-astuner-client", "client")[:100]
-        if not self.keys.any():
+        if self.keys.open_access():
             return f"local/{name}"
         auth = request.headers.get("authorization", "")
         key = request.headers.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else None)
@@ -75,7 +75,7 @@ class RemoteApp:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY:
             raise BoardError(413, f"request body of {size} bytes; the limit is {MAX_BODY}")
-        body = b""
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > MAX_BODY:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,15 +163,17 @@ def workflow_output(body: dict) -> WorkflowOutput:
     if extra:
         raise BoardError(400, f"unknown result fields {extra}; a result has {', '.join(sorted(known))}")
     reward = body.get("reward")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-        raise BoardError(400, f"reward must be a number or null, got {reward!r}")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or not math.isfinite(reward)):
+        raise BoardError(400, f"reward must be a finite number or null, got {reward!r}")
     for key in ("metadata", "metrics", "agent_rewards"):
         if not isinstance(body.get(key, {}), dict):
             raise BoardError(400, f"{key} must be an object")
     for key in ("metrics", "agent_rewards"):
-        bad = [k for k, v in body.get(key, {}).items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        bad = [k for k, v in body.get(key, {}).items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
         if bad:
-            raise BoardError(400, f"{key} values must be numbers ({', '.join(bad)} are not)")
+            raise BoardError(400, f"{key} values must be finite numbers ({', '.join(bad)} are not)")
     success = body.get("is_success")
     if success is not None and not isinstance(success, bool):
         raise BoardError(400, "is_success must be true, false or null")

@@ -1,16 +1,17 @@
 """`sample` and `compute_logprobs` of the Tinker API on astuner's HF engine.
 
 A request's sampling_params map onto the engine's: temperature (0: greedy), max_tokens, top_k (-1: off), top_p,
-seed, and `stop`: token ids, or strings that are one token each (the engine stops on tokens). No `stop` stops at
-the tokenizer's end-of-sequence tokens; an empty list stops only at max_tokens. Prompt logprobs come from one
-forward of the engine's model on the prompt: log pi(x_i | x_<i), NaN for the first token (and, with
-prompt_logprobs_last_n = N, for all but the last N).
+seed (sample i of a request takes seed + i), and `stop`: token ids, or strings that are one token each (the engine
+stops on tokens). No `stop` stops at the tokenizer's end-of-sequence tokens; an empty list stops only at
+max_tokens. Prompt logprobs come from one forward of the engine's model on the prompt: log pi(x_i | x_<i), NaN for
+the first token (and, with prompt_logprobs_last_n = N, for all but the last N).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 from astuner.serve.futures import Outcome, RequestError
 from astuner.serve.wire_proto import sample_response
@@ -92,10 +93,12 @@ async def sample(service, body: dict) -> Outcome:
     config = getattr(service.engine.model, "config", None)
     params = sampling_params(body.get("sampling_params") or {}, service.tokenizer, len(tokens),
                              getattr(config, "max_position_embeddings", None))
-    snapshot = service.snapshot_of(body.get("sampling_session_id"))
+    snapshot = service.sampling.snapshot_of(body.get("sampling_session_id"))
     n = body.get("num_samples", 1)
-    async with service.serving(snapshot) as engine:
-        results = await asyncio.gather(*(engine.generate(tokens, params) for _ in range(n)))
+    async with service.sampling.serving(snapshot) as engine:
+        # A seeded request gives its samples seeds of their own (one seed for all would give n equal sequences).
+        samplings = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
+        results = await asyncio.gather(*(engine.generate(tokens, sp) for sp in samplings))
         logprobs = None
         if body.get("prompt_logprobs"):
             logprobs = await asyncio.to_thread(prompt_logprobs, engine, tokens, body.get("prompt_logprobs_last_n"))

@@ -7,7 +7,8 @@
                      ephemeral ones of `save_weights_and_get_sampling_client` in memory (the last two per model),
                      and the base model
     sampler          one HF engine for every sampling client; it switches snapshots between requests (a switch
-                     waits for the requests in flight, loads with the verified sync, `engine/fingerprint.py`)
+                     waits for the requests in flight, loads with the verified sync, `engine/fingerprint.py`):
+                     `snapshots.py`
 
 Paths are `tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, kept under
 `<experiment_dir>/serve/`, so a restarted server loads what an earlier one saved.
@@ -15,9 +16,8 @@ Paths are `tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+import math
 import re
 import secrets
 import threading
@@ -27,31 +27,15 @@ from pathlib import Path
 import numpy as np
 
 from astuner.serve.futures import Outcome, RequestError
+from astuner.serve.snapshots import EPHEMERAL_KEPT, Samplers
 from astuner.trainer.lora import is_lora_param
 from astuner.serve.tinker_losses import CONFIG_KEYS, INPUTS, REFUSED, TinkerDatum, TinkerLoss
 from astuner.serve.wire_proto import ForwardBackwardRequest, WireDatum, forward_backward_output
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
-EPHEMERAL_KEPT = 2
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass
-class Snapshot:
-    """Weights a sampler serves: in memory (`tensors`), in a file, or the base model (neither)."""
-
-    key: str
-    model_name: str
-    tensors: dict | None = None
-    file: Path | None = None
-
-    def load(self) -> dict:
-        if self.tensors is not None:
-            return self.tensors
-        from safetensors.torch import load_file
-
-        return load_file(str(self.file))
+_MODEL_ID = re.compile(r"^s[0-9a-f]+-[0-9]+:train:[0-9]+$")
 
 
 @dataclass
@@ -71,10 +55,8 @@ class TinkerService:
         self.boot = secrets.token_hex(3)  # session ids of a restarted server never meet an earlier one's
         self._sessions = 0
         self.models: dict[str, ServedModel] = {}
-        self.snapshots: dict[str, Snapshot] = {"base": Snapshot("base", self.model_name)}
-        self.samplers: dict[str, str] = {}  # sampling_session_id -> snapshot key
+        self.sampling = Samplers(engine, self.model_name)
         self._lock = threading.Lock()
-        self._gate = EngineGate(engine)
 
     # --- sessions and models ---------------------------------------------------------------------------------
 
@@ -104,6 +86,8 @@ class TinkerService:
         if rank < 0:
             raise RequestError(f"lora_config.rank must be >= 0 (0: the whole model), got {rank}")
         with self._lock:
+            if model_id in self.models:  # a retried creation: the client it made
+                return Outcome(json={"type": "create_model", "model_id": model_id})
             if len(self.models) >= self.max_training_clients:
                 raise RequestError(f"this server holds {len(self.models)} training clients, its limit "
                                    f"(astuner serve --max-training-clients); close a ServiceClient to free one")
@@ -135,14 +119,15 @@ class TinkerService:
             return self.models[model_id]
         except KeyError:
             raise RequestError(f"no training client {model_id!r} on this server (closed, or made by a server "
-                               f"that has since restarted: load its saved state)") from None
+                               f"that has since restarted: create one from its saved state, "
+                               f"create_training_client_from_state_with_optimizer)") from None
 
     def close_session(self, session_id: str) -> list[str]:
         """Frees the session's training clients; returns their ids."""
         with self._lock:
             gone = [m for m in self.models if m.startswith(f"{session_id}:")]
-            for m in gone:
-                del self.models[m]
+            ephemeral = [uri for m in gone for uri in self.models.pop(m).ephemeral]
+        self.sampling.forget(ephemeral, f"{session_id}:")  # their weights in memory go with them
         return gone
 
     def save_open_clients(self, name: str) -> list[str]:
@@ -154,6 +139,19 @@ class TinkerService:
             except Exception:  # noqa: BLE001 - one client's failure must not lose the others'
                 log.exception("astuner serve: could not save %s", model_id)
         return paths
+
+    def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> dict:
+        if model_path:
+            if model_path not in self.sampling.snapshots:
+                file = self._file_of(model_path, "sampler_weights")
+                if not file.exists():
+                    raise RequestError(f"{model_path}: no such sampler weights on this server")
+                self.sampling.add(model_path, file=file)
+            self.sampling.open_session(sampler_id, model_path)
+        else:
+            self.check_base_model(base_model)
+            self.sampling.open_session(sampler_id, "base")
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     # --- training ---------------------------------------------------------------------------------------------
 
@@ -199,17 +197,23 @@ class TinkerService:
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(f"adam_params: {exc}") from None
         result = model.trainer.optim_step(step)
+        if not math.isfinite(result["grad_norm"]):
+            raise RequestError(f"the gradient norm is {result['grad_norm']}: the step was skipped (the weights and "
+                               f"AdamW state are unchanged, the gradients cleared); check the data and the lr")
         return Outcome(json={"metrics": {"grad_norm": result["grad_norm"], "learning_rate": result["lr"]}})
 
     # --- state ------------------------------------------------------------------------------------------------
 
     def _path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+        if not _MODEL_ID.match(model_id):
+            raise RequestError(f"{model_id!r} is not a training client id of this server")
         if not _NAME.match(name):
             raise RequestError(f"checkpoint name {name!r}: letters, digits, '.', '_' and '-' only (up to 128)")
         return f"tinker://{model_id}/{kind}/{name}", self.state_dir / model_id.replace(":", "_") / kind / name
 
     def _file_of(self, path: str, kind: str) -> Path:
-        match = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", path or "")
+        text = path if isinstance(path, str) else ""
+        match = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", text)
         if match is None or match.group(2) != kind:
             raise RequestError(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path of this server")
         return self._path(match.group(1), kind, match.group(3))[1]
@@ -226,7 +230,7 @@ class TinkerService:
         weights = state["model"] or {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()}
         if trainer.peft is not None:
             weights = {n: t for n, t in weights.items() if is_lora_param(n)}
-        tmp = file.with_suffix(".tmp")
+        tmp = file.with_name(file.name + ".tmp")
         torch.save({**state, "model": weights, "lora_rank": model.lora_rank, "model_name": self.model_name}, tmp)
         tmp.replace(file)  # whole or absent
         return Outcome(json={"type": "save_weights", "path": uri})
@@ -236,10 +240,15 @@ class TinkerService:
 
         file = self._file_of(path, "weights")
         if not file.exists():
-            raise RequestError(f"{path}: no such saved state on this server ({file})")
+            raise RequestError(f"{path}: no such saved state on this server")
         saved = torch.load(file, map_location="cpu", weights_only=False)
         if create:
             self.create_model(model_id, None, {"rank": saved["lora_rank"]})
+            try:
+                return self.load_state(model_id, path, optimizer)
+            except Exception:
+                self.models.pop(model_id, None)  # a client that could not load holds no slot
+                raise
         model = self.model(model_id)
         if saved["lora_rank"] != model.lora_rank:
             raise RequestError(f"{path} holds LoRA rank {saved['lora_rank']}, this training client has "
@@ -257,57 +266,23 @@ class TinkerService:
         if name is not None:
             uri, file = self._path(model_id, "sampler_weights", name)
             file.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(file.with_suffix(".tmp")))
-            file.with_suffix(".tmp").replace(file)
-            self.snapshots[uri] = Snapshot(uri, self.model_name, file=file)
+            tmp = file.with_name(file.name + ".tmp")
+            save_file(tensors, str(tmp))
+            tmp.replace(file)
+            self.sampling.add(uri, file=file)
             out = {"type": "save_weights_for_sampler", "path": uri}
         else:
             uri = f"{model_id}/ephemeral/{sampler_id}"
-            self.snapshots[uri] = Snapshot(uri, self.model_name, tensors=tensors)
+            self.sampling.add(uri, tensors=tensors)
             model.ephemeral.append(uri)
             while len(model.ephemeral) > EPHEMERAL_KEPT:  # an older sampler's weights are let go
-                self.snapshots.pop(model.ephemeral.pop(0), None)
+                self.sampling.snapshots.pop(model.ephemeral.pop(0), None)
             out = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         if sampler_id is not None:
-            self.samplers[sampler_id] = uri
+            self.sampling.open_session(sampler_id, uri)
         return Outcome(json=out)
 
     # --- sampling ---------------------------------------------------------------------------------------------
-
-    def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> dict:
-        if model_path:
-            if model_path not in self.snapshots:
-                file = self._file_of(model_path, "sampler_weights")
-                if not file.exists():
-                    raise RequestError(f"{model_path}: no such sampler weights on this server ({file})")
-                self.snapshots[model_path] = Snapshot(model_path, self.model_name, file=file)
-            self.samplers[sampler_id] = model_path
-        else:
-            self.check_base_model(base_model)
-            self.samplers[sampler_id] = "base"
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
-
-    def sampler_info(self, sampler_id: str) -> dict:
-        key = self._sampler(sampler_id)
-        return {"sampler_id": sampler_id, "base_model": self.model_name,
-                "model_path": None if key == "base" else key}
-
-    def _sampler(self, sampler_id: str) -> str:
-        if sampler_id not in self.samplers:
-            raise RequestError(f"no sampling session {sampler_id!r} on this server")
-        return self.samplers[sampler_id]
-
-    def snapshot_of(self, sampler_id: str) -> Snapshot:
-        key = self._sampler(sampler_id)
-        if key not in self.snapshots:
-            raise RequestError(f"sampling session {sampler_id}: its weights were let go (astuner serve keeps the last "
-                               f"{EPHEMERAL_KEPT} of save_weights_and_get_sampling_client per training client); "
-                               f"save_weights_for_sampler(name) keeps a snapshot on disk")
-        return self.snapshots[key]
-
-    def serving(self, snapshot: Snapshot):
-        return self._gate.serving(snapshot)
-
 
 def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int) -> TinkerDatum:
     """A datum as a trainer sample (prompt x_0, response the targets; `tinker_losses.py`), its inputs checked."""
@@ -335,37 +310,3 @@ def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int) -> TinkerDa
     old = inputs.get("logprobs", [0.0] * n)
     sample = Sample([d.tokens[0]], targets, old, 0.0, 1.0, f"datum-{index}")
     return TinkerDatum(sample, inputs)
-
-
-class EngineGate:
-    """The engine serves one snapshot at a time: a switch waits until the requests in flight are done."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.current = "base"
-        self._base: dict | None = None
-        self._inflight = 0
-        self._cond: asyncio.Condition | None = None
-
-    @contextlib.asynccontextmanager
-    async def serving(self, snapshot: Snapshot):
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.current == snapshot.key or self._inflight == 0)
-            if self.current != snapshot.key:
-                await asyncio.to_thread(self._switch, snapshot)
-            self._inflight += 1
-        try:
-            yield self.engine
-        finally:
-            async with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
-
-    def _switch(self, snapshot: Snapshot) -> None:
-        if self.current == "base" and self._base is None:  # kept before the base weights are overwritten
-            self._base = {n: p.detach().to("cpu", copy=True) for n, p in self.engine.model.named_parameters()}
-        tensors = self._base if snapshot.key == "base" else snapshot.load()
-        self.engine.load_weights(tensors.items())
-        self.current = snapshot.key

@@ -183,6 +183,7 @@ def restore_state(trainer, state: dict) -> None:
     optimizer = state["optimizer"]
     if optimizer is None:  # weights only: the optimizer starts afresh (Adam moments of other weights would mislead)
         trainer.optimizer.state.clear()
+        trainer.optimizer_steps = int(state["optimizer_steps"])
         return
     if trainer.sharded:
         optimizer = fsdp.shard_optimizer_state(optimizer, trainer._params)

@@ -1,0 +1,118 @@
+"""What the Tinker API's samplers serve: weight snapshots, the sampling sessions that name them, and the one HF
+engine they share, which switches snapshots between requests.
+
+    named       `save_weights_for_sampler(name)`: a file under the server's state folder; saving a name again
+                makes a new snapshot (a new key), so its samplers serve the newer weights
+    ephemeral   `save_weights_and_get_sampling_client`: in memory, the last EPHEMERAL_KEPT per training client
+    base        the YAML's model, as the engine loaded it (kept in memory the first time the engine leaves it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from astuner.serve.futures import RequestError
+
+EPHEMERAL_KEPT = 2
+
+
+@dataclass
+class Snapshot:
+    """Weights a sampler serves: in memory (`tensors`), in a file, or the base model (neither)."""
+
+    key: str
+    model_name: str
+    tensors: dict | None = None
+    file: Path | None = None
+
+    def load(self) -> dict:
+        if self.tensors is not None:
+            return self.tensors
+        from safetensors.torch import load_file
+
+        return load_file(str(self.file))
+
+
+class Samplers:
+    """Snapshots by path (or ephemeral id) and sampling sessions by id; `serving` holds the engine on one."""
+
+    def __init__(self, engine, model_name: str):
+        self.model_name = model_name
+        self.snapshots: dict[str, Snapshot] = {"base": Snapshot("base", model_name)}
+        self.sessions: dict[str, str] = {}  # sampling_session_id -> snapshot path
+        self._keys = itertools.count(1)
+        self._gate = EngineGate(engine)
+
+    def add(self, path: str, tensors: dict | None = None, file: Path | None = None) -> None:
+        """A snapshot under `path`, replacing what it held (a new key: the engine loads it again)."""
+        self.snapshots[path] = Snapshot(f"{path}#{next(self._keys)}", self.model_name, tensors=tensors, file=file)
+
+    def open_session(self, sampler_id: str, path: str) -> None:
+        self.sessions[sampler_id] = path
+
+    def forget(self, paths: list[str], session_prefix: str) -> None:
+        """A closed session's snapshots in memory and sampling sessions."""
+        for path in paths:
+            self.snapshots.pop(path, None)
+        for sampler in [k for k in self.sessions if k.startswith(session_prefix)]:
+            del self.sessions[sampler]
+
+    def info(self, sampler_id: str) -> dict:
+        path = self._path_of(sampler_id)
+        return {"sampler_id": sampler_id, "base_model": self.model_name,
+                "model_path": None if path == "base" else path}
+
+    def _path_of(self, sampler_id: str) -> str:
+        if sampler_id not in self.sessions:
+            raise RequestError(f"no sampling session {sampler_id!r} on this server")
+        return self.sessions[sampler_id]
+
+    def snapshot_of(self, sampler_id: str) -> Snapshot:
+        snapshot = self.snapshots.get(self._path_of(sampler_id))
+        if snapshot is None:
+            raise RequestError(f"sampling session {sampler_id}: its weights were let go (astuner serve keeps the last "
+                               f"{EPHEMERAL_KEPT} of save_weights_and_get_sampling_client per training client); "
+                               f"save_weights_for_sampler(name) keeps a snapshot on disk")
+        return snapshot
+
+    def serving(self, snapshot: Snapshot):
+        return self._gate.serving(snapshot)
+
+
+class EngineGate:
+    """The engine serves one snapshot at a time: a switch waits until the requests in flight are done."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.current = "base"
+        self._base: dict | None = None
+        self._inflight = 0
+        self._cond: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def serving(self, snapshot: Snapshot):
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.current == snapshot.key or self._inflight == 0)
+            if self.current != snapshot.key:
+                await asyncio.to_thread(self._switch, snapshot)
+            self._inflight += 1
+        try:
+            yield self.engine
+        finally:
+            async with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def _switch(self, snapshot: Snapshot) -> None:
+        if self.current == "base" and self._base is None:  # kept before the base weights are overwritten
+            self._base = {n: p.detach().to("cpu", copy=True) for n, p in self.engine.model.named_parameters()}
+        tensors = self._base if snapshot.key == "base" else snapshot.load()
+        self.current = None  # a load that fails half way leaves weights no snapshot names
+        self.engine.load_weights(tensors.items())
+        self.current = snapshot.key

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,18 +171,51 @@ def test_serve_refuses_another_host_without_keys(tmp_path, tiny_model_dir, capsy
     assert "the keys are: laptop" in capsys.readouterr().err
 
 
+# The SDK's side of the served-run test, in a process of its own: a ServiceClient's session sends heartbeats from
+# a background thread for as long as the process lives, and would warn into later tests once the server is gone.
+SDK_CLIENT = """
+import sys
+import tinker
+from tinker import types
+sys.path.insert(0, {tests!r})
+from test_serve_tinker import TOKENS, datum
+
+url, key, model, mode = sys.argv[1:5]
+if mode == "denied":
+    try:
+        tinker.ServiceClient(base_url=url, api_key="tml-wrong").get_server_capabilities()
+    except tinker.AuthenticationError:
+        print("denied")
+    sys.exit(0)
+sc = tinker.ServiceClient(base_url=url, api_key=key)
+if mode == "train":
+    tc = sc.create_lora_training_client(base_model=model, rank=4).result()
+    tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+else:  # a saved state's path
+    tc = sc.create_training_client_from_state_with_optimizer(mode).result()
+print(tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
+"""
+
+
 def test_a_served_run_needs_a_key_once_keys_exist(tmp_path, tiny_model_dir, capsys):
     """Started as a user would (the command, in the background), with a key: a wrong key is a 401;
     Ctrl-C saves the open training client, and a restarted server trains on from it; SIGTERM saves too."""
-    import tinker
-    from tinker import types
-
     from astuner.cli import main
-    from test_serve_tinker import TOKENS, datum, write_yaml
+    from test_serve_tinker import write_yaml
 
     yaml = write_yaml(tmp_path, tiny_model_dir)
     main(["serve-key", "create", "ci", "--conf", str(yaml)])
     key = capsys.readouterr().out.strip()
+    script = tmp_path / "sdk_client.py"
+    script.write_text(SDK_CLIENT.format(tests=str(Path(__file__).parent)))
+
+    def sdk(url: str, mode: str) -> str:
+        env = {**os.environ, "TINKER_TELEMETRY": "0"}
+        done = subprocess.run([sys.executable, str(script), url, key, str(tiny_model_dir), mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
 
     def start():
         # SIGINT as a terminal's Ctrl-C delivers it (a test run started in the background would pass it on ignored)
@@ -195,13 +229,8 @@ def test_a_served_run_needs_a_key_once_keys_exist(tmp_path, tiny_model_dir, caps
 
     proc, url = start()
     try:
-        with pytest.raises(tinker.AuthenticationError):
-            tinker.ServiceClient(base_url=url, api_key="tml-wrong").get_server_capabilities()
-        sc = tinker.ServiceClient(base_url=url, api_key=key)
-        tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
-        tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        before = tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+        assert sdk(url, "denied") == "denied"
+        before = float(sdk(url, "train"))
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         rest = proc.stderr.read()
@@ -210,9 +239,7 @@ def test_a_served_run_needs_a_key_once_keys_exist(tmp_path, tiny_model_dir, caps
     assert len(saved) == 1, rest
     proc, url = start()
     try:
-        sc = tinker.ServiceClient(base_url=url, api_key=key)
-        again = sc.create_training_client_from_state_with_optimizer(saved[0]).result()
-        after = again.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+        after = float(sdk(url, saved[0]))
         assert after == before
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # a scheduler's stop: saves as Ctrl-C does

@@ -230,7 +230,11 @@ def test_the_readme_example_runs_as_written(served, tiny_model_dir, capsys):
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
     assert "http://127.0.0.1:8000" in code and "demo:smollm2-135m-instruct" in code
     code = code.replace("http://127.0.0.1:8000", served[1]).replace("demo:smollm2-135m-instruct", str(tiny_model_dir))
-    exec(compile(code, "README.md", "exec"), {})
+    namespace: dict = {}
+    try:
+        exec(compile(code, "README.md", "exec"), namespace)
+    finally:  # its session ends here: an open one would send heartbeats (and warnings) after the server stops
+        namespace["service"].close("success").result()
     losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()[:5]]
     assert losses[-1] < losses[0], losses
 

@@ -108,6 +108,11 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
 
     board = EpisodeBoard()
     server = Server(RemoteApp(board, keys), keys, host, port)
+    if public_url is None and host in ("0.0.0.0", "::"):  # a wildcard is no address a client can call
+        import socket
+
+        public_url = f"http://{socket.gethostname()}:{server.port}"
+        _say(f"clients are told {public_url}; give --public-url if they reach this machine by another name")
     board.public_url = (public_url or server.url).rstrip("/")
     install_board(board)
     server.start()

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
-import time
 from pathlib import Path
 
 from astuner.logview import store
+from astuner.uvicorn_thread import UvicornThread
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +170,6 @@ class LogViewServer:
     """uvicorn on 127.0.0.1 in a daemon thread (beside a run), or in the foreground (`astuner logview`)."""
 
     def __init__(self, root: Path, port: int = 0) -> None:
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -184,27 +181,14 @@ class LogViewServer:
                             "astuner.logview.port to a free port, or 0 for any free port") from None
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(root), log_level="warning", lifespan="off",
-                                                    access_log=False))
-        self.thread: threading.Thread | None = None
+        self._uvicorn = UvicornThread(build_app(root), self.sock, self.url, "astuner-logview", "the log viewer")
 
     def start(self, timeout: float = 15.0) -> str:
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="astuner-logview", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the log viewer did not start on {self.url} within {timeout:g}s")
-            time.sleep(0.01)
-        return self.url
+        return self._uvicorn.start(timeout)
 
     def wait(self) -> None:
         """Block until the server stops (Ctrl-C interrupts the wait)."""
-        while self.thread is not None and self.thread.is_alive():
-            self.thread.join(0.5)
+        self._uvicorn.wait()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        self._uvicorn.stop()

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
-import time
 from pathlib import Path
 
 from astuner.errors import UserError
@@ -96,7 +94,7 @@ class Server:
     """uvicorn serving an ASGI app in a thread (`start`) until `stop`; `on_stop` runs after it stopped."""
 
     def __init__(self, app, keys, host: str = LOOPBACK, port: int = 0, on_stop=None):
-        import uvicorn
+        from astuner.uvicorn_thread import UvicornThread
 
         check_host(host, keys)
         self.on_stop = on_stop
@@ -110,28 +108,15 @@ class Server:
                             f"(0: any free port)") from None
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                                    timeout_keep_alive=75))
-        self.thread: threading.Thread | None = None
+        self._uvicorn = UvicornThread(app, self.sock, self.url, "astuner-serve", "astuner serve", timeout_keep_alive=75)
 
     def start(self, timeout: float = 15.0) -> str:
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="astuner-serve", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"astuner serve did not start on {self.url} within {timeout:g}s")
-            time.sleep(0.01)
-        return self.url
+        return self._uvicorn.start(timeout)
 
     def wait(self) -> None:
-        while self.thread is not None and self.thread.is_alive():
-            self.thread.join(0.5)
+        self._uvicorn.wait()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        self._uvicorn.stop(join_s=30)
         if self.on_stop is not None:
             self.on_stop()

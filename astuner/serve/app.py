@@ -9,7 +9,6 @@ Direct failures answer `{"detail": message}` with a 4xx; a failed future answers
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from starlette.applications import Starlette
@@ -18,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from astuner.serve.futures import Futures, Outcome, RequestError, TrainingQueue
+from astuner.serve.http_body import HttpError, read_body, read_json
 from astuner.serve.tinker_sampling import check_request, sample
 from astuner.serve.wire_proto import ProtoError, read_forward_backward
 
@@ -26,12 +26,6 @@ MAX_JSON_BYTES = 8 << 20
 MAX_PROTO_BYTES = 256 << 20  # a forward_backward chunk: the SDK sends at most ~5 MB each
 POLL_WAIT_S = 20.0  # a poll is held this long before "try_again" (the SDK times out at 45 s)
 PROTO = "application/x-protobuf"
-
-
-class Http(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 class TinkerApp:
@@ -72,7 +66,7 @@ class TinkerApp:
             try:
                 self._authorize(request)
                 out = await fn(request)
-            except Http as exc:
+            except HttpError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=exc.status)
             except (RequestError, ProtoError) as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
@@ -86,34 +80,19 @@ class TinkerApp:
         if self.keys.open_access():
             return  # loopback, no keys
         if self.keys.owner(request.headers.get("x-api-key")) is None:
-            raise Http(401, "a valid astuner serve key is needed in X-API-Key (astuner serve-key create NAME)")
+            raise HttpError(401, "a valid astuner serve key is needed in X-API-Key (astuner serve-key create NAME)")
 
     async def _body(self, request: Request, limit: int = MAX_JSON_BYTES) -> bytes:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limit:
-            raise Http(413, f"request body of {size} bytes; the limit is {limit}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise Http(413, f"request body over the limit of {limit} bytes")
-        return bytes(body)
+        return await read_body(request, limit)
 
     async def _json(self, request: Request) -> dict:
-        body = await self._body(request)
-        try:
-            data = json.loads(body or b"{}")
-        except ValueError as exc:
-            raise Http(400, f"the body is not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise Http(400, "the body must be a JSON object")
-        return data
+        return await read_json(request, MAX_JSON_BYTES)
 
     @staticmethod
     def _field(data: dict, key: str, kind: type = str):
         value = data.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            raise Http(400, f"{key}: a {kind.__name__} is required")
+            raise HttpError(400, f"{key}: a {kind.__name__} is required")
         return value
 
     # --- session ------------------------------------------------------------------------------------------------
@@ -148,7 +127,7 @@ class TinkerApp:
         return {}
 
     async def unknown(self, request: Request) -> dict:
-        raise Http(404, f"astuner serve has no endpoint {request.method} {request.url.path}")
+        raise HttpError(404, f"astuner serve has no endpoint {request.method} {request.url.path}")
 
     # --- training -------------------------------------------------------------------------------------------------
 
@@ -167,7 +146,7 @@ class TinkerApp:
     async def forward_backward(self, request: Request) -> dict:
         body = await self._body(request, MAX_PROTO_BYTES)
         if request.headers.get("content-encoding") == "zstd":
-            raise Http(415, "zstd bodies are not read here (the server's client config does not ask for them)")
+            raise HttpError(415, "zstd bodies are not read here (the server's client config does not ask for them)")
         fb = read_forward_backward(body)
         self.service.model(fb.model_id)
         return self._sequenced(fb.model_id, fb.seq_id, lambda: self.service.forward_backward(fb))
@@ -184,7 +163,8 @@ class TinkerApp:
     async def optim_step(self, request: Request) -> dict:
         data, model_id, seq_id = await self._training(request)
         if "adam_params" not in data:
-            raise Http(400, "optim_step: astuner serve steps AdamW only (adam_params); other optimizers are refused")
+            raise HttpError(400, "optim_step: astuner serve steps AdamW only (adam_params); other optimizers are "
+                                 "refused")
         return self._sequenced(model_id, seq_id, lambda: self.service.optim_step(model_id, data["adam_params"]))
 
     async def save_weights(self, request: Request) -> dict:
@@ -223,7 +203,7 @@ class TinkerApp:
         try:
             return self.service.sampling.info(request.path_params["sampler_id"])
         except RequestError as exc:
-            raise Http(404, str(exc)) from None
+            raise HttpError(404, str(exc)) from None
 
     async def asample(self, request: Request) -> dict:
         data = await self._json(request)
@@ -251,7 +231,7 @@ class TinkerApp:
     async def retrieve_future(self, request: Request) -> Response:
         rid = self._field(await self._json(request), "request_id")
         if not self.futures.known(rid):
-            raise Http(404, f"no request {rid!r} on this server (results are kept for the last 4096 requests; a "
+            raise HttpError(404, f"no request {rid!r} on this server (results are kept for the last 4096 requests; a "
                             f"restarted server holds none of an earlier one's)")
         outcome = await self.futures.retrieve(rid, self.poll_wait_s)
         if outcome is None:

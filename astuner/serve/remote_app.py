@@ -13,13 +13,12 @@ A client is its key's name (`astuner serve-key`; any `tml-` key on loopback with
 
 from __future__ import annotations
 
-import json
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from astuner.serve.http_body import HttpError, read_json
 from astuner.serve.remote_board import BoardError, EpisodeBoard, RemoteAgentError, workflow_output
 
 MAX_BODY = 8 << 20
@@ -56,7 +55,7 @@ class RemoteApp:
                                     status_code=401)
             try:
                 return JSONResponse(await fn(request, client))
-            except BoardError as exc:
+            except HttpError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
         return handle
@@ -72,21 +71,7 @@ class RemoteApp:
 
     @staticmethod
     async def _json(request: Request) -> dict:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            raise BoardError(413, f"request body of {size} bytes; the limit is {MAX_BODY}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise BoardError(413, f"request body over the limit of {MAX_BODY} bytes")
-        try:
-            data = json.loads(body or b"{}")
-        except ValueError as exc:
-            raise BoardError(400, f"the body is not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise BoardError(400, "the body must be a JSON object")
-        return data
+        return await read_json(request, MAX_BODY)
 
     async def next_episode(self, request: Request, client: str) -> dict:
         wait = (await self._json(request)).get("wait_s", 20.0)

@@ -19,17 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from astuner.serve.http_body import HttpError
 from astuner.workflow import Workflow, WorkflowOutput, WorkflowTask
 
 _BOARD: EpisodeBoard | None = None
 
 
-class BoardError(ValueError):
-    """A result the board cannot take: `status` is the HTTP status it answers (404, 409, 410, 400)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+class BoardError(HttpError):
+    """A result the board cannot take: `status` is the HTTP status it answers (409, 410, 400)."""
 
 
 @dataclass

@@ -1,0 +1,39 @@
+"""What the server's two apps (the Tinker API, the remote agents' board) share: an HTTP failure with its status,
+and request bodies read within a size limit."""
+
+from __future__ import annotations
+
+import json
+
+
+class HttpError(Exception):
+    """A request answered with `status` and {"detail": message}."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is over `limit` bytes (by its header or as it streams in)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise HttpError(413, f"request body of {size} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HttpError(413, f"request body over the limit of {limit} bytes")
+    return bytes(body)
+
+
+async def read_json(request, limit: int) -> dict:
+    """The body as a JSON object (an empty body is {}); a 400 otherwise."""
+    body = await read_body(request, limit)
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError as exc:
+        raise HttpError(400, f"the body is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return data

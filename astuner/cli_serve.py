@@ -94,7 +94,9 @@ def _serve_tinker(loaded, keys, host: str, port: int, max_training_clients: int)
         server.stop()
         for path in service.save_open_clients("at_shutdown"):
             _say(f"saved {path} (resume with create_training_client_from_state_with_optimizer)")
-        service.engine.shutdown()
+        for base in service.bases.values():
+            if base.engine is not None:
+                base.engine.shutdown()
 
 
 def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port: int, public_url: str | None,

@@ -12,6 +12,9 @@ Importable without torch (httpx and the standard library only), so it runs on a 
 
     RemoteClient("http://trainer:8000", api_key="tml-...").run(agent, concurrency=8)
 
+A multi-agent system calls as each agent of the run's `astuner.agents` with `episode.openai_client(agent="critic")`
+(or `episode.key_for("critic")` for another client): the call is that agent's, served and trained on its model.
+
 The agent returns a number (the reward), a dict (`reward`, `is_success`, `metadata`, `metrics`, `agent_rewards`,
 `response`; without `reward` the run's judge scores it) or None (the judge scores it). An exception is posted as
 the episode's failure (flagged, never trained). An episode has a deadline (`deadline_s` when taken); a result
@@ -49,6 +52,7 @@ class RemoteEpisode:
     is_validation: bool = False
     repeat_index: int = 0
     episode_uid: str = ""
+    agent_keys: dict[str, str] = field(default_factory=dict)  # agent of astuner.agents -> its key this episode
     taken_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -59,12 +63,24 @@ class RemoteEpisode:
     def anthropic_base_url(self) -> str:
         return self.base_url.removesuffix("/v1")
 
-    def openai_client(self, sync: bool = False):
-        """An OpenAI client on this episode (no retries: a retried call would be a second sampled call)."""
+    def key_for(self, agent: str | None = None) -> str:
+        """The key of `agent`'s calls (an agent of the run's astuner.agents: served by its model, recorded as its
+        calls); None: the episode's main key (`policy`)."""
+        if agent is None:
+            return self.api_key
+        if agent not in self.agent_keys:
+            listed = ", ".join(self.agent_keys) or "none"
+            raise KeyError(f"agent {agent!r} is not in the served run's astuner.agents (listed: {listed}); add it "
+                           f"there, or call without an agent (the policy)")
+        return self.agent_keys[agent]
+
+    def openai_client(self, sync: bool = False, agent: str | None = None):
+        """An OpenAI client on this episode, as `agent` (see `key_for`); no retries: a retried call would be a
+        second sampled call."""
         import openai
 
         cls = openai.OpenAI if sync else openai.AsyncOpenAI
-        return cls(base_url=self.base_url, api_key=self.api_key, max_retries=0,
+        return cls(base_url=self.base_url, api_key=self.key_for(agent), max_retries=0,
                    timeout=max(1.0, self.seconds_left + 5))
 
 
@@ -159,7 +175,7 @@ class RemoteClient:
             return None
         return RemoteEpisode(data["episode_id"], data["task"], data["base_url"], data["api_key"], data["model"],
                              data["deadline_s"], data.get("is_validation", False), data.get("repeat_index", 0),
-                             data.get("episode_uid", ""))
+                             data.get("episode_uid", ""), dict(data.get("agent_keys") or {}))
 
     async def _post_result(self, episode: RemoteEpisode, result: dict) -> bool:
         return await self._post(f"/astuner/v1/episodes/{episode.episode_id}/result", result)

@@ -257,6 +257,8 @@ class RolloutRunner:
         episode.seconds = time.perf_counter() - start
         if self._flagged_by_records(episode, tuner, tools, timeout):
             output = None
+        if episode.error_source == "workflow":  # e.g. "remote": the advice then points at the remote clients
+            episode.error_source = getattr(self.workflow_cls, "error_source", "workflow")
         if output is not None:
             problem = await judge_output(self.judge, self.settings.judge_timeout, episode, workflow_task, output,
                                          tuner)
@@ -299,7 +301,9 @@ class RolloutRunner:
         if tuner.expired:
             flagged = True
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_TIMEOUT]
-            episode.error = f"episode timed out after {timeout:g}s ({tuner.expired_reason})"
+            reason = tuner.expired_reason or ""
+            episode.error = reason if reason.startswith("episode timed out") else \
+                f"episode timed out after {timeout:g}s ({reason})"
             episode.error_summary, episode.error_source = episode.error, "workflow"
             self._log_error(episode, "timed out")
         elif tuner.overflowed:

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 FIX_ADVICE = {
     "workflow": "Fix the workflow (run with --backbone debug and a breakpoint in it), or raise "
                 "astuner.rollout.episode_timeout if the episodes are just slow.",
+    "remote": "Check that remote clients run against this server (astuner.remote.RemoteClient(url).run(agent), e.g. "
+              "tutorial/remote_agent/agent_client.py) and read their output for the agent's error, or raise "
+              "astuner.rollout.episode_timeout if the episodes are just slow.",
     "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
              "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
 }
@@ -144,7 +147,8 @@ class Plain:
                 f"stopped after {state.idle_steps} steps in a row without a learning signal (step {step}): {why}. "
                 f"First error: {state.first_error or 'none'}. Check the judge's rewards in the trajectories folder; "
                 "the task may be too hard (all 0) or too easy (all 1) for this model (from a warm start that scores "
-                "all 0, draw another: `astuner warmstart --seed 1`), or raise astuner.trainer_common.max_idle_steps." + "".join(f" Also: {w}" for w in self.standing_warnings())
+                "all 0, draw another: `astuner warmstart --seed 1`), or raise astuner.trainer_common.max_idle_steps."
+                + "".join(f" Also: {w}" for w in self.standing_warnings())
             )
 
     @staticmethod

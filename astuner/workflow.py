@@ -93,6 +93,8 @@ class Workflow:
     """Subclass this and implement `execute`. A fresh instance runs each episode."""
 
     name: str = "workflow"
+    # Which part a failed or timed-out episode blames in the run's stop message (selection.FIX_ADVICE's keys).
+    error_source: str = "workflow"
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

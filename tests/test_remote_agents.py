@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,8 +54,6 @@ def trajectories(out: Path) -> list[dict]:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -116,8 +116,6 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
 
 
 def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
-    import time
-
     from astuner.remote import RemoteClient, RemoteError
 
     proc, url = start_server(tmp_path, tiny_model_dir, "astuner.data.train_batch_size=1",
@@ -140,6 +138,70 @@ def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     finally:
         code, rest = finish(proc, timeout=120)
     assert code == 1 and "all 2 episodes failed or timed out" in rest, rest  # step 2: nothing to train, it says so
+    assert "Check that remote clients run against this server" in rest  # the clients to look at, not a workflow
+
+
+def test_a_killed_server_resumes_its_last_step_and_the_clients_come_back(tmp_path, tiny_model_dir):
+    """SIGKILL mid-run (step 1 saved, step 2's episodes out): the same command resumes from step 1's checkpoint,
+    the two client processes reconnect on their own, and every step is trained exactly once."""
+    from astuner.remote import RemoteClient
+    from astuner.resume import is_complete
+
+    port, out = free_port(), tmp_path / "out"
+    clients = [subprocess.Popen([sys.executable, str(TUTORIAL / "agent_client.py"), "--url", f"http://127.0.0.1:{port}",
+                                 "--concurrency", "2", "--idle-exit", "240"], stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    overrides = ("astuner.trainer_common.total_training_steps=3", "astuner.trainer_common.save_freq=1")
+    proc, url = start_server(tmp_path, tiny_model_dir, *overrides, port=port)
+    watcher = RemoteClient(url, reconnect_s=5)
+    deadline = time.monotonic() + 240
+    while not (is_complete(out / "global_step_1") and watcher.status()["taken"] > 4):  # step 2's episodes are out
+        assert proc.poll() is None and time.monotonic() < deadline, "step 2 never started"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = sorted(p.name for p in out.glob("global_step_*") if is_complete(p))
+    restarted, _ = start_server(tmp_path, tiny_model_dir, *overrides, port=port)
+    code, rest = finish(restarted, timeout=300)
+    assert code == 0, rest
+    assert f"resuming from {out / saved[-1]}" in rest, rest
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3]  # none lost, none trained twice
+    names = set()
+    for client in clients:
+        _, err = client.communicate(timeout=60)  # the restarted server told them the run is over
+        assert client.returncode == 0, err
+        names.add(f"local/{socket.gethostname()}-{client.pid}")
+    after = [json.loads(line) for line in (out / "trajectories/train_step_000003.jsonl").read_text().splitlines()]
+    assert after and {e["output_metadata"]["remote_client"] for e in after} <= names  # the same processes
+
+
+def test_a_remote_multi_agent_system_calls_each_agents_model(tmp_path, tiny_model_dir):
+    """An episode carries a key per agent of astuner.agents: a call under the critic's key is the critic's, served
+    and trained on its own model; the main key stays the policy's."""
+    import shutil
+
+    from astuner.remote import RemoteClient, RemoteEpisode
+
+    critic = tmp_path / "critic_model"
+    shutil.copytree(tiny_model_dir, critic)
+    proc, url = start_server(tmp_path, tiny_model_dir, "astuner.trainer_common.total_training_steps=1",
+                             "astuner.data.train_batch_size=1", f"+astuner.models.critic.path={critic}",
+                             "+astuner.agents.critic.model=critic")
+
+    async def two_agents(episode):
+        for agent in (None, "critic"):
+            await episode.openai_client(agent=agent).chat.completions.create(
+                model=episode.model, max_tokens=3, messages=[{"role": "user", "content": episode.task["query"]}])
+        return 1.0
+
+    RemoteClient(url, name="team", reconnect_s=5).run(two_agents, concurrency=2, idle_exit_s=60)
+    code, rest = finish(proc, timeout=120)
+    assert code == 0, rest
+    for episode in trajectories(tmp_path / "out"):
+        assert [(c["agent"], c["model"]) for c in episode["calls"]] == [("", "policy"), ("critic", "critic")]
+    with pytest.raises(KeyError, match="'writer' is not in the served run's astuner.agents .listed: critic"):
+        RemoteEpisode("ep", {}, url, "k", "policy", 1.0, agent_keys={"critic": "k2"}).key_for("writer")
 
 
 def test_results_are_checked_before_they_reach_the_run():

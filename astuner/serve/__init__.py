@@ -2,6 +2,7 @@
 
     app.py              the HTTP endpoints (Starlette), keys, size limits, the API's error shapes
     futures.py          request ids, long polls, each training client's requests in seq_id order
+    bases.py            the models served: astuner.model and astuner.models, an engine each
     tinker_service.py   training clients (astuner Trainers), their states and sampler saves
     snapshots.py        the weights samplers serve, sampling sessions, the engine's switches between them
     tinker_losses.py    the API's built-in losses as trainer objectives
@@ -40,41 +41,51 @@ def check_host(host: str, keys) -> None:
 
 
 def build_service(loaded, max_training_clients: int = 2):
-    """The Tinker service of a config: its model's tokenizer and HF engine; trainers come per client."""
+    """The Tinker service of a config: its models (`bases.py`: tokenizers now, an HF engine each on first
+    sampling, astuner.model's now); trainers come per training client."""
     from astuner import runtime
     from astuner.engine.hf_engine import HFEngine
+    from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
     from astuner.tokenizer import load_tokenizer
 
     runtime.quiet_library_progress()
     typed = loaded.typed
-    model_path = runtime.build_policy_model_path(typed)
-    tokenizer = load_tokenizer(model_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = HFEngine(model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed,
-                      pad_token_id=pad)
-    return TinkerService(typed, model_path, tokenizer, engine, serve_dir(loaded) / "state", max_training_clients)
+
+    def make_engine(model_path: str):
+        tokenizer = load_tokenizer(model_path)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return HFEngine(model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed,
+                        pad_token_id=pad)
+
+    bases = served_bases(typed, make_engine)
+    return TinkerService(typed, bases, serve_dir(loaded) / "state", max_training_clients)
 
 
 def serve_summary(service, url: str, keys) -> str:
     """The effective-config block of `astuner serve`: what is served, where, to whom, and the memory it takes."""
     from astuner import preflight
 
-    facts = preflight.read_model_facts(service.model_path)
+    gib = preflight.GIB
     device = service.engine.device.type
-    P, gib = facts.num_params, preflight.GIB
-    engine, full, lora = 4 * P, preflight._trainer_bytes(P, "fp32", False), preflight._trainer_bytes(P, "fp32", True)
-    most = engine + service.max_training_clients * full
+    models = [f"{b.facts.path} ({b.facts.architecture}, {b.facts.num_params / 1e6:.1f}M parameters), served as "
+              f"{b.name!r}" + (f" ({', '.join(a for a in b.aliases[3:])})" if len(service.bases) > 1 else "")
+              for b in service.bases.values()]
+    P = max(b.facts.num_params for b in service.bases.values())  # a training client's cost on the largest
+    engines = sum(4 * b.facts.num_params for b in service.bases.values())
+    full, lora = preflight._trainer_bytes(P, "fp32", False), preflight._trainer_bytes(P, "fp32", True)
+    most = engines + service.max_training_clients * full
     available = preflight.available_memory(device)
     names = keys.names()
     rows = [
-        ("model", f"{facts.path} ({facts.architecture}, {P / 1e6:.1f}M parameters), served as {service.model_name!r}"),
-        ("engine", f"hf on {device} (sampling; trainers come with each training client)"),
+        *(("model" if i == 0 else "", line) for i, line in enumerate(models)),
+        ("engine", f"hf on {device}, one per model (the first's now, another's at its first sampling request); "
+                   "trainers come with each training client"),
         ("listening", url),
         ("keys", f"{len(names)} ({', '.join(names)})" if names else f"none: {LOOPBACK} only, any tml- key accepted"),
-        ("training clients", f"at most {service.max_training_clients}; each {lora / gib:.2f} GiB with LoRA, "
+        ("training clients", f"at most {service.max_training_clients}; each up to {lora / gib:.2f} GiB with LoRA, "
                              f"{full / gib:.2f} GiB full fine-tuning (weights, gradients, AdamW), plus activations"),
-        ("memory estimate", f"{engine / gib:.2f} GiB engine; at most {most / gib:.2f} GiB with every client full; "
+        ("memory estimate", f"{engines / gib:.2f} GiB engines; at most {most / gib:.2f} GiB with every client full; "
                             f"available {'unknown' if available is None else f'{available / gib:.1f} GiB'}"),
         ("saved state", str(service.state_dir)),
     ]

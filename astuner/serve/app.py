@@ -201,14 +201,16 @@ class TinkerApp:
 
     async def sampler(self, request: Request) -> dict:
         try:
-            return self.service.sampling.info(request.path_params["sampler_id"])
+            sampler_id = request.path_params["sampler_id"]
+            return self.service.sampler(sampler_id)[1].info(sampler_id)
         except RequestError as exc:
             raise HttpError(404, str(exc)) from None
 
     async def asample(self, request: Request) -> dict:
         data = await self._json(request)
         check_request(data)
-        self.service.sampling.snapshot_of(self._field(data, "sampling_session_id"))
+        sampler_id = self._field(data, "sampling_session_id")
+        self.service.sampler(sampler_id)[1].snapshot_of(sampler_id)
         rid = self.futures.new()
         n = data.get("num_samples", 1)
         ids = [f"{rid}-{i}" for i in range(n)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class EpisodeBoard:
     _offers: dict[str, Offer] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
+    # Ids differ between server starts, so a result held across a restart never lands on another episode.
+    _start: str = field(default_factory=lambda: secrets.token_hex(4))
     taken: int = 0
     finished: int = 0
     expired: int = 0
@@ -56,7 +59,7 @@ class EpisodeBoard:
     def offer(self, payload: dict, deadline: float) -> Offer:
         loop = asyncio.get_running_loop()
         with self._lock:
-            episode_id = f"ep-{next(self._ids)}"
+            episode_id = f"ep-{self._start}-{next(self._ids)}"
             offer = Offer(episode_id, {**payload, "episode_id": episode_id}, deadline, loop.create_future(), loop)
             self._offers[episode_id] = offer
         return offer
@@ -90,8 +93,8 @@ class EpisodeBoard:
         with self._lock:
             offer = self._offers.get(episode_id)
             if offer is None:
-                raise BoardError(410, f"episode {episode_id} is over (its deadline passed, or it was finished): "
-                                      f"this result is not used and the episode is not trained")
+                raise BoardError(410, f"episode {episode_id} is over (its deadline passed, it was finished, or the "
+                                      "server restarted since): this result is not used and the episode is not trained")
             if offer.taken_by != client:
                 raise BoardError(409, f"episode {episode_id} was taken by another client")
             del self._offers[episode_id]
@@ -128,6 +131,7 @@ class RemoteAgents(Workflow):
     """The workflow of a run whose agents run elsewhere: each episode waits for a remote client's outcome."""
 
     name = "remote_agents"
+    error_source = "remote"  # a failed or expired episode points at the clients, not at this class
 
     async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
         board = _BOARD
@@ -143,6 +147,8 @@ class RemoteAgents(Workflow):
             "episode_uid": workflow_task.episode_uid, "is_validation": workflow_task.is_validation,
             "repeat_index": workflow_task.repeat_index,
             "base_url": f"{board.public_url}/v1", "api_key": model_tuner.api_key, "model": "policy",
+            # One key per agent of astuner.agents: a call under it is that agent's, served by its model.
+            "agent_keys": {agent: model_tuner.for_agent(agent).api_key for agent in model_tuner.roster.agents},
         }
         offer = board.offer(payload, model_tuner.deadline)
         try:

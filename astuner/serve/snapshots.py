@@ -1,10 +1,10 @@
-"""What the Tinker API's samplers serve: weight snapshots, the sampling sessions that name them, and the one HF
-engine they share, which switches snapshots between requests.
+"""What the Tinker API's samplers serve: weight snapshots, the sampling sessions that name them, and the HF engine
+of their base model (one per base, `bases.py`), which switches snapshots between requests.
 
     named       `save_weights_for_sampler(name)`: a file under the server's state folder; saving a name again
                 makes a new snapshot (a new key), so its samplers serve the newer weights
     ephemeral   `save_weights_and_get_sampling_client`: in memory, the last EPHEMERAL_KEPT per training client
-    base        the YAML's model, as the engine loaded it (kept in memory the first time the engine leaves it)
+    base        the base model, as the engine loaded it (kept in memory the first time the engine leaves it)
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ class Snapshot:
 
 
 class Samplers:
-    """Snapshots by path (or ephemeral id) and sampling sessions by id; `serving` holds the engine on one."""
+    """One base model's snapshots by path (or ephemeral id) and sampling sessions by id; `serving` holds its
+    engine (`get_engine()`, built on first use) on one."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, get_engine, model_name: str):
         self.model_name = model_name
         self.snapshots: dict[str, Snapshot] = {"base": Snapshot("base", model_name)}
         self.sessions: dict[str, str] = {}  # sampling_session_id -> snapshot path
         self._keys = itertools.count(1)
-        self._gate = EngineGate(engine)
+        self._gate = EngineGate(get_engine)
 
     def add(self, path: str, tensors: dict | None = None, file: Path | None = None) -> None:
         """A snapshot under `path`, replacing what it held (a new key: the engine loads it again)."""
@@ -86,8 +87,9 @@ class Samplers:
 class EngineGate:
     """The engine serves one snapshot at a time: a switch waits until the requests in flight are done."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, get_engine):
+        self.get_engine = get_engine
+        self.engine = None
         self.current = "base"
         self._base: dict | None = None
         self._inflight = 0
@@ -95,6 +97,8 @@ class EngineGate:
 
     @contextlib.asynccontextmanager
     async def serving(self, snapshot: Snapshot):
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(self.get_engine)  # a model's first sampling loads it
         if self._cond is None:
             self._cond = asyncio.Condition()
         async with self._cond:

@@ -90,12 +90,12 @@ def prompt_logprobs(engine, tokens: list[int], last_n: int | None) -> list[float
 async def sample(service, body: dict) -> Outcome:
     """The SampleResponse of one `asample` request (num_samples sequences, in order)."""
     tokens = prompt_tokens(body.get("prompt"))
-    config = getattr(service.engine.model, "config", None)
-    params = sampling_params(body.get("sampling_params") or {}, service.tokenizer, len(tokens),
-                             getattr(config, "max_position_embeddings", None))
-    snapshot = service.sampling.snapshot_of(body.get("sampling_session_id"))
+    base, samplers = service.sampler(body.get("sampling_session_id"))
+    params = sampling_params(body.get("sampling_params") or {}, base.tokenizer, len(tokens),
+                             base.facts.max_position_embeddings)
+    snapshot = samplers.snapshot_of(body.get("sampling_session_id"))
     n = body.get("num_samples", 1)
-    async with service.sampling.serving(snapshot) as engine:
+    async with samplers.serving(snapshot) as engine:
         # A seeded request gives its samples seeds of their own (one seed for all would give n equal sequences).
         samplings = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
         results = await asyncio.gather(*(engine.generate(tokens, sp) for sp in samplings))

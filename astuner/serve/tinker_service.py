@@ -1,12 +1,13 @@
 """What `astuner serve` does for the Tinker API, apart from HTTP: training clients, snapshots, sampling.
 
-    training client  one astuner `Trainer` (LoRA of the asked rank, rank 0: the whole model) on the YAML's model;
+    base model       the YAML's astuner.model and each of astuner.models (`bases.py`), named by `base_model`
+    training client  one astuner `Trainer` (LoRA of the asked rank, rank 0: the whole model) on a base model;
                      forward / forward_backward with the built-in losses (`tinker_losses.py`), optim_step with the
                      caller's AdamParams, save_state / load_state (weights, optimizer, step count)
     snapshot         the weights a sampler serves: named ones (`save_weights_for_sampler(name)`) on disk, the
                      ephemeral ones of `save_weights_and_get_sampling_client` in memory (the last two per model),
                      and the base model
-    sampler          one HF engine for every sampling client; it switches snapshots between requests (a switch
+    sampler          one HF engine per base model; it switches snapshots between requests (a switch
                      waits for the requests in flight, loads with the verified sync, `engine/fingerprint.py`):
                      `snapshots.py`
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from astuner.serve.bases import ServedBase, base_of, base_of_file
 from astuner.serve.futures import Outcome, RequestError
 from astuner.serve.snapshots import EPHEMERAL_KEPT, Samplers
 from astuner.trainer.lora import is_lora_param
@@ -43,20 +45,27 @@ class ServedModel:
     model_id: str
     trainer: object
     lora_rank: int
+    base: ServedBase
     ephemeral: list[str] = field(default_factory=list)  # its in-memory snapshots, oldest first
 
 
 class TinkerService:
-    def __init__(self, typed, model_path: str, tokenizer, engine, state_dir: Path, max_training_clients: int = 2):
-        self.typed, self.model_path, self.tokenizer, self.engine = typed, model_path, tokenizer, engine
-        self.model_name = str(typed.astuner.model.path)
+    def __init__(self, typed, bases: dict[str, ServedBase], state_dir: Path, max_training_clients: int = 2):
+        self.typed, self.bases = typed, bases
+        self.policy = next(iter(bases.values()))  # astuner.model: base_model's default
         self.state_dir = Path(state_dir)
         self.max_training_clients = max_training_clients
         self.boot = secrets.token_hex(3)  # session ids of a restarted server never meet an earlier one's
         self._sessions = 0
         self.models: dict[str, ServedModel] = {}
-        self.sampling = Samplers(engine, self.model_name)
+        self.samplers = {name: Samplers(base.get_engine, name) for name, base in bases.items()}  # by base
         self._lock = threading.Lock()
+
+    # astuner.model's, the default base
+    model_name = property(lambda self: self.policy.name)
+    model_path = property(lambda self: self.policy.model_path)
+    tokenizer = property(lambda self: self.policy.tokenizer)
+    engine = property(lambda self: self.policy.get_engine())
 
     # --- sessions and models ---------------------------------------------------------------------------------
 
@@ -66,17 +75,15 @@ class TinkerService:
             return f"s{self.boot}-{self._sessions}"
 
     def capabilities(self) -> dict:
-        config = getattr(self.engine.model, "config", None)
-        return {"supported_models": [{"model_name": self.model_name, "trainable": True, "sampleable": True,
-                                      "max_context_length": getattr(config, "max_position_embeddings", None)}]}
+        return {"supported_models": [{"model_name": b.name, "trainable": True, "sampleable": True,
+                                      "max_context_length": b.facts.max_position_embeddings}
+                                     for b in self.bases.values()]}
 
-    def check_base_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.model_path, Path(self.model_path).name):
-            raise RequestError(f"base_model {name!r}: this server serves {self.model_name!r} only "
-                               f"(astuner.model.path of its YAML)")
+    def check_base_model(self, name: str | None) -> ServedBase:
+        return base_of(self.bases, name)
 
     def create_model(self, model_id: str, base_model: str | None, lora: dict | None) -> Outcome:
-        self.check_base_model(base_model)
+        base = self.check_base_model(base_model)
         lora = lora or {}
         rank = int(lora.get("rank", 32))
         unsupported = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k, True) is not True]
@@ -91,13 +98,14 @@ class TinkerService:
             if len(self.models) >= self.max_training_clients:
                 raise RequestError(f"this server holds {len(self.models)} training clients, its limit "
                                    f"(astuner serve --max-training-clients); close a ServiceClient to free one")
-        trainer = self._new_trainer(rank)
+        trainer = self._new_trainer(base, rank)
         with self._lock:
-            self.models[model_id] = ServedModel(model_id, trainer, rank)
-        log.info("astuner serve: training client %s (%s)", model_id, f"LoRA rank {rank}" if rank else "full model")
+            self.models[model_id] = ServedModel(model_id, trainer, rank, base)
+        log.info("astuner serve: training client %s on %s (%s)", model_id, base.name,
+                 f"LoRA rank {rank}" if rank else "full model")
         return Outcome(json={"type": "create_model", "model_id": model_id})
 
-    def _new_trainer(self, rank: int):
+    def _new_trainer(self, base: ServedBase, rank: int):
         from astuner import runtime
         from astuner.trainer import Trainer
 
@@ -105,14 +113,14 @@ class TinkerService:
         lora = runtime.lora_settings(self.typed.astuner.trainer_common.lora, rank)
         # Plain logprobs (no sampling filter), no reference model: the caller's losses need neither.
         settings = replace(settings, lora=lora, top_k=0, top_p=1.0, reference_model=False, use_kl_loss=False)
-        return Trainer(self.model_path, settings)
+        return Trainer(base.model_path, settings)
 
     def info(self, model_id: str) -> dict:
         model = self.model(model_id)
         arch = getattr(getattr(model.trainer.model, "config", None), "model_type", "")
         return {"type": "get_info", "model_id": model_id, "is_lora": model.lora_rank > 0,
                 "lora_rank": model.lora_rank or None,
-                "model_data": {"arch": arch, "model_name": self.model_name, "tokenizer_id": self.model_path}}
+                "model_data": {"arch": arch, "model_name": model.base.name, "tokenizer_id": model.base.model_path}}
 
     def model(self, model_id: str) -> ServedModel:
         try:
@@ -127,7 +135,8 @@ class TinkerService:
         with self._lock:
             gone = [m for m in self.models if m.startswith(f"{session_id}:")]
             ephemeral = [uri for m in gone for uri in self.models.pop(m).ephemeral]
-        self.sampling.forget(ephemeral, f"{session_id}:")  # their weights in memory go with them
+        for samplers in self.samplers.values():  # their weights in memory go with them
+            samplers.forget(ephemeral, f"{session_id}:")
         return gone
 
     def save_open_clients(self, name: str) -> list[str]:
@@ -142,16 +151,24 @@ class TinkerService:
 
     def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> dict:
         if model_path:
-            if model_path not in self.sampling.snapshots:
+            samplers = next((s for s in self.samplers.values() if model_path in s.snapshots), None)
+            if samplers is None:
                 file = self._file_of(model_path, "sampler_weights")
                 if not file.exists():
                     raise RequestError(f"{model_path}: no such sampler weights on this server")
-                self.sampling.add(model_path, file=file)
-            self.sampling.open_session(sampler_id, model_path)
+                samplers = self.samplers[base_of_file(self.bases, file).name]
+                samplers.add(model_path, file=file)
+            samplers.open_session(sampler_id, model_path)
         else:
-            self.check_base_model(base_model)
-            self.sampling.open_session(sampler_id, "base")
+            self.samplers[self.check_base_model(base_model).name].open_session(sampler_id, "base")
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    def sampler(self, sampler_id) -> tuple[ServedBase, Samplers]:
+        """The base and the snapshots of a sampling session (a 400 when there is none)."""
+        for name, samplers in self.samplers.items():
+            if isinstance(sampler_id, str) and sampler_id in samplers.sessions:
+                return self.bases[name], samplers
+        raise RequestError(f"no sampling session {sampler_id!r} on this server")
 
     # --- training ---------------------------------------------------------------------------------------------
 
@@ -167,7 +184,8 @@ class TinkerService:
         if extra:
             raise RequestError(f"loss_fn_config {extra} does not apply to {request.loss_fn} (it reads "
                                f"{', '.join(allowed) or 'none'})")
-        data = [datum_sample(d, i, request.loss_fn, self.tokenizer_size) for i, d in enumerate(request.data)]
+        vocab = int(model.trainer.model.get_input_embeddings().weight.shape[0])
+        data = [datum_sample(d, i, request.loss_fn, vocab) for i, d in enumerate(request.data)]
         if not data:
             raise RequestError("forward_backward needs at least one datum")
         objective = TinkerLoss(request.loss_fn, data, request.config)
@@ -180,10 +198,6 @@ class TinkerService:
             sums = trainer.forward_backward(samples, objective, logprobs_out=logprobs)
         arrays = [np.asarray(lp, np.float32) for lp in logprobs]
         return Outcome(proto=forward_backward_output({"logprobs": arrays}, len(arrays), {"loss:sum": sums["loss"]}))
-
-    @property
-    def tokenizer_size(self) -> int:
-        return int(self.engine.model.get_input_embeddings().weight.shape[0])
 
     def optim_step(self, model_id: str, adam: dict) -> Outcome:
         from astuner.trainer.settings import AdamStep
@@ -231,7 +245,7 @@ class TinkerService:
         if trainer.peft is not None:
             weights = {n: t for n, t in weights.items() if is_lora_param(n)}
         tmp = file.with_name(file.name + ".tmp")
-        torch.save({**state, "model": weights, "lora_rank": model.lora_rank, "model_name": self.model_name}, tmp)
+        torch.save({**state, "model": weights, "lora_rank": model.lora_rank, "model_name": model.base.name}, tmp)
         tmp.replace(file)  # whole or absent
         return Outcome(json={"type": "save_weights", "path": uri})
 
@@ -243,7 +257,7 @@ class TinkerService:
             raise RequestError(f"{path}: no such saved state on this server")
         saved = torch.load(file, map_location="cpu", weights_only=False)
         if create:
-            self.create_model(model_id, None, {"rank": saved["lora_rank"]})
+            self.create_model(model_id, saved.get("model_name"), {"rank": saved["lora_rank"]})
             try:
                 return self.load_state(model_id, path, optimizer)
             except Exception:
@@ -261,25 +275,26 @@ class TinkerService:
         from safetensors.torch import save_file
 
         model = self.model(model_id)
+        samplers = self.samplers[model.base.name]
         named = model.trainer.named_parameters_for_sync()
         tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in named}
         if name is not None:
             uri, file = self._path(model_id, "sampler_weights", name)
             file.parent.mkdir(parents=True, exist_ok=True)
             tmp = file.with_name(file.name + ".tmp")
-            save_file(tensors, str(tmp))
+            save_file(tensors, str(tmp), metadata={"base_model": model.base.name})
             tmp.replace(file)
-            self.sampling.add(uri, file=file)
+            samplers.add(uri, file=file)
             out = {"type": "save_weights_for_sampler", "path": uri}
         else:
             uri = f"{model_id}/ephemeral/{sampler_id}"
-            self.sampling.add(uri, tensors=tensors)
+            samplers.add(uri, tensors=tensors)
             model.ephemeral.append(uri)
             while len(model.ephemeral) > EPHEMERAL_KEPT:  # an older sampler's weights are let go
-                self.sampling.snapshots.pop(model.ephemeral.pop(0), None)
+                samplers.snapshots.pop(model.ephemeral.pop(0), None)
             out = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         if sampler_id is not None:
-            self.sampling.open_session(sampler_id, uri)
+            samplers.open_session(sampler_id, uri)
         return Outcome(json=out)
 
     # --- sampling ---------------------------------------------------------------------------------------------

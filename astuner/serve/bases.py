@@ -1,0 +1,83 @@
+"""The base models `astuner serve` offers over the Tinker API: the YAML's `astuner.model` and each of
+`astuner.models` (the multi-model roster), one entry per model folder.
+
+A client names one as `base_model`: by the path the YAML gives it, its local folder, the folder's name, or its
+roster name (`policy` for astuner.model, the key under astuner.models). Roster entries on one folder are one base
+(their adapters then share it). Each base has its tokenizer at once and its own HF engine from its first
+sampling request (astuner.model's at start), so a model nobody samples costs no engine memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from astuner.errors import UserError
+from astuner.serve.futures import RequestError
+
+
+@dataclass
+class ServedBase:
+    name: str  # what capabilities list and get_info report: the YAML's path of the model
+    model_path: str  # the local folder (a demo: model resolved)
+    aliases: tuple[str, ...]  # every name base_model may take for it
+    tokenizer: Any
+    facts: Any  # preflight.ModelFacts: parameters, position limit
+    make_engine: Callable[[str], Any] | None = None
+    engine: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def get_engine(self):
+        """The base's engine, built on first use (seconds: call it off the event loop)."""
+        with self._lock:
+            if self.engine is None:
+                self.engine = self.make_engine(self.model_path)
+            return self.engine
+
+
+def served_bases(typed, make_engine: Callable[[str], Any]) -> dict[str, ServedBase]:
+    """The YAML's models by served name, astuner.model first; its engine is built here, the others' later."""
+    from astuner import preflight, runtime
+    from astuner.config.schema_models import POLICY, same_folder
+    from astuner.model_cache import ModelPathError, resolve_model_path
+    from astuner.tokenizer import load_tokenizer
+
+    bases: dict[str, ServedBase] = {}
+    roster = [(POLICY, str(typed.astuner.model.path))] + [(n, str(e.path)) for n, e in typed.astuner.models.items()]
+    for roster_name, path in roster:
+        try:
+            folder = runtime.build_policy_model_path(typed) if roster_name == POLICY else resolve_model_path(path)
+        except ModelPathError as exc:
+            raise UserError(f"astuner.models.{roster_name}.path: {exc}") from None
+        same = next((b for b in bases.values() if same_folder(b.model_path, folder)), None)
+        if same is not None:
+            same.aliases += (roster_name,)
+            continue
+        key = "astuner.model.path" if roster_name == POLICY else f"astuner.models.{roster_name}.path"
+        bases[path] = ServedBase(path, folder, (path, folder, folder.rstrip("/").rsplit("/", 1)[-1], roster_name),
+                                 load_tokenizer(folder), preflight.read_model_facts(folder, key), make_engine)
+    next(iter(bases.values())).get_engine()
+    return bases
+
+
+def base_of(bases: dict[str, ServedBase], name: str | None) -> ServedBase:
+    """The base a request names (None: astuner.model's), or a 400 that lists what is served."""
+    if name is None:
+        return next(iter(bases.values()))
+    for base in bases.values():
+        if name in base.aliases:
+            return base
+    served = "; ".join(f"{b.name!r} (also {', '.join(repr(a) for a in b.aliases if a != b.name)})"
+                       for b in bases.values())
+    raise RequestError(f"base_model {name!r} is not served here; this server serves {served} (astuner.model and "
+                       f"astuner.models of its YAML)")
+
+
+def base_of_file(bases: dict[str, ServedBase], file) -> ServedBase:
+    """The base a sampler weights file was saved from (its metadata; a file without it is astuner.model's)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        name = (f.metadata() or {}).get("base_model")
+    return base_of(bases, name)

@@ -417,27 +417,31 @@ def build_other_models(typed, prep: Prepared, shared=None, policy_trainer=None) 
 
 def adapter_models(typed, policy_path: str) -> list[str]:
     """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
-    and the policy train LoRA adapters. They need the HF engine (a UserError says so)."""
+    and the policy train LoRA adapters (`build_adapter_engine`: the HF engine's adapters or vLLM's multi-LoRA)."""
     if lora_rank_of(typed, POLICY) == 0:
         return []
-    names = [name for name, path in other_model_paths(typed).items()
-             if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
-    from astuner.config.derived import resolve_engine_name
-
-    if names and resolve_engine_name(typed.astuner.rollout.engine) != "hf":
-        raise UserError(f"astuner.models {', '.join(names)}: LoRA adapters on the policy's base are served by the HF "
-                        "engine (one base, an adapter per model); set astuner.rollout.engine: hf. vLLM's multi-LoRA "
-                        "serving is not wired yet; for vLLM give each model its own folder or lora_rank: 0.")
-    return names
+    return [name for name, path in other_model_paths(typed).items()
+            if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
 
 
 def build_adapter_engine(typed, prep: Prepared, names: list[str]):
-    """One HF engine over the policy's base with an adapter for the policy and for each model of `names`."""
-    from astuner.engine.adapters import AdapterHFEngine
+    """One engine over the policy's base with an adapter for the policy and for each model of `names`: the HF
+    engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
+    from astuner.config.derived import resolve_engine_name
 
     tc, tokenizer = typed.astuner.trainer_common, prep.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     lora = {name: lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
+    if resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
+        import torch
+
+        from astuner.engine.vllm_adapters import AdapterVLLMEngine
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return AdapterVLLMEngine(prep.model_path, lora, **vllm_engine_settings(
+            typed, prep.max_model_len, prep.plan.kv_cache_bytes, device_type))
+    from astuner.engine.adapters import AdapterHFEngine
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return AdapterHFEngine(prep.model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
                            seed=typed.astuner.seed, pad_token_id=pad)
 

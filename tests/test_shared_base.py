@@ -97,12 +97,3 @@ def test_two_adapters_on_one_base_a_run_trains_only_the_caller(tmp_path, tiny_mo
     log = (tmp_path / "out" / "astuner.log").read_text()
     assert "model critic: a LoRA adapter on the policy's base" in log
     assert "LoRA adapter on the policy's base; trainer" in log  # the memory estimate knows it is shared
-
-
-def test_adapters_on_one_base_with_vllm_are_refused_with_the_way_out(tmp_path, tiny_model_dir, capsys):
-    roster = (f"models: {{critic: {{path: {tiny_model_dir}}}}}\n  agents: {{critic: {{model: critic}}}}")
-    yaml = write_run(tmp_path, tiny_model_dir, "CriticOnly", roster=roster)
-    yaml.write_text(yaml.read_text().replace("engine: hf", "engine: vllm").replace(
-        "optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-3}, lora: {rank: 4}"))
-    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
-    assert "LoRA adapters on the policy's base are served by the HF engine" in capsys.readouterr().err

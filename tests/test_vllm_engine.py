@@ -284,3 +284,27 @@ def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
     assert proc.returncode == 143 and "terminated (SIGTERM)" in err
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [c.pid for c in alive]
+
+
+def test_a_later_engine_takes_its_own_logging_config_though_vllm_cached_the_first(tmp_path):
+    """vLLM caches its environment once an engine core ran in this process; the second run's engine must still log
+    into its own folder (the first run's may be gone)."""
+    import shutil
+
+    import vllm.envs as envs
+
+    from astuner.engine.vllm_process import engine_process_environment
+
+    first, second = tmp_path / "a" / "astuner.log", tmp_path / "b" / "astuner.log"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    try:
+        with engine_process_environment(first, ""):
+            envs.enable_envs_cache()  # as vLLM's engine core does once it runs in this process
+            assert envs.VLLM_LOGGING_CONFIG_PATH == str(first.with_name("vllm_logging.json"))
+        shutil.rmtree(first.parent)
+        with engine_process_environment(second, ""):
+            assert envs.VLLM_LOGGING_CONFIG_PATH == str(second.with_name("vllm_logging.json"))
+        assert envs.VLLM_LOGGING_CONFIG_PATH is None  # nothing of a run is left set after its start
+    finally:
+        envs.disable_envs_cache()

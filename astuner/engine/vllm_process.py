@@ -57,6 +57,7 @@ def engine_process_environment(log_file: Path | None, preload: str):
     redirect = log_file is not None and saved_config is None  # a user's own vLLM logging config wins
     if preload and not saved_env:
         os.environ["LD_PRELOAD"] = preload
+    _vllm_reads_environment_again()
     if redirect:
         _route_vllm_logger(log_file)
         sys.stdout.flush()
@@ -79,6 +80,16 @@ def engine_process_environment(log_file: Path | None, preload: str):
             os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)  # read at start only; a later engine sets its own
         if preload and not saved_env:
             del os.environ["LD_PRELOAD"]
+        _vllm_reads_environment_again()
+
+
+def _vllm_reads_environment_again() -> None:
+    """vLLM caches its environment variables once an engine core ran in this process (vllm.envs.enable_envs_cache):
+    a later engine would then take the first one's logging config, logging into the first run's folder, or failing
+    once that folder is gone. Its own reset (meant for isolating tests) makes it read the environment set now."""
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
 
 
 def _route_vllm_logger(log_file: Path) -> None:

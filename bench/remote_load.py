@@ -33,6 +33,7 @@ TOKENS = 8
 
 
 def yaml(folder: Path, model: str, workflow: str, batch: int, repeat: int, steps: int, max_tokens: int) -> Path:
+    budget = 2 * int(os.environ["BENCH_CALLS"]) * max_tokens + 64  # an episode's token budget: no overflow
     val = folder / "val.jsonl"
     val.write_text((REPO / "tutorial/agent_quickstart/data/val.jsonl").read_text().splitlines()[0] + "\n")
     text = f"""astuner:
@@ -45,7 +46,7 @@ def yaml(folder: Path, model: str, workflow: str, batch: int, repeat: int, steps
       training: {{file_path: {REPO / 'tutorial/agent_quickstart/data/train.jsonl'}}}
       validation: {{file_path: {val}}}
     task_id_field: id
-  data: {{train_batch_size: {batch}, max_prompt_length: 512, max_response_length: 128}}
+  data: {{train_batch_size: {batch}, max_prompt_length: 512, max_response_length: {budget}}}
   rollout:
     agentscope_workflow: {workflow}
     engine: hf
@@ -209,7 +210,8 @@ def main() -> None:
     if args.client:
         url, concurrency, mode = args.client
         return client_process(url, int(concurrency), mode)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_CALLS": str(args.calls), "HF_HUB_OFFLINE": "1"}
+    os.environ["BENCH_CALLS"] = str(args.calls)  # the episodes' token budget (`yaml`) and the timed workflows
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     if args.only != "load":
         print(f"added latency, model {args.model}, {args.calls} sequential calls per path:", flush=True)
         part1(args, env)

@@ -151,7 +151,8 @@ class TinkerService:
 
     def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> dict:
         if model_path:
-            samplers = next((s for s in self.samplers.values() if model_path in s.snapshots), None)
+            held = (s for s in self.samplers.values() if isinstance(model_path, str) and model_path in s.snapshots)
+            samplers = next(held, None)
             if samplers is None:
                 file = self._file_of(model_path, "sampler_weights")
                 if not file.exists():

@@ -6,7 +6,7 @@
     tinker_service.py   training clients (astuner Trainers), their states and sampler saves
     snapshots.py        the weights samplers serve, sampling sessions, the engine's switches between them
     tinker_losses.py    the API's built-in losses as trainer objectives
-    tinker_sampling.py  sample / compute_logprobs on the HF engine
+    tinker_sampling.py  sample / compute_logprobs on the config's engine (HF or vLLM)
     wire_proto.py       the API's protobuf messages, by hand
     keys.py             the clients' keys (`astuner serve-key`)
 
@@ -41,9 +41,10 @@ def check_host(host: str, keys) -> None:
 
 
 def build_service(loaded, max_training_clients: int = 2):
-    """The Tinker service of a config: its models (`bases.py`: tokenizers now, an HF engine each on first
+    """The Tinker service of a config: its models (`bases.py`: tokenizers now, an engine each (rollout.engine) on first
     sampling, astuner.model's now); trainers come per training client."""
     from astuner import runtime
+    from astuner.config.derived import resolve_engine_name
     from astuner.engine.hf_engine import HFEngine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
@@ -52,7 +53,15 @@ def build_service(loaded, max_training_clients: int = 2):
     runtime.quiet_library_progress()
     typed = loaded.typed
 
+    engine_name = resolve_engine_name(typed.astuner.rollout.engine)
+
     def make_engine(model_path: str):
+        if engine_name == "vllm":  # as a run's: the config's settings, its context capped by the model's
+            from astuner import preflight
+
+            facts = preflight.read_model_facts(model_path)
+            limit = typed.astuner.rollout.max_model_len or facts.max_position_embeddings
+            return runtime.build_engine(typed, model_path, None, min(limit, facts.max_position_embeddings or limit))
         tokenizer = load_tokenizer(model_path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return HFEngine(model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed,
@@ -67,7 +76,11 @@ def serve_summary(service, url: str, keys) -> str:
     from astuner import preflight
 
     gib = preflight.GIB
-    device = service.engine.device.type
+    import torch
+
+    engine = service.engine
+    kind = "hf" if hasattr(engine, "device") else "vllm"
+    device = engine.device.type if kind == "hf" else ("cuda" if torch.cuda.is_available() else "cpu")
     models = [f"{b.facts.path} ({b.facts.architecture}, {b.facts.num_params / 1e6:.1f}M parameters), served as "
               f"{b.name!r}" + (f" ({', '.join(a for a in b.aliases[3:])})" if len(service.bases) > 1 else "")
               for b in service.bases.values()]
@@ -79,7 +92,7 @@ def serve_summary(service, url: str, keys) -> str:
     names = keys.names()
     rows = [
         *(("model" if i == 0 else "", line) for i, line in enumerate(models)),
-        ("engine", f"hf on {device}, one per model (the first's now, another's at its first sampling request); "
+        ("engine", f"{kind} on {device}, one per model (the first's now, another's at its first sampling request); "
                    "trainers come with each training client"),
         ("listening", url),
         ("keys", f"{len(names)} ({', '.join(names)})" if names else f"none: {LOOPBACK} only, any tml- key accepted"),

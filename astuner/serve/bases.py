@@ -3,8 +3,8 @@
 
 A client names one as `base_model`: by the path the YAML gives it, its local folder, the folder's name, or its
 roster name (`policy` for astuner.model, the key under astuner.models). Roster entries on one folder are one base
-(their adapters then share it). Each base has its tokenizer at once and its own HF engine from its first
-sampling request (astuner.model's at start), so a model nobody samples costs no engine memory.
+(their adapters then share it). Each base has its tokenizer at once and its own engine (rollout.engine: HF or
+vLLM) from its first sampling request (astuner.model's at start), so a model nobody samples costs no engine memory.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the Tinker API's samplers serve: weight snapshots, the sampling sessions that name them, and the HF engine
+"""What the Tinker API's samplers serve: weight snapshots, the sampling sessions that name them, and the engine
 of their base model (one per base, `bases.py`), which switches snapshots between requests.
 
     named       `save_weights_for_sampler(name)`: a file under the server's state folder; saving a name again
@@ -115,8 +115,21 @@ class EngineGate:
 
     def _switch(self, snapshot: Snapshot) -> None:
         if self.current == "base" and self._base is None:  # kept before the base weights are overwritten
-            self._base = {n: p.detach().to("cpu", copy=True) for n, p in self.engine.model.named_parameters()}
+            self._base = base_weights(self.engine)
         tensors = self._base if snapshot.key == "base" else snapshot.load()
         self.current = None  # a load that fails half way leaves weights no snapshot names
         self.engine.load_weights(tensors.items())
         self.current = snapshot.key
+
+
+def base_weights(engine) -> dict:
+    """The weights an engine serves before any switch, on the CPU: the HF engine's own parameters, or (vLLM, whose
+    weights live in its worker) the model folder's safetensors files, under the names a sync takes."""
+    if hasattr(engine, "model"):
+        return {n: p.detach().to("cpu", copy=True) for n, p in engine.model.named_parameters()}
+    from safetensors.torch import load_file
+
+    files = sorted(Path(engine.model_path).glob("*.safetensors"))
+    if not files:
+        raise RequestError(f"{engine.model_path} holds no *.safetensors files to serve its base weights again from")
+    return {n: t for f in files for n, t in load_file(str(f)).items()}

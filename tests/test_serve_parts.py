@@ -136,6 +136,42 @@ def test_training_requests_run_in_seq_order_and_repeats_get_one_id():
     loop.call_soon_threadsafe(loop.stop)
 
 
+def test_a_stream_of_one_snapshots_requests_does_not_starve_another():
+    """Requests for snapshot A keep arriving (each holds the engine 5 ms); one for B arrives among them. The engine
+    drains A's, switches to B and serves it, then A's later requests; without the fairness B waits for the end."""
+    from astuner.serve.snapshots import EngineGate, Snapshot
+
+    class Engine:
+        def __init__(self):
+            self.loads = []
+
+        def load_weights(self, tensors):
+            self.loads.append(dict(tensors)["w"])
+
+    engine, order = Engine(), []
+    gate = EngineGate(lambda: engine)
+    gate._base = {"w": "base"}
+    a, b = Snapshot("a", "m", tensors={"w": "a"}), Snapshot("b", "m", tensors={"w": "b"})
+
+    async def request(snapshot, name):
+        async with gate.serving(snapshot):
+            order.append(name)
+            await asyncio.sleep(0.005)
+
+    async def main():
+        tasks = []
+        for i in range(40):
+            tasks.append(asyncio.create_task(request(a, f"a{i}")))
+            if i == 5:
+                tasks.append(asyncio.create_task(request(b, "b")))
+            await asyncio.sleep(0.001)  # a new A request before the last one is done
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order.index("b") < 15, order  # served in its turn, not after all 40
+    assert engine.loads[:2] == ["a", "b"] and len(engine.loads) <= 3  # A's requests kept together around it
+
+
 def test_keys_are_stored_as_digests_and_revoked_at_once(tmp_path):
     from astuner.serve.keys import KeyStore
 

@@ -85,7 +85,11 @@ class Samplers:
 
 
 class EngineGate:
-    """The engine serves one snapshot at a time: a switch waits until the requests in flight are done."""
+    """The engine serves one snapshot at a time: a switch waits until the requests in flight are done.
+
+    Fair in arrival order: a request for the snapshot being served joins it only if it came before every request
+    waiting for another snapshot; a later one waits, so the engine drains and switches, and no snapshot starves
+    under a stream of requests for another. Runs of requests for one snapshot still share its turn."""
 
     def __init__(self, get_engine):
         self.get_engine = get_engine
@@ -94,6 +98,14 @@ class EngineGate:
         self._base: dict | None = None
         self._inflight = 0
         self._cond: asyncio.Condition | None = None
+        self._tickets = itertools.count()
+        self._waiting: dict[int, str] = {}  # ticket -> the snapshot key it waits for
+
+    def _may_go(self, ticket: int, key: str) -> bool:
+        if self._inflight == 0:
+            return True
+        other = min((t for t, k in self._waiting.items() if k != key), default=None)
+        return self.current == key and (other is None or ticket < other)
 
     @contextlib.asynccontextmanager
     async def serving(self, snapshot: Snapshot):
@@ -102,10 +114,16 @@ class EngineGate:
         if self._cond is None:
             self._cond = asyncio.Condition()
         async with self._cond:
-            await self._cond.wait_for(lambda: self.current == snapshot.key or self._inflight == 0)
-            if self.current != snapshot.key:
-                await asyncio.to_thread(self._switch, snapshot)
-            self._inflight += 1
+            ticket = next(self._tickets)
+            self._waiting[ticket] = snapshot.key
+            try:
+                await self._cond.wait_for(lambda: self._may_go(ticket, snapshot.key))
+                if self.current != snapshot.key:
+                    await asyncio.to_thread(self._switch, snapshot)
+                self._inflight += 1
+            finally:
+                del self._waiting[ticket]
+                self._cond.notify_all()  # a request that stops waiting may let later ones of its snapshot go
         try:
             yield self.engine
         finally:

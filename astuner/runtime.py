@@ -153,7 +153,9 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
     )
     if entry is not None:
         settings = replace(settings, lr=settings.lr if entry.lr is None else entry.lr,
-                           lora=settings.lora if entry.lora_rank is None else lora_settings(tc.lora, entry.lora_rank))
+                           lora=settings.lora if entry.lora_rank is None else lora_settings(tc.lora, entry.lora_rank),
+                           top_p=settings.top_p if entry.top_p is None else entry.top_p,
+                           top_k=settings.top_k if entry.top_k is None else entry.top_k)
     return settings
 
 
@@ -466,7 +468,8 @@ def roster_of(typed, engine, others: dict):
     from astuner.model_tuner.roster import Roster
 
     return Roster({POLICY: engine, **others},
-                  {agent: (entry.model, entry.trainable) for agent, entry in typed.astuner.agents.items()})
+                  {agent: (entry.model, entry.trainable) for agent, entry in typed.astuner.agents.items()},
+                  {name: (entry.temperature, entry.top_p, entry.top_k) for name, entry in typed.astuner.models.items()})
 
 
 def _auxiliary_pool(typed):

@@ -253,3 +253,40 @@ def test_importing_model_tuner_does_not_import_agentscope():
     code = "import sys, astuner.model_tuner, astuner.tools, astuner.madness; print('agentscope' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_each_model_samples_with_its_own_settings(demo_tokenizer, tmp_path):
+    """astuner.models' temperature / top_p / top_k apply to the calls of their agents (recorded, so the trainer
+    takes the same temperature), the rollout's to the rest; validation (temperature 0) stays greedy; a model's
+    trainer takes its top_p / top_k."""
+    from astuner import runtime
+    from astuner.config import load_config
+    from astuner.model_tuner.roster import Roster
+
+    def roster(engine, critic):
+        return Roster({"policy": engine, "critic": critic}, {"critic": ("critic", True)},
+                      {"critic": (0.3, 0.8, 5)})
+
+    critic = ScriptedEngine(demo_tokenizer, ["fine", "fine"])
+    tuner, engine = make_tuner(demo_tokenizer, ["hi", "hi"], temperature=0.7, top_p=0.95, top_k=0)
+    tuner.roster = roster(engine, critic)
+    messages = [{"role": "user", "content": "Hi"}]
+    asyncio.run(tuner.chat(messages))
+    asyncio.run(tuner.for_agent("critic").chat(messages))
+    (mine,), (its,) = engine.samplings, critic.samplings
+    assert (mine.temperature, mine.top_p, mine.top_k) == (0.7, 0.95, 0)
+    assert (its.temperature, its.top_p, its.top_k) == (0.3, 0.8, 5)
+    assert [c.temperature for c in tuner.calls] == [0.7, 0.3]
+
+    greedy, _ = make_tuner(demo_tokenizer, [], temperature=0.0)
+    greedy.roster = roster(engine, critic)
+    asyncio.run(greedy.for_agent("critic").chat(messages))
+    assert critic.samplings[-1].temperature == 0.0  # validation
+
+    yaml = tmp_path / "x.yaml"
+    yaml.write_text("astuner:\n  model: {path: a}\n  models: {critic: {path: b, top_p: 0.8, top_k: 5}}\n"
+                    "  rollout: {top_p: 0.95}\n")
+    typed = load_config(str(yaml), []).typed
+    settings = runtime.trainer_settings(typed, 1, entry=typed.astuner.models["critic"])
+    assert (settings.top_p, settings.top_k) == (0.8, 5)
+    assert runtime.trainer_settings(typed, 1).top_p == 0.95

@@ -99,3 +99,12 @@ def test_an_unknown_model_is_refused_with_the_served_names(two_models):
     _, sc, other = two_models
     with pytest.raises(Exception, match="not served here.*critic"):
         sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+
+
+def test_the_summary_lists_every_model_with_its_roster_names(two_models, tmp_path, tiny_model_dir):
+    from astuner.serve import serve_summary
+    from astuner.serve.keys import KeyStore
+
+    service, _, other = two_models
+    summary = serve_summary(service, "http://127.0.0.1:0", KeyStore(tmp_path / "keys.json"))
+    assert f"served as '{tiny_model_dir}' (policy, twin)" in summary and f"served as '{other}' (critic)" in summary

@@ -22,6 +22,12 @@ class ModelEntry(Section):
                                    "astuner.trainer_common.lora.rank.", ge=0)
     lr: Optional[float] = key(None, "Learning rate of this model's optimizer; null: astuner.trainer_common.optim.lr.",
                               gt=0)
+    # Sampling of this model's calls in training rollouts (validation stays greedy); its trainer's logprobs take
+    # the same top_p / top_k filter, as the policy's take the rollout's.
+    temperature: Optional[float] = key(None, "Sampling temperature of this model's calls; null: "
+                                       "astuner.rollout.temperature.", gt=0)
+    top_p: Optional[float] = key(None, "Top-p of this model's calls; null: astuner.rollout.top_p.", gt=0, le=1)
+    top_k: Optional[int] = key(None, "Top-k of this model's calls (0: off); null: astuner.rollout.top_k.", ge=0)
 
 
 class AgentEntry(Section):

@@ -55,7 +55,9 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     max_tokens = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
                                              tuner._check_deadline)
     index = tuner._started  # read after the reservation, which may wait for parallel calls
-    temperature = call_temperature(tuner.temperature, options.temperature)
+    own_temperature, own_top_p, own_top_k = tuner.roster.sampling_of(options.agent)  # its model's (astuner.models)
+    requested = options.temperature if options.temperature and options.temperature > 0 else own_temperature
+    temperature = call_temperature(tuner.temperature, requested)
     tuner._started += 1
     sampling = SamplingParams(
         temperature=temperature,
@@ -63,8 +65,8 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
         stop_token_ids=tuner.stop_token_ids,
         # Distinct per call so repeated prompts within an episode are not sampled identically.
         seed=None if tuner.seed is None else tuner.seed + index,
-        top_p=tuner.top_p,
-        top_k=tuner.top_k,
+        top_p=tuner.top_p if own_top_p is None else own_top_p,
+        top_k=tuner.top_k if own_top_k is None else own_top_k,
     )
     started = time.perf_counter()
     result = await _generate(tuner, prompt.ids, sampling, index, max_tokens, options.agent)

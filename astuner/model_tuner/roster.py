@@ -20,6 +20,8 @@ __all__ = ["POLICY", "Roster"]
 class Roster:
     engines: dict[str, InferenceEngine]  # model name -> its engine; always holds POLICY
     agents: dict[str, tuple[str, bool]] = field(default_factory=dict)  # agent -> (model, trainable)
+    # model -> its own (temperature, top_p, top_k), each None where the rollout's applies (astuner.models)
+    sampling: dict[str, tuple] = field(default_factory=dict)
 
     @classmethod
     def single(cls, engine: InferenceEngine) -> "Roster":
@@ -28,6 +30,10 @@ class Roster:
 
     def model_of(self, agent: str) -> str:
         return self.agents.get(agent, (POLICY, True))[0]
+
+    def sampling_of(self, agent: str) -> tuple:
+        """(temperature, top_p, top_k) of the model serving `agent`; None where the rollout's settings apply."""
+        return self.sampling.get(self.model_of(agent), (None, None, None))
 
     def trainable(self, agent: str) -> bool:
         """False when astuner.agents says the agent's calls do not train (`for_agent(name, trainable=False)` can

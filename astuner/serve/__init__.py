@@ -73,16 +73,16 @@ def build_service(loaded, max_training_clients: int = 2):
 
 def serve_summary(service, url: str, keys) -> str:
     """The effective-config block of `astuner serve`: what is served, where, to whom, and the memory it takes."""
+    import torch
+
     from astuner import preflight
 
     gib = preflight.GIB
-    import torch
-
     engine = service.engine
     kind = "hf" if hasattr(engine, "device") else "vllm"
     device = engine.device.type if kind == "hf" else ("cuda" if torch.cuda.is_available() else "cpu")
     models = [f"{b.facts.path} ({b.facts.architecture}, {b.facts.num_params / 1e6:.1f}M parameters), served as "
-              f"{b.name!r}" + (f" ({', '.join(a for a in b.aliases[3:])})" if len(service.bases) > 1 else "")
+              f"{b.name!r}" + (f" ({', '.join(b.roster)})" if len(service.bases) > 1 else "")
               for b in service.bases.values()]
     P = max(b.facts.num_params for b in service.bases.values())  # a training client's cost on the largest
     engines = sum(4 * b.facts.num_params for b in service.bases.values())

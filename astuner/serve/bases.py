@@ -21,12 +21,17 @@ from astuner.serve.futures import RequestError
 class ServedBase:
     name: str  # what capabilities list and get_info report: the YAML's path of the model
     model_path: str  # the local folder (a demo: model resolved)
-    aliases: tuple[str, ...]  # every name base_model may take for it
+    roster: tuple[str, ...]  # its names in the YAML: `policy` and/or keys of astuner.models
     tokenizer: Any
     facts: Any  # preflight.ModelFacts: parameters, position limit
     make_engine: Callable[[str], Any] | None = None
     engine: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Every name base_model may take for it."""
+        return (self.name, self.model_path, self.model_path.rstrip("/").rsplit("/", 1)[-1], *self.roster)
 
     def get_engine(self):
         """The base's engine, built on first use (seconds: call it off the event loop)."""
@@ -52,11 +57,11 @@ def served_bases(typed, make_engine: Callable[[str], Any]) -> dict[str, ServedBa
             raise UserError(f"astuner.models.{roster_name}.path: {exc}") from None
         same = next((b for b in bases.values() if same_folder(b.model_path, folder)), None)
         if same is not None:
-            same.aliases += (roster_name,)
+            same.roster += (roster_name,)
             continue
         key = "astuner.model.path" if roster_name == POLICY else f"astuner.models.{roster_name}.path"
-        bases[path] = ServedBase(path, folder, (path, folder, folder.rstrip("/").rsplit("/", 1)[-1], roster_name),
-                                 load_tokenizer(folder), preflight.read_model_facts(folder, key), make_engine)
+        bases[path] = ServedBase(path, folder, (roster_name,), load_tokenizer(folder),
+                                 preflight.read_model_facts(folder, key), make_engine)
     next(iter(bases.values())).get_engine()
     return bases
 
@@ -68,7 +73,7 @@ def base_of(bases: dict[str, ServedBase], name: str | None) -> ServedBase:
     for base in bases.values():
         if name in base.aliases:
             return base
-    served = "; ".join(f"{b.name!r} (also {', '.join(repr(a) for a in b.aliases if a != b.name)})"
+    served = "; ".join(f"{b.name!r} (also {', '.join(repr(a) for a in dict.fromkeys(b.aliases[1:]))})"
                        for b in bases.values())
     raise RequestError(f"base_model {name!r} is not served here; this server serves {served} (astuner.model and "
                        f"astuner.models of its YAML)")

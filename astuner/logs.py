@@ -114,8 +114,11 @@ def _print_line(episode: str, line: str) -> None:
     import datetime
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-    with _PRINTS_LOCK, open(_LOG_PATH[-1], "a", encoding="utf-8") as f:
-        f.write(f"{stamp} INFO print: [{episode}] print: {line.rstrip()}\n")
+    try:
+        with _PRINTS_LOCK, open(_LOG_PATH[-1], "a", encoding="utf-8") as f:
+            f.write(f"{stamp} INFO print: [{episode}] print: {line.rstrip()}\n")
+    except FileNotFoundError:  # an earlier run's folder, since removed: the line still reaches the console
+        sys.__stdout__.write(line if line.endswith("\n") else line + "\n")
 
 
 def route_episode_prints() -> None:

@@ -165,3 +165,11 @@ def test_a_users_stdout_sink_in_an_episode_neither_loops_nor_errors(tmp_path, ca
     text = (tmp_path / "astuner.log").read_text()
     assert text.count("[train:t#0] print: user-sink inside the episode") == 1
     assert "[train:t#0] print: a print" in text
+
+
+def test_an_episode_print_after_its_runs_folder_is_gone_reaches_the_console(tmp_path, capfd, monkeypatch):
+    from astuner import logs
+
+    monkeypatch.setattr(logs, "_LOG_PATH", [tmp_path / "gone" / "astuner.log"])
+    logs._print_line("train:t#0", "hello")
+    assert "hello" in capfd.readouterr().out

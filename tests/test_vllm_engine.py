@@ -303,6 +303,8 @@ def test_a_later_engine_takes_its_own_logging_config_though_vllm_cached_the_firs
             envs.enable_envs_cache()  # as vLLM's engine core does once it runs in this process
             assert envs.VLLM_LOGGING_CONFIG_PATH == str(first.with_name("vllm_logging.json"))
         shutil.rmtree(first.parent)
+        with engine_process_environment(first, ""):  # its folder is gone: the output is left alone
+            assert envs.VLLM_LOGGING_CONFIG_PATH is None
         with engine_process_environment(second, ""):
             assert envs.VLLM_LOGGING_CONFIG_PATH == str(second.with_name("vllm_logging.json"))
         assert envs.VLLM_LOGGING_CONFIG_PATH is None  # nothing of a run is left set after its start

@@ -54,7 +54,9 @@ def engine_process_environment(log_file: Path | None, preload: str):
     LD_PRELOAD=`preload` ('' : unchanged). This process's own streams and environment are restored after."""
     saved_env = os.environ.get("LD_PRELOAD")
     saved_config = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
-    redirect = log_file is not None and saved_config is None  # a user's own vLLM logging config wins
+    # A user's own vLLM logging config wins; a finished run's folder that is gone (an engine built later in the
+    # same process, e.g. a test after a run) takes nothing.
+    redirect = log_file is not None and log_file.parent.is_dir() and saved_config is None
     if preload and not saved_env:
         os.environ["LD_PRELOAD"] = preload
     _vllm_reads_environment_again()

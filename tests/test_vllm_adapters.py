@@ -72,6 +72,9 @@ def test_each_model_is_served_under_its_own_adapter(tiny_model_dir, demo_tokeniz
             engine.view("writer")
         with pytest.raises(KeyError, match="adapter None"):  # every request names its adapter
             engine.generate_batch([PROMPT], greedy)
+        partial = list(adapter_tensors(critic.model))[2:]
+        with pytest.raises(KeyError, match="left 2 of its tensors out"):  # a partial sync is refused
+            views["critic"].load_weights(partial)
     finally:
         engine.shutdown()
     assert not engine._folder.exists()

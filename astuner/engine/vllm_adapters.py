@@ -64,7 +64,8 @@ class AdapterVLLMEngine(VLLMEngine):
 
     def __init__(self, model_path: str, adapters: dict, **kwargs) -> None:
         self.adapters = dict(adapters)
-        self._requests: dict[str, object] = {}  # model -> its current LoRARequest (none before its first sync)
+        self._requests: dict[str, object] = {}  # model -> its current LoRARequest (a zero adapter at start)
+        self._names: dict[str, set] = {}  # model -> the tensor names a whole sync of its adapter holds
         self._ids = 0
         self._folder = Path(tempfile.mkdtemp(prefix="astuner_adapters_"))
         self._said_unverified = False
@@ -72,7 +73,9 @@ class AdapterVLLMEngine(VLLMEngine):
         super().__init__(model_path, enable_lora=True, max_loras=slots, max_cpu_loras=2 * slots,
                          max_lora_rank=max_lora_rank(a.rank for a in self.adapters.values()), **kwargs)
         for name, settings in self.adapters.items():
-            self.load_adapter(name, zero_adapter(self.model_path, settings).items())
+            zero = zero_adapter(self.model_path, settings)
+            self._names[name] = set(zero)
+            self.load_adapter(name, zero.items())
 
     def view(self, name: str) -> AdapterView:
         if name not in self.adapters:
@@ -115,8 +118,12 @@ class AdapterVLLMEngine(VLLMEngine):
             self._release_cache()
             self._call(self._llm.wake_up(), self.sync_timeout_s, "vLLM to wake up")
             self._asleep = False
-        state = {n: t.detach().to("cpu").contiguous()
-                 for n, t in adapter_state_for_save(dict(named_tensors)).items()}
+        given = dict(named_tensors)
+        missing = sorted(self._names.get(name, set()) - set(given))
+        if missing:  # vLLM would serve the left-out layers without their adapter: a policy nobody trained
+            raise KeyError(f"the sync of adapter {name!r} left {len(missing)} of its tensors out (first: "
+                           f"{missing[0]}): its LoRA settings differ from the engine's")
+        state = {n: t.detach().to("cpu").contiguous() for n, t in adapter_state_for_save(given).items()}
         if not state:
             raise ValueError(f"the sync of adapter {name!r} got no LoRA tensors")
         self._ids += 1

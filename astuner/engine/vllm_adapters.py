@@ -84,7 +84,7 @@ class AdapterVLLMEngine(VLLMEngine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        adapter: str | None = None) -> GenerateResult:
-        return await super().generate(prompt_ids, sampling, request_id, lora_request=self._request_of(adapter))
+        return await super().generate(prompt_ids, sampling, request_id, lora=self._request_of(adapter))
 
     def _request_of(self, adapter: str | None):
         if adapter not in self.adapters:  # None too: a request without a LoRA would upset its batch (docstring)
@@ -94,16 +94,11 @@ class AdapterVLLMEngine(VLLMEngine):
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
                        adapter: str | None = None) -> list[GenerateResult]:
         """All prompts at once under `adapter` (benchmarks and tests)."""
-        import asyncio
-
-        async def run():
-            return await asyncio.gather(*[self.generate(p, sampling, adapter=adapter) for p in prompts])
-
-        return self._call(run(), 600, "a batch generation")
+        return super().generate_batch(prompts, sampling, lora=self._request_of(adapter))
 
     def adapter_logprobs(self, name: str, token_ids: list[int], start: int) -> list[float]:
         """`sequence_logprobs` under model `name`'s adapter."""
-        return self.sequence_logprobs(token_ids, start, lora_request=self._request_of(name))
+        return self.sequence_logprobs(token_ids, start, lora=self._request_of(name))
 
     def load_adapter(self, name: str, named_tensors: Iterable[tuple[str, object]]) -> SyncReport:
         """Write model `name`'s adapter (the trainer's tensor names) and have vLLM serve it under a new id."""

@@ -210,16 +210,15 @@ class VLLMEngine:
     # ---------------------------------------------------------------- engine interface
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None, lora_request=None
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None, lora=None
     ) -> GenerateResult:
-        """`lora_request`: a vLLM LoRARequest to run under (engine/vllm_adapters.py); None: the weights alone."""
+        """`lora`: a vLLM LoRARequest to run under (engine/vllm_adapters.py); None: the weights alone."""
         if self._closed:
             raise RuntimeError("engine is shut down")
         if sampling.max_tokens <= 0:
             return GenerateResult([], [], "length")
         rid = request_id or uuid.uuid4().hex
-        future = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sampling, rid, lora_request),
-                                                  self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sampling, rid, lora), self._loop)
         self._live[rid] = future
         try:
             # Cancelling this await cancels `future`, which cancels the request inside vLLM.
@@ -320,14 +319,15 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- tests and benchmarks
 
-    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, lora=None) -> list[GenerateResult]:
         """All prompts at once through the same engine (benchmarks and tests)."""
         async def run():
-            return await asyncio.gather(*[self._generate(list(p), sampling, uuid.uuid4().hex) for p in prompts])
+            return await asyncio.gather(*[self._generate(list(p), sampling, uuid.uuid4().hex, lora)
+                                          for p in prompts])
 
         return self._call(run(), BATCH_TIMEOUT_S, "a batch generation")
 
-    def sequence_logprobs(self, token_ids: list[int], start: int, lora_request=None) -> list[float]:
+    def sequence_logprobs(self, token_ids: list[int], start: int, lora=None) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= start, from vLLM's prompt logprobs (the model's own,
         untempered distribution): the engine side of the engine/trainer equality checks."""
         from vllm import SamplingParams as VSamplingParams
@@ -336,7 +336,7 @@ class VLLMEngine:
             params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
             final = None
             async for output in self._llm.generate({"prompt_token_ids": list(token_ids)}, params, uuid.uuid4().hex,
-                                                   lora_request=lora_request):
+                                                   lora_request=lora):
                 final = output
             return [float(final.prompt_logprobs[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
 
@@ -377,11 +377,10 @@ class VLLMEngine:
         self._llm = None  # collected now, while the interpreter is whole (its __del__ shuts down again)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
-                        lora_request=None) -> GenerateResult:
+                        lora=None) -> GenerateResult:
         params = vllm_sampling_params(sampling)
         final = None
-        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                               lora_request=lora_request):
+        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora):
             final = output
         choice = final.outputs[0]
         token_ids = list(choice.token_ids)

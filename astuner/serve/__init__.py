@@ -44,28 +44,16 @@ def build_service(loaded, max_training_clients: int = 2):
     """The Tinker service of a config: its models (`bases.py`: tokenizers now, an engine each (rollout.engine) on first
     sampling, astuner.model's now); trainers come per training client."""
     from astuner import runtime
-    from astuner.config.derived import resolve_engine_name
-    from astuner.engine.hf_engine import HFEngine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
-    from astuner.tokenizer import load_tokenizer
 
     runtime.quiet_library_progress()
     typed = loaded.typed
 
-    engine_name = resolve_engine_name(typed.astuner.rollout.engine)
-
-    def make_engine(model_path: str):
-        if engine_name == "vllm":  # as a run's: the config's settings, its context capped by the model's
-            from astuner import preflight
-
-            facts = preflight.read_model_facts(model_path)
-            limit = typed.astuner.rollout.max_model_len or facts.max_position_embeddings
-            return runtime.build_engine(typed, model_path, None, min(limit, facts.max_position_embeddings or limit))
-        tokenizer = load_tokenizer(model_path)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return HFEngine(model_path, max_batch_size=typed.astuner.rollout.max_env_worker, seed=typed.astuner.seed,
-                        pad_token_id=pad)
+    def make_engine(base):
+        """The config's engine, as a run builds it; vLLM's context: rollout.max_model_len capped by the model's."""
+        limits = [n for n in (typed.astuner.rollout.max_model_len, base.facts.max_position_embeddings) if n]
+        return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None)
 
     bases = served_bases(typed, make_engine)
     return TinkerService(typed, bases, serve_dir(loaded) / "state", max_training_clients)

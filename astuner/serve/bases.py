@@ -13,7 +13,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from astuner.errors import UserError
 from astuner.serve.futures import RequestError
 
 
@@ -24,7 +23,7 @@ class ServedBase:
     roster: tuple[str, ...]  # its names in the YAML: `policy` and/or keys of astuner.models
     tokenizer: Any
     facts: Any  # preflight.ModelFacts: parameters, position limit
-    make_engine: Callable[[str], Any] | None = None
+    make_engine: Callable[["ServedBase"], Any] | None = None
     engine: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -37,24 +36,21 @@ class ServedBase:
         """The base's engine, built on first use (seconds: call it off the event loop)."""
         with self._lock:
             if self.engine is None:
-                self.engine = self.make_engine(self.model_path)
+                self.engine = self.make_engine(self)
             return self.engine
 
 
-def served_bases(typed, make_engine: Callable[[str], Any]) -> dict[str, ServedBase]:
+def served_bases(typed, make_engine: Callable[[ServedBase], Any]) -> dict[str, ServedBase]:
     """The YAML's models by served name, astuner.model first; its engine is built here, the others' later."""
     from astuner import preflight, runtime
     from astuner.config.schema_models import POLICY, same_folder
-    from astuner.model_cache import ModelPathError, resolve_model_path
     from astuner.tokenizer import load_tokenizer
 
     bases: dict[str, ServedBase] = {}
-    roster = [(POLICY, str(typed.astuner.model.path))] + [(n, str(e.path)) for n, e in typed.astuner.models.items()]
-    for roster_name, path in roster:
-        try:
-            folder = runtime.build_policy_model_path(typed) if roster_name == POLICY else resolve_model_path(path)
-        except ModelPathError as exc:
-            raise UserError(f"astuner.models.{roster_name}.path: {exc}") from None
+    folders = {POLICY: runtime.build_policy_model_path(typed), **runtime.other_model_paths(typed)}
+    paths = {POLICY: str(typed.astuner.model.path), **{n: str(e.path) for n, e in typed.astuner.models.items()}}
+    for roster_name, folder in folders.items():
+        path = paths[roster_name]
         same = next((b for b in bases.values() if same_folder(b.model_path, folder)), None)
         if same is not None:
             same.roster += (roster_name,)

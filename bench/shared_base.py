@@ -1,13 +1,16 @@
 """Two agents' models: two separate LoRA models against two LoRA adapters on one shared base (and one model alone).
 
     python bench/shared_base.py [--model demo:smollm2-135m-instruct] [--requests 16] [--max-tokens 64] [--rank 16]
+    python bench/shared_base.py --shape 0.5b   # on CUDA: random weights in a Qwen2.5 shape, GPU memory figures
 
 Each setup runs in a process of its own and does what a step of the multi-agent tutorial does in the debug backbone:
 build every engine and trainer, sample `--requests` requests per model concurrently (each with its own seed, at
 temperature 1; the engines batch them), then one LoRA training step per model on what was sampled. Printed per
 setup: peak resident memory (ru_maxrss: includes the moment the second trainer's own base is loaded, before it is
 let go), resident memory after the step (freed heap returned first), and generated tokens per second over both
-models' requests. Run it alone: two cores.
+models' requests. Run it alone: two cores. On CUDA it also prints the GPU's peak allocated memory
+(torch.cuda.max_memory_allocated over the whole setup) and what stays allocated after the step; `--shape` builds a
+random-weight model of that Qwen2.5 shape (bench_gpu_trainer.py's) and samples from random 64-token prompts.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def run_setup(setup: str, args) -> dict:
     from astuner.types import SamplingParams, Sample
 
     torch.manual_seed(0)
-    path = resolve_model_path(args.model)
-    tok = load_tokenizer(path)
+    path = args.model if args.shape else resolve_model_path(args.model)
+    tok = None if args.shape else load_tokenizer(path)
     lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, dropout=0.0, target_modules="all-linear")
     settings = TrainerSettings(lr=1e-4, lora=lora, max_token_len_per_micro_batch=8192)
     names = ["policy"] if setup == "one" else ["policy", "keeper"]
@@ -69,9 +72,13 @@ def run_setup(setup: str, args) -> dict:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     built = rss_mib()
 
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"Tell me about the number {i}."}],
-                                           add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for i in range(args.requests)]
+    if tok is None:  # random weights: random prompts
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(100, 30000, (64,), generator=g).tolist() for _ in range(args.requests)]
+    else:
+        prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"Tell me about the number {i}."}],
+                                               add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"] for i in range(args.requests)]
 
     async def sample_all():
         jobs = [engines[n].generate(list(p), SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i),
@@ -91,6 +98,10 @@ def run_setup(setup: str, args) -> dict:
     out = {"setup": setup, "models": len(names), "built_mib": built, "after_step_mib": rss_mib(),
            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "tokens": tokens, "sample_s": seconds, "tokens_per_s": tokens / seconds}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        out["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["gpu_after_step_gib"] = torch.cuda.memory_allocated() / 2**30
     for e in {id(e): e for e in engines.values()}.values():
         e.shutdown()
     return out
@@ -102,8 +113,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--shape", choices=("0.5b", "1.5b"), help="random weights in this Qwen2.5 shape (CUDA)")
     ap.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # one setup, in this process
     args = ap.parse_args()
+    if args.shape and not args.setup:  # build the model once, every setup's process loads it
+        import tempfile
+
+        from bench_gpu_trainer import qwen25_05b_shape
+
+        folder = tempfile.mkdtemp(prefix="shared_base_")
+        qwen25_05b_shape(Path(folder), args.shape)
+        args.model = folder
     if args.setup:
         print(json.dumps(run_setup(args.setup, args)))
         return
@@ -111,6 +131,7 @@ def main() -> None:
     for setup in SETUPS:
         cmd = [sys.executable, __file__, "--setup", setup, "--model", args.model, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens), "--rank", str(args.rank)]
+        cmd += ["--shape", args.shape] if args.shape else []
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             raise SystemExit(f"{setup} failed:\n{out.stderr[-3000:]}")
@@ -122,6 +143,12 @@ def main() -> None:
         print(f"{r['setup']:10} {r['models']:>6} {r['built_mib']:>10.0f} {r['after_step_mib']:>11.0f} "
               f"{r['peak_mib']:>9.0f} {r['after_step_mib'] / one['after_step_mib']:>6.2f} {r['tokens_per_s']:>9.1f}")
     print("x one: resident memory after the step, relative to one model alone")
+    if "gpu_peak_gib" in one:
+        print(f"{'setup':10} {'GPU peak GiB':>12} {'x one':>6} {'GPU after step GiB':>18} {'x one':>6}")
+        for r in rows:
+            print(f"{r['setup']:10} {r['gpu_peak_gib']:>12.2f} {r['gpu_peak_gib'] / one['gpu_peak_gib']:>6.2f} "
+                  f"{r['gpu_after_step_gib']:>18.2f} {r['gpu_after_step_gib'] / one['gpu_after_step_gib']:>6.2f}")
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -257,6 +257,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.algorithm.catalog import algorithm
     from astuner.config.applicability import RAY_BACKBONES
     from astuner.config.derived import resolve_engine_name
+    from astuner.config.schema_models import strategy_of
     from astuner.trainer.fsdp import resolve_strategy
     from astuner.trainer.precision import resolve_precision
 
@@ -271,7 +272,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         world = tc.nnodes * tc.n_gpus_per_node
         processes = world + (tc.n_explorers if backbone == "trinity" else 0)
         try:
-            shards = world if resolve_strategy(tc.strategy, world, device, tc.lora.rank > 0) == "fsdp2" else 1
+            shards = world if resolve_strategy(strategy_of(typed), world, device, tc.lora.rank > 0) == "fsdp2" else 1
         except ValueError as exc:
             raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
     engine_bytes = 4 * P

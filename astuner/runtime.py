@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from astuner.algorithm.catalog import algorithm
-from astuner.config.schema_models import lora_rank_of, same_folder
+from astuner.config.schema_models import strategy_of
 from astuner.errors import UserError, user_code_error
 from astuner.model_tuner.roster import POLICY
 from astuner.logs import debug_from_user_modules
@@ -31,7 +31,7 @@ class Runtime:
     trainer: object
     runner: object
     plan: object = None  # preflight.RunPlan
-    others: dict = field(default_factory=dict)  # astuner.models: name -> (engine, trainer)
+    models: dict = field(default_factory=dict)  # every model by name, the policy first: run_models.LocalModel
 
 
 def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None = None) -> type:
@@ -148,7 +148,7 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
-        strategy=tc.strategy,
+        strategy=strategy_of(typed),
         group_size=world,
     )
     if entry is not None:
@@ -291,8 +291,10 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     tokenizer = load_tokenizer(model_path)
     train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
-    others = {name: preflight.read_model_facts(path, f"astuner.models.{name}.path")
-              for name, path in other_model_paths(typed).items()}
+    others = {}
+    for name, path in other_model_paths(typed).items():  # before any weights load, on every backbone
+        others[name] = preflight.read_model_facts(path, f"astuner.models.{name}.path")
+        check_same_tokenizer(tokenizer, path, f"astuner.models.{name}.path")
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps,
                                device_of() if device_of else None, others)
     announce(source.describe() + plan.block(facts))
@@ -361,26 +363,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_runtime(loaded, backbone: str = "debug", total_steps_of=None) -> Runtime:
-    """Every piece of a run in this process (the debug backbone): `prepare`, then the weights."""
-    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check
-
-    typed = loaded.typed
-    seed_everything(typed.astuner.seed)
-    prep = prepare(loaded, backbone, total_steps_of)
-    adapters = adapter_models(typed, prep.model_path)  # models served as adapters on the policy's base
-    shared = build_adapter_engine(typed, prep, adapters) if adapters else None
-    engine = shared.view(POLICY) if shared else build_engine(typed, prep.model_path, prep.tokenizer,
-                                                             prep.max_model_len, prep.plan.kv_cache_bytes)
-    trainer = build_trainer(typed, prep.model_path, prep.total_steps, prep.plan.micro_batch_token_budget)
-    others = build_other_models(typed, prep, shared, trainer)
-    runner = build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
-                          prep.max_model_len, roster_of(typed, engine, {n: e for n, (e, _) in others.items()}))
-    check_token_pipeline(typed, runner, engine_trainer_logprob_check(
-        engine, trainer, runner.renderer, runner.stop_token_ids, check_sampling(typed)))
-    return Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan, others)
-
-
 def other_model_paths(typed) -> dict[str, str]:
     """astuner.models' folders, by name, resolved as astuner.model.path is."""
     from astuner.model_cache import ModelPathError, resolve_model_path
@@ -392,60 +374,6 @@ def other_model_paths(typed) -> dict[str, str]:
         except ModelPathError as exc:
             raise UserError(f"astuner.models.{name}.path: {exc}") from None
     return out
-
-
-def build_other_models(typed, prep: Prepared, shared=None, policy_trainer=None) -> dict[str, tuple[object, object]]:
-    """astuner.models: each model's engine and trainer, built as the policy's with its own weights, LoRA rank and
-    learning rate. They share the policy's tokenizer (checked), so one renderer and parser serve every agent.
-    A model of `shared` (an AdapterHFEngine) is its adapter there, and its trainer holds the policy trainer's
-    frozen base, not a copy."""
-    from astuner.trainer.lora import share_frozen_weights
-
-    out = {}
-    for name, path in other_model_paths(typed).items():
-        check_same_tokenizer(prep.tokenizer, path, f"astuner.models.{name}.path")
-        adapter = shared is not None and name in shared.adapters
-        engine = shared.view(name) if adapter else build_engine(typed, path, prep.tokenizer, prep.max_model_len,
-                                                                 prep.plan.kv_cache_bytes)
-        trainer = build_trainer(typed, path, prep.total_steps, prep.plan.micro_batch_token_budget,
-                                entry=typed.astuner.models[name])
-        if adapter:
-            freed = share_frozen_weights(trainer.model, policy_trainer.model)
-            log.info("model %s: a LoRA adapter on the policy's base (%.2f GiB of base weights shared)", name,
-                     freed / 2**30)
-        out[name] = (engine, trainer)
-    return out
-
-
-def adapter_models(typed, policy_path: str) -> list[str]:
-    """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
-    and the policy train LoRA adapters (`build_adapter_engine`: the HF engine's adapters or vLLM's multi-LoRA)."""
-    if lora_rank_of(typed, POLICY) == 0:
-        return []
-    return [name for name, path in other_model_paths(typed).items()
-            if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
-
-
-def build_adapter_engine(typed, prep: Prepared, names: list[str]):
-    """One engine over the policy's base with an adapter for the policy and for each model of `names`: the HF
-    engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
-    from astuner.config.derived import resolve_engine_name
-
-    tc, tokenizer = typed.astuner.trainer_common, prep.tokenizer
-    lora = {name: lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
-    if resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
-        import torch
-
-        from astuner.engine.vllm_adapters import AdapterVLLMEngine
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return AdapterVLLMEngine(prep.model_path, lora, **vllm_engine_settings(
-            typed, prep.max_model_len, prep.plan.kv_cache_bytes, device_type))
-    from astuner.engine.adapters import AdapterHFEngine
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return AdapterHFEngine(prep.model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
-                           seed=typed.astuner.seed, pad_token_id=pad)
 
 
 def check_same_tokenizer(tokenizer, path: str, key: str) -> None:

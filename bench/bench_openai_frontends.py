@@ -96,7 +96,7 @@ def bench_frontends(model_path, tokenizer, args):
 def bench_merge_and_preflight(model_path, tokenizer, args):
     from astuner.algorithm.samples import episodes_to_samples, merge_ratio
     from astuner.config import load_config
-    from astuner.runtime import build_runtime
+    from astuner.run_models import build_runtime
 
     overrides = [
         "astuner.model.path=demo:smollm2-135m-instruct",

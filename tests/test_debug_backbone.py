@@ -101,7 +101,7 @@ def test_engine_logprobs_equal_trainer_logprobs_after_sync(tmp_path, tiny_model_
     """After a real training step and weight sync, the engine samples from exactly the trainer's policy."""
     from astuner.backbone.debug import InProcessStages
     from astuner.config import load_config
-    from astuner.runtime import build_runtime
+    from astuner.run_models import build_runtime
     from astuner.types import SamplingParams
 
     loaded = load_config(write_run(tmp_path, tiny_model_dir), [f"astuner.experiment_dir={tmp_path / 'out'}"])

@@ -16,7 +16,7 @@ from astuner.algorithm.objectives import TOKEN_OBJECTIVES, TokenBatch, TokenObje
 from astuner.backbone.debug import InProcessStages
 from astuner.config import load_config
 from astuner.loop import LoopSettings, run_loop
-from astuner.runtime import build_runtime
+from astuner.run_models import build_runtime
 
 
 class AdvantageWeightedNLL(TokenObjective):

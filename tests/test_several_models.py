@@ -192,7 +192,8 @@ def test_a_checkpoint_of_other_models_is_not_resumed(tmp_path, tiny_model_dir, c
     assert "the models trained" in err
 
     # Past that check (a checkpoint named by path), the folder itself is checked before any weights load.
-    from astuner.backbone.local_models import LocalModel, load_models
+    from astuner.backbone.local_models import load_models
+    from astuner.run_models import LocalModel
     from astuner.errors import UserError
 
     with pytest.raises(UserError, match="holds no folder for model.s. critic of astuner.models"):
@@ -273,10 +274,11 @@ def test_a_bad_roster_exits_2_naming_the_models(tmp_path, tiny_model_dir, capsys
     assert expected in capsys.readouterr().err
 
 
-def test_several_models_on_a_ray_backbone_exit_2(tmp_path, tiny_model_dir, capsys):
+def test_several_models_with_an_offline_algorithm_exit_2(tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir, "CriticOnly")
-    assert main(["--conf", str(yaml), "--backbone", "trinity"]) == 2
-    assert "astuner.models (critic) trains several models on rollouts with --backbone debug" in capsys.readouterr().err
+    assert main(["--conf", str(yaml), "--backbone", "debug", "astuner.trainer_common.algorithm.type=sft"]) == 2
+    assert "astuner.models (critic) trains several models on rollouts; algorithm.type sft (offline data) trains " \
+           "one" in capsys.readouterr().err
 
 
 def test_a_model_of_another_tokenizer_exits_2(tmp_path, tiny_model_dir, capsys):

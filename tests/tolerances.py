@@ -33,6 +33,10 @@ C = 8.0
 VOCAB = 49152
 # Fraction of entries that may take Adam's sign-flip path (rounding-level gradients); a real defect moves most.
 ADAM_FLIP_FRACTION = 1e-3
+# LoRA: B starts at zero, so its first Adam step moves every entry by +-lr, rounding-level gradients included, and
+# each entry of B that flipped changes a whole row of A's next gradient; measured 0.2% after 2 steps on two thread
+# counts. A defect (an adapter not trained, or on another model's samples) still moves most entries.
+LORA_FLIP_FRACTION = 1e-2
 
 
 def logprob_atol(dtype: torch.dtype = torch.float32) -> float:
@@ -73,7 +77,7 @@ def assert_scalar_close(actual: float, expected: float, dtype: torch.dtype = tor
 
 
 def assert_adam_close(actual, expected, *, lr: float, steps: int, dtype: torch.dtype = torch.float32,
-                      n: int = VOCAB, what: str = ""):
+                      n: int = VOCAB, what: str = "", flip_fraction: float = ADAM_FLIP_FRACTION):
     """Weights after `steps` Adam steps from the same start, whose gradients differed by rounding alone.
 
     Every entry is within steps * 2 * lr (the most a sign flip can move it) plus one ulp of the weight's dtype;
@@ -85,8 +89,8 @@ def assert_adam_close(actual, expected, *, lr: float, steps: int, dtype: torch.d
     assert bool((diff <= steps * 2 * lr + ulp).all()), f"{what}: max difference {diff.max().item():.3g} exceeds " \
                                                         f"{steps} Adam steps of 2 x lr {lr:g}"
     loose = (diff > steps * lr * rounding_rtol(dtype, n) + ulp).float().mean().item()
-    assert loose <= ADAM_FLIP_FRACTION, f"{what}: {loose:.2%} of the entries differ beyond rounding " \
-                                        f"(at most {ADAM_FLIP_FRACTION:.1%} may take Adam's sign-flip path)"
+    assert loose <= flip_fraction, f"{what}: {loose:.2%} of the entries differ beyond rounding " \
+                                   f"(at most {flip_fraction:.1%} may take Adam's sign-flip path)"
 
 
 LOGPROB_ATOL = logprob_atol(torch.float32)

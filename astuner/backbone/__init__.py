@@ -28,10 +28,13 @@ def run_backbone(name: str, loaded, checkpoint=None, with_ray: bool = False) -> 
         raise UserError(f"algorithm.type {kind.name} trains on offline data in one process: run it with --backbone debug "
                         f"(the {name} backbone places rollouts).")
     models = sorted(loaded.typed.astuner.models)
-    if models and (kind.offline or name != "debug"):
-        where = f"algorithm.type {kind.name} (offline data)" if kind.offline else f"the {name} backbone"
-        raise UserError(f"astuner.models ({', '.join(models)}) trains several models on rollouts with --backbone "
-                        f"debug; {where} trains one. Train each model in a run of its own, or use --backbone debug.")
+    if models and kind.offline:
+        raise UserError(f"astuner.models ({', '.join(models)}) trains several models on rollouts; algorithm.type "
+                        f"{kind.name} (offline data) trains one. Train each model in a run of its own.")
+    if models and name != "debug" and loaded.typed.astuner.trainer_common.strategy == "fsdp2":
+        raise UserError(f"astuner.trainer_common.strategy fsdp2 shards one model over the trainer workers; with "
+                        f"several models (astuner.models: {', '.join(models)}) each worker holds a replica of every "
+                        "model's trainer: set the strategy to ddp (or auto, which picks ddp here).")
     module_name, func = (OFFLINE if kind.offline else BACKBONES)[name].split(":")
     extra = {} if name == "debug" else {"start_ray": with_ray}
     getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint, **extra)

@@ -16,15 +16,15 @@ log = logging.getLogger(__name__)
 
 
 class InProcessStages(LocalTrainerStages):
-    """Every stage in this process: the engine and trainer hold separate copies of the weights. `others`: the
-    run's other trained models (astuner.models) by name, each its own engine and trainer (local_models.py)."""
+    """Every stage in this process: the engine and trainer hold separate copies of the weights. `models`: every
+    trained model by name (run_models.build_models; default: the policy's `engine` and `trainer` alone)."""
 
     def __init__(self, runner, trainer, engine, experiment_dir: Path, tokenizer,
-                 others: dict[str, LocalModel] | None = None) -> None:
+                 models: dict[str, LocalModel] | None = None) -> None:
         self.runner, self.trainer, self.engine = runner, trainer, engine
         self.experiment_dir, self.tokenizer = experiment_dir, tokenizer
         self.version = 0  # trainer steps behind the engine's weights: always the last one here
-        self.models = {POLICY: LocalModel(engine, trainer), **(others or {})}
+        self.models = models or {POLICY: LocalModel(engine, trainer)}
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:
         return self._run(tasks, validation, step, progress)
@@ -98,12 +98,11 @@ def release_freed_memory() -> None:
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     """The whole run in this process; `checkpoint`: a complete checkpoint to continue from (see astuner.resume)."""
     from astuner.logs import setup_logging
-    from astuner.runtime import build_runtime
+    from astuner.run_models import build_runtime
 
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(loaded.typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
-    others = {name: LocalModel(engine, trainer) for name, (engine, trainer) in rt.others.items()}
-    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, others)
+    stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, rt.models)
     return drive(loaded, settings, stages, rt.train_tasks, rt.val_tasks, count_steps(len(rt.train_tasks), settings),
                  rt.tokenizer, checkpoint)

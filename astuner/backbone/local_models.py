@@ -17,32 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from astuner.config.schema_models import POLICY
 from astuner.errors import UserError
+from astuner.run_models import LocalModel
 from astuner.types import Sample, SyncReport, TrainResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LocalModel:
-    """One trained model: the engine that samples from it and its trainer."""
-
-    engine: object
-    trainer: object
-
-    def sync(self) -> SyncReport:
-        """The engine serves the trainer's weights: merged ones, or, for an adapter on a base shared with other
-        models (engine/adapters.py), the adapter alone."""
-        from astuner.engine.adapters import AdapterView
-        from astuner.trainer.lora import adapter_tensors
-
-        if isinstance(self.engine, AdapterView):
-            return self.engine.load_weights(adapter_tensors(self.trainer.model))
-        return self.engine.load_weights(self.trainer.named_parameters_for_sync())
 
 
 def train_models(models: dict[str, LocalModel], samples: list[Sample], objective) -> TrainResult:

@@ -85,12 +85,13 @@ class RayStages(Stages):
 
     def host_bytes(self, roles: tuple[str, ...]) -> float:
         """The preflight estimate of a process's host memory, for the placement check (GPU runs: 0, the
-        estimate is device memory there)."""
+        estimate is device memory there). The other models of a run (astuner.models), whose estimate is one sum
+        of their trainers and engines, count whole in every process: an upper bound."""
         plan = self.prep.plan
         if plan.device != "cpu":
             return 0.0
         return float(("trainer" in roles) * (plan.trainer_bytes + plan.ref_bytes + plan.activation_bytes)
-                     + ("engine" in roles) * (plan.engine_bytes + plan.kv_cache_bytes))
+                     + ("engine" in roles) * (plan.engine_bytes + plan.kv_cache_bytes) + plan.others_bytes)
 
     def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int):
         import ray

@@ -4,8 +4,11 @@
     "engine":  an inference engine and a rollout runner (the user's workflow and judge run here)
 
 verl places both roles in each worker (colocated: rollout and training take turns on the same device);
-trinity places "engine" in its explorers and "trainer" in its trainer workers. The class is plain Python: the
-backbones wrap it with `ray.remote`, and tests may call it directly.
+trinity places "engine" in its explorers and "trainer" in its trainer workers. A run of several models
+(astuner.models) holds every model in each worker, for its roles (run_models.py): the engines side by side (an
+episode may call any agent), the trainers trained one after another, each on its own samples, every model's
+replicas summing their gradients over the worker's one process group. The class is plain Python: the backbones wrap
+it with `ray.remote`, and tests may call it directly.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import logging
 import os
 import time
 from pathlib import Path
+
+from astuner.backbone.local_models import load_models, save_models, sync_models, train_models
+from astuner.config.schema_models import POLICY, strategy_of
+from astuner.run_models import build_models, roster_of_models
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +75,9 @@ class Worker:
         typed = loaded.typed
         runtime.seed_everything(typed.astuner.seed)
         self.tokenizer = runtime.load_tokenizer(model_path)
-        self.trainer = self.engine = self.runner = None
+        self.runner = None
         self.version = 0  # trainer steps behind the engine's weights (see sync_schedule.py)
+        engine_typed = typed
         if "engine" in roles:
             workflow_cls = runtime.load_workflow(loaded)
             judge = runtime.build_judge(loaded)
@@ -79,12 +87,14 @@ class Worker:
             if engine_typed is not typed:
                 log.info("%s: its engine has its GPUs to itself, so it takes %g of their memory (%s to choose)",
                          name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
-            self.engine = runtime.build_engine(engine_typed, model_path, self.tokenizer, max_model_len,
-                                               kv_cache_bytes)
+        # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'
+        self.models = build_models(typed, self.tokenizer, model_path, max_model_len, total_steps, roles=roles,
+                                   kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
+                                   world=world, engine_typed=engine_typed)
+        self.engine, self.trainer = self.models[POLICY].engine, self.models[POLICY].trainer
+        if "engine" in roles:
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
-                                               max_model_len, runtime.roster_of(typed, self.engine, {}))
-        if "trainer" in roles:
-            self.trainer = runtime.build_trainer(typed, model_path, total_steps, micro_batch_tokens, world)
+                                               max_model_len, roster_of_models(typed, self.models))
 
     def ready(self) -> tuple[str, str]:
         """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""
@@ -107,7 +117,11 @@ class Worker:
         from astuner.trainer.data_parallel import DataParallel
 
         dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
-        return self.trainer.join_group(dp, self.loaded.typed.astuner.trainer_common.strategy)
+        strategy = strategy_of(self.loaded.typed)
+        # Several models share the one process group (they train in the same order on every rank), each with its
+        # own map of which rank owns which sample.
+        return [model.trainer.join_group(dp if name == POLICY else DataParallel(self.rank, self.world), strategy)
+                for name, model in self.models.items()][0]
 
     # --- rollout ---------------------------------------------------------------------------------------------
 
@@ -130,9 +144,13 @@ class Worker:
 
     def train(self, samples, objective: str = "policy"):
         """(metrics, {index: trainer logprobs} of the samples this rank forwarded before any update)."""
-        if self.engine is not None:
-            self.engine.sleep()  # colocated vLLM frees its GPU memory for the step; the sync wakes it
-        result = self.trainer.train(samples, objective=objective)
+        for model in self.models.values():
+            if model.engine is not None:
+                model.engine.sleep()  # colocated vLLM frees its GPU memory for the step; the sync wakes it
+        if len(self.models) == 1:
+            result = self.trainer.train(samples, objective=objective)
+        else:  # each model on its own samples; `model/<name>/` metrics (backbone/local_models.py)
+            result = train_models(self.models, samples, objective)
         seen = {i: logprobs for i, logprobs in enumerate(result.trainer_logprobs) if logprobs is not None}
         return result.metrics, seen
 
@@ -152,61 +170,71 @@ class Worker:
         from astuner.types import SyncReport
 
         start = time.perf_counter()
-        report = self.engine.load_weights(self.trainer.named_parameters_for_sync()) or SyncReport()
+        report = sync_models(self.models) if len(self.models) > 1 else self.models[POLICY].sync() or SyncReport()
         self.version = version
         return dataclasses.replace(report, engine_load_s=time.perf_counter() - start)
 
     def export_weights(self) -> dict | None:
-        """The trainer's weights for the object store: name -> (numpy array, torch dtype name). bf16 travels as
-        its raw 16 bits (numpy has no bf16), so nothing is converted. A sharded group: every rank gathers, rank 0
-        returns them (the others None)."""
+        """Every model's weights for the object store: model -> {name: (numpy array, torch dtype name)}; an adapter
+        on a shared base exports its adapter alone (run_models.LocalModel.sync_tensors). bf16 travels as its raw 16
+        bits (numpy has no bf16), so nothing is converted. A sharded group: every rank gathers, rank 0 returns them
+        (the others None)."""
         import torch
 
-        out = {}
-        for name, tensor in self.trainer.named_parameters_for_sync():
-            if self.rank != 0:
-                continue
-            t = tensor.detach().to("cpu").contiguous()
-            if t.dtype == torch.bfloat16:
-                out[name] = (t.view(torch.int16).numpy(), "bfloat16")
-            else:
-                out[name] = (t.numpy(), str(t.dtype).removeprefix("torch."))
+        out: dict[str, dict] = {}
+        for model, local in self.models.items():
+            mine = out.setdefault(model, {})
+            for name, tensor in local.sync_tensors():
+                if self.rank != 0:
+                    continue
+                t = tensor.detach().to("cpu").contiguous()
+                if t.dtype == torch.bfloat16:
+                    mine[name] = (t.view(torch.int16).numpy(), "bfloat16")
+                else:
+                    mine[name] = (t.numpy(), str(t.dtype).removeprefix("torch."))
         return out if self.rank == 0 else None
 
     def load_weights(self, weights: dict, version: int) -> float:
-        """trinity: new weights from the trainer (through the object store), as policy `version`."""
+        """trinity: every model's new weights from the trainer (`export_weights`, through the object store), as
+        policy `version`."""
         import warnings
 
         import torch
 
         start = time.perf_counter()
 
-        def tensors():
-            for name, (array, dtype) in weights.items():
+        def tensors(arrays: dict):
+            for name, (array, dtype) in arrays.items():
                 with warnings.catch_warnings():  # read-only object-store memory: the engine copies, never writes
                     warnings.simplefilter("ignore", UserWarning)
                     t = torch.from_numpy(array)
                 yield name, t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
-        self.engine.load_weights(tensors())
+        for model, arrays in weights.items():
+            self.models[model].engine.load_weights(tensors(arrays))
         self.version = version
         return time.perf_counter() - start
 
     # --- checkpoints -----------------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str, run_state: dict) -> str:
-        """Rank 0 writes; the other ranks of a sharded group take part in the gather."""
-        self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state,
-                                     write=self.rank == 0)
+        """Rank 0 writes; the other ranks of a sharded group take part in the gather. Several models (never
+        sharded): every model's folder, the others inside the policy's (backbone/local_models.py)."""
+        if len(self.models) > 1:
+            save_models(self.models, Path(path), self.tokenizer, run_state)
+        else:
+            self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state,
+                                         write=self.rank == 0)
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        return self.trainer.load_checkpoint(Path(path))
+        return load_models(self.models, Path(path))
 
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()
-        if self.engine is not None:
-            self.engine.shutdown()
+        for model in self.models.values():
+            if model.engine is not None:
+                model.engine.shutdown()
         if self.trainer is not None and self.trainer.dp is not None:
-            self.trainer.dp.close()
+            self.trainer.dp.close()  # the process group every model's trainer used

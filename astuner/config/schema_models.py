@@ -68,3 +68,10 @@ def same_folder(a: str, b: str) -> bool:
     from pathlib import Path
 
     return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
+
+
+def strategy_of(typed) -> str:
+    """trainer_common.strategy as the trainers take it: `auto` is ddp when the run trains several models (each
+    worker of a group then holds a replica of every model's trainer; several models are not sharded)."""
+    strategy = typed.astuner.trainer_common.strategy
+    return "ddp" if strategy == "auto" and typed.astuner.models else strategy

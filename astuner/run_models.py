@@ -1,0 +1,143 @@
+"""Every trained model of a run (astuner.model, named `policy`, and astuner.models), built in one process for the
+roles that process holds.
+
+    debug           one process: every model's engine and trainer
+    verl worker     every model's engine and trainer (colocated, as the policy's)
+    trinity         an explorer: every model's engine (an episode may call any agent); a trainer worker: every
+                    model's trainer, trained one after another in the worker's data-parallel group
+
+Models that are LoRA adapters on the policy's own LoRA base (`adapter_models`) share one engine over that base
+(the HF engine's adapters or vLLM's multi-LoRA) and, among the trainers of one process, one copy of the frozen
+base weights; their syncs hand over the adapter alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
+from astuner.types import SyncReport
+
+log = logging.getLogger(__name__)
+
+ROLES = ("engine", "trainer")
+
+
+@dataclass
+class LocalModel:
+    """One trained model in this process: the engine that samples from it and its trainer (None where the
+    process holds no such role); `adapter`: served as an adapter on a base shared with other models."""
+
+    engine: object
+    trainer: object
+    adapter: bool = False
+
+    def sync_tensors(self):
+        """(name, tensor) pairs the engine takes from the trainer: the adapter alone on a shared base, else the
+        weights (merged, for a LoRA model on a base of its own)."""
+        from astuner.trainer.lora import adapter_tensors
+
+        if self.adapter:
+            return adapter_tensors(self.trainer.model)
+        return self.trainer.named_parameters_for_sync()
+
+    def sync(self) -> SyncReport:
+        """The engine serves the trainer's weights (both in this process)."""
+        return self.engine.load_weights(self.sync_tensors())
+
+
+def adapter_models(typed, policy_path: str) -> list[str]:
+    """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
+    and the policy train LoRA adapters (`build_adapter_engine`: the HF engine's adapters or vLLM's multi-LoRA)."""
+    from astuner.runtime import other_model_paths
+
+    if lora_rank_of(typed, POLICY) == 0:
+        return []
+    return [name for name, path in other_model_paths(typed).items()
+            if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
+
+
+def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_steps: int, *,
+                 roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
+                 micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None) -> dict[str, LocalModel]:
+    """Every model of the run by name, the policy first, with an engine if `roles` holds "engine" (built from
+    `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group of `world` workers). Each
+    model's trainer takes its own LoRA rank and learning rate (`runtime.trainer_settings`); the tokenizers were
+    checked to be one at `runtime.prepare`."""
+    from astuner.runtime import build_engine, build_trainer, other_model_paths
+    from astuner.trainer.lora import share_frozen_weights
+
+    engine_typed = engine_typed or typed
+    paths = {POLICY: model_path, **other_model_paths(typed)}
+    adapters = adapter_models(typed, model_path)
+    on_base = set(adapters) | ({POLICY} if adapters else set())
+    shared = None
+    if "engine" in roles and adapters:
+        shared = build_adapter_engine(engine_typed, model_path, tokenizer, max_model_len, kv_cache_bytes, adapters)
+    out: dict[str, LocalModel] = {}
+    for name, path in paths.items():
+        engine = trainer = None
+        if "engine" in roles:
+            engine = shared.view(name) if name in on_base else build_engine(engine_typed, path, tokenizer,
+                                                                            max_model_len, kv_cache_bytes)
+        if "trainer" in roles:
+            trainer = build_trainer(typed, path, total_steps, micro_batch_tokens, world,
+                                    entry=None if name == POLICY else typed.astuner.models[name])
+            if name in on_base and name != POLICY:
+                freed = share_frozen_weights(trainer.model, out[POLICY].trainer.model)
+                log.info("model %s: a LoRA adapter on the policy's base (%.2f GiB of base weights shared)", name,
+                         freed / 2**30)
+        out[name] = LocalModel(engine, trainer, adapter=name in on_base)
+    return out
+
+
+def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
+                         names: list[str]):
+    """One engine over the policy's base with an adapter for the policy and for each model of `names`: the HF
+    engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
+    from astuner.config.derived import resolve_engine_name
+    from astuner.runtime import lora_settings, vllm_engine_settings
+
+    tc = typed.astuner.trainer_common
+    lora = {name: lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
+    if resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
+        import torch
+
+        from astuner.engine.vllm_adapters import AdapterVLLMEngine
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return AdapterVLLMEngine(model_path, lora, **vllm_engine_settings(typed, max_model_len, kv_cache_bytes,
+                                                                           device_type))
+    from astuner.engine.adapters import AdapterHFEngine
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return AdapterHFEngine(model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
+                           seed=typed.astuner.seed, pad_token_id=pad)
+
+
+def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
+    """Every piece of a run in this process (the debug backbone): `runtime.prepare`, then every model's weights,
+    the rollout runner over them and the token-pipeline check; a `runtime.Runtime`."""
+    from astuner import runtime
+    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check
+
+    typed = loaded.typed
+    runtime.seed_everything(typed.astuner.seed)
+    prep = runtime.prepare(loaded, backbone, total_steps_of)
+    models = build_models(typed, prep.tokenizer, prep.model_path, prep.max_model_len, prep.total_steps,
+                          kv_cache_bytes=prep.plan.kv_cache_bytes, micro_batch_tokens=prep.plan.micro_batch_token_budget)
+    engine, trainer = models[POLICY].engine, models[POLICY].trainer
+    runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
+                                  prep.max_model_len, roster_of_models(typed, models))
+    runtime.check_token_pipeline(typed, runner, engine_trainer_logprob_check(
+        engine, trainer, runner.renderer, runner.stop_token_ids, runtime.check_sampling(typed)))
+    return runtime.Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan,
+                           models)
+
+
+def roster_of_models(typed, models: dict[str, LocalModel]):
+    """`runtime.roster_of` over the engines of `models` (None for a one-model run without named agents)."""
+    from astuner.runtime import roster_of
+
+    return roster_of(typed, models[POLICY].engine, {n: m.engine for n, m in models.items() if n != POLICY})

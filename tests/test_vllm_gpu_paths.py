@@ -209,3 +209,5 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
     assert share(engine_config(chosen, ("engine",), on_cuda=True)) == 0.5  # the user's choice stands
     hf = SimpleNamespace(typed=RunConfig.model_validate({"astuner": {"rollout": {"engine": "hf"}}}), user_keys=set())
     assert share(engine_config(hf, ("engine",), on_cuda=True)) == 0.6
+    # Several models' engines in one explorer split that share (their KV caches would not fit the card otherwise).
+    assert share(engine_config(loaded(), ("engine",), on_cuda=True, engines=2)) == ENGINE_ALONE_GPU_SHARE / 2

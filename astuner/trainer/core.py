@@ -84,7 +84,11 @@ class Trainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.peft = None  # the PEFT wrapper when LoRA is on (astuner/trainer/lora.py); self.model is its inner HF model
         if lora:
-            self.peft = apply_lora(self.model, s.lora)
+            # The adapters' random init from the seed alone, not from what the process drew before (a trinity
+            # trainer worker builds no engine first, the debug process does): the same run on any backbone.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(s.seed)
+                self.peft = apply_lora(self.model, s.lora)
             self.model = self.peft.get_base_model()
         self._adamw = dict(lr=s.lr, weight_decay=s.weight_decay, fused=self.device.type == "cuda")
         self._master = self._params = self.optimizer = None

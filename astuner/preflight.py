@@ -257,7 +257,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.algorithm.catalog import algorithm
     from astuner.config.applicability import RAY_BACKBONES
     from astuner.config.derived import resolve_engine_name
-    from astuner.config.schema_models import strategy_of
+    from astuner.config.schema_models import shared_trainer_group, strategy_of
     from astuner.trainer.fsdp import resolve_strategy
     from astuner.trainer.precision import resolve_precision
 
@@ -270,9 +270,13 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     processes = 1  # processes of this run that may share one host's memory
     if backbone in RAY_BACKBONES:
         world = tc.nnodes * tc.n_gpus_per_node
-        processes = world + (tc.n_explorers if backbone == "trinity" else 0)
+        shared = shared_trainer_group(typed, backbone)
+        groups = 1 if shared or not a.models else 1 + len(a.models)  # trinity's trainer_groups: per_model
+        processes = world * groups + (tc.n_explorers if backbone == "trinity" else 0)
         try:
-            shards = world if resolve_strategy(strategy_of(typed), world, device, tc.lora.rank > 0) == "fsdp2" else 1
+            in_group = 1 + len(a.models) if shared else 1
+            sharded = resolve_strategy(strategy_of(typed, in_group), world, device, tc.lora.rank > 0) == "fsdp2"
+            shards = world if sharded else 1
         except ValueError as exc:
             raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
     engine_bytes = 4 * P

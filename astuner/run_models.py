@@ -44,7 +44,7 @@ class LocalModel:
 
     def sync(self) -> SyncReport:
         """The engine serves the trainer's weights (both in this process)."""
-        return self.engine.load_weights(self.sync_tensors())
+        return self.engine.load_weights(self.sync_tensors()) or SyncReport()
 
 
 def adapter_models(typed, policy_path: str) -> list[str]:
@@ -60,17 +60,21 @@ def adapter_models(typed, policy_path: str) -> list[str]:
 
 def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_steps: int, *,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
-                 micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None) -> dict[str, LocalModel]:
-    """Every model of the run by name, the policy first, with an engine if `roles` holds "engine" (built from
-    `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group of `world` workers). Each
-    model's trainer takes its own LoRA rank and learning rate (`runtime.trainer_settings`); the tokenizers were
-    checked to be one at `runtime.prepare`."""
+                 micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None,
+                 only: tuple[str, ...] | None = None) -> dict[str, LocalModel]:
+    """Every model of the run by name (`only`: these), the policy first, with an engine if `roles` holds "engine"
+    (built from `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group of `world`
+    workers). Each model's trainer takes its own LoRA rank and learning rate (`runtime.trainer_settings`); the
+    tokenizers were checked to be one at `runtime.prepare`."""
     from astuner.runtime import build_engine, build_trainer, other_model_paths
     from astuner.trainer.lora import share_frozen_weights
 
     engine_typed = engine_typed or typed
-    paths = {POLICY: model_path, **other_model_paths(typed)}
+    paths = {name: path for name, path in {POLICY: model_path, **other_model_paths(typed)}.items()
+             if only is None or name in only}
     adapters = adapter_models(typed, model_path)
+    # On the shared base, run-wide: the policy and its adapter models. Their syncs hand over adapters whichever
+    # process trains them (a trainer group of one model holds its own copy of the base).
     on_base = set(adapters) | ({POLICY} if adapters else set())
     shared = None
     if "engine" in roles and adapters:
@@ -83,8 +87,9 @@ def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_st
                                                                             max_model_len, kv_cache_bytes)
         if "trainer" in roles:
             trainer = build_trainer(typed, path, total_steps, micro_batch_tokens, world,
-                                    entry=None if name == POLICY else typed.astuner.models[name])
-            if name in on_base and name != POLICY:
+                                    entry=None if name == POLICY else typed.astuner.models[name],
+                                    models_in_group=len(paths))
+            if name in on_base and name != POLICY and POLICY in out:
                 freed = share_frozen_weights(trainer.model, out[POLICY].trainer.model)
                 log.info("model %s: a LoRA adapter on the policy's base (%.2f GiB of base weights shared)", name,
                          freed / 2**30)

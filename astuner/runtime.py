@@ -98,16 +98,19 @@ def build_policy_model_path(typed) -> str:
 
 
 def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
-                  world: int = 1, entry=None):
+                  world: int = 1, entry=None, models_in_group: int = 1):
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
     the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
-    `entry`: an astuner.models entry, whose LoRA rank and learning rate replace the run's."""
+    `entry`: an astuner.models entry, whose LoRA rank and learning rate replace the run's; `models_in_group`: the
+    models whose trainers each worker of the group holds (config/schema_models.strategy_of)."""
     from astuner.trainer import Trainer
 
-    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, entry))
+    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, entry,
+                                                models_in_group))
 
 
-def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, entry=None):
+def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, entry=None,
+                     models_in_group: int = 1):
     """The TrainerSettings of `build_trainer`."""
     from astuner import preflight
     from astuner.config.effective import effective
@@ -148,7 +151,7 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         max_token_len_per_micro_batch=micro_batch_tokens or tc.micro_batch_token_budget,
         mini_batch_num=tc.mini_batch_num,
         seed=typed.astuner.seed,
-        strategy=strategy_of(typed),
+        strategy=strategy_of(typed, models_in_group),
         group_size=world,
     )
     if entry is not None:

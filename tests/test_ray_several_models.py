@@ -89,6 +89,32 @@ def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, 
     assert [r["trinity/num_syncs"] for r in ours] == [1, 2, 3, 4]
 
 
+def test_trinity_gives_each_model_a_sharded_trainer_group_and_resumes_exactly(cluster, debug_run, tmp_path,
+                                                                             tiny_model_dir):
+    """trainer_groups: per_model: the policy and the critic each train on two fsdp2 workers of their own, at the
+    same time; the explorer gets both models' weights gathered from the shards. Same rewards and weights as the
+    debug backbone; the checkpoint holds both models (the critic's written by its own group) and resumes exactly."""
+    groups = ("astuner.trainer_common.cpus_per_worker=0.25", "astuner.trainer_common.n_gpus_per_node=2",
+              "astuner.trainer_common.strategy=fsdp2", "astuner.trainer_common.trainer_groups=per_model",
+              "trinity.synchronizer.sync_interval=1")
+    assert run(tmp_path, tiny_model_dir, "trinity", *groups, steps=4) == 0
+    out = tmp_path / "out"
+    log = (out / "astuner.log").read_text()
+    assert "2 trainer workers, strategy fsdp2" in log and "2 trainer workers of model critic, strategy fsdp2" in log
+    ours = metric_rows(out)
+    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in metric_rows(debug_run)]
+    assert [r["model/critic/actor/num_samples"] for r in ours] == [6.0] * 4
+    assert_same_models(out, debug_run, 4)
+
+    (out / "global_step_4").rename(tmp_path / "straight_4")
+    assert run(tmp_path, tiny_model_dir, "trinity", *groups,
+               f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
+    for model in ("", "critic"):
+        a, b = weights(out, 4, model), load_file(str(tmp_path / "straight_4" / model / "model.safetensors"))
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+
+
 def test_adapters_on_one_base_on_trinity_equal_debugs(cluster, tmp_path, tiny_model_dir):
     """Policy and critic as LoRA adapters of one base: the explorer holds one engine with both adapters, the
     trainer worker one frozen base under both trainers, and each sync sends the two adapters alone; after 2 steps
@@ -104,10 +130,12 @@ def test_adapters_on_one_base_on_trinity_equal_debugs(cluster, tmp_path, tiny_mo
     assert_same_models(tmp_path / "ray" / "out", tmp_path / "debug" / "out", 2)
 
 
-def test_fsdp2_with_several_models_exits_2_before_any_actor(tmp_path, tiny_model_dir, capsys):
+def test_fsdp2_with_several_models_in_one_group_exits_2_before_any_actor(tmp_path, tiny_model_dir, capsys):
     assert run(tmp_path, tiny_model_dir, "verl", "astuner.trainer_common.strategy=fsdp2") == 2
     err = capsys.readouterr().err
     assert "strategy fsdp2 shards one model over the trainer workers" in err and "set the strategy to ddp" in err
+    assert run(tmp_path, tiny_model_dir, "verl", "astuner.trainer_common.trainer_groups=per_model") == 2
+    assert "verl colocates every model's engine and trainer in each worker" in capsys.readouterr().err
 
 
 def test_auto_picks_ddp_for_several_models():
@@ -118,6 +146,7 @@ def test_auto_picks_ddp_for_several_models():
     def typed(strategy, models):
         return SimpleNamespace(astuner=SimpleNamespace(trainer_common=SimpleNamespace(strategy=strategy), models=models))
 
-    assert strategy_of(typed("auto", {"critic": object()})) == "ddp"
+    assert strategy_of(typed("auto", {"critic": object()}), models_in_group=2) == "ddp"
+    assert strategy_of(typed("auto", {"critic": object()}), models_in_group=1) == "auto"  # a group of its own
     assert strategy_of(typed("auto", {})) == "auto"  # one model: fsdp.resolve_strategy decides, as before
     assert strategy_of(typed("fsdp2", {})) == "fsdp2"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from astuner.algorithm.catalog import algorithm
+from astuner.config.schema_models import shared_trainer_group
 from astuner.errors import UserError
 
 BACKBONES = {
@@ -31,10 +32,16 @@ def run_backbone(name: str, loaded, checkpoint=None, with_ray: bool = False) -> 
     if models and kind.offline:
         raise UserError(f"astuner.models ({', '.join(models)}) trains several models on rollouts; algorithm.type "
                         f"{kind.name} (offline data) trains one. Train each model in a run of its own.")
-    if models and name != "debug" and loaded.typed.astuner.trainer_common.strategy == "fsdp2":
+    tc = loaded.typed.astuner.trainer_common
+    if models and name == "verl" and tc.trainer_groups == "per_model":
+        raise UserError("astuner.trainer_common.trainer_groups per_model gives each model a trainer group of its own "
+                        "on the trinity backbone; verl colocates every model's engine and trainer in each worker. "
+                        "Use --backbone trinity, or trainer_groups: one.")
+    if name != "debug" and tc.strategy == "fsdp2" and shared_trainer_group(loaded.typed, name):
         raise UserError(f"astuner.trainer_common.strategy fsdp2 shards one model over the trainer workers; with "
                         f"several models (astuner.models: {', '.join(models)}) each worker holds a replica of every "
-                        "model's trainer: set the strategy to ddp (or auto, which picks ddp here).")
+                        "model's trainer: set the strategy to ddp (or auto, which picks ddp here), or on trinity "
+                        "give each model its own group (astuner.trainer_common.trainer_groups: per_model).")
     module_name, func = (OFFLINE if kind.offline else BACKBONES)[name].split(":")
     extra = {} if name == "debug" else {"start_ray": with_ray}
     getattr(importlib.import_module(module_name), func)(loaded, checkpoint=checkpoint, **extra)

@@ -30,22 +30,35 @@ log = logging.getLogger(__name__)
 def train_models(models: dict[str, LocalModel], samples: list[Sample], objective) -> TrainResult:
     """One step of every model that has samples, on its samples only; their metrics in one dict (module
     docstring) and the trainers' logprobs in the order of `samples`."""
-    metrics: dict[str, float] = {}
-    logprobs: list[list[float] | None] = [None] * len(samples)
-    for name, model in models.items():
-        mine = [i for i, s in enumerate(samples) if s.model == name]
-        if name != POLICY:
-            metrics[f"model/{name}/num_samples"] = float(len(mine))
-        if not mine:
-            continue
-        result = model.trainer.train([samples[i] for i in mine], objective=objective)
-        for i, lp in zip(mine, result.trainer_logprobs):
-            logprobs[i] = lp
-        prefix = "" if name == POLICY else f"model/{name}/"
-        metrics.update({prefix + k: v for k, v in result.metrics.items()})
+    mine = samples_by_model(samples, list(models))
+    results = {name: models[name].trainer.train([samples[i] for i in where], objective=objective)
+               for name, where in mine.items() if where}
+    return merge_model_results(results, mine, len(samples))
+
+
+def samples_by_model(samples: list[Sample], models: list[str]) -> dict[str, list[int]]:
+    """The indices of each model's samples; RuntimeError for a sample of a model not in `models`."""
     unknown = sorted({s.model for s in samples} - set(models))
     if unknown:  # the roster and the stages are built from one config: this is a bug, not a user error
         raise RuntimeError(f"samples of models {unknown} that this run does not train ({', '.join(models)})")
+    return {name: [i for i, s in enumerate(samples) if s.model == name] for name in models}
+
+
+def merge_model_results(results: dict[str, TrainResult], mine: dict[str, list[int]], n: int) -> TrainResult:
+    """One TrainResult of the steps of several models: `results` by model (the trainers' logprobs in the order of
+    that model's samples, whose places among the `n` samples are `mine`); metrics named as the module docstring
+    says, with every other model's `num_samples` (0 for one that took no step)."""
+    metrics: dict[str, float] = {}
+    logprobs: list[list[float] | None] = [None] * n
+    for name, where in mine.items():
+        if name != POLICY:
+            metrics[f"model/{name}/num_samples"] = float(len(where))
+        if name not in results:
+            continue
+        for i, lp in zip(where, results[name].trainer_logprobs):
+            logprobs[i] = lp
+        prefix = "" if name == POLICY else f"model/{name}/"
+        metrics.update({prefix + k: v for k, v in results[name].metrics.items()})
     return TrainResult(metrics, logprobs)
 
 
@@ -77,13 +90,18 @@ def checkpoint_models(path: Path) -> list[str]:
     return sorted(p.name for p in Path(path).iterdir() if p.is_dir() and (p / RESUME_DIR / "state.json").is_file())
 
 
-def load_models(models: dict[str, LocalModel], path: Path) -> dict:
-    """Every model's weights, optimizer and step count from the checkpoint at `path`; the policy's run state."""
-    missing = [name for name in models if name != POLICY and not (path / name).is_dir()]
+def check_checkpoint_models(path: Path, names: list[str]) -> None:
+    """UserError unless the checkpoint at `path` holds a folder for each of the other models `names`."""
+    missing = [name for name in names if not (Path(path) / name).is_dir()]
     if missing:
         raise UserError(f"checkpoint {path} holds no folder for model(s) {', '.join(missing)} of astuner.models: "
                         "it was written by a run with other models. Resume with that run's config, or start "
                         "afresh (astuner.trainer_common.resume_mode: disable).")
+
+
+def load_models(models: dict[str, LocalModel], path: Path) -> dict:
+    """Every model's weights, optimizer and step count from the checkpoint at `path`; the policy's run state."""
+    check_checkpoint_models(path, [name for name in models if name != POLICY])
     state = models[POLICY].trainer.load_checkpoint(path)
     for name, model in models.items():
         if name != POLICY:

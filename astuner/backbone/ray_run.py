@@ -15,6 +15,7 @@ from pathlib import Path
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
+from astuner.config.schema_models import POLICY
 from astuner.errors import WorkerLost
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import Stages
@@ -48,6 +49,21 @@ class Sent:
     version: int = 0
 
 
+@dataclass
+class TrainerGroup:
+    """The trainer workers of one model of astuner.models with a group of its own (trinity's trainer_groups:
+    per_model): its actors, their names, and whether they shard the model (fsdp2)."""
+
+    actors: list
+    names: list[str]
+    sharded: bool = False
+
+    def calling(self) -> tuple[list, list[str]]:
+        """The ranks a call that runs the model goes to (rank 0; every rank when sharded), and their names."""
+        n = len(self.actors) if self.sharded else 1
+        return self.actors[:n], self.names[:n]
+
+
 def episodes_of(results) -> list[Episode]:
     return [e for episodes, _, _ in results for e in episodes]
 
@@ -75,6 +91,7 @@ class RayStages(Stages):
         self.stuck: set[str] = set()  # actors that died or missed a deadline: killed at shutdown without waiting
         self.trainer_version = 0  # loop steps the trainer has completed (its weights' policy version)
         self.sharded = False  # fsdp2: every trainer call that runs the model goes to all ranks at once
+        self.model_groups: dict[str, TrainerGroup] = {}  # other models' own trainer groups (trinity, per_model)
 
     # --- placement -------------------------------------------------------------------------------------------
 
@@ -93,7 +110,8 @@ class RayStages(Stages):
         return float(("trainer" in roles) * (plan.trainer_bytes + plan.ref_bytes + plan.activation_bytes)
                      + ("engine" in roles) * (plan.engine_bytes + plan.kv_cache_bytes) + plan.others_bytes)
 
-    def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int):
+    def spawn(self, group, index: int, bundle: Bundle, roles: tuple[str, ...], rank: int, world: int,
+              only: tuple[str, ...] | None = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -106,7 +124,7 @@ class RayStages(Stages):
                                                                  placement_group_bundle_index=index),
         ).remote(self.loaded, roles, rank, world, self.prep.model_path, self.prep.max_model_len,
                  self.prep.total_steps, bundle.name, self.prep.plan.kv_cache_bytes,
-                 self.prep.plan.micro_batch_token_budget)
+                 self.prep.plan.micro_batch_token_budget, only)
         return actor
 
     def wait_ready(self, actors: list, names: list[str]) -> None:
@@ -119,11 +137,17 @@ class RayStages(Stages):
     def init_data_parallel(self) -> None:
         if self.world == 1:
             return
-        addr, port = self.get(self.trainers[0].free_address.remote(), [self.trainer_names[0]], "report its address")
-        strategies = self.get([t.init_data_parallel.remote(addr, port, self.timeout_s) for t in self.trainers],
-                               self.trainer_names, "join the data-parallel group")
-        self.sharded = strategies[0] == "fsdp2"
-        log.info("%d trainer workers, strategy %s", self.world, strategies[0])
+        self.sharded = self._join(self.trainers, self.trainer_names, "")
+        for name, group in self.model_groups.items():
+            group.sharded = self._join(group.actors, group.names, f" of model {name}")
+
+    def _join(self, actors: list, names: list[str], whose: str) -> bool:
+        """One trainer group's process group up; whether it shards (fsdp2)."""
+        addr, port = self.get(actors[0].free_address.remote(), names[:1], "report its address")
+        strategies = self.get([t.init_data_parallel.remote(addr, port, self.timeout_s) for t in actors], names,
+                              "join the data-parallel group")
+        log.info("%d trainer workers%s, strategy %s", len(actors), whose, strategies[0])
+        return strategies[0] == "fsdp2"
 
     def to_trainers(self, method: str, *args) -> list:
         """Call `method` on trainer rank 0, or on every rank when sharded (each must join the gathers); returns
@@ -144,25 +168,65 @@ class RayStages(Stages):
     def train(self, samples: list[Sample], objective: str = "policy") -> TrainResult:
         import ray
 
+        if self.model_groups:
+            return self._train_groups(samples, objective)
         shared = ray.put(samples)  # serialised once for every worker
         results = self.get([t.train.remote(shared, objective) for t in self.trainers], self.trainer_names,
                            "train a step", trainer_ok=False)
-        logprobs: list[list[float] | None] = [None] * len(samples)
-        for _, seen in results:  # each rank's samples forwarded before the update
-            for i, values in seen.items():
-                logprobs[i] = values
-        return TrainResult(results[0][0], logprobs)
+        return TrainResult(results[0][0], _logprobs(results, len(samples)))
+
+    def _train_groups(self, samples: list[Sample], objective: str) -> TrainResult:
+        """Every model's group trains on its own samples at the same time; one result as local_models.train_models
+        gives it (the policy's metrics as named, `model/<name>/...` for the others)."""
+        import ray
+
+        from astuner.backbone.local_models import merge_model_results, samples_by_model
+
+        groups = {POLICY: TrainerGroup(self.trainers, self.trainer_names), **self.model_groups}
+        mine = samples_by_model(samples, list(groups))
+        sent = {name: [t.train.remote(ray.put([samples[i] for i in mine[name]]), objective) for t in g.actors]
+                for name, g in groups.items() if mine[name]}
+        names = [n for name in sent for n in groups[name].names]
+        flat = self.get([ref for refs in sent.values() for ref in refs], names, "train a step", trainer_ok=False)
+        results, at = {}, 0
+        for name, refs in sent.items():
+            ranks = flat[at:at + len(refs)]
+            at += len(refs)
+            results[name] = TrainResult(ranks[0][0], _logprobs(ranks, len(mine[name])))
+        return merge_model_results(results, mine, len(samples))
 
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
+        """Other models' groups write theirs first, into a staging folder the policy's folder takes in before it
+        is complete (a checkpoint holds every model or is not complete: backbone/local_models.py)."""
+        import os
+        import shutil
+
         path = self.loaded.experiment_dir / f"global_step_{step}"
-        refs = self.to_trainers("save_checkpoint", str(path), run_state)
-        self.get(refs, self.trainer_names[:len(refs)], f"save checkpoint {path}")
+        staging = path.parent / f".{path.name}.models-{os.getpid()}"
+        include = {name: str(staging / name) for name in self.model_groups}
+        try:
+            for name, group in self.model_groups.items():
+                actors, names = group.calling()
+                self.get([a.save_checkpoint.remote(include[name], {"model": name, "step": step}) for a in actors],
+                         names, f"save model {name} for checkpoint {path}")
+            refs = self.to_trainers("save_checkpoint", str(path), run_state, include or None)
+            self.get(refs, self.trainer_names[:len(refs)], f"save checkpoint {path}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         log.info("saved checkpoint %s", path)
         return path
 
     def load_checkpoint(self, path: Path) -> dict:
-        states = self.get([t.load_checkpoint.remote(str(path)) for t in self.trainers], self.trainer_names,
-                          f"load checkpoint {path}", trainer_ok=False)
+        if self.model_groups:
+            from astuner.backbone.local_models import check_checkpoint_models
+
+            check_checkpoint_models(path, list(self.model_groups))
+        refs = [t.load_checkpoint.remote(str(path)) for t in self.trainers]
+        names = list(self.trainer_names)
+        for name, group in self.model_groups.items():
+            refs += [a.load_checkpoint.remote(str(path / name)) for a in group.actors]
+            names += group.names
+        states = self.get(refs, names, f"load checkpoint {path}", trainer_ok=False)
         return states[0]
 
     def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
@@ -232,7 +296,8 @@ class RayStages(Stages):
         runtime.check_token_pipeline(self.loaded.typed, runner, check)
 
     def all_actors(self) -> list[tuple[str, object]]:
-        return list(zip(self.trainer_names, self.trainers))
+        groups = [pair for g in self.model_groups.values() for pair in zip(g.names, g.actors)]
+        return list(zip(self.trainer_names, self.trainers)) + groups
 
     def shutdown(self) -> None:
         import ray
@@ -250,6 +315,16 @@ class RayStages(Stages):
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)
+
+
+def _logprobs(ranks: list, n: int) -> list[list[float] | None]:
+    """The trainers' logprobs of the `n` samples a group trained on, from each rank's (metrics, {index: logprobs
+    of the samples it forwarded before the update})."""
+    out: list[list[float] | None] = [None] * n
+    for _, seen in ranks:
+        for i, values in seen.items():
+            out[i] = values
+    return out
 
 
 def _gpu_memory() -> tuple[int, int]:

@@ -62,7 +62,7 @@ def check_gpu_isolation(env) -> None:
 class Worker:
     def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_path: str,
                  max_model_len: int, total_steps: int, name: str, kv_cache_bytes: int | None = None,
-                 micro_batch_tokens: int | None = None) -> None:
+                 micro_batch_tokens: int | None = None, only: tuple[str, ...] | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         check_gpu_isolation(os.environ)
         from astuner import runtime
@@ -89,11 +89,13 @@ class Worker:
             if engine_typed is not typed:
                 log.info("%s: its engines have their GPUs to themselves, so they take %g of their memory (%s to "
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
-        # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'
+        # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'; `only`:
+        # a trainer group of some models (trinity's trainer_groups: per_model)
         self.models = build_models(typed, self.tokenizer, model_path, max_model_len, total_steps, roles=roles,
                                    kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
-                                   world=world, engine_typed=engine_typed)
-        self.engine, self.trainer = self.models[POLICY].engine, self.models[POLICY].trainer
+                                   world=world, engine_typed=engine_typed, only=only)
+        first = next(iter(self.models.values()))  # the policy's, or a one-model group's model
+        self.engine, self.trainer = first.engine, first.trainer
         if "engine" in roles:
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
                                                max_model_len, roster_of_models(typed, self.models))
@@ -119,11 +121,11 @@ class Worker:
         from astuner.trainer.data_parallel import DataParallel
 
         dp = DataParallel.init(self.rank, self.world, addr, port, self.trainer.device.type, timeout_s)
-        strategy = strategy_of(self.loaded.typed)
+        strategy = strategy_of(self.loaded.typed, len(self.models))
         # Several models share the one process group (they train in the same order on every rank), each with its
         # own map of which rank owns which sample.
-        return [model.trainer.join_group(dp if name == POLICY else DataParallel(self.rank, self.world), strategy)
-                for name, model in self.models.items()][0]
+        return [model.trainer.join_group(dp if model.trainer is self.trainer else DataParallel(self.rank, self.world),
+                                         strategy) for model in self.models.values()][0]
 
     # --- rollout ---------------------------------------------------------------------------------------------
 
@@ -172,7 +174,7 @@ class Worker:
         from astuner.types import SyncReport
 
         start = time.perf_counter()
-        report = sync_models(self.models) if len(self.models) > 1 else self.models[POLICY].sync() or SyncReport()
+        report = sync_models(self.models) or SyncReport()
         self.version = version
         return dataclasses.replace(report, engine_load_s=time.perf_counter() - start)
 
@@ -196,9 +198,9 @@ class Worker:
                     mine[name] = (t.numpy(), str(t.dtype).removeprefix("torch."))
         return out if self.rank == 0 else None
 
-    def load_weights(self, weights: dict, version: int) -> float:
-        """trinity: every model's new weights from the trainer (`export_weights`, through the object store), as
-        policy `version`."""
+    def load_weights(self, version: int, *weights: dict) -> float:
+        """trinity: every model's new weights from the trainers (`export_weights` of each trainer group, through the
+        object store), as policy `version`."""
         import warnings
 
         import torch
@@ -212,24 +214,30 @@ class Worker:
                     t = torch.from_numpy(array)
                 yield name, t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
-        for model, arrays in weights.items():
-            self.models[model].engine.load_weights(tensors(arrays))
+        for part in weights:
+            for model, arrays in part.items():
+                self.models[model].engine.load_weights(tensors(arrays))
         self.version = version
         return time.perf_counter() - start
 
     # --- checkpoints -----------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str, run_state: dict) -> str:
+    def save_checkpoint(self, path: str, run_state: dict, include: dict[str, str] | None = None) -> str:
         """Rank 0 writes; the other ranks of a sharded group take part in the gather. Several models (never
-        sharded): every model's folder, the others inside the policy's (backbone/local_models.py)."""
+        sharded): every model's folder, the others inside the policy's (backbone/local_models.py). `include`: other
+        groups' model folders, written already, that the policy's folder takes in before it is complete."""
         if len(self.models) > 1:
             save_models(self.models, Path(path), self.tokenizer, run_state)
         else:
             self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state,
-                                         write=self.rank == 0)
+                                         write=self.rank == 0,
+                                         include={k: Path(v) for k, v in (include or {}).items()} or None)
         return path
 
     def load_checkpoint(self, path: str) -> dict:
+        """The run state; a group without the policy loads its one model's folder (`path` names it)."""
+        if POLICY not in self.models:
+            return self.trainer.load_checkpoint(Path(path))
         return load_models(self.models, Path(path))
 
     def shutdown(self) -> None:

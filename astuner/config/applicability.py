@@ -48,6 +48,8 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.trainer_common.n_explorers": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.trainer_common.trainer_groups": (
+        "with backbone trinity and astuner.models", lambda c, b: b == "trinity" and bool(c.astuner.models)),
     "trinity.synchronizer": ("with backbone trinity", lambda c, b: b == "trinity"),
     "astuner.trainer_common.nnodes": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
     "astuner.trainer_common.n_gpus_per_node": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),

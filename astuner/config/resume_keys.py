@@ -65,6 +65,7 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.trainer_common.nnodes", "placement"),
     ("astuner.trainer_common.n_gpus_per_node", "placement"),
     ("astuner.trainer_common.strategy", "placement"),
+    ("astuner.trainer_common.trainer_groups", "placement"),
     ("astuner.trainer_common.cpus_per_worker", "placement"),
     ("astuner.trainer_common.micro_batch_token_budget", "placement"),
     ("astuner.trainer_common.gradient_checkpointing", "placement"),

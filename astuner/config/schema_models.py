@@ -70,8 +70,15 @@ def same_folder(a: str, b: str) -> bool:
     return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
-def strategy_of(typed) -> str:
-    """trainer_common.strategy as the trainers take it: `auto` is ddp when the run trains several models (each
-    worker of a group then holds a replica of every model's trainer; several models are not sharded)."""
+def shared_trainer_group(typed, backbone: str) -> bool:
+    """Whether one trainer group holds every model of a run of several (verl always; trinity with
+    trainer_groups: one), rather than a group per model."""
+    return bool(typed.astuner.models) and (backbone != "trinity"
+                                           or typed.astuner.trainer_common.trainer_groups == "one")
+
+
+def strategy_of(typed, models_in_group: int = 1) -> str:
+    """trainer_common.strategy as the trainers of a group holding `models_in_group` models take it: `auto` is ddp
+    when there are several (each worker then holds a replica of every model's trainer; they are not sharded)."""
     strategy = typed.astuner.trainer_common.strategy
-    return "ddp" if strategy == "auto" and typed.astuner.models else strategy
+    return "ddp" if strategy == "auto" and models_in_group > 1 else strategy

@@ -130,6 +130,11 @@ class TrainerCommonSection(Section):
         "and AdamW state sharded over the workers with torch FSDP2: 16/world bytes per parameter each, plus one "
         "gathered layer) | auto (fsdp2 for full fine-tuning on GPU, ddp on CPU and with LoRA). Both give the same "
         "updates.")
+    trainer_groups: Literal["one", "per_model"] = key(
+        "one", "Where the trinity backbone trains several models (astuner.models): one (every trainer worker holds "
+        "every model's trainer, and they train in turn; strategy ddp) | per_model (each model gets a trainer group "
+        "of its own, nnodes x n_gpus_per_node workers, and the models train at the same time; each group may use "
+        "fsdp2). verl colocates every model in each worker.")
     cpus_per_worker: float = key(
         1.0, "CPUs Ray reserves for each trainer worker and explorer of the verl and trinity backbones (fractions "
         "allowed).", gt=0)

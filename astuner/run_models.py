@@ -131,7 +131,8 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     runtime.seed_everything(typed.astuner.seed)
     prep = runtime.prepare(loaded, backbone, total_steps_of)
     models = build_models(typed, prep.tokenizer, prep.model_path, prep.max_model_len, prep.total_steps,
-                          kv_cache_bytes=prep.plan.kv_cache_bytes, micro_batch_tokens=prep.plan.micro_batch_token_budget)
+                          kv_cache_bytes=prep.plan.kv_cache_bytes,
+                          micro_batch_tokens=prep.plan.micro_batch_token_budget)
     engine, trainer = models[POLICY].engine, models[POLICY].trainer
     runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
                                   prep.max_model_len, roster_of_models(typed, models))

@@ -144,7 +144,8 @@ def test_auto_picks_ddp_for_several_models():
     from astuner.config.schema_models import strategy_of
 
     def typed(strategy, models):
-        return SimpleNamespace(astuner=SimpleNamespace(trainer_common=SimpleNamespace(strategy=strategy), models=models))
+        tc = SimpleNamespace(strategy=strategy)
+        return SimpleNamespace(astuner=SimpleNamespace(trainer_common=tc, models=models))
 
     assert strategy_of(typed("auto", {"critic": object()}), models_in_group=2) == "ddp"
     assert strategy_of(typed("auto", {"critic": object()}), models_in_group=1) == "auto"  # a group of its own

@@ -184,8 +184,11 @@ class RayStages(Stages):
 
         groups = {POLICY: TrainerGroup(self.trainers, self.trainer_names), **self.model_groups}
         mine = samples_by_model(samples, list(groups))
-        sent = {name: [t.train.remote(ray.put([samples[i] for i in mine[name]]), objective) for t in g.actors]
-                for name, g in groups.items() if mine[name]}
+        sent = {}
+        for name, group in groups.items():
+            if mine[name]:
+                part = ray.put([samples[i] for i in mine[name]])  # serialised once for the group's workers
+                sent[name] = [t.train.remote(part, objective) for t in group.actors]
         names = [n for name in sent for n in groups[name].names]
         flat = self.get([ref for refs in sent.values() for ref in refs], names, "train a step", trainer_ok=False)
         results, at = {}, 0

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.backbone.ray_run import RayStages, Sent, TrainerGroup, engine_tp, episodes_of, run_on_ray
-from astuner.config.schema_models import POLICY
 from astuner.backbone.sync_schedule import SyncSchedule
 from astuner.config.derived import staleness_bound
+from astuner.config.schema_models import POLICY
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
 
@@ -85,9 +85,9 @@ class TrinityStages(RayStages):
         group_bundles = {name: [Bundle(f"trainer {name} {r}", self.cpus, gpus, self.host_bytes(("trainer",)))
                                 for r in range(self.world)] for name in (typed.astuner.models if per_model else ())}
         extra = [b for bundles in group_bundles.values() for b in bundles]
-        groups = f", {len(group_bundles) + 1} trainer groups" if per_model else ""
-        self.group = group = ray_cluster.place(explorer_bundles + trainer_bundles + extra, self.timeout_s,
-                                  f"the trinity backbone ({n_explorers} explorers, {self.world} trainer workers{groups})")
+        groups = f" in each of {len(group_bundles) + 1} trainer groups" if per_model else ""
+        what = f"the trinity backbone ({n_explorers} explorers, {self.world} trainer workers{groups})"
+        self.group = group = ray_cluster.place(explorer_bundles + trainer_bundles + extra, self.timeout_s, what)
         self.explorers: list = []
         self.explorer_names: list[str] = []
         try:

@@ -161,13 +161,15 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     assert not env_server[1].instances  # the judge released every instance
     # Together they read every key but the vLLM engine's (these runs use the hf engine: an engine process per run
     # would double this test's time; tests/test_vllm_engine.py runs the loop on vLLM) and the trinity backbone's.
-    # The Ray backbones' keys are read in tests/test_ray_backbones.py.
+    # The Ray backbones' keys are read in tests/test_ray_backbones.py (trainer_groups, with several models, in
+    # tests/test_ray_several_models.py).
     later = {k for k in leaves if k.startswith(("astuner.rollout.tensor_model_parallel_size",
                                                 "astuner.rollout.max_num_seqs", "astuner.rollout.gpu_memory",
                                                 "astuner.trainer_common.n_explorers", "astuner.trainer_common.nnodes",
                                                 "astuner.trainer_common.n_gpus_per_node",
                                                 "astuner.trainer_common.cpus_per_worker",
-                                                "astuner.trainer_common.actor_timeout_s", "trinity.synchronizer"))}
+                                                "astuner.trainer_common.actor_timeout_s",
+                                                "astuner.trainer_common.trainer_groups", "trinity.synchronizer"))}
     # Run D: DPO on offline pairs (no rollouts).
     folder = tmp_path / "d"
     yaml = write_run(folder, tiny_model_dir)

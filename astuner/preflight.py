@@ -257,8 +257,6 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.algorithm.catalog import algorithm
     from astuner.config.applicability import RAY_BACKBONES
     from astuner.config.derived import resolve_engine_name
-    from astuner.config.schema_models import shared_trainer_group, strategy_of
-    from astuner.trainer.fsdp import resolve_strategy
     from astuner.trainer.precision import resolve_precision
 
     a, tc = typed.astuner, typed.astuner.trainer_common
@@ -266,19 +264,10 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     device = found.type
     P = facts.num_params
     engine = resolve_engine_name(a.rollout.engine)
-    shards = 1  # fsdp2 shards weights, gradients and AdamW state (and the reference model) over the trainer workers
-    processes = 1  # processes of this run that may share one host's memory
-    if backbone in RAY_BACKBONES:
-        world = tc.nnodes * tc.n_gpus_per_node
-        shared = shared_trainer_group(typed, backbone)
-        groups = 1 if shared or not a.models else 1 + len(a.models)  # trinity's trainer_groups: per_model
-        processes = world * groups + (tc.n_explorers if backbone == "trinity" else 0)
-        try:
-            in_group = 1 + len(a.models) if shared else 1
-            sharded = resolve_strategy(strategy_of(typed, in_group), world, device, tc.lora.rank > 0) == "fsdp2"
-            shards = world if sharded else 1
-        except ValueError as exc:
-            raise UserError(f"astuner.trainer_common.strategy: {exc}") from None
+    # processes of this run that may share one host's memory; fsdp2 shards weights, gradients and AdamW state (and
+    # the reference model) over the trainer workers, the policy's and other models' with groups of their own
+    processes, shards, other_shards = _ray_placement(typed, backbone, device) if backbone in RAY_BACKBONES \
+        else (1, 1, {})
     engine_bytes = 4 * P
     kind = algorithm(tc.algorithm.type)
     offline = kind.offline
@@ -306,28 +295,55 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
     )
     if others:
-        plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts))
+        plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))
     return fit_memory(plan, facts.shape, typed, precision, processes)
 
 
+def _ray_placement(typed, backbone: str, device: str) -> tuple[int, int, dict[str, int]]:
+    """(processes, the policy's shards, {model: shards} of models with trainer groups of their own) of a Ray
+    backbone; UserError for a strategy a group cannot take (fsdp2 with LoRA), naming the model."""
+    from astuner.config.schema_models import lora_rank_of, shared_trainer_group, strategy_of
+    from astuner.trainer.fsdp import resolve_strategy
+
+    a, tc = typed.astuner, typed.astuner.trainer_common
+    world = tc.nnodes * tc.n_gpus_per_node
+    shared = shared_trainer_group(typed, backbone)
+    groups = 1 if shared or not a.models else 1 + len(a.models)  # trinity's trainer_groups: per_model
+    processes = world * groups + (tc.n_explorers if backbone == "trinity" else 0)
+    who, other_shards = None, {}
+    try:
+        in_group = 1 + len(a.models) if shared else 1
+        shards = world if resolve_strategy(strategy_of(typed, in_group), world, device,
+                                           tc.lora.rank > 0) == "fsdp2" else 1
+        for who in a.models if not shared else ():  # a group each: its own strategy, with its own LoRA rank
+            own = resolve_strategy(strategy_of(typed, 1), world, device, lora_rank_of(typed, who) > 0)
+            other_shards[who] = world if own == "fsdp2" else 1
+    except ValueError as exc:
+        where = f" (model {who}, a trainer group of its own)" if who else ""
+        raise UserError(f"astuner.trainer_common.strategy{where}: {exc}") from None
+    return processes, shards, other_shards
+
+
 def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_engine_bytes: int,
-                  policy: ModelFacts) -> dict:
-    """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank) and engine, the
-    engine sized as the policy's (a vLLM share of the card is per engine). A LoRA model on the policy's own LoRA
-    base (runtime.adapter_models) adds its adapter only: the base is shared in the trainer and the engine."""
+                  policy: ModelFacts, shards: dict[str, int] | None = None) -> dict:
+    """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank; divided by `shards`
+    where its own trainer group shards it) and engine (on CPU, or HF, its weights as the policy's; on vLLM on a
+    GPU none, since the run's engines split the policy's share: run_models.gpu_share_per_engine). A LoRA model on
+    the policy's own LoRA base (run_models.adapter_models) adds its adapter only: the base is shared in the trainer
+    and the engine."""
     from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
 
     total, lines, engines = 0, [], 0
     for name, f in others.items():
         lora = lora_rank_of(typed, name) > 0
         shared = lora and lora_rank_of(typed, POLICY) > 0 and same_folder(f.path, policy.path)
-        trainer = _trainer_bytes(f.num_params, precision, lora)
+        trainer = _trainer_bytes(f.num_params, precision, lora) // (shards or {}).get(name, 1)
         if shared:  # the frozen base is held once, in the policy's trainer and engine
             trainer, engine = trainer - _base_bytes(f.num_params, precision), 0
         elif policy_engine_bytes - 4 * policy.num_params in (0, VLLM_CPU_RUNTIME):  # on CPU: this model's
             engine = 4 * f.num_params + policy_engine_bytes - 4 * policy.num_params
-        else:  # vLLM's share of a card (or none, offline), per engine
-            engine = policy_engine_bytes
+        else:  # vLLM on a GPU: the policy's share holds every engine (or none, offline)
+            engine = 0
         total += trainer + engine
         engines += not shared
         what = "LoRA adapter on the policy's base; " if shared else ""

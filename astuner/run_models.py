@@ -77,6 +77,11 @@ def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_st
     # process trains them (a trainer group of one model holds its own copy of the base).
     on_base = set(adapters) | ({POLICY} if adapters else set())
     shared = None
+    if "engine" in roles:  # adapters on the shared base are one engine; every other model one of its own
+        import torch
+
+        engines = 1 + len([name for name in paths if name != POLICY and name not in on_base])
+        engine_typed = gpu_share_per_engine(engine_typed, engines, torch.cuda.is_available())
     if "engine" in roles and adapters:
         shared = build_adapter_engine(engine_typed, model_path, tokenizer, max_model_len, kv_cache_bytes, adapters)
     out: dict[str, LocalModel] = {}
@@ -95,6 +100,21 @@ def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_st
                          freed / 2**30)
         out[name] = LocalModel(engine, trainer, adapter=name in on_base)
     return out
+
+
+def gpu_share_per_engine(typed, engines: int, on_cuda: bool):
+    """The typed config each of `engines` vLLM engines in one process is built from: on CUDA they split
+    astuner.rollout.gpu_memory_utilization, since vLLM reads it per engine (two at 0.6 would ask for 1.2 cards);
+    the start-up estimate counts the run's engines as that one share (preflight.py)."""
+    from astuner.config.derived import resolve_engine_name
+
+    if engines <= 1 or not on_cuda or resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
+        return typed
+    share = typed.astuner.rollout.gpu_memory_utilization / engines
+    log.info("%d vLLM engines in this process: each takes %.3g of the GPU (astuner.rollout.gpu_memory_utilization "
+             "split)", engines, share)
+    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": share})
+    return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
 
 
 def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None,

@@ -151,3 +151,32 @@ def test_auto_picks_ddp_for_several_models():
     assert strategy_of(typed("auto", {"critic": object()}), models_in_group=1) == "auto"  # a group of its own
     assert strategy_of(typed("auto", {})) == "auto"  # one model: fsdp.resolve_strategy decides, as before
     assert strategy_of(typed("fsdp2", {})) == "fsdp2"
+
+
+def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, tiny_model_dir):
+    """vLLM on a card: the run's engines split one share (run_models.gpu_share_per_engine), so another model adds
+    no engine bytes; a model with a sharded trainer group of its own counts its share of the trainer; fsdp2 on a
+    LoRA model's own group exits 2 before any worker starts, naming the model."""
+    from astuner import preflight
+    from astuner.config import load_config
+    from astuner.errors import UserError
+
+    yaml = write_run(tmp_path, tiny_model_dir, "WriterAndCritic")
+    facts = preflight.read_model_facts(str(tiny_model_dir))
+    card = preflight.DeviceFacts("cuda", 80 * 2**30, 80 * 2**30)
+    P = facts.num_params
+
+    def plan(*overrides):
+        typed = load_config(yaml, ["astuner.rollout.engine=hf", *overrides]).typed
+        typed = typed.model_copy(update={"astuner": typed.astuner.model_copy(
+            update={"rollout": typed.astuner.rollout.model_copy(update={"engine": "vllm"})})})
+        return preflight.make_plan(typed, "trinity", facts, 256, 2, card, {"critic": facts})
+
+    one_group = plan()
+    assert one_group.others_bytes == preflight._trainer_bytes(P, "bf16", False)  # its trainer; no engine bytes
+    sharded = plan("astuner.trainer_common.trainer_groups=per_model", "astuner.trainer_common.n_gpus_per_node=4",
+                   "astuner.trainer_common.strategy=fsdp2")
+    assert sharded.others_bytes == preflight._trainer_bytes(P, "bf16", False) // 4
+    with pytest.raises(UserError, match=r"strategy \(model critic, a trainer group of its own\).*LoRA"):
+        plan("astuner.trainer_common.trainer_groups=per_model", "astuner.trainer_common.strategy=fsdp2",
+             "astuner.trainer_common.n_gpus_per_node=2", "+astuner.models.critic.lora_rank=4")

@@ -209,5 +209,11 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
     assert share(engine_config(chosen, ("engine",), on_cuda=True)) == 0.5  # the user's choice stands
     hf = SimpleNamespace(typed=RunConfig.model_validate({"astuner": {"rollout": {"engine": "hf"}}}), user_keys=set())
     assert share(engine_config(hf, ("engine",), on_cuda=True)) == 0.6
-    # Several models' engines in one explorer split that share (their KV caches would not fit the card otherwise).
-    assert share(engine_config(loaded(), ("engine",), on_cuda=True, engines=2)) == ENGINE_ALONE_GPU_SHARE / 2
+    # Several models' engines in one process split the share they are given (two at 0.6 would ask for 1.2 cards).
+    from astuner.run_models import gpu_share_per_engine
+
+    explorer = engine_config(loaded(), ("engine",), on_cuda=True)
+    assert share(gpu_share_per_engine(explorer, 2, on_cuda=True)) == ENGINE_ALONE_GPU_SHARE / 2
+    assert share(gpu_share_per_engine(loaded().typed, 3, on_cuda=True)) == pytest.approx(0.2)  # verl, debug
+    assert share(gpu_share_per_engine(loaded().typed, 1, on_cuda=True)) == 0.6
+    assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) is hf.typed

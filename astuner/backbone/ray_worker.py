@@ -20,7 +20,7 @@ from pathlib import Path
 
 from astuner.backbone.local_models import load_models, save_models, sync_models, train_models
 from astuner.config.schema_models import POLICY, strategy_of
-from astuner.run_models import adapter_models, build_models, roster_of_models
+from astuner.run_models import build_models, roster_of_models
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,12 @@ ENGINE_ALONE_GPU_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, for a
 SHARE_KEY = "astuner.rollout.gpu_memory_utilization"
 
 
-def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool, engines: int = 1):
+def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool):
     """The typed config this process builds its engines from. Engines alone in their process on CUDA (a trinity
-    explorer: its bundle's GPUs hold no trainer) take vLLM's own default share, ENGINE_ALONE_GPU_SHARE, split
-    evenly over the `engines` they are (several models: one engine each, adapters on a shared base one in all),
-    unless the user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone
-    it would leave 40% of the explorer's GPU idle, KV cache it could have used."""
+    explorer: its bundle's GPUs hold no trainer) take vLLM's own default share, ENGINE_ALONE_GPU_SHARE, unless the
+    user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone it would
+    leave 40% of the explorer's GPU idle, KV cache it could have used. Several models' engines split the share
+    (run_models.gpu_share_per_engine)."""
     from astuner.config.derived import resolve_engine_name
 
     typed = loaded.typed
@@ -41,7 +41,7 @@ def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool, engines: int = 
         return typed
     if resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
         return typed
-    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": ENGINE_ALONE_GPU_SHARE / engines})
+    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": ENGINE_ALONE_GPU_SHARE})
     return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
 
 
@@ -84,8 +84,7 @@ class Worker:
             judge = runtime.build_judge(loaded)
             import torch
 
-            engines = 1 + len(set(typed.astuner.models) - set(adapter_models(typed, model_path)))
-            engine_typed = engine_config(loaded, roles, torch.cuda.is_available(), engines)
+            engine_typed = engine_config(loaded, roles, torch.cuda.is_available())
             if engine_typed is not typed:
                 log.info("%s: its engines have their GPUs to themselves, so they take %g of their memory (%s to "
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)

@@ -39,6 +39,19 @@ def assert_same_models(ours: Path, theirs: Path, step: int) -> None:
                               flip_fraction=flips)
 
 
+def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overrides: str) -> None:
+    """The 4-step run in `folder`, stopped after its step-2 checkpoint and resumed: both models' weights (and so
+    their Adam moments) at step 4 equal the straight run's to 1e-6."""
+    out = folder / "out"
+    (out / "global_step_4").rename(folder / "straight_4")
+    assert run(folder, model_dir, backbone, *overrides,
+               f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
+    for model in ("", "critic"):
+        a, b = weights(out, 4, model), load_file(str(folder / "straight_4" / model / "model.safetensors"))
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+
+
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, roster: str | None = None,
         steps: int = 2) -> int:
     yaml = write_run(folder, model_dir, "WriterAndCritic", steps=steps,
@@ -69,14 +82,7 @@ def test_verl_two_workers_train_both_models_as_debug_does_and_resume_exactly(clu
     assert changed(initial, weights(out, 4)) and changed(initial, weights(out, 4, "critic"))
     assert all(r["sync/verified"] == 1.0 for r in ours)  # every worker's two engines serve their trainers
 
-    # Stopped after step 2 and resumed: both models, weights and Adam moments, exactly as the straight run.
-    (out / "global_step_4").rename(tmp_path / "straight_4")
-    assert run(tmp_path, tiny_model_dir, "verl", *workers,
-               f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
-    for model in ("", "critic"):
-        a, b = weights(out, 4, model), load_file(str(tmp_path / "straight_4" / model / "model.safetensors"))
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+    assert_resumes_exactly(tmp_path, tiny_model_dir, "verl", *workers)
 
 
 def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, tmp_path, tiny_model_dir):
@@ -106,13 +112,7 @@ def test_trinity_gives_each_model_a_sharded_trainer_group_and_resumes_exactly(cl
     assert [r["model/critic/actor/num_samples"] for r in ours] == [6.0] * 4
     assert_same_models(out, debug_run, 4)
 
-    (out / "global_step_4").rename(tmp_path / "straight_4")
-    assert run(tmp_path, tiny_model_dir, "trinity", *groups,
-               f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
-    for model in ("", "critic"):
-        a, b = weights(out, 4, model), load_file(str(tmp_path / "straight_4" / model / "model.safetensors"))
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+    assert_resumes_exactly(tmp_path, tiny_model_dir, "trinity", *groups)
 
 
 def test_adapters_on_one_base_on_trinity_equal_debugs(cluster, tmp_path, tiny_model_dir):

@@ -170,10 +170,8 @@ class Worker:
         SyncReport (verification: engine/fingerprint.py) with the load's seconds as this worker timed them."""
         import dataclasses
 
-        from astuner.types import SyncReport
-
         start = time.perf_counter()
-        report = sync_models(self.models) or SyncReport()
+        report = sync_models(self.models)
         self.version = version
         return dataclasses.replace(report, engine_load_s=time.perf_counter() - start)
 

@@ -34,8 +34,21 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on; another than loopback only with keys "
                                       "(astuner serve-key create).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port; 0: any free port.")] = 8000,
-    max_training_clients: Annotated[int, typer.Option(help="Training clients held at once (each is a trainer "
-                                                      "with its optimizer state).", min=1)] = 2,
+    max_training_clients: Annotated[int, typer.Option(help="Training clients held at once, every key together "
+                                                      "(each is a trainer with its optimizer state).", min=1)] = 2,
+    session_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat after which a session expires: "
+                                                   "its training clients are saved (their tinker:// paths logged) "
+                                                   "and their slots freed. The SDK sends one every 10 s.",
+                                                   min=1)] = 150.0,
+    max_lora_rank: Annotated[int, typer.Option(help="The largest LoRA rank a training client may ask for (never "
+                                               "over the model's hidden size).", min=1)] = 128,
+    max_pending_samples: Annotated[int, typer.Option(help="Sequences one key may have waiting or being sampled; "
+                                                     "more are answered 429 (the SDK backs off).", min=1)] = 256,
+    max_held_mib: Annotated[int, typer.Option(help="MiB of requests one training client may send ahead of its "
+                                              "turn; more are answered 429.", min=1)] = 256,
+    provenance: Annotated[str, typer.Option(help="A datum whose provenance spans disagree with what this server "
+                                            "sampled: refuse it, or flag it (trained, counted in "
+                                            "provenance_mismatch:sum).")] = "refuse",
     public_url: Annotated[str | None, typer.Option(help="The address remote agents reach this server at (default: "
                                                    "http://HOST:PORT).", show_default=False)] = None,
     with_logview: Annotated[bool, typer.Option("--with-logview", help="With remote agents: serve the run's "
@@ -56,7 +69,13 @@ def serve(
     from astuner.config import load_config
     from astuner.serve import check_host, serve_dir
     from astuner.serve.keys import KeyStore
+    from astuner.serve.limits import ServeLimits
 
+    if provenance not in ("refuse", "flag"):
+        raise UserError(f"--provenance {provenance!r}: refuse or flag")
+    limits = ServeLimits(max_training_clients=max_training_clients, session_timeout_s=session_timeout,
+                         max_lora_rank=max_lora_rank, pending_samples=max_pending_samples, held_mib=max_held_mib,
+                         provenance=provenance)
     loaded = load_config(conf, list(overrides or []))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     keys = KeyStore(serve_dir(loaded) / "keys.json")
@@ -66,20 +85,20 @@ def serve(
     if with_logview:
         raise UserError("serve --with-logview shows a run's episodes: it applies with remote agents "
                         f"(rollout.agentscope_workflow: {REMOTE_WORKFLOW}); a Tinker API client logs its own")
-    _serve_tinker(loaded, keys, host, port, max_training_clients)
+    _serve_tinker(loaded, keys, host, port, limits)
 
 
 REMOTE_WORKFLOW = "astuner.serve.remote_board->RemoteAgents"
 
 
-def _serve_tinker(loaded, keys, host: str, port: int, max_training_clients: int) -> None:
+def _serve_tinker(loaded, keys, host: str, port: int, limits) -> None:
     from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
     from astuner.logs import setup_logging
     from astuner.serve import build_service, serve_dir, serve_summary, tinker_server
 
     log_file = setup_logging(serve_dir(loaded), "serve.log")
     _say(f"loading {loaded.typed.astuner.model.path}; the server's log goes to {log_file}")
-    service = build_service(loaded, max_training_clients)
+    service = build_service(loaded, limits)
     server = tinker_server(service, keys, host, port)
     print(serve_summary(service, server.url, keys), file=sys.stderr)
     _say(f"serving the Tinker API at {server.url}; Ctrl-C saves the open training clients and stops")
@@ -92,7 +111,7 @@ def _serve_tinker(loaded, keys, host: str, port: int, max_training_clients: int)
         raise typer.Exit(TERMINATED_EXIT) from None
     finally:
         server.stop()
-        for path in service.save_open_clients("at_shutdown"):
+        for path in service.save_clients("at_shutdown"):
             _say(f"saved {path} (resume with create_training_client_from_state_with_optimizer)")
         for base in service.bases.values():
             if base.engine is not None:
@@ -151,8 +170,12 @@ def key_revoke(
     conf: Annotated[str, typer.Option("--conf", "-c", help="The served YAML config.", show_default=False)],
 ) -> None:
     """Revoke a client's key (a running server refuses it from its next request)."""
-    _keys(conf).revoke(name)
-    _say(f"key {name!r} revoked")
+    store = _keys(conf)
+    left = store.revoke(name)
+    _say(f"key {name!r} revoked; {left} left" if left else
+         f"key {name!r} revoked; no key is left, so the server refuses every request (it does not reopen to any "
+         f"key): create one (astuner serve-key create NAME), or delete {store.path} and serve on 127.0.0.1 to take "
+         f"any key again")
 
 
 @key_app.command("list")

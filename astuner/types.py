@@ -57,6 +57,15 @@ class GenerateResult:
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt scored by an engine: `values[i]` = log p(x_{i+1} | x_<=i), and with top-k, `topk[i]` the k likeliest
+    tokens at that position as (token id, logprob), likeliest first."""
+
+    values: list[float]
+    topk: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
 class LLMCall:
     """One recorded model call: exactly the ids the engine saw and produced."""
 

@@ -84,6 +84,7 @@ def main() -> None:
 
     from astuner.config import load_config
     from astuner.serve import build_service, tinker_server
+    from astuner.serve.limits import ServeLimits
     from astuner.serve.keys import KeyStore
     from astuner.types import Sample, SamplingParams
 
@@ -91,7 +92,7 @@ def main() -> None:
     yaml = (f"astuner:\n  experiment_dir: {folder / 'out'}\n  model: {{path: {args.model}}}\n"
             f"  rollout: {{engine: hf, max_env_worker: 64}}\n")
     (folder / "serve.yaml").write_text(yaml)
-    service = build_service(load_config(str(folder / "serve.yaml"), []), max_training_clients=1)
+    service = build_service(load_config(str(folder / "serve.yaml"), []), ServeLimits(max_training_clients=1))
     server = tinker_server(service, KeyStore(folder / "keys.json"))
     url = server.start()
     tokens = service.tokenizer.encode(PROMPT)

@@ -25,6 +25,7 @@ def two_models(tmp_path_factory, tiny_model_dir):
 
     from astuner.config import load_config
     from astuner.serve import build_service, tinker_server
+    from astuner.serve.limits import ServeLimits
     from astuner.serve.keys import KeyStore
 
     folder = tmp_path_factory.mktemp("serve_models")
@@ -36,7 +37,7 @@ def two_models(tmp_path_factory, tiny_model_dir):
               str(other / "model.safetensors"), metadata={"format": "pt"})
     roster = f"  models: {{critic: {{path: {other}}}, twin: {{path: {tiny_model_dir}}}}}\n"
     loaded = load_config(str(write_yaml(folder, tiny_model_dir, roster)), [])
-    service = build_service(loaded, max_training_clients=4)
+    service = build_service(loaded, ServeLimits(max_training_clients=4))
     server = tinker_server(service, KeyStore(folder / "keys.json"), poll_wait_s=2.0)
     url = server.start()
     sc = tinker.ServiceClient(base_url=url, api_key="tml-local")

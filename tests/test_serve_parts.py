@@ -53,7 +53,7 @@ def test_a_forward_backward_request_reads_as_the_sdk_wrote_it():
     req = wp.read_forward_backward(_request(sparse=False))
     assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("s-1:train:0", 7, "ppo", True)
     assert req.config == {"clip_low_threshold": 0.7}
-    assert req.data[0].tokens == [7, 8, 300000]
+    assert req.data[0].tokens.tolist() == [7, 8, 300000]
     assert req.data[0].inputs["target_tokens"].tolist() == [8, 300000, 5]
     assert req.data[0].inputs["weights"].tolist() == [0, 1, 0.5]
     sparse = wp.read_forward_backward(_request(sparse=True)).data[0].inputs["weights"]
@@ -117,7 +117,7 @@ def test_training_requests_run_in_seq_order_and_repeats_get_one_id():
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     queue = TrainingQueue(Futures(loop))
-    queue.open("m")
+    queue.open("m", "local")
     ran: list[int] = []
 
     def job(i):
@@ -183,11 +183,13 @@ def test_keys_are_stored_as_digests_and_revoked_at_once(tmp_path):
     server_view = KeyStore(tmp_path / "keys.json")
     assert server_view.owner(key) == "laptop" and server_view.owner("tml-guess") is None
     time.sleep(0.01)
-    store.revoke("laptop")
-    assert server_view.owner(key) is None
-    assert server_view.open_access()  # no keys left: a loopback server takes any key again...
-    server_view.required = True
-    assert not server_view.open_access()  # ...one beyond loopback takes none
+    assert store.revoke("laptop") == 0
+    assert server_view.owner(key) is None and server_view.revoked(key) == "laptop"
+    assert server_view.revoked("tml-guess") is None
+    # The last key revoked: the server stays closed to every key, on loopback too (it never silently reopens)...
+    assert not server_view.any() and not server_view.open_access()
+    (tmp_path / "keys.json").unlink()  # ...until the file is deleted
+    assert KeyStore(tmp_path / "keys.json").open_access()
 
 
 def test_serve_refuses_another_host_without_keys(tmp_path, tiny_model_dir, capsys):

@@ -39,11 +39,12 @@ astuner:
 def served(tmp_path_factory, tiny_model_dir):
     from astuner.config import load_config
     from astuner.serve import build_service, tinker_server
+    from astuner.serve.limits import ServeLimits
     from astuner.serve.keys import KeyStore
 
     folder = tmp_path_factory.mktemp("serve")
     loaded = load_config(str(write_yaml(folder, tiny_model_dir)), [])
-    service = build_service(loaded, max_training_clients=4)
+    service = build_service(loaded, ServeLimits(max_training_clients=4))
     server = tinker_server(service, KeyStore(folder / "keys.json"), poll_wait_s=2.0)
     url = server.start()
     yield service, url, folder
@@ -183,7 +184,7 @@ def test_bad_requests_fail_with_what_to_do(served, client, tiny_model_dir):
                                 loss_fn_inputs={"target_tokens": TOKENS[:-1], "weights": [1.0] * (len(TOKENS) - 1)})
     cases = [
         (lambda: tc.forward_backward([shifted_wrong], "cross_entropy"), "shifted by one"),
-        (lambda: tc.forward_backward([datum(TOKENS)], "dro"), "not implemented"),
+        (lambda: tc.forward_backward([datum(TOKENS)], "stable_reinforce"), "objective is not published"),
         (lambda: tc.forward_backward([datum(TOKENS)], "importance_sampling"), "missing logprobs, advantages"),
         (lambda: tc.forward_backward([datum(TOKENS)], "cross_entropy", {"clip_low_threshold": 0.5}), "does not apply"),
         (lambda: tc.save_state("no/slash"), "letters, digits"),
@@ -215,7 +216,7 @@ def test_http_errors_are_4xx_with_a_message(served):
         assert http.post("/api/v1/retrieve_future", json={"request_id": "req-nope"}).status_code == 404
         gone = http.post("/api/v1/load_weights", json={"model_id": "s0-1:train:9", "seq_id": 1, "optimizer": False,
                                                        "path": "tinker://s0-1:train:9/weights/x"})
-        assert gone.status_code == 400 and "no training client" in gone.json()["detail"]  # not a poll forever
+        assert gone.status_code == 404 and "no training client" in gone.json()["detail"]  # not a poll forever
         assert http.get("/api/v1/nothing").status_code == 404
 
 

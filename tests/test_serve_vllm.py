@@ -27,11 +27,12 @@ def test_samplers_on_vllm_serve_the_trained_weights_and_the_base_again(tmp_path,
     from astuner.config import load_config
     from astuner.engine.vllm_engine import VLLMEngine
     from astuner.serve import build_service, serve_summary, tinker_server
+    from astuner.serve.limits import ServeLimits
     from astuner.serve.keys import KeyStore
 
     yaml = write_yaml(tmp_path, tiny_model_dir).read_text().replace("engine: hf", "engine: vllm, max_model_len: 512")
     (tmp_path / "serve.yaml").write_text(yaml)
-    service = build_service(load_config(str(tmp_path / "serve.yaml"), []), max_training_clients=1)
+    service = build_service(load_config(str(tmp_path / "serve.yaml"), []), ServeLimits(max_training_clients=1))
     keys = KeyStore(tmp_path / "keys.json")
     server = tinker_server(service, keys, poll_wait_s=2.0)
     url = server.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, runtime_checkable
 
-from astuner.types import GenerateResult, SamplingParams, SyncReport
+from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
 
 
 @runtime_checkable
@@ -20,6 +20,10 @@ class InferenceEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> SyncReport:
         """Replace the policy weights (names as in the trainer's `named_parameters()`); what the sync did, and
         whether the engine was checked to serve them (also kept as `last_sync`)."""
+
+    def prompt_logprobs(self, token_ids: list[int], topk: int = 0) -> PromptLogprobs:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 under the weights served (untempered), and with `topk` the
+        k likeliest tokens at each of those positions."""
 
     def sleep(self) -> None:
         """Release accelerator memory before a train step (the next load_weights takes it back); may do nothing."""

@@ -31,7 +31,7 @@ import torch
 
 from astuner.algorithm.sampling_filter import filter_logits, is_filtered
 from astuner.engine.fingerprint import FingerprintBuilder, SyncMismatch, differences, fingerprint
-from astuner.types import GenerateResult, SamplingParams, SyncReport
+from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,17 @@ class HFEngine:
             next_pos = next_pos + 1
 
         return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+
+    def prompt_logprobs(self, token_ids: list[int], topk: int = 0) -> PromptLogprobs:
+        with self._model_lock, torch.no_grad():
+            ids = torch.tensor([token_ids], device=self.device)
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
+            values = logp.gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+            if topk <= 0:
+                return PromptLogprobs(values)
+            top = logp.topk(min(topk, logp.shape[-1]), -1)
+            pairs = [list(zip(i, v)) for i, v in zip(top.indices.cpu().tolist(), top.values.cpu().tolist())]
+        return PromptLogprobs(values, pairs)
 
     def _forward(self, autocast, **inputs) -> tuple:
         """One forward of the model under `autocast`: (its KV cache, the float logits at the last position)."""

@@ -48,7 +48,7 @@ from typing import Iterable
 
 from astuner.engine.fingerprint import SyncMismatch, changed, compared, differences, from_wire
 from astuner.engine.shared_weights import SharedWeightFile
-from astuner.types import GenerateResult, SamplingParams, SyncReport
+from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -330,17 +330,27 @@ class VLLMEngine:
     def sequence_logprobs(self, token_ids: list[int], start: int, lora=None) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= start, from vLLM's prompt logprobs (the model's own,
         untempered distribution): the engine side of the engine/trainer equality checks."""
+        return self.prompt_logprobs(token_ids, lora=lora).values[max(start, 1) - 1 :]
+
+    def prompt_logprobs(self, token_ids: list[int], topk: int = 0, lora=None) -> PromptLogprobs:
         from vllm import SamplingParams as VSamplingParams
 
         async def run():
-            params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+            params = VSamplingParams(max_tokens=1, prompt_logprobs=topk, detokenize=False, temperature=0.0)
             final = None
             async for output in self._llm.generate({"prompt_token_ids": list(token_ids)}, params, uuid.uuid4().hex,
                                                    lora_request=lora):
                 final = output
-            return [float(final.prompt_logprobs[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+            return final.prompt_logprobs
 
-        return self._call(run(), self.sync_timeout_s, "vLLM to score a sequence")
+        scored = self._call(run(), self.sync_timeout_s, "vLLM to score a prompt")
+        values = [float(scored[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
+        if topk <= 0:
+            return PromptLogprobs(values)
+        # each position holds the prompt's own token and the top-k, with their ranks (1: the likeliest)
+        ranked = [sorted((p.rank, t, float(p.logprob)) for t, p in scored[i].items() if p.rank <= topk)
+                  for i in range(1, len(token_ids))]
+        return PromptLogprobs(values, [[(t, lp) for _, t, lp in pos] for pos in ranked])
 
     # ---------------------------------------------------------------- internals
 

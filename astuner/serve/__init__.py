@@ -3,6 +3,9 @@
     app.py              the HTTP endpoints (Starlette), keys, size limits, the API's error shapes
     futures.py          request ids, long polls, each training client's requests in seq_id order
     bases.py            the models served: astuner.model and astuner.models, an engine each
+    sessions.py         tenants (a key each), their sessions, the silence after which a session expires
+    limits.py           what one tenant may make the server hold (bodies, waiting requests, samples, ranks)
+    provenance.py       what the server sampled, checked against the data said to come from it
     tinker_service.py   training clients (astuner Trainers), their states and sampler saves
     snapshots.py        the weights samplers serve, sampling sessions, the engine's switches between them
     tinker_losses.py    the API's built-in losses as trainer objectives
@@ -40,7 +43,7 @@ def check_host(host: str, keys) -> None:
                         f"client first (astuner serve-key create NAME --conf ...), or serve on {LOOPBACK}")
 
 
-def build_service(loaded, max_training_clients: int = 2):
+def build_service(loaded, limits=None):
     """The Tinker service of a config: its models (`bases.py`: tokenizers now, an engine each (rollout.engine) on first
     sampling, astuner.model's now); trainers come per training client."""
     from astuner import runtime
@@ -56,7 +59,7 @@ def build_service(loaded, max_training_clients: int = 2):
         return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None)
 
     bases = served_bases(typed, make_engine)
-    return TinkerService(typed, bases, serve_dir(loaded) / "state", max_training_clients)
+    return TinkerService(typed, bases, serve_dir(loaded) / "state", limits)
 
 
 def serve_summary(service, url: str, keys) -> str:
@@ -78,12 +81,21 @@ def serve_summary(service, url: str, keys) -> str:
     most = engines + service.max_training_clients * full
     available = preflight.available_memory(device)
     names = keys.names()
+    if names:
+        access = (f"{len(names)} ({', '.join(names)}): only these; each key reaches only the sessions, training "
+                  f"clients, samplers, checkpoints and requests it made")
+    elif keys.open_access():
+        access = f"none: {LOOPBACK} only, any tml- key accepted (one tenant)"
+    else:
+        access = (f"none left ({keys.path} exists, every key revoked): every request is refused until one is "
+                  f"created")
     rows = [
         *(("model" if i == 0 else "", line) for i, line in enumerate(models)),
         ("engine", f"{kind} on {device}, one per model (the first's now, another's at its first sampling request); "
                    "trainers come with each training client"),
         ("listening", url),
-        ("keys", f"{len(names)} ({', '.join(names)})" if names else f"none: {LOOPBACK} only, any tml- key accepted"),
+        ("keys", access),
+        ("limits", service.limits.rows()),
         ("training clients", f"at most {service.max_training_clients}; each up to {lora / gib:.2f} GiB with LoRA, "
                              f"{full / gib:.2f} GiB full fine-tuning (weights, gradients, AdamW), plus activations"),
         ("memory estimate", f"{engines / gib:.2f} GiB engines; at most {most / gib:.2f} GiB with every client full; "

@@ -1,51 +1,104 @@
 """The HTTP side of `astuner serve`: the Tinker API's endpoints (`/api/v1/...`) on Starlette.
 
-Every request carries its key in `X-API-Key` (the SDK's header). With keys created (`astuner serve-key`), only
-those are accepted (401 otherwise); without any, the server listens on loopback only and takes any key.
-Direct failures answer `{"detail": message}` with a 4xx; a failed future answers the API's
-`{"error": message, "category": "user" | "server"}` to its poll. Bodies over the limits get a 413.
+Every request carries its key in `X-API-Key` (the SDK's header) and acts as that key's tenant (`sessions.py`): with
+keys created (`astuner serve-key`), only those are accepted (401 otherwise, also once every key is revoked); without
+any, the server listens on loopback only and takes any key as its one tenant. Direct failures answer
+`{"detail": message}` with a 4xx (404 for what is not the tenant's, 429 for a bound reached for now, 413 for a body
+over its limit); a failed future answers the API's `{"error": message, "category": "user" | "server"}` to its poll.
+
+A training request that carries a `seq_id` and is refused here (a body that cannot be read, an optimizer not
+served, a revoked key) still takes its turn in its client's order (`TrainingQueue.refuse`), since the SDK moves on
+past a failed request. A silent session expires (`sessions.py`): checked every few seconds on the server's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from dataclasses import dataclass, field
+from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astuner.serve.futures import Futures, Outcome, RequestError, TrainingQueue
-from astuner.serve.http_body import HttpError, read_body, read_json
+from astuner.serve.futures import Busy, Futures, Outcome, RequestError, TrainingQueue
+from astuner.serve.http_body import HttpError, read_body
+from astuner.serve.sessions import LOCAL, Session, tenant_label, tenant_of_key
 from astuner.serve.tinker_sampling import check_request, sample
-from astuner.serve.wire_proto import ProtoError, read_forward_backward
+from astuner.serve.wire_proto import ProtoError, peek_sequence, read_forward_backward
 
 log = logging.getLogger(__name__)
-MAX_JSON_BYTES = 8 << 20
-MAX_PROTO_BYTES = 256 << 20  # a forward_backward chunk: the SDK sends at most ~5 MB each
 POLL_WAIT_S = 20.0  # a poll is held this long before "try_again" (the SDK times out at 45 s)
 PROTO = "application/x-protobuf"
+
+
+@dataclass
+class Call:
+    """One request as a handler sees it: the tenant it acts for and its body, read within its route's limit."""
+
+    request: Request
+    tenant: str
+    body: bytes
+    _json: dict | None = field(default=None, repr=False)
+
+    def json(self) -> dict:
+        if self._json is None:
+            try:
+                data = json.loads(self.body or b"{}")
+            except ValueError as exc:
+                raise HttpError(400, f"the body is not JSON ({exc})") from None
+            if not isinstance(data, dict):
+                raise HttpError(400, "the body must be a JSON object")
+            self._json = data
+        return self._json
+
+    def field(self, key: str, kind: type = str):
+        value = self.json().get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            raise HttpError(400, f"{key}: a {kind.__name__} is required")
+        return value
+
+
+def _json_sequence(call: Call) -> tuple[str, int] | None:
+    try:
+        data = call.json()
+    except HttpError:
+        return None
+    model_id, seq_id = data.get("model_id"), data.get("seq_id")
+    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool)
+    return (model_id, seq_id) if ok else None
+
+
+def _proto_sequence(call: Call) -> tuple[str, int] | None:
+    return peek_sequence(call.body)
 
 
 class TinkerApp:
     def __init__(self, service, keys, poll_wait_s: float = POLL_WAIT_S):
         self.service, self.keys, self.poll_wait_s = service, keys, poll_wait_s
+        self.limits = service.limits
         self.futures: Futures | None = None
         self.queue: TrainingQueue | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._samples = 0
-        routes = {
+        self.pending: dict[str, int] = {}  # tenant -> sequences it has waiting or being sampled
+        post = {
             "client/config": self.client_config, "client/dynamic_config": self.empty,
             "create_session": self.create_session, "session_heartbeat": self.heartbeat, "telemetry": self.telemetry,
-            "create_model": self.create_model, "get_info": self.get_info, "forward_backward": self.forward_backward,
-            "optim_step": self.optim_step, "save_weights": self.save_weights,
-            "save_weights_for_sampler": self.save_weights_for_sampler, "load_weights": self.load_weights,
+            "create_model": self.create_model, "get_info": self.get_info,
             "create_sampling_session": self.create_sampling_session, "asample": self.asample,
             "retrieve_future": self.retrieve_future,
         }
+        sequenced = {"optim_step": self.optim_step, "save_weights": self.save_weights,
+                     "save_weights_for_sampler": self.save_weights_for_sampler, "load_weights": self.load_weights}
         self.app = Starlette(routes=[
-            *(Route(f"/api/v1/{path}", self._endpoint(fn), methods=["POST"]) for path, fn in routes.items()),
+            *(Route(f"/api/v1/{path}", self._endpoint(fn), methods=["POST"]) for path, fn in post.items()),
+            *(Route(f"/api/v1/{path}", self._endpoint(fn, _json_sequence), methods=["POST"])
+              for path, fn in sequenced.items()),
+            Route("/api/v1/forward_backward", self._endpoint(self.forward_backward, _proto_sequence,
+                                                               self.limits.proto_body_bytes), methods=["POST"]),
             Route("/api/v1/get_server_capabilities", self._endpoint(self.capabilities), methods=["GET"]),
             Route("/api/v1/healthz", self._endpoint(self.empty), methods=["GET"]),
             Route("/api/v1/samplers/{sampler_id:path}", self._endpoint(self.sampler), methods=["GET"]),
@@ -58,181 +111,274 @@ class TinkerApp:
         if self.queue is not None:
             self.queue.shutdown()
 
-    def _endpoint(self, fn):
+    def _start(self) -> None:
+        """On the server's event loop, at its first request: the futures, the training queue, the expiry check."""
+        if self.futures is None:
+            self.futures = Futures(asyncio.get_running_loop())
+            self.queue = TrainingQueue(self.futures, self.limits.seq_window, self.limits.held_mib << 20)
+            self._spawn(self._expire_silent_sessions())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _endpoint(self, fn, sequence: Callable[[Call], tuple[str, int] | None] | None = None,
+                  limit: int | None = None):
+        limit = limit or self.limits.json_body_bytes
+
         async def handle(request: Request) -> Response:
-            if self.futures is None:  # on the server's event loop, at its first request
-                self.futures = Futures(asyncio.get_running_loop())
-                self.queue = TrainingQueue(self.futures)
+            self._start()
+            call = None
             try:
-                self._authorize(request)
-                out = await fn(request)
-            except HttpError as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=exc.status)
-            except (RequestError, ProtoError) as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=400)
+                call = Call(request, self._authorize(request), b"")
+                if request.method == "POST":
+                    call.body = await self._read(request, limit)
+                out = await fn(call)
+            except (HttpError, RequestError, ProtoError) as exc:
+                status = getattr(exc, "status", 400)
+                if sequence is not None and status not in (413, 429):  # 429: the SDK sends it again
+                    await self._take_turn(request, call, sequence, limit, str(exc))
+                return JSONResponse({"detail": str(exc)}, status_code=status)
             if isinstance(out, Response):
                 return out
             return JSONResponse(out)
 
         return handle
 
-    def _authorize(self, request: Request) -> None:
+    async def _read(self, request: Request, limit: int) -> bytes:
+        body = await read_body(request, limit)
+        if request.headers.get("content-encoding", "identity") == "identity":
+            return body
+        if request.headers.get("content-encoding") != "zstd":
+            raise HttpError(415, f"content-encoding {request.headers.get('content-encoding')!r}: send the body "
+                                 f"uncompressed or as zstd")
+        try:
+            import zstandard
+        except ImportError:
+            raise HttpError(415, "a zstd body needs the zstandard package on the server (pip install "
+                                 "zstandard); or send it uncompressed") from None
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+                out = reader.read(limit + 1)
+        except zstandard.ZstdError as exc:
+            raise HttpError(400, f"the zstd body does not decompress ({exc})") from None
+        if len(out) > limit:
+            raise HttpError(413, f"the decompressed body is over the limit of {limit} bytes")
+        return out
+
+    async def _take_turn(self, request: Request, call: Call | None, sequence, limit: int, message: str) -> None:
+        """A refused request that names its place in a training client's order takes it, as a failed request; a
+        revoked key's too (the server knew it), so its client's later requests are not held back by it."""
+        if call is None:  # refused at the key: only a key this server accepted before may move its client on
+            name = self.keys.revoked(request.headers.get("x-api-key"))
+            if name is None:
+                return
+            try:
+                call = Call(request, tenant_of_key(name), await self._read(request, limit))
+            except HttpError:
+                return
+        elif not call.body and request.method == "POST":
+            return
+        place = sequence(call)
+        if place is not None:
+            self.queue.refuse(place[0], place[1], message, call.tenant)
+
+    def _authorize(self, request: Request) -> str:
+        """The request's tenant."""
         if self.keys.open_access():
-            return  # loopback, no keys
-        if self.keys.owner(request.headers.get("x-api-key")) is None:
-            raise HttpError(401, "a valid astuner serve key is needed in X-API-Key (astuner serve-key create NAME)")
-
-    async def _body(self, request: Request, limit: int = MAX_JSON_BYTES) -> bytes:
-        return await read_body(request, limit)
-
-    async def _json(self, request: Request) -> dict:
-        return await read_json(request, MAX_JSON_BYTES)
-
-    @staticmethod
-    def _field(data: dict, key: str, kind: type = str):
-        value = data.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            raise HttpError(400, f"{key}: a {kind.__name__} is required")
-        return value
+            return LOCAL  # loopback, no keys
+        key = request.headers.get("x-api-key")
+        name = self.keys.owner(key)
+        if name is not None:
+            return tenant_of_key(name)
+        revoked = self.keys.revoked(key)
+        if revoked is not None:
+            raise HttpError(401, f"the key {revoked!r} was revoked; ask for a new one (astuner serve-key create NAME)")
+        if not self.keys.any():
+            raise HttpError(401, "this server takes no key: every key was revoked (astuner serve-key create NAME "
+                                 "makes one)")
+        raise HttpError(401, "a valid astuner serve key is needed in X-API-Key (astuner serve-key create NAME)")
 
     # --- session ------------------------------------------------------------------------------------------------
 
-    async def client_config(self, request: Request) -> dict:
-        await self._json(request)
+    async def client_config(self, call: Call) -> dict:
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": False}
 
-    async def empty(self, request: Request) -> dict:
+    async def empty(self, call: Call) -> dict:
         return {}
 
-    async def create_session(self, request: Request) -> dict:
-        await self._json(request)
-        return {"type": "create_session", "session_id": self.service.create_session()}
+    async def create_session(self, call: Call) -> dict:
+        call.json()
+        return {"type": "create_session", "session_id": self.service.create_session(call.tenant)}
 
-    async def heartbeat(self, request: Request) -> dict:
-        await self._json(request)
+    async def heartbeat(self, call: Call) -> dict:
+        self.service.sessions.get(call.json().get("session_id"), call.tenant)
         return {"type": "session_heartbeat"}
 
-    async def telemetry(self, request: Request) -> dict:
-        await self._body(request)
+    async def telemetry(self, call: Call) -> dict:
         return {"status": "accepted"}
 
-    async def capabilities(self, request: Request) -> dict:
+    async def capabilities(self, call: Call) -> dict:
         return self.service.capabilities()
 
-    async def finish(self, request: Request) -> dict:
-        await self._json(request)
-        for model_id in self.service.close_session(request.path_params["session_id"]):
+    async def finish(self, call: Call) -> dict:
+        session = self.service.sessions.get(call.request.path_params["session_id"], call.tenant, touch=False)
+        for model_id in self.service.close_session(session.session_id):
             self.queue.close(model_id)
         return {}
 
-    async def unknown(self, request: Request) -> dict:
-        raise HttpError(404, f"astuner serve has no endpoint {request.method} {request.url.path}")
+    async def unknown(self, call: Call) -> dict:
+        raise HttpError(404, f"astuner serve has no endpoint {call.request.method} {call.request.url.path}")
+
+    async def _expire_silent_sessions(self) -> None:
+        period = min(10.0, max(0.2, self.limits.session_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            for session in self.service.sessions.silent():
+                self.expire(session)
+
+    def expire(self, session: Session) -> None:
+        """A silent session: it ends now (its requests hear 410); its training clients are saved as at shutdown,
+        after the requests already running, then freed."""
+        timeout = self.limits.session_timeout_s
+        models = self.service.session_models(session.session_id)
+        why = f"expired after {timeout:g} s without a heartbeat"
+        self.service.sessions.end(session.session_id, f"{why}; its training clients are being saved")
+        for model_id in models:
+            self.queue.close(model_id, f"was closed: its session {why}")
+
+        def save_and_free() -> Outcome:
+            paths = self.service.save_clients("at_expiry", models)
+            self.service.close_session(session.session_id, why + (f"; saved {', '.join(paths)} (load them with "
+                                       f"create_training_client_from_state_with_optimizer)" if paths else ""))
+            log.warning("astuner serve: session %s of %s %s; %s", session.session_id, tenant_label(session.tenant),
+                        why, f"saved {', '.join(paths)}" if paths else "it held no training client")
+            return Outcome(json={})
+
+        self.queue.run_now(session.tenant, save_and_free)
 
     # --- training -------------------------------------------------------------------------------------------------
 
-    async def create_model(self, request: Request) -> dict:
-        data = await self._json(request)
-        model_id = f"{self._field(data, 'session_id')}:train:{self._field(data, 'model_seq_id', int)}"
-        self.service.check_base_model(data.get("base_model"))
-        self.queue.open(model_id)
-        rid = self.queue.run_now(lambda: self.service.create_model(model_id, data.get("base_model"),
-                                                                   data.get("lora_config")))
+    async def create_model(self, call: Call) -> dict:
+        data = call.json()
+        model_id = self.service.new_model_id(data.get("session_id"), call.field("model_seq_id", int), call.tenant)
+        self.service.check_creation(data.get("base_model"), data.get("lora_config"), data.get("optimizer_config"))
+        self.queue.open(model_id, call.tenant)
+        rid = self.queue.run_now(call.tenant, lambda: self.service.create_model(
+            model_id, data.get("base_model"), data.get("lora_config"), call.tenant, data.get("optimizer_config")))
         return {"request_id": rid, "model_id": model_id}
 
-    async def get_info(self, request: Request) -> dict:
-        return self.service.info(self._field(await self._json(request), "model_id"))
+    async def get_info(self, call: Call) -> dict:
+        return self.service.info(call.field("model_id"), call.tenant)
 
-    async def forward_backward(self, request: Request) -> dict:
-        body = await self._body(request, MAX_PROTO_BYTES)
-        if request.headers.get("content-encoding") == "zstd":
-            raise HttpError(415, "zstd bodies are not read here (the server's client config does not ask for them)")
-        fb = read_forward_backward(body)
-        self.service.model(fb.model_id)
-        return self._sequenced(fb.model_id, fb.seq_id, lambda: self.service.forward_backward(fb))
+    async def forward_backward(self, call: Call) -> dict:
+        fb = read_forward_backward(call.body)
+        self.service.model(fb.model_id, call.tenant)
+        return self._sequenced(call, fb.model_id, fb.seq_id, lambda: self.service.forward_backward(fb, call.tenant))
 
-    def _sequenced(self, model_id: str, seq_id: int, job) -> dict:
-        return {"request_id": self.queue.submit(model_id, seq_id, job), "model_id": model_id}
+    def _sequenced(self, call: Call, model_id: str, seq_id: int, job) -> dict:
+        return {"request_id": self.queue.submit(model_id, seq_id, job, len(call.body)), "model_id": model_id}
 
-    async def _training(self, request: Request) -> tuple[dict, str, int]:
-        data = await self._json(request)
-        model_id, seq_id = self._field(data, "model_id"), self._field(data, "seq_id", int)
-        self.service.model(model_id)
-        return data, model_id, seq_id
+    def _training(self, call: Call) -> tuple[dict, str, int]:
+        model_id, seq_id = call.field("model_id"), call.field("seq_id", int)
+        self.service.model(model_id, call.tenant)
+        return call.json(), model_id, seq_id
 
-    async def optim_step(self, request: Request) -> dict:
-        data, model_id, seq_id = await self._training(request)
+    async def optim_step(self, call: Call) -> dict:
+        data, model_id, seq_id = self._training(call)
         if "adam_params" not in data:
-            raise HttpError(400, "optim_step: astuner serve steps AdamW only (adam_params); other optimizers are "
-                                 "refused")
-        return self._sequenced(model_id, seq_id, lambda: self.service.optim_step(model_id, data["adam_params"]))
+            kind = (data.get("optimizer_params") or {}).get("type") if isinstance(data.get("optimizer_params"),
+                                                                                  dict) else None
+            raise HttpError(400, f"optim_step: astuner serve steps AdamW only (adam_params); "
+                                 f"{f'{kind} is' if kind else 'other optimizers are'} refused")
+        return self._sequenced(call, model_id, seq_id,
+                               lambda: self.service.optim_step(model_id, data["adam_params"], call.tenant))
 
-    async def save_weights(self, request: Request) -> dict:
-        data, model_id, seq_id = await self._training(request)
-        name = self._field(data, "path")
-        return self._sequenced(model_id, seq_id, lambda: self.service.save_state(model_id, name))
+    async def save_weights(self, call: Call) -> dict:
+        data, model_id, seq_id = self._training(call)
+        name = call.field("path")
+        return self._sequenced(call, model_id, seq_id, lambda: self.service.save_state(model_id, name, call.tenant))
 
-    async def save_weights_for_sampler(self, request: Request) -> dict:
-        data, model_id, seq_id = await self._training(request)
+    async def save_weights_for_sampler(self, call: Call) -> dict:
+        data, model_id, seq_id = self._training(call)
         name, sampler_id = data.get("path"), None
         if name is None:  # save_weights_and_get_sampling_client: an ephemeral sampler of these weights
             session = model_id.split(":")[0]
-            sampler_id = f"{session}:sample:{self._field(data, 'sampling_session_seq_id', int)}"
-        return self._sequenced(model_id, seq_id, lambda: self.service.save_for_sampler(model_id, name, sampler_id))
+            sampler_id = f"{session}:sample:{call.field('sampling_session_seq_id', int)}"
+        return self._sequenced(call, model_id, seq_id,
+                               lambda: self.service.save_for_sampler(model_id, name, sampler_id, call.tenant))
 
-    async def load_weights(self, request: Request) -> dict:
-        data = await self._json(request)
-        path, optimizer = self._field(data, "path"), bool(data.get("optimizer", False))
-        if "session_id" in data:  # create_training_client_from_state: the model's creation
-            model_id = f"{self._field(data, 'session_id')}:train:{self._field(data, 'model_seq_id', int)}"
-            self.queue.open(model_id)
-            rid = self.queue.run_now(lambda: self.service.load_state(model_id, path, optimizer, create=True))
+    async def load_weights(self, call: Call) -> dict:
+        data = call.json()
+        path, optimizer = call.field("path"), bool(data.get("optimizer", False))
+        if data.get("session_id") is not None and data.get("seq_id") is None:  # from a state: a creation
+            model_id = self.service.new_model_id(data["session_id"], call.field("model_seq_id", int), call.tenant)
+            self.service.check_optimizer(data.get("optimizer_config"))
+            self.service.saved_file(path, "weights", call.tenant)  # 404 now for a path not the tenant's
+            self.queue.open(model_id, call.tenant)
+            rid = self.queue.run_now(call.tenant, lambda: self.service.load_state(model_id, path, optimizer,
+                                                                                  call.tenant, create=True))
             return {"request_id": rid, "model_id": model_id}
-        model_id, seq_id = self._field(data, "model_id"), self._field(data, "seq_id", int)
-        self.service.model(model_id)
-        return self._sequenced(model_id, seq_id, lambda: self.service.load_state(model_id, path, optimizer))
+        data, model_id, seq_id = self._training(call)
+        self.service.saved_file(path, "weights", call.tenant)
+        return self._sequenced(call, model_id, seq_id,
+                               lambda: self.service.load_state(model_id, path, optimizer, call.tenant))
 
     # --- sampling -------------------------------------------------------------------------------------------------
 
-    async def create_sampling_session(self, request: Request) -> dict:
-        data = await self._json(request)
-        sampler_id = f"{self._field(data, 'session_id')}:sample:{self._field(data, 'sampling_session_seq_id', int)}"
-        return self.service.create_sampler(sampler_id, data.get("model_path"), data.get("base_model"))
+    async def create_sampling_session(self, call: Call) -> dict:
+        session = self.service.sessions.get(call.json().get("session_id"), call.tenant)
+        sampler_id = f"{session.session_id}:sample:{call.field('sampling_session_seq_id', int)}"
+        data = call.json()
+        return self.service.create_sampler(sampler_id, data.get("model_path"), data.get("base_model"), call.tenant)
 
-    async def sampler(self, request: Request) -> dict:
-        try:
-            sampler_id = request.path_params["sampler_id"]
-            return self.service.sampler(sampler_id)[1].info(sampler_id)
-        except RequestError as exc:
-            raise HttpError(404, str(exc)) from None
+    async def sampler(self, call: Call) -> dict:
+        sampler_id = call.request.path_params["sampler_id"]
+        return self.service.sampler(sampler_id, call.tenant)[1].info(sampler_id)
 
-    async def asample(self, request: Request) -> dict:
-        data = await self._json(request)
+    async def asample(self, call: Call) -> dict:
+        data = call.json()
         check_request(data)
-        sampler_id = self._field(data, "sampling_session_id")
-        self.service.sampler(sampler_id)[1].snapshot_of(sampler_id)
-        rid = self.futures.new()
+        sampler_id = call.field("sampling_session_id")
+        self.service.sampler(sampler_id, call.tenant)[1].snapshot_of(sampler_id)
         n = data.get("num_samples", 1)
+        held = self.pending.get(call.tenant, 0)
+        if held + n > self.limits.pending_samples:
+            raise Busy(f"{held} sequences of this key are waiting or being sampled; the limit is "
+                       f"{self.limits.pending_samples} (astuner serve --max-pending-samples): send it again later")
+        self.pending[call.tenant] = held + n
+        rid = self.futures.new(call.tenant)
         ids = [f"{rid}-{i}" for i in range(n)]
 
         async def run() -> None:
             try:
-                outcome = await sample(self.service, data)
+                outcome, prompt, results = await sample(self.service, data, call.tenant)
+                self._record(call.tenant, ids, prompt, results)
             except RequestError as exc:
                 outcome = Outcome(error=str(exc))
             except Exception as exc:  # noqa: BLE001 - the client gets it, the log the traceback
                 log.exception("astuner serve: sample %s failed", rid)
                 outcome = Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
+            finally:
+                self.pending[call.tenant] -= n
             self.futures.resolve(rid, outcome)
 
-        task = asyncio.create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(run())
         return {"request_id": rid, "sample_sequence_ids": ids}
 
-    async def retrieve_future(self, request: Request) -> Response:
-        rid = self._field(await self._json(request), "request_id")
-        if not self.futures.known(rid):
+    def _record(self, tenant: str, ids: list[str], prompt: list[int], results) -> None:
+        """What was sampled, for the provenance check of the data trained on it later (`provenance.py`)."""
+        import numpy as np
+
+        prompt_ids = np.asarray(prompt, np.int32)
+        for sequence_id, result in zip(ids, results):
+            self.service.records.add(tenant, sequence_id, prompt_ids, result.token_ids, result.logprobs)
+
+    async def retrieve_future(self, call: Call) -> Response:
+        rid = call.field("request_id")
+        if not self.futures.known(rid, call.tenant):
             raise HttpError(404, f"no request {rid!r} on this server (results are kept for the last 4096 requests; a "
                             f"restarted server holds none of an earlier one's)")
         outcome = await self.futures.retrieve(rid, self.poll_wait_s)

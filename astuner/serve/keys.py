@@ -3,6 +3,10 @@
 Stored as SHA-256 digests in `<experiment_dir>/serve/keys.json` (mode 0600), never as keys; a key is shown once,
 when it is created. The server rereads the file when it changes, so a revoked key stops working at once. A key
 starts with `tml-` because the Tinker SDK refuses to send any other.
+
+Once the file exists the server takes only its keys, also when every key has been revoked: revoking the last key
+closes the server to everyone, it never reopens it. Only a loopback server without the file takes any key (one
+tenant, "local"); deleting the file and restarting returns to that.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class KeyStore:
         self.required = False  # set for a server beyond loopback: without keys it refuses every request
         self._mtime: tuple | None = None
         self._digests: dict[str, str] = {}  # digest -> name
+        self._seen: dict[str, str] = {}  # every digest valid since this store was made -> name (revoked included)
 
     def _read(self) -> dict[str, str]:
         """name -> digest."""
@@ -54,12 +59,14 @@ class KeyStore:
         self._write(keys)
         return key
 
-    def revoke(self, name: str) -> None:
+    def revoke(self, name: str) -> int:
+        """Revokes `name`'s key; the number of keys left."""
         keys = self._read()
         if name not in keys:
             raise UserError(f"no key named {name!r}; the keys are: {', '.join(sorted(keys)) or 'none'}")
         del keys[name]
         self._write(keys)
+        return len(keys)
 
     def names(self) -> list[str]:
         return sorted(self._read())
@@ -69,9 +76,10 @@ class KeyStore:
         return bool(self._digests)
 
     def open_access(self) -> bool:
-        """Any key is taken: no keys exist and the server is on loopback (a server beyond it whose last key was
-        revoked takes none)."""
-        return not self.required and not self.any()
+        """Any key is taken: the server is on loopback and no key was ever created (the file does not exist). A
+        server whose last key was revoked takes none."""
+        self._refresh()
+        return not self.required and self._mtime is None
 
     def owner(self, key: str | None) -> str | None:
         """The name of the client holding `key`, or None for no valid key."""
@@ -84,6 +92,12 @@ class KeyStore:
                 return name
         return None
 
+    def revoked(self, key: str | None) -> str | None:
+        """The name of a key this server accepted earlier and that has since been revoked (None otherwise)."""
+        if not key or self.owner(key) is not None:
+            return None
+        return self._seen.get(digest(key))
+
     def _refresh(self) -> None:
         try:
             st = self.path.stat()
@@ -92,4 +106,5 @@ class KeyStore:
             mtime = None
         if mtime != self._mtime:
             self._digests = {d: name for name, d in self._read().items()}
+            self._seen.update(self._digests)
             self._mtime = mtime

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from astuner.serve.futures import RequestError
+from astuner.serve.futures import NotFound, RequestError
 
 EPHEMERAL_KEPT = 2
 
@@ -26,6 +26,7 @@ class Snapshot:
 
     key: str
     model_name: str
+    tenant: str | None = None  # whose weights these are (None: the base model, everyone's)
     tensors: dict | None = None
     file: Path | None = None
 
@@ -44,16 +45,20 @@ class Samplers:
     def __init__(self, get_engine, model_name: str):
         self.model_name = model_name
         self.snapshots: dict[str, Snapshot] = {"base": Snapshot("base", model_name)}
-        self.sessions: dict[str, str] = {}  # sampling_session_id -> snapshot path
+        self.sessions: dict[str, tuple[str, str]] = {}  # sampling_session_id -> (snapshot path, its tenant)
         self._keys = itertools.count(1)
         self._gate = EngineGate(get_engine)
 
-    def add(self, path: str, tensors: dict | None = None, file: Path | None = None) -> None:
+    def add(self, path: str, tenant: str, tensors: dict | None = None, file: Path | None = None) -> None:
         """A snapshot under `path`, replacing what it held (a new key: the engine loads it again)."""
-        self.snapshots[path] = Snapshot(f"{path}#{next(self._keys)}", self.model_name, tensors=tensors, file=file)
+        self.snapshots[path] = Snapshot(f"{path}#{next(self._keys)}", self.model_name, tenant, tensors, file)
 
-    def open_session(self, sampler_id: str, path: str) -> None:
-        self.sessions[sampler_id] = path
+    def open_session(self, sampler_id: str, path: str, tenant: str) -> None:
+        self.sessions[sampler_id] = (path, tenant)
+
+    def tenant_of(self, sampler_id: str) -> str | None:
+        held = self.sessions.get(sampler_id)
+        return None if held is None else held[1]
 
     def forget(self, paths: list[str], session_prefix: str) -> None:
         """A closed session's snapshots in memory and sampling sessions."""
@@ -69,8 +74,8 @@ class Samplers:
 
     def _path_of(self, sampler_id: str) -> str:
         if sampler_id not in self.sessions:
-            raise RequestError(f"no sampling session {sampler_id!r} on this server")
-        return self.sessions[sampler_id]
+            raise NotFound(f"no sampling session {sampler_id!r} on this server")
+        return self.sessions[sampler_id][0]
 
     def snapshot_of(self, sampler_id: str) -> Snapshot:
         snapshot = self.snapshots.get(self._path_of(sampler_id))

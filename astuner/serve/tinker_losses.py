@@ -9,8 +9,15 @@ With q_i the sampling logprob (`logprobs`), A_i the advantage, w_i the weight an
     importance_sampling  L = -sum_i r_i * A_i
     ppo                  L = -sum_i min(r_i * A_i, clip(r_i, lo, hi) * A_i)      lo, hi = 0.8, 1.2 by default
     cispo                L = -sum_i sg(clip(r_i, lo, hi)) * logp_i * A_i          lo, hi = 0.8, 1.2 by default
+    dro                  L = -sum_i (logp_i * A_i - beta / 2 * (logp_i - q_i)^2)  beta = 0.05 by default
+    gspo                 L = -sum_i m_i * min(s_i * A_i, clip(s_i, lo, hi) * A_i)  lo, hi = 1 - 3e-4, 1 + 4e-4
+                         s = exp(sum_i m_i (logp_i - q_i) / sum_i m_i), one per datum (the sequence's ratio, its
+                         log the mean of the token log-ratios), and s_i = sg(s) * exp(logp_i - sg(logp_i)): its value
+                         s, its gradient s * grad logp_i (GSPO-token). m_i: `sequence_ratio_mask` when the datum
+                         gives it, else 1 where A_i != 0 (the sampled tokens)
 
-Sums, not means: a batch's loss and gradient are the sums of its data's, whatever the micro-batching
+DRO and GSPO are as the Tinker API documents them (DRO: the quadratic penalty of Richemond et al.; GSPO: Zheng et
+al. 2025, whose paper sets the clip range to 3e-4 and 4e-4). Sums, not means: a batch's loss and gradient are the sums of its data's, whatever the micro-batching
 (`Trainer.forward_backward` splits by token budget and accumulates). The sum is reported as `loss:sum`.
 """
 
@@ -31,13 +38,21 @@ INPUTS = {
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages"),
 }
+OPTIONAL_INPUTS = {"gspo": ("sequence_ratio_mask",)}
 CONFIG_KEYS = {"ppo": ("clip_low_threshold", "clip_high_threshold"),
-               "cispo": ("clip_low_threshold", "clip_high_threshold")}
+               "cispo": ("clip_low_threshold", "clip_high_threshold"),
+               "gspo": ("clip_low_threshold", "clip_high_threshold"),
+               "dro": ("beta",)}
+DEFAULTS = {"gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}, "dro": {"beta": 0.05}}
 # Known to the Tinker API and refused here, with why (the error says it).
-_USE = "not implemented by astuner serve; use importance_sampling, ppo or cispo"
-REFUSED = {"dro": _USE, "gspo": _USE, "stable_reinforce": _USE,
-           "custom": "server-side custom losses are not served; forward_backward_custom works (it sends cross_entropy)"}
+_SERVED = ", ".join(INPUTS)
+REFUSED = {"stable_reinforce": "its objective is not published (an alpha of the Tinker service that needs sampling "
+                               f"records it keeps); astuner serve serves {_SERVED}",
+           "custom": "server-side custom losses are not served; forward_backward_custom works (it sends "
+                     f"cross_entropy); the built-in losses are {_SERVED}"}
 
 
 def cross_entropy(logp_R: Tensor, weights_R: Tensor) -> Tensor:
@@ -58,12 +73,57 @@ def cispo(logp_R: Tensor, q_R: Tensor, adv_R: Tensor, lo: float, hi: float) -> T
     return -(ratio_R * logp_R * adv_R).sum()
 
 
+def dro(logp_R: Tensor, q_R: Tensor, adv_R: Tensor, beta: float) -> Tensor:
+    return -(logp_R * adv_R - 0.5 * beta * (logp_R - q_R) ** 2).sum()
+
+
+def gspo(logp_R: Tensor, q_R: Tensor, adv_R: Tensor, mask_R: Tensor, seq_R: Tensor, lo: float, hi: float) -> Tensor:
+    """seq_R: the datum each token belongs to (0..B-1)."""
+    count = int(seq_R.max()) + 1 if seq_R.numel() else 0
+    zeros_B = torch.zeros(count, dtype=logp_R.dtype, device=logp_R.device)
+    log_ratio_B = zeros_B.index_add(0, seq_R, ((logp_R - q_R) * mask_R).detach()) / \
+        zeros_B.index_add(0, seq_R, mask_R).clamp_min(1.0)
+    s_R = torch.exp(log_ratio_B)[seq_R] * torch.exp(logp_R - logp_R.detach())
+    return -(mask_R * torch.minimum(s_R * adv_R, torch.clamp(s_R, lo, hi) * adv_R)).sum()
+
+
 @dataclass
 class TinkerDatum:
     """One datum as the trainer takes it: its sample and its per-position inputs (each of the response's length)."""
 
     sample: Sample
     inputs: dict[str, list[float]]
+
+
+class _Inputs:
+    """A micro-batch's per-token inputs by name (flat R tensors in the batch's token order)."""
+
+    def __init__(self, batch: TokenBatch, inputs: dict[int, dict[str, list[float]]]):
+        self.batch, self._inputs = batch, inputs
+
+    def __call__(self, key: str) -> Tensor:
+        values = [x for s in self.batch.samples for x in self._of(s, key)]
+        return torch.tensor(values, dtype=self.batch.logprobs_R.dtype, device=self.batch.logprobs_R.device)
+
+    def _of(self, sample: Sample, key: str) -> list[float]:
+        inputs = self._inputs[id(sample)]
+        if key == "sequence_ratio_mask" and key not in inputs:  # the sampled tokens: those with an advantage
+            return [float(a != 0) for a in inputs["advantages"]]
+        return inputs[key]
+
+
+# loss_fn -> L(logp_R, inputs, config), the formulas of the module's docstring
+LOSSES = {
+    "cross_entropy": lambda lp, x, c: cross_entropy(lp, x("weights")),
+    "importance_sampling": lambda lp, x, c: importance_sampling(lp, x("logprobs"), x("advantages")),
+    "ppo": lambda lp, x, c: ppo(lp, x("logprobs"), x("advantages"), c["clip_low_threshold"],
+                                c["clip_high_threshold"]),
+    "cispo": lambda lp, x, c: cispo(lp, x("logprobs"), x("advantages"), c["clip_low_threshold"],
+                                    c["clip_high_threshold"]),
+    "dro": lambda lp, x, c: dro(lp, x("logprobs"), x("advantages"), c["beta"]),
+    "gspo": lambda lp, x, c: gspo(lp, x("logprobs"), x("advantages"), x("sequence_ratio_mask"),
+                                  x.batch.seq_index_R, c["clip_low_threshold"], c["clip_high_threshold"]),
+}
 
 
 class TinkerLoss(TokenObjective):
@@ -74,27 +134,13 @@ class TinkerLoss(TokenObjective):
     entropy_metric = False  # not reported by the API: the forward skips it
 
     def __init__(self, loss_fn: str, data: list[TinkerDatum], config: dict[str, float] | None = None):
-        config = dict(config or {})
         self.loss_fn = loss_fn
-        self.lo = float(config.get("clip_low_threshold", 0.8))
-        self.hi = float(config.get("clip_high_threshold", 1.2))
+        self.config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **DEFAULTS.get(loss_fn, {}),
+                       **{k: float(v) for k, v in (config or {}).items()}}
         self._inputs = {id(d.sample): d.inputs for d in data}
 
     def forwards(self, sample: Sample, weight: float) -> bool:
         return True  # every datum's logprobs are returned, even one whose loss is 0
 
-    def _per_token(self, batch: TokenBatch, key: str) -> Tensor:
-        values = [x for s in batch.samples for x in self._inputs[id(s)][key]]
-        return torch.tensor(values, dtype=batch.logprobs_R.dtype, device=batch.logprobs_R.device)
-
     def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        logp_R = batch.logprobs_R
-        if self.loss_fn == "cross_entropy":
-            return cross_entropy(logp_R, self._per_token(batch, "weights")), {}
-        q_R, adv_R = self._per_token(batch, "logprobs"), self._per_token(batch, "advantages")
-        if self.loss_fn == "importance_sampling":
-            return importance_sampling(logp_R, q_R, adv_R), {}
-        return LOSSES[self.loss_fn](logp_R, q_R, adv_R, self.lo, self.hi), {}
-
-
-LOSSES = {"ppo": ppo, "cispo": cispo}
+        return LOSSES[self.loss_fn](batch.logprobs_R, _Inputs(batch, self._inputs), self.config), {}

@@ -4,8 +4,9 @@ A request's sampling_params map onto the engine's: temperature (0: greedy), max_
 seed (HF only: sample i of a request takes seed + i; vLLM says once that it samples unseeded), and `stop`: token
 ids, or strings that are one token each (the engine stops on tokens). No `stop` stops at the tokenizer's
 end-of-sequence tokens; an empty list stops only at max_tokens. Prompt logprobs are log pi(x_i | x_<i) of the
-engine's model on the prompt (HF: one forward; vLLM: its prompt logprobs), NaN for the first token (and, with
-prompt_logprobs_last_n = N, for all but the last N).
+engine's model on the prompt (`InferenceEngine.prompt_logprobs`: HF one forward, vLLM its prompt logprobs), NaN for
+the first token (and, with prompt_logprobs_last_n = N, for all but the last N); `topk_prompt_logprobs` = k adds the
+k likeliest tokens at each position (the API's sentinel, token 0 and -99999, where there are none).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from astuner.serve.wire_proto import sample_response
 from astuner.types import SamplingParams
 
 log = logging.getLogger(__name__)
-REFUSED_FIELDS = {"topk_prompt_logprobs": "top-k prompt logprobs", "topk_sample_logprobs": "top-k sample logprobs",
-                  "prompt_alt_tokens_k": "alternative prompt tokens"}
+REFUSED_FIELDS = {"topk_sample_logprobs": "top-k sample logprobs", "prompt_alt_tokens_k": "alternative prompt tokens"}
+MAX_TOPK = 64
 
 
 def prompt_tokens(prompt: dict) -> list[int]:
@@ -73,24 +74,23 @@ def check_request(body: dict) -> None:
     if body.get("target_prompt_logprobs") is not None:
         raise RequestError("target_prompt_logprobs are not served by astuner serve")
     n = body.get("num_samples", 1)
-    if not isinstance(n, int) or not 1 <= n <= 256:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 256:
         raise RequestError(f"num_samples must be 1..256, got {n!r}")
+    k = body.get("topk_prompt_logprobs") or 0
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOPK:
+        raise RequestError(f"topk_prompt_logprobs must be 0..{MAX_TOPK}, got {k!r}")
 
 
-def prompt_logprobs(engine, tokens: list[int], last_n: int | None) -> list[float]:
-    import torch
-
-    if hasattr(engine, "sequence_logprobs"):  # vLLM: its prompt logprobs
-        values = engine.sequence_logprobs(tokens, 1)
-    else:
-        with engine._model_lock, torch.no_grad():
-            ids = torch.tensor([tokens], device=engine.device)
-            logits = engine.model(input_ids=ids).logits[0, :-1].float()
-            values = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
-    out = [math.nan] + values
+def scored_prompt(engine, tokens: list[int], last_n: int | None, topk: int) -> tuple[list[float], list | None]:
+    """The prompt's logprobs (NaN where none: the first token, those before the last `last_n`) and, with `topk`,
+    the top-k at each position (None where none)."""
+    scored = engine.prompt_logprobs(tokens, topk)
+    values, top = [math.nan] + scored.values, [None] + scored.topk if topk else None
     if last_n is not None:
-        out = [math.nan] * max(0, len(out) - last_n) + out[-last_n:] if last_n > 0 else [math.nan] * len(out)
-    return out
+        hidden = len(values) - max(0, last_n)
+        values = [math.nan] * hidden + values[hidden:]
+        top = [None] * hidden + top[hidden:] if top is not None else None
+    return values, top
 
 
 _SAID = set()
@@ -102,10 +102,10 @@ def _say_once(what: str, line: str) -> None:
         log.warning(line)
 
 
-async def sample(service, body: dict) -> Outcome:
-    """The SampleResponse of one `asample` request (num_samples sequences, in order)."""
+async def sample(service, body: dict, tenant: str) -> tuple[Outcome, list[int], list]:
+    """The SampleResponse of one `asample` request (num_samples sequences, in order), its prompt and results."""
     tokens = prompt_tokens(body.get("prompt"))
-    base, samplers = service.sampler(body.get("sampling_session_id"))
+    base, samplers = service.sampler(body.get("sampling_session_id"), tenant)
     params = sampling_params(body.get("sampling_params") or {}, base.tokenizer, len(tokens),
                              base.facts.max_position_embeddings)
     snapshot = samplers.snapshot_of(body.get("sampling_session_id"))
@@ -117,7 +117,11 @@ async def sample(service, body: dict) -> Outcome:
         # A seeded request gives its samples seeds of their own (one seed for all would give n equal sequences).
         samplings = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
         results = await asyncio.gather(*(engine.generate(tokens, sp) for sp in samplings))
-        logprobs = None
-        if body.get("prompt_logprobs"):
-            logprobs = await asyncio.to_thread(prompt_logprobs, engine, tokens, body.get("prompt_logprobs_last_n"))
-    return Outcome(proto=sample_response([(r.token_ids, r.logprobs, r.finish_reason) for r in results], logprobs))
+        logprobs = top = None
+        topk = body.get("topk_prompt_logprobs") or 0
+        if body.get("prompt_logprobs") or topk:
+            logprobs, top = await asyncio.to_thread(scored_prompt, engine, tokens, body.get("prompt_logprobs_last_n"),
+                                                    topk)
+            logprobs = logprobs if body.get("prompt_logprobs") else None
+    proto = sample_response([(r.token_ids, r.logprobs, r.finish_reason) for r in results], logprobs, top, topk)
+    return Outcome(proto=proto), tokens, results

@@ -12,7 +12,9 @@
                      `snapshots.py`
 
 Paths are `tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, kept under
-`<experiment_dir>/serve/`, so a restarted server loads what an earlier one saved.
+`<experiment_dir>/serve/`, so a restarted server loads what an earlier one saved. Everything belongs to a tenant
+(`sessions.py`): a session, its training clients and samplers, a model's saved files (its folder holds a `tenant`
+file; a folder without one, saved before tenants existed, is the loopback tenant's). Another tenant's are 404.
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ from pathlib import Path
 
 import numpy as np
 
+from astuner.serve import provenance
 from astuner.serve.bases import ServedBase, base_of, base_of_file
-from astuner.serve.futures import Outcome, RequestError
+from astuner.serve.futures import NotFound, Outcome, RequestError
+from astuner.serve.limits import ServeLimits
+from astuner.serve.sessions import LOCAL, Sessions
 from astuner.serve.snapshots import EPHEMERAL_KEPT, Samplers
 from astuner.trainer.lora import is_lora_param
-from astuner.serve.tinker_losses import CONFIG_KEYS, INPUTS, REFUSED, TinkerDatum, TinkerLoss
+from astuner.serve.tinker_losses import CONFIG_KEYS, INPUTS, OPTIONAL_INPUTS, REFUSED, TinkerDatum, TinkerLoss
 from astuner.serve.wire_proto import ForwardBackwardRequest, WireDatum, forward_backward_output
 from astuner.types import Sample
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MODEL_ID = re.compile(r"^s[0-9a-f]+-[0-9]+:train:[0-9]+$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MODEL_ID = re.compile(r"s[0-9a-f]+-[0-9a-f]+:train:[0-9]+")  # always with fullmatch: `$` takes a trailing newline
+TENANT_FILE = "tenant"
 
 
 @dataclass
@@ -46,20 +52,24 @@ class ServedModel:
     trainer: object
     lora_rank: int
     base: ServedBase
+    tenant: str
     ephemeral: list[str] = field(default_factory=list)  # its in-memory snapshots, oldest first
 
 
 class TinkerService:
-    def __init__(self, typed, bases: dict[str, ServedBase], state_dir: Path, max_training_clients: int = 2):
+    def __init__(self, typed, bases: dict[str, ServedBase], state_dir: Path, limits: ServeLimits | None = None):
         self.typed, self.bases = typed, bases
         self.policy = next(iter(bases.values()))  # astuner.model: base_model's default
         self.state_dir = Path(state_dir)
-        self.max_training_clients = max_training_clients
+        self.limits = limits or ServeLimits()
         self.boot = secrets.token_hex(3)  # session ids of a restarted server never meet an earlier one's
-        self._sessions = 0
+        self.sessions = Sessions(self.boot, self.limits.session_timeout_s)
         self.models: dict[str, ServedModel] = {}
         self.samplers = {name: Samplers(base.get_engine, name) for name, base in bases.items()}  # by base
+        self.records = provenance.SampleRecords()
         self._lock = threading.Lock()
+
+    max_training_clients = property(lambda self: self.limits.max_training_clients)
 
     # astuner.model's, the default base
     model_name = property(lambda self: self.policy.name)
@@ -69,10 +79,12 @@ class TinkerService:
 
     # --- sessions and models ---------------------------------------------------------------------------------
 
-    def create_session(self) -> str:
-        with self._lock:
-            self._sessions += 1
-            return f"s{self.boot}-{self._sessions}"
+    def create_session(self, tenant: str) -> str:
+        return self.sessions.create(tenant)
+
+    def new_model_id(self, session_id, model_seq_id: int, tenant: str) -> str:
+        """The id of a training client the tenant's session creates (the SDK numbers them per session)."""
+        return f"{self.sessions.get(session_id, tenant).session_id}:train:{model_seq_id}"
 
     def capabilities(self) -> dict:
         return {"supported_models": [{"model_name": b.name, "trainable": True, "sampleable": True,
@@ -82,25 +94,51 @@ class TinkerService:
     def check_base_model(self, name: str | None) -> ServedBase:
         return base_of(self.bases, name)
 
-    def create_model(self, model_id: str, base_model: str | None, lora: dict | None) -> Outcome:
+    def check_creation(self, base_model: str | None, lora: dict | None, optimizer: dict | None) -> int:
+        """What a create_model asks, checked before anything is built: its LoRA rank (0: the whole model)."""
         base = self.check_base_model(base_model)
+        self.check_optimizer(optimizer)
         lora = lora or {}
-        rank = int(lora.get("rank", 32))
+        try:
+            rank = int(lora.get("rank", 32))
+        except (TypeError, ValueError):
+            raise RequestError(f"lora_config.rank must be an integer, got {lora.get('rank')!r}") from None
         unsupported = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k, True) is not True]
         if unsupported:
             raise RequestError(f"lora_config {', '.join(unsupported)}=false: astuner serve puts adapters on the "
                                f"YAML's trainer_common.lora.target_modules; set them there instead")
-        if rank < 0:
-            raise RequestError(f"lora_config.rank must be >= 0 (0: the whole model), got {rank}")
+        hidden = base.facts.shape.hidden if base.facts.shape is not None else None
+        most = min(r for r in (self.limits.max_lora_rank, hidden) if r)
+        if not 0 <= rank <= most:
+            raise RequestError(f"lora_config.rank must be 0 (the whole model) to {most} (the server's "
+                               f"--max-lora-rank {self.limits.max_lora_rank}"
+                               + (f", the model's hidden size {hidden}" if hidden else "") + f"), got {rank}")
+        return rank
+
+    @staticmethod
+    def check_optimizer(optimizer: dict | None) -> None:
+        """A training client's optimizer is chosen at its creation: one astuner serve does not step is refused then,
+        not at its first optim_step."""
+        kind = (optimizer or {}).get("type", "adamw") if isinstance(optimizer, (dict, type(None))) else None
+        if kind != "adamw":
+            raise RequestError(f"optimizer_config {optimizer!r}: astuner serve trains with AdamW only (adamw); "
+                               f"create the training client without an optimizer_config, or with type adamw")
+
+    def create_model(self, model_id: str, base_model: str | None, lora: dict | None, tenant: str,
+                     optimizer: dict | None = None) -> Outcome:
+        rank = self.check_creation(base_model, lora, optimizer)
+        base = self.check_base_model(base_model)
         with self._lock:
             if model_id in self.models:  # a retried creation: the client it made
                 return Outcome(json={"type": "create_model", "model_id": model_id})
             if len(self.models) >= self.max_training_clients:
                 raise RequestError(f"this server holds {len(self.models)} training clients, its limit "
-                                   f"(astuner serve --max-training-clients); close a ServiceClient to free one")
+                                   f"(astuner serve --max-training-clients); close a ServiceClient to free one (a "
+                                   f"session that stops sending heartbeats frees its own after "
+                                   f"{self.limits.session_timeout_s:g} s)")
         trainer = self._new_trainer(base, rank)
         with self._lock:
-            self.models[model_id] = ServedModel(model_id, trainer, rank, base)
+            self.models[model_id] = ServedModel(model_id, trainer, rank, base, tenant)
         log.info("astuner serve: training client %s on %s (%s)", model_id, base.name,
                  f"LoRA rank {rank}" if rank else "full model")
         return Outcome(json={"type": "create_model", "model_id": model_id})
@@ -115,23 +153,31 @@ class TinkerService:
         settings = replace(settings, lora=lora, top_k=0, top_p=1.0, reference_model=False, use_kl_loss=False)
         return Trainer(base.model_path, settings)
 
-    def info(self, model_id: str) -> dict:
-        model = self.model(model_id)
+    def info(self, model_id: str, tenant: str) -> dict:
+        model = self.model(model_id, tenant)
         arch = getattr(getattr(model.trainer.model, "config", None), "model_type", "")
         return {"type": "get_info", "model_id": model_id, "is_lora": model.lora_rank > 0,
                 "lora_rank": model.lora_rank or None,
                 "model_data": {"arch": arch, "model_name": model.base.name, "tokenizer_id": model.base.model_path}}
 
-    def model(self, model_id: str) -> ServedModel:
-        try:
-            return self.models[model_id]
-        except KeyError:
-            raise RequestError(f"no training client {model_id!r} on this server (closed, or made by a server "
-                               f"that has since restarted: create one from its saved state, "
-                               f"create_training_client_from_state_with_optimizer)") from None
+    def model(self, model_id, tenant: str | None = None) -> ServedModel:
+        """The training client (the tenant's, when one is given: 404 for another's, as for none)."""
+        model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None or tenant is not None and model.tenant != tenant:
+            raise NotFound(f"no training client {model_id!r} on this server (closed, expired, or made by a server "
+                           f"that has since restarted: create one from its saved state, "
+                           f"create_training_client_from_state_with_optimizer)")
+        if tenant is not None:
+            self.sessions.touch(model_id.split(":")[0])
+        return model
 
-    def close_session(self, session_id: str) -> list[str]:
-        """Frees the session's training clients; returns their ids."""
+    def session_models(self, session_id: str) -> list[str]:
+        with self._lock:
+            return [m for m in self.models if m.startswith(f"{session_id}:")]
+
+    def close_session(self, session_id: str, why: str = "was finished by its client") -> list[str]:
+        """Ends the session and frees its training clients and samplers; returns the clients' ids."""
+        self.sessions.end(session_id, why)
         with self._lock:
             gone = [m for m in self.models if m.startswith(f"{session_id}:")]
             ephemeral = [uri for m in gone for uri in self.models.pop(m).ephemeral]
@@ -139,42 +185,44 @@ class TinkerService:
             samplers.forget(ephemeral, f"{session_id}:")
         return gone
 
-    def save_open_clients(self, name: str) -> list[str]:
-        """Every open training client's state under `name` (at shutdown); their tinker:// paths."""
+    def save_clients(self, name: str, model_ids: list[str] | None = None) -> list[str]:
+        """The training clients' states under `name` (every open one's by default: at shutdown, or a silent
+        session's at expiry); their tinker:// paths."""
         paths = []
-        for model_id in list(self.models):
+        for model_id in list(self.models) if model_ids is None else model_ids:
             try:
                 paths.append(self.save_state(model_id, name).json["path"])
             except Exception:  # noqa: BLE001 - one client's failure must not lose the others'
                 log.exception("astuner serve: could not save %s", model_id)
         return paths
 
-    def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> dict:
+    def create_sampler(self, sampler_id: str, model_path: str | None, base_model: str | None, tenant: str) -> dict:
         if model_path:
             held = (s for s in self.samplers.values() if isinstance(model_path, str) and model_path in s.snapshots)
             samplers = next(held, None)
+            if samplers is not None and samplers.snapshots[model_path].tenant != tenant:
+                samplers = None  # another tenant's weights in memory: as if absent (its file says the same)
             if samplers is None:
-                file = self._file_of(model_path, "sampler_weights")
-                if not file.exists():
-                    raise RequestError(f"{model_path}: no such sampler weights on this server")
+                file = self.saved_file(model_path, "sampler_weights", tenant)
                 samplers = self.samplers[base_of_file(self.bases, file).name]
-                samplers.add(model_path, file=file)
-            samplers.open_session(sampler_id, model_path)
+                samplers.add(model_path, tenant, file=file)
+            samplers.open_session(sampler_id, model_path, tenant)
         else:
-            self.samplers[self.check_base_model(base_model).name].open_session(sampler_id, "base")
+            self.samplers[self.check_base_model(base_model).name].open_session(sampler_id, "base", tenant)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
-    def sampler(self, sampler_id) -> tuple[ServedBase, Samplers]:
-        """The base and the snapshots of a sampling session (a 400 when there is none)."""
+    def sampler(self, sampler_id, tenant: str) -> tuple[ServedBase, Samplers]:
+        """The base and the snapshots of the tenant's sampling session (404 when there is none)."""
         for name, samplers in self.samplers.items():
-            if isinstance(sampler_id, str) and sampler_id in samplers.sessions:
+            if isinstance(sampler_id, str) and samplers.tenant_of(sampler_id) == tenant:
+                self.sessions.touch(sampler_id.split(":")[0])
                 return self.bases[name], samplers
-        raise RequestError(f"no sampling session {sampler_id!r} on this server")
+        raise NotFound(f"no sampling session {sampler_id!r} on this server")
 
     # --- training ---------------------------------------------------------------------------------------------
 
-    def forward_backward(self, request: ForwardBackwardRequest) -> Outcome:
-        model = self.model(request.model_id)
+    def forward_backward(self, request: ForwardBackwardRequest, tenant: str) -> Outcome:
+        model = self.model(request.model_id, tenant)
         if request.loss_fn in REFUSED:
             raise RequestError(f"loss_fn {request.loss_fn!r}: {REFUSED[request.loss_fn]}")
         if request.loss_fn not in INPUTS:
@@ -185,10 +233,22 @@ class TinkerService:
         if extra:
             raise RequestError(f"loss_fn_config {extra} does not apply to {request.loss_fn} (it reads "
                                f"{', '.join(allowed) or 'none'})")
+        texts = sorted(k for k, v in request.config.items() if not isinstance(v, float) or not math.isfinite(v))
+        if texts:
+            raise RequestError(f"loss_fn_config {texts}: finite numbers only")
         vocab = int(model.trainer.model.get_input_embeddings().weight.shape[0])
-        data = [datum_sample(d, i, request.loss_fn, vocab) for i, d in enumerate(request.data)]
+        context = model.base.facts.max_position_embeddings
+        data = [datum_sample(d, i, request.loss_fn, vocab, context) for i, d in enumerate(request.data)]
         if not data:
             raise RequestError("forward_backward needs at least one datum")
+        verdict = provenance.check(self.records, tenant, request.data, "logprobs" in INPUTS[request.loss_fn])
+        if verdict.mismatched:
+            lines = "; ".join(verdict.mismatched[:3]) + ("; ..." if len(verdict.mismatched) > 3 else "")
+            if self.limits.provenance == "refuse":
+                raise RequestError(f"{len(verdict.mismatched)} datum(s) differ from what this server sampled: "
+                                   f"{lines} (astuner serve --provenance flag trains them and counts them instead)")
+            log.warning("astuner serve: %s: %d datum(s) differ from what was sampled, trained as sent (provenance: "
+                        "flag): %s", request.model_id, len(verdict.mismatched), lines)
         objective = TinkerLoss(request.loss_fn, data, request.config)
         samples = [d.sample for d in data]
         logprobs: list = [None] * len(samples)
@@ -198,12 +258,16 @@ class TinkerService:
         else:
             sums = trainer.forward_backward(samples, objective, logprobs_out=logprobs)
         arrays = [np.asarray(lp, np.float32) for lp in logprobs]
-        return Outcome(proto=forward_backward_output({"logprobs": arrays}, len(arrays), {"loss:sum": sums["loss"]}))
+        metrics = {"loss:sum": sums["loss"]}
+        if any(d.input_spans is not None or d.loss_spans is not None for d in request.data):
+            metrics.update({"provenance_mismatch:sum": float(len(verdict.mismatched)),
+                            "provenance_unverified:sum": float(verdict.unverified)})
+        return Outcome(proto=forward_backward_output({"logprobs": arrays}, len(arrays), metrics))
 
-    def optim_step(self, model_id: str, adam: dict) -> Outcome:
+    def optim_step(self, model_id: str, adam: dict, tenant: str) -> Outcome:
         from astuner.trainer.settings import AdamStep
 
-        model = self.model(model_id)
+        model = self.model(model_id, tenant)
         try:
             step = AdamStep(lr=float(adam["learning_rate"]), betas=(float(adam.get("beta1", 0.9)),
                             float(adam.get("beta2", 0.95))), eps=float(adam.get("eps", 1e-12)),
@@ -219,26 +283,46 @@ class TinkerService:
 
     # --- state ------------------------------------------------------------------------------------------------
 
-    def _path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
-        if not _MODEL_ID.match(model_id):
+    def _path(self, model_id: str, kind: str, name) -> tuple[str, Path]:
+        if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
             raise RequestError(f"{model_id!r} is not a training client id of this server")
-        if not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RequestError(f"checkpoint name {name!r}: letters, digits, '.', '_' and '-' only (up to 128)")
         return f"tinker://{model_id}/{kind}/{name}", self.state_dir / model_id.replace(":", "_") / kind / name
 
-    def _file_of(self, path: str, kind: str) -> Path:
+    def saved_file(self, path: str, kind: str, tenant: str) -> Path:
+        """The tenant's saved file at a tinker:// path; 404 when there is none, or it is another tenant's."""
         text = path if isinstance(path, str) else ""
         match = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", text)
         if match is None or match.group(2) != kind:
             raise RequestError(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path of this server")
-        return self._path(match.group(1), kind, match.group(3))[1]
+        file = self._path(match.group(1), kind, match.group(3))[1]
+        if not file.exists() or self._tenant_of(file.parent.parent) != tenant:
+            raise NotFound(f"{path}: no such {'saved state' if kind == 'weights' else 'sampler weights'} on this "
+                           f"server")
+        return file
 
-    def save_state(self, model_id: str, name: str) -> Outcome:
+    @staticmethod
+    def _tenant_of(folder: Path) -> str:
+        try:
+            return (folder / TENANT_FILE).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return LOCAL  # saved before tenants existed: a loopback server's, without keys
+
+    def _new_file(self, model: ServedModel, kind: str, name: str) -> tuple[str, Path]:
+        """Where a model saves `name`, in a folder that says whose it is."""
+        uri, file = self._path(model.model_id, kind, name)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        owner = file.parent.parent / TENANT_FILE
+        if not owner.exists():
+            owner.write_text(model.tenant, encoding="utf-8")
+        return uri, file
+
+    def save_state(self, model_id: str, name: str, tenant: str | None = None) -> Outcome:
         import torch
 
-        model = self.model(model_id)
-        uri, file = self._path(model_id, "weights", name)
-        file.parent.mkdir(parents=True, exist_ok=True)
+        model = self.model(model_id, tenant)
+        uri, file = self._new_file(model, "weights", name)
         trainer = model.trainer
         state = trainer.state_dict(optimizer=True)
         # fp32 weights are the model's own (state "model" None); under LoRA the adapter alone is the state
@@ -250,21 +334,19 @@ class TinkerService:
         tmp.replace(file)  # whole or absent
         return Outcome(json={"type": "save_weights", "path": uri})
 
-    def load_state(self, model_id: str, path: str, optimizer: bool, create: bool = False) -> Outcome:
+    def load_state(self, model_id: str, path: str, optimizer: bool, tenant: str, create: bool = False) -> Outcome:
         import torch
 
-        file = self._file_of(path, "weights")
-        if not file.exists():
-            raise RequestError(f"{path}: no such saved state on this server")
+        file = self.saved_file(path, "weights", tenant)
         saved = torch.load(file, map_location="cpu", weights_only=False)
         if create:
-            self.create_model(model_id, saved.get("model_name"), {"rank": saved["lora_rank"]})
+            self.create_model(model_id, saved.get("model_name"), {"rank": saved["lora_rank"]}, tenant)
             try:
-                return self.load_state(model_id, path, optimizer)
+                return self.load_state(model_id, path, optimizer, tenant)
             except Exception:
                 self.models.pop(model_id, None)  # a client that could not load holds no slot
                 raise
-        model = self.model(model_id)
+        model = self.model(model_id, tenant)
         if saved["lora_rank"] != model.lora_rank:
             raise RequestError(f"{path} holds LoRA rank {saved['lora_rank']}, this training client has "
                                f"{model.lora_rank}")
@@ -272,57 +354,62 @@ class TinkerService:
                                        "optimizer_steps": saved["optimizer_steps"]})
         return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
-    def save_for_sampler(self, model_id: str, name: str | None, sampler_id: str | None) -> Outcome:
+    def save_for_sampler(self, model_id: str, name: str | None, sampler_id: str | None, tenant: str) -> Outcome:
         from safetensors.torch import save_file
 
-        model = self.model(model_id)
+        model = self.model(model_id, tenant)
         samplers = self.samplers[model.base.name]
         named = model.trainer.named_parameters_for_sync()
         tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in named}
         if name is not None:
-            uri, file = self._path(model_id, "sampler_weights", name)
-            file.parent.mkdir(parents=True, exist_ok=True)
+            uri, file = self._new_file(model, "sampler_weights", name)
             tmp = file.with_name(file.name + ".tmp")
             save_file(tensors, str(tmp), metadata={"base_model": model.base.name})
             tmp.replace(file)
-            samplers.add(uri, file=file)
+            samplers.add(uri, tenant, file=file)
             out = {"type": "save_weights_for_sampler", "path": uri}
         else:
             uri = f"{model_id}/ephemeral/{sampler_id}"
-            samplers.add(uri, tensors=tensors)
+            samplers.add(uri, tenant, tensors=tensors)
             model.ephemeral.append(uri)
             while len(model.ephemeral) > EPHEMERAL_KEPT:  # an older sampler's weights are let go
                 samplers.snapshots.pop(model.ephemeral.pop(0), None)
             out = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         if sampler_id is not None:
-            samplers.open_session(sampler_id, uri)
+            samplers.open_session(sampler_id, uri, tenant)
         return Outcome(json=out)
 
-    # --- sampling ---------------------------------------------------------------------------------------------
 
-def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int) -> TinkerDatum:
+def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int, context: int | None = None) -> TinkerDatum:
     """A datum as a trainer sample (prompt x_0, response the targets; `tinker_losses.py`), its inputs checked."""
     n = len(d.tokens)
     needed = ("target_tokens", *INPUTS[loss_fn])
+    optional = OPTIONAL_INPUTS.get(loss_fn, ())
     missing = [k for k in needed if k not in d.inputs]
-    extra = sorted(set(d.inputs) - set(needed))
+    extra = sorted(set(d.inputs) - set(needed) - set(optional))
     if missing or extra:
         raise RequestError(f"datum {index}: {loss_fn} takes loss_fn_inputs {', '.join(needed)}"
+                           + (f" (and optionally {', '.join(optional)})" if optional else "")
                            + (f"; missing {', '.join(missing)}" if missing else "")
                            + (f"; not read: {', '.join(extra)}" if extra else ""))
     if n == 0:
         raise RequestError(f"datum {index}: model_input holds no tokens")
-    for key in needed:
+    if context is not None and n + 1 > context:
+        raise RequestError(f"datum {index}: {n} input tokens and a target exceed the model's context ({context} "
+                           f"positions); shorten it (sampling refuses the same)")
+    present = [k for k in (*needed, *optional) if k in d.inputs]
+    for key in present:
         if d.inputs[key].shape != (n,):
             raise RequestError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(d.inputs[key].shape)}, "
                                f"model_input {n} tokens (one value per position)")
-    targets = [int(t) for t in d.inputs["target_tokens"]]
-    if d.tokens[1:] != targets[:-1]:
+    tokens = d.tokens.astype(np.int64)
+    targets = d.inputs["target_tokens"].astype(np.int64)
+    if not np.array_equal(tokens[1:], targets[:-1]):
         raise RequestError(f"datum {index}: target_tokens must be model_input shifted by one (position i predicts "
                            f"token i + 1); astuner serve trains on next-token targets only")
-    if any(not 0 <= t < vocab for t in d.tokens + targets[-1:]):
+    if tokens.min() < 0 or tokens.max() >= vocab or not 0 <= targets[-1] < vocab:
         raise RequestError(f"datum {index}: a token id is outside the vocabulary (0..{vocab - 1})")
-    inputs = {k: [float(x) for x in d.inputs[k]] for k in INPUTS[loss_fn]}
+    inputs = {k: [float(x) for x in d.inputs[k]] for k in present if k != "target_tokens"}
     old = inputs.get("logprobs", [0.0] * n)
-    sample = Sample([d.tokens[0]], targets, old, 0.0, 1.0, f"datum-{index}")
+    sample = Sample([int(tokens[0])], targets.tolist(), old, 0.0, 1.0, f"datum-{index}")
     return TinkerDatum(sample, inputs)

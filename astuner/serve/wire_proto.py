@@ -9,13 +9,17 @@ maps (repeated {1: key, 2: value} messages). Packed numbers are little-endian by
 Field numbers, as the API's schema gives them:
     ForwardBackwardRequest  1 model_id  2 seq_id  3 data (Datum)*  4 loss_fn  5 loss_fn_config <str, double>
                             6 forward_only  7 loss_fn_config_v2 <str, LossConfigValue {1 number | 2 text}>
-    Datum                   1 model_input (Chunk)*  2 loss_fn_inputs <str, Tensor>  3, 4 provenance spans
+    Datum                   1 model_input (Chunk)*  2 loss_fn_inputs <str, Tensor>  3 model_input_spans (Span)*
+                            4 loss_fn_input_spans (Span)*
+    Span                    1 prompt_tokens | 2 sampled_tokens, each {1 sequence_id  2 offset  3 length}
     Chunk                   1 encoded_text {1 tokens: int32 LE}  2 image  3 dmel
     Tensor                  1 dense  2 sparse_csr {1 values  2 crow_indices  3 col_indices}  3 dtype  4 shape*
     ForwardBackwardOutput   1 loss_fn_output_type  2 loss_fn_outputs (ArrayRecord)*  3 metrics <str, double>
     ArrayRecord             1 type_tag  2 fields <str, BatchedTensor>  3 num_datums
     BatchedTensor           1 data  2 offsets (int64 LE byte offsets, num_datums + 1)  3 dtype  4 trailing_shape*
     SampleResponse          1 sequences (SampledSequence)*  2 prompt_logprobs (float32 LE, NaN where none)
+                            3 topk_prompt_logprobs (TopkLogprobs)
+    TopkLogprobs            1 token_ids (int32 LE, length x k)  2 logprobs (float32 LE)  3 k  4 length
     SampledSequence         1 stop_reason (0 stop, 1 length)  2 tokens (int32 LE)  3 logprobs (float32 LE)
 """
 
@@ -148,10 +152,22 @@ def _double_field(number: int, value: float) -> bytes:
 
 # --- ForwardBackwardRequest ----------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Span:
+    """A run of a datum's positions that claims to come from a sampled sequence: its prompt or its tokens."""
+
+    source: str  # "prompt" or "sampled"
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class WireDatum:
-    tokens: list[int]
+    tokens: np.ndarray  # int32, the model_input's text tokens
     inputs: dict[str, np.ndarray]  # loss_fn_inputs, dense
+    input_spans: list[Span] | None = None  # provenance: tiling tokens
+    loss_spans: list[Span] | None = None  # provenance: tiling loss_fn_inputs["target_tokens"]
 
 
 @dataclass
@@ -196,16 +212,54 @@ def _tensor(raw: bytes, name: str) -> np.ndarray:
     return data.reshape(shape)
 
 
+def _span(raw: bytes) -> Span:
+    f = fields(raw)
+    source = "sampled" if 2 in f else "prompt" if 1 in f else None
+    if source is None:
+        raise ProtoError("a provenance span names neither prompt nor sampled tokens")
+    arm = fields(_last(f, 2 if source == "sampled" else 1, b""))
+    offset, length = _last(arm, 2, 0), _last(arm, 3, 0)
+    if not 0 <= offset < 1 << 31 or not 0 <= length < 1 << 31:
+        raise ProtoError(f"a provenance span has offset {offset}, length {length}")
+    return Span(source, _text(_last(arm, 1, b"")), offset, length)
+
+
 def _datum(raw: bytes, index: int) -> WireDatum:
     f = fields(raw)
-    tokens: list[int] = []
+    chunks: list[np.ndarray] = []
     for chunk in map(fields, _messages(f, 1)):
         if 1 not in chunk:
             kind = "an image" if 2 in chunk else "a dmel" if 3 in chunk else "an unknown"
             raise ProtoError(f"datum {index}: {kind} chunk; astuner serve trains on text tokens only")
-        tokens += _array(_last(fields(_last(chunk, 1, b"")), 1, b""), "<i4").tolist()
+        chunks.append(_array(_last(fields(_last(chunk, 1, b"")), 1, b""), "<i4"))
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, "<i4")
     inputs = {_text(k): _tensor(v, _text(k)) for k, v in _map(_messages(f, 2))}
-    return WireDatum(tokens, inputs)
+    spans = [[_span(raw) for raw in _messages(f, number)] if number in f else None for number in (3, 4)]
+    return WireDatum(tokens, inputs, *spans)
+
+
+def peek_sequence(body: bytes) -> tuple[str, int] | None:
+    """A ForwardBackwardRequest's model_id and seq_id, read without parsing its data (None if unreadable)."""
+    pos, model_id, seq = 0, None, None
+    try:
+        while pos < len(body) and (model_id is None or seq is None):
+            key, pos = _varint(body, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                value, pos = _varint(body, pos)
+                seq = value if number == 2 else seq
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            elif wire == 2:
+                size, pos = _varint(body, pos)
+                if number == 1:
+                    model_id = body[pos : pos + size].decode("utf-8")
+                pos += size
+            else:
+                return None
+    except (ProtoError, UnicodeDecodeError):
+        return None
+    return (model_id, seq - (1 << 64) if seq >= 1 << 63 else seq) if model_id and seq is not None else None
 
 
 def _double(raw) -> float:
@@ -249,9 +303,13 @@ def forward_backward_output(outputs: dict[str, list[np.ndarray]], num_datums: in
     return out
 
 
+TOPK_SENTINEL = (0, -99999.0)  # the API's filler where a position has fewer than k (or no) entries
+
+
 def sample_response(sequences: list[tuple[list[int], list[float], str]],
-                    prompt_logprobs: list[float] | None = None) -> bytes:
-    """sequences: (tokens, logprobs, "stop" | "length"); prompt_logprobs: NaN where none (the first token)."""
+                    prompt_logprobs: list[float] | None = None, topk: list | None = None, k: int = 0) -> bytes:
+    """sequences: (tokens, logprobs, "stop" | "length"); prompt_logprobs: NaN where none (the first token);
+    topk: per prompt position a list of (token id, logprob), or None where none."""
     out = b""
     for tokens, logprobs, reason in sequences:
         seq = _int_field(1, STOP_REASONS[reason]) + _bytes_field(2, np.asarray(tokens, "<i4").tobytes())
@@ -259,4 +317,10 @@ def sample_response(sequences: list[tuple[list[int], list[float], str]],
         out += _bytes_field(1, seq)
     if prompt_logprobs is not None:
         out += _bytes_field(2, np.asarray(prompt_logprobs, "<f4").tobytes())
+    if topk is not None and k > 0:
+        rows = [(list(pos or []) + [TOPK_SENTINEL] * k)[:k] for pos in topk]
+        ids = np.asarray([[t for t, _ in row] for row in rows], "<i4").reshape(len(rows), k)
+        lps = np.asarray([[lp for _, lp in row] for row in rows], "<f4").reshape(len(rows), k)
+        out += _bytes_field(3, _bytes_field(1, ids.tobytes()) + _bytes_field(2, lps.tobytes()) + _int_field(3, k)
+                            + _int_field(4, len(rows)))
     return out

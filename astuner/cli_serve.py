@@ -51,6 +51,10 @@ def serve(
                                             "provenance_mismatch:sum).")] = "refuse",
     public_url: Annotated[str | None, typer.Option(help="The address remote agents reach this server at (default: "
                                                    "http://HOST:PORT).", show_default=False)] = None,
+    take_timeout: Annotated[float | None, typer.Option(help="With remote agents: seconds an episode waits for a "
+                                                       "client to take it (default: 4 x rollout.episode_timeout); "
+                                                       "its episode_timeout starts when it is taken.", min=1,
+                                                       show_default=False)] = None,
     with_logview: Annotated[bool, typer.Option("--with-logview", help="With remote agents: serve the run's "
                                                "trajectory and metrics viewer on 127.0.0.1, as a run does.")] = False,
 ) -> None:
@@ -81,7 +85,8 @@ def serve(
     keys = KeyStore(serve_dir(loaded) / "keys.json")
     check_host(host, keys)  # before any model loads
     if loaded.typed.astuner.rollout.agentscope_workflow == REMOTE_WORKFLOW:
-        return _serve_remote_agents(conf, list(overrides or []), keys, host, port, public_url, with_logview)
+        return _serve_remote_agents(conf, list(overrides or []), keys, host, port, public_url, with_logview,
+                                    loaded.typed.astuner.rollout.episode_timeout, take_timeout)
     if with_logview:
         raise UserError("serve --with-logview shows a run's episodes: it applies with remote agents "
                         f"(rollout.agentscope_workflow: {REMOTE_WORKFLOW}); a Tinker API client logs its own")
@@ -119,15 +124,17 @@ def _serve_tinker(loaded, keys, host: str, port: int, limits) -> None:
 
 
 def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port: int, public_url: str | None,
-                         with_logview: bool) -> None:
-    """The YAML's training run, its episodes taken by remote clients (`astuner.remote`) from this server."""
+                         with_logview: bool, episode_timeout_s: float, take_timeout_s: float | None) -> None:
+    """The YAML's training run, its episodes taken by remote clients (`astuner_remote`) from this server. Only a run
+    that finished tells the clients it is over: a stop (Ctrl-C, SIGTERM, an error) keeps them waiting for the
+    server that resumes it."""
     from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
     from astuner.launch import run
     from astuner.serve import Server
     from astuner.serve.remote_app import RemoteApp
     from astuner.serve.remote_board import EpisodeBoard, install_board
 
-    board = EpisodeBoard()
+    board = EpisodeBoard(episode_timeout_s=episode_timeout_s, take_timeout_s=take_timeout_s)
     server = Server(RemoteApp(board, keys), keys, host, port)
     if public_url is None and host in ("0.0.0.0", "::"):  # a wildcard is no address a client can call
         import socket
@@ -142,12 +149,13 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
     try:
         with sigterm_as_interrupt():
             run(conf, "debug", overrides, with_logview=with_logview)
-    except Terminated:
-        _say("terminated (SIGTERM); the last checkpoint resumes with the same command")
-        raise typer.Exit(TERMINATED_EXIT) from None
-    finally:
-        board.run_over = True  # waiting clients hear it before the server closes
+        board.run_over = True  # the run finished: waiting clients hear it before the server closes
         time.sleep(0.5)
+    except (Terminated, KeyboardInterrupt):
+        _say(f"{'terminated (SIGTERM)' if sys.exc_info()[0] is Terminated else 'interrupted'}; the clients keep "
+             f"waiting (for up to their reconnect_s); the same command resumes from the last checkpoint")
+        raise typer.Exit(TERMINATED_EXIT if sys.exc_info()[0] is Terminated else 130) from None
+    finally:
         install_board(None)
         server.stop()
 

@@ -302,7 +302,7 @@ class RolloutRunner:
             flagged = True
             episode.flags = [f for f in episode.flags if f != FLAG_FAILED] + [FLAG_TIMEOUT]
             reason = tuner.expired_reason or ""
-            episode.error = reason if reason.startswith("episode timed out") else \
+            episode.error = reason if reason.startswith("episode timed out") or reason == tuner.deadline_note else \
                 f"episode timed out after {timeout:g}s ({reason})"
             episode.error_summary, episode.error_source = episode.error, "workflow"
             self._log_error(episode, "timed out")
@@ -358,11 +358,13 @@ class RolloutRunner:
 
 
 async def _await_deadline(job: WorkflowJob, tuner: ModelTuner, episode_uid: str, timeout: float) -> None:
-    """Wait for the workflow until the episode's deadline; past it, expire the tuner (its pending requests are
-    aborted), cancel the workflow and wait at most CANCEL_GRACE_S more, then abandon it."""
-    done, _ = await asyncio.wait({job}, timeout=timeout)
-    if not done:
-        tuner.expire(f"episode timed out after {timeout:g}s")
+    """Wait for the workflow until the episode's deadline (the tuner's: a workflow may move it, as a remote
+    episode's starts when a client takes it); past it, expire the tuner (its pending requests are aborted), cancel
+    the workflow and wait at most CANCEL_GRACE_S more, then abandon it."""
+    while not job.done() and time.monotonic() < tuner.deadline:
+        await asyncio.wait({job}, timeout=tuner.deadline - time.monotonic())
+    if not job.done():
+        tuner.expire(tuner.deadline_note or f"episode timed out after {timeout:g}s")
         job.cancel()
         done, _ = await asyncio.wait({job}, timeout=CANCEL_GRACE_S)
         if not done:

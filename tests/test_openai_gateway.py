@@ -129,11 +129,14 @@ def test_loopback_endpoint_http_streaming_and_401(demo_tokenizer, gateway):
     ok, models, wrong, events, revoked = asyncio.run(main())
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER_TURN
     assert models.json()["data"][0]["id"] == tuner.model_name
-    assert wrong.status_code == 401 and revoked.status_code == 401
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    # the ended episode's key: its calls are over (not a wrong key), and nothing is recorded either
+    assert revoked.status_code == 408 and revoked.json()["error"]["code"] == "episode_ended"
+    assert "has ended" in revoked.json()["error"]["message"]
     assert events[-1] == "[DONE]"
     streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert streamed == ANSWER_TURN
-    assert len(tuner.calls) == 2  # the 401s recorded nothing
+    assert len(tuner.calls) == 2  # the refused calls recorded nothing
     assert_recorded_exactly(tuner, engine)
 
 

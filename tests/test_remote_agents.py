@@ -102,7 +102,7 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     reply = answered.openai_client(sync=True).chat.completions.create(
         model=answered.model, messages=[{"role": "user", "content": answered.task["query"]}], max_tokens=4)
     assert client.post_result(answered, 1.0, metadata={"final_answer": reply.choices[0].message.content})
-    with pytest.raises(Exception, match="invalid_api_key|401|Incorrect"):  # the episode ended: its key is revoked
+    with pytest.raises(Exception, match="has ended"):  # the episode ended: its key takes no more calls
         answered.openai_client(sync=True).chat.completions.create(model="policy", max_tokens=2,
                                                                  messages=[{"role": "user", "content": "hi"}])
     code, rest = finish(proc, timeout=120)

@@ -80,6 +80,9 @@ class ModelTuner:
         self.madness_checks = validate_checklist(madness_checks)
         self.seed = seed
         self.deadline = deadline  # time.monotonic() after which no LLM call starts; None: no deadline
+        # What the rollout says when the deadline passes, where a workflow moved it (a remote episode's starts when
+        # a client takes it); None: "episode timed out after <episode_timeout>s".
+        self.deadline_note: str | None = None
         self.episode_uid = episode_uid
         self.reasoning_parser = reasoning_parser or NoReasoningParser()
         self.gateway = gateway  # the OpenAI front ends (gateway.Gateway); None: not offered

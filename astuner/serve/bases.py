@@ -63,12 +63,18 @@ def served_bases(typed, make_engine: Callable[[ServedBase], Any]) -> dict[str, S
 
 
 def base_of(bases: dict[str, ServedBase], name: str | None) -> ServedBase:
-    """The base a request names (None: astuner.model's), or a 400 that lists what is served."""
+    """The base a request names (None: astuner.model's), or a 400 that lists what is served (or, for a name two
+    bases answer to, such as a folder name they share, the names that tell them apart)."""
     if name is None:
         return next(iter(bases.values()))
-    for base in bases.values():
-        if name in base.aliases:
-            return base
+    named = [base for base in bases.values() if name in base.aliases]
+    exact = [base for base in named if name in (base.name, base.model_path, *base.roster)]
+    if len(exact) == 1 or len(named) == 1:
+        return (exact or named)[0]
+    if named:
+        raise RequestError(f"base_model {name!r} names {len(named)} models of this server ("
+                           + ", ".join(f"{b.model_path} as {b.roster[0]!r}" for b in named)
+                           + "); name one by its path or its roster name")
     served = "; ".join(f"{b.name!r} (also {', '.join(repr(a) for a in dict.fromkeys(b.aliases[1:]))})"
                        for b in bases.values())
     raise RequestError(f"base_model {name!r} is not served here; this server serves {served} (astuner.model and "

@@ -1,7 +1,8 @@
 """The HTTP side of remote agents: the board's routes (`/astuner/v1/...`) and, on the same port, the run's OpenAI
 and Anthropic endpoints (`/v1/...`, the episodes' own keys) for the agents' model calls.
 
-    POST /astuner/v1/episodes/next          {"wait_s": <= 30}  ->  {"episode": {...} | null, "run_over": bool}
+    POST /astuner/v1/episodes/next          {"wait_s": <= 30, "take_token": "..."}  ->  {"episode": {...} | null,
+                                            "run_over": bool}; a take sent again with its token gets the same episode
     POST /astuner/v1/episodes/{id}/result   {"reward", "is_success", "metadata", "metrics", "agent_rewards",
                                              "response"}  ->  {"ok": true}; 410 once the episode is over
     POST /astuner/v1/episodes/{id}/error    {"error": "..."}  ->  the episode is flagged failed
@@ -74,10 +75,13 @@ class RemoteApp:
         return await read_json(request, MAX_BODY)
 
     async def next_episode(self, request: Request, client: str) -> dict:
-        wait = (await self._json(request)).get("wait_s", 20.0)
+        body = await self._json(request)
+        wait, token = body.get("wait_s", 20.0), body.get("take_token")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_WAIT_S:
             raise BoardError(400, f"wait_s must be a number of seconds in 0..{MAX_WAIT_S:g}")
-        episode = await self.board.wait_take(client, float(wait))
+        if token is not None and (not isinstance(token, str) or not 0 < len(token) <= 128):
+            raise BoardError(400, "take_token must be a string of 1..128 characters")
+        episode = await self.board.wait_take(client, float(wait), token)
         return {"episode": episode, "run_over": self.board.run_over and episode is None}
 
     async def result(self, request: Request, client: str) -> dict:

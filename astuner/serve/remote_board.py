@@ -7,6 +7,11 @@ and posts the outcome (a reward, or data for the YAML's judge). Everything else 
 workflow: the episode's calls are recorded with their exact token ids, its deadline (`rollout.episode_timeout`)
 holds whoever runs it, and an episode whose client disappears times out, is flagged and never trained. A result
 posted after the deadline is refused (410). Several clients on several machines may serve one run.
+
+An episode's deadline starts when a client takes it: with more offers than client slots, the later ones wait
+their turn without losing time. Waiting for a taker has its own, longer bound (`astuner serve --take-timeout`,
+4 x rollout.episode_timeout by default), named in the episode's error when it runs out. A take carries the client's
+token: a take sent again after a dropped connection gets the episode the first one took, so none is orphaned.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import math
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from astuner.serve.http_body import HttpError
 from astuner.workflow import Workflow, WorkflowOutput, WorkflowTask
@@ -30,14 +36,20 @@ class BoardError(HttpError):
     """A result the board cannot take: `status` is the HTTP status it answers (409, 410, 400)."""
 
 
+TAKES_REMEMBERED = 4096
+
+
 @dataclass
 class Offer:
     episode_id: str
     payload: dict
-    deadline: float  # time.monotonic()
+    take_by: float  # time.monotonic() by which a client must take it
+    episode_timeout: float  # seconds it runs for, from its take
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    on_take: Callable[[str, float], None] | None = None  # (client, deadline): the episode's deadline starts
     taken_by: str | None = None
+    deadline: float | None = None  # time.monotonic(), from the take
 
 
 @dataclass
@@ -45,8 +57,11 @@ class EpisodeBoard:
     """Offers in the order the loop made them; thread-safe (the loop and the HTTP server run apart)."""
 
     public_url: str = ""  # what clients are told to call: "<public_url>/v1" for the model
+    episode_timeout_s: float = 600.0  # rollout.episode_timeout: an episode's time from its take
+    take_timeout_s: float | None = None  # how long an offer waits for a taker (None: 4 x episode_timeout_s)
     gateway: Any = None  # the run's OpenAI gateway (model_tuner/frontends/gateway.py), once an episode ran
     _offers: dict[str, Offer] = field(default_factory=dict)
+    _takes: OrderedDict = field(default_factory=OrderedDict)  # (client, take token) -> episode id
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     # Ids differ between server starts, so a result held across a restart never lands on another episode.
@@ -54,13 +69,18 @@ class EpisodeBoard:
     taken: int = 0
     finished: int = 0
     expired: int = 0
-    run_over: bool = False  # the run ended: clients waiting for an episode are told to stop
+    run_over: bool = False  # the run finished: clients waiting for an episode are told to stop
 
-    def offer(self, payload: dict, deadline: float) -> Offer:
+    @property
+    def take_wait_s(self) -> float:
+        return self.take_timeout_s if self.take_timeout_s is not None else 4 * self.episode_timeout_s
+
+    def offer(self, payload: dict, on_take: Callable[[str, float], None] | None = None) -> Offer:
         loop = asyncio.get_running_loop()
         with self._lock:
             episode_id = f"ep-{self._start}-{next(self._ids)}"
-            offer = Offer(episode_id, {**payload, "episode_id": episode_id}, deadline, loop.create_future(), loop)
+            offer = Offer(episode_id, {**payload, "episode_id": episode_id}, time.monotonic() + self.take_wait_s,
+                          self.episode_timeout_s, loop.create_future(), loop, on_take)
             self._offers[episode_id] = offer
         return offer
 
@@ -70,24 +90,41 @@ class EpisodeBoard:
             if self._offers.pop(offer.episode_id, None) is not None and not offer.future.done():
                 self.expired += 1
 
-    def take(self, client: str) -> dict | None:
-        """The oldest offer nobody took, with the seconds left to its deadline."""
+    def take(self, client: str, token: str | None = None) -> dict | None:
+        """The oldest offer nobody took, its deadline starting now, with the seconds left to it. A take repeated
+        with the same token (a retry) gets the episode the first one took, while it runs."""
         now = time.monotonic()
         with self._lock:
+            if token is not None and (client, token) in self._takes:
+                offer = self._offers.get(self._takes[(client, token)])
+                if offer is None or offer.taken_by != client:
+                    return None
+                return {**offer.payload, "deadline_s": round(offer.deadline - now, 3)}
             for offer in self._offers.values():
-                if offer.taken_by is None and offer.deadline > now:
-                    offer.taken_by = client
+                if offer.taken_by is None and offer.take_by > now:
+                    offer.taken_by, offer.deadline = client, now + offer.episode_timeout
+                    if offer.on_take is not None:
+                        offer.on_take(client, offer.deadline)
                     self.taken += 1
-                    return {**offer.payload, "deadline_s": round(offer.deadline - now, 3)}
+                    if token is not None:
+                        self._takes[(client, token)] = offer.episode_id
+                        while len(self._takes) > TAKES_REMEMBERED:
+                            self._takes.popitem(last=False)
+                    return {**offer.payload, "deadline_s": round(offer.episode_timeout, 3)}
         return None
 
-    async def wait_take(self, client: str, wait_s: float) -> dict | None:
+    async def wait_take(self, client: str, wait_s: float, token: str | None = None) -> dict | None:
         end = time.monotonic() + wait_s
         while True:
-            got = self.take(client)
+            got = self.take(client, token)
             if got is not None or self.run_over or time.monotonic() >= end:
                 return got
             await asyncio.sleep(0.02)
+
+    def holder(self, episode_id: str) -> str | None:
+        with self._lock:
+            offer = self._offers.get(episode_id)
+            return None if offer is None else offer.taken_by
 
     def finish(self, episode_id: str, client: str, output: WorkflowOutput | BaseException) -> None:
         with self._lock:
@@ -140,6 +177,16 @@ class RemoteAgents(Workflow):
                                "`astuner serve --conf ...` (not `astuner --conf ...`)")
         gateway = model_tuner.require_gateway()
         board.gateway = gateway
+        # Until a client takes it, the episode waits for one (its own bound); from the take it has its timeout.
+        model_tuner.deadline = time.monotonic() + board.take_wait_s
+        model_tuner.deadline_note = (f"no remote client took the episode within {board.take_wait_s:g}s (astuner "
+                                     f"serve --take-timeout): start more clients, or give them more concurrency")
+
+        def on_take(client: str, deadline: float) -> None:
+            model_tuner.deadline = deadline
+            model_tuner.deadline_note = (f"episode timed out after {board.episode_timeout_s:g}s, run by remote "
+                                         f"client {client}")
+
         task = workflow_task.task
         payload = {
             "task": {**task.metadata, "task_id": task.task_id, "query": task.main_query,
@@ -150,7 +197,7 @@ class RemoteAgents(Workflow):
             # One key per agent of astuner.agents: a call under it is that agent's, served by its model.
             "agent_keys": {agent: model_tuner.for_agent(agent).api_key for agent in model_tuner.roster.agents},
         }
-        offer = board.offer(payload, model_tuner.deadline)
+        offer = board.offer(payload, on_take)
         try:
             return await offer.future
         finally:

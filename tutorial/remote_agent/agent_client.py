@@ -2,10 +2,10 @@
 
     python tutorial/remote_agent/agent_client.py --url http://127.0.0.1:8000 [--key tml-...] [--concurrency 16]
 
-The agent is the quick-start's `answer()` (tutorial/agent_quickstart/openai_agent.py), unchanged, on an
+The agent is the quick-start's `answer()` (tutorial/agent_quickstart/lookup_agent.py), unchanged, on an
 `openai.AsyncOpenAI` pointed at the server with the episode's key; the tools run here, in this process. It posts
-the final answer for the run's judge (CodeJudge, on the server) to score. This file needs no torch: only
-`astuner.remote` (httpx) and `openai`.
+the final answer for the run's judge (CodeJudge, on the server) to score. This file needs no torch and no astuner:
+only the light client (`pip install ./clients/remote`: astuner_remote, httpx, openai).
 """
 
 import argparse
@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_quickstart"))
 
-from openai_agent import answer  # noqa: E402 (the quick-start's agent, beside this tutorial)
+from lookup_agent import answer  # noqa: E402 (the quick-start's agent, beside this tutorial)
 
-from astuner.remote import RemoteClient  # noqa: E402
+from astuner_remote import RemoteClient  # noqa: E402
 
 
 async def run_episode(episode):

@@ -4,7 +4,8 @@ One Starlette (ASGI) app serves `POST /v1/chat/completions` (with and without `s
 (the Responses API: responses_api.py), `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic's:
 anthropic_api.py) and `GET /v1/models`. Every
 request carries an episode's key (`Authorization: Bearer <key>`): keys are issued per (episode, agent) and revoked
-when the episode ends; an unknown or revoked key gets 401 and nothing is recorded. A request runs the episode's
+when the episode ends; an unknown key gets 401, the key of an episode that ended 408 (`episode_ended`), and nothing is
+recorded. A request runs the episode's
 `ModelTuner.complete` on the episode's event loop, so it is recorded exactly like an AgentScope call.
 
 Three ways in:
@@ -54,6 +55,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 from astuner.model_tuner.frontends import gateway_anthropic, gateway_http, gateway_openai
 from astuner.model_tuner.frontends.gateway_calls import Entry
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 LOCAL_BASE_URL = "http://astuner.local/v1"  # the in-process clients' base URL (never resolved: ASGI transport)
 SERVER_START_TIMEOUT_S = 15.0
 CLIENT_TIMEOUT_S = 3600.0  # the episode deadline ends a call long before this
+ENDED_KEYS_REMEMBERED = 4096
 
 
 class Gateway:
@@ -70,6 +73,7 @@ class Gateway:
 
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # keys of ended episodes -> the episode, for the message
         self._lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -94,7 +98,16 @@ class Gateway:
 
     def revoke(self, key: str) -> None:
         with self._lock:
-            self._entries.pop(key, None)
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._ended[key] = getattr(entry.tuner, "episode_uid", "") or "its episode"
+                while len(self._ended) > ENDED_KEYS_REMEMBERED:
+                    self._ended.popitem(last=False)
+
+    def ended(self, key: str | None) -> str | None:
+        """The episode a revoked key belonged to (None for a key never issued, or long forgotten)."""
+        with self._lock:
+            return self._ended.get(key or "")
 
     def lookup(self, key: str | None) -> Entry | None:
         with self._lock:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from astuner.model_tuner.frontends import anthropic_api
 from astuner.model_tuner.frontends.gateway_calls import Delivery, failure
-from astuner.model_tuner.frontends.gateway_http import anthropic_error, anthropic_failure, authorized, generate
+from astuner.model_tuner.frontends.gateway_http import (HttpError, anthropic_error, anthropic_failure, authorized,
+                                                        body_of, generate, refused_key, too_large)
 from astuner.model_tuner.request_checks import read_json_object
 
 
@@ -15,9 +16,11 @@ async def messages(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return anthropic_error(401, "invalid or revoked API key", "authentication_error")
+        return refused_key(gateway, request, anthropic=True)
     try:
-        call = anthropic_api.read_messages_request(read_json_object(await request.body()), entry.options)
+        call = anthropic_api.read_messages_request(read_json_object(await body_of(request)), entry.options)
+    except HttpError as exc:
+        return too_large(exc, anthropic=True)
     except ValueError as exc:
         return anthropic_error(400, str(exc), "invalid_request_error")
     turn, response = await generate(gateway, request, entry, call.chat, call.tools, call.options, anthropic_failure)
@@ -36,11 +39,13 @@ async def count_tokens(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return anthropic_error(401, "invalid or revoked API key", "authentication_error")
+        return refused_key(gateway, request, anthropic=True)
     try:
-        call = anthropic_api.read_messages_request(read_json_object(await request.body()), entry.options,
+        call = anthropic_api.read_messages_request(read_json_object(await body_of(request)), entry.options,
                                                    count_only=True)
         count = entry.tuner.prompt_length(call.chat, call.tools, call.options)
+    except HttpError as exc:
+        return too_large(exc, anthropic=True)
     except ValueError as exc:
         return anthropic_error(400, str(exc), "invalid_request_error")
     except Exception as exc:  # noqa: BLE001 - a template that refuses the messages, as for a call

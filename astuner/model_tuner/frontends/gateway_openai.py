@@ -9,7 +9,8 @@ import uuid
 from astuner.model_tuner.frontends import chat_completions_api, responses_api
 from astuner.model_tuner.chat_format import normalize_tools, read_tool_choice
 from astuner.model_tuner.frontends.gateway_calls import Delivery
-from astuner.model_tuner.frontends.gateway_http import authorized, generate, openai_error, openai_failure
+from astuner.model_tuner.frontends.gateway_http import (HttpError, authorized, body_of, generate, openai_error,
+                                                        openai_failure, refused_key, too_large)
 from astuner.model_tuner.request_checks import read_chat_request, read_json_object
 
 
@@ -19,7 +20,7 @@ async def models(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return _unauthorized()
+        return refused_key(gateway, request)
     return JSONResponse({"object": "list", "data": [{"id": entry.tuner.model_name, "object": "model",
                                                      "created": 0, "owned_by": "astuner"}]})
 
@@ -30,10 +31,12 @@ async def chat_completions(gateway, request):
 
     entry = authorized(gateway, request)
     if entry is None:
-        return _unauthorized()
+        return refused_key(gateway, request)
     try:
-        chat = read_chat_request(read_json_object(await request.body()), entry.options)
+        chat = read_chat_request(read_json_object(await body_of(request)), entry.options)
         read_tool_choice(normalize_tools(chat.tools), chat.options.tool_choice)  # naming no offered tool
+    except HttpError as exc:
+        return too_large(exc)
     except ValueError as exc:  # RequestError, and read_tool_choice's
         return openai_error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
     turn, response = await generate(gateway, request, entry, chat.messages, chat.tools, chat.options,
@@ -52,10 +55,12 @@ async def responses(gateway, request):
     """OpenAI's Responses API (responses_api.py): the chat route's keys, checks, errors and delivery."""
     entry = authorized(gateway, request)
     if entry is None:
-        return _unauthorized()
+        return refused_key(gateway, request)
     try:
-        call = responses_api.read_responses_request(read_json_object(await request.body()), entry.options,
+        call = responses_api.read_responses_request(read_json_object(await body_of(request)), entry.options,
                                                     call_origins(entry.tuner))
+    except HttpError as exc:
+        return too_large(exc)
     except ValueError as exc:  # RequestError, and read_tool_choice's
         return openai_error(400, str(exc), "invalid_request", param=getattr(exc, "param", None))
     turn, response = await generate(gateway, request, entry, call.messages, call.tools, call.options,
@@ -71,7 +76,3 @@ def call_origins(tuner) -> dict[str, int]:
     return {tool_call["id"]: index for index, call in enumerate(list(tuner.calls))
             for tool_call in (call.reply or {}).get("tool_calls") or []}
 
-
-def _unauthorized():
-    """The OpenAI-shaped 401 of every route here."""
-    return openai_error(401, "invalid or revoked API key", "invalid_api_key", "authentication_error")

@@ -62,6 +62,12 @@ if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null 2>&1 && command
   fi
 fi
 python -m astuner.model_cache
+# Tests only: the remote agents' light client alone (.venv-remote: astuner_remote, httpx, openai; no torch), as a
+# machine that only runs agents installs it; the tutorial's client runs from it in the tests.
+if [ "${1:-}" = "--test" ] && [ ! -x .venv-remote/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv-remote
+  .venv-remote/bin/python -m pip install -q ./clients/remote
+fi
 # Tests only: AgentScope 2.x in its own environment (.venv-as2). It needs mcp>=2 where the 1.x line above needs
 # mcp<2, and Python 3.11+. No vLLM there: its tests use the HF engine.
 if [ "${1:-}" = "--test" ] && [ ! -x .venv-as2/bin/python ]; then

@@ -18,6 +18,13 @@ from astuner.serve.remote_board import BoardError, workflow_output
 from conftest import REPO
 
 TUTORIAL = REPO / "tutorial/remote_agent"
+# The light client install, as a machine that only runs agents has it (scripts/setup_env.sh --test makes it).
+LIGHT_PYTHON = REPO / ".venv-remote/bin/python"
+
+
+def light_python() -> str:
+    assert LIGHT_PYTHON.exists(), "no .venv-remote: run `bash scripts/setup_env.sh --test` (it installs clients/remote)"
+    return str(LIGHT_PYTHON)
 
 
 def start_server(tmp_path: Path, model_dir: Path, *overrides: str, port: int = 0) -> tuple[subprocess.Popen, str]:
@@ -62,8 +69,9 @@ def free_port() -> int:
 def test_two_client_processes_serve_one_run(tmp_path, tiny_model_dir):
     # The clients start first and wait for the server (as they wait for one that restarts), so both are polling
     # when the first episodes are offered.
+    # Both from the light install (clients/remote: no astuner, no torch), as a user's agent machine runs them.
     port = free_port()
-    clients = [subprocess.Popen([sys.executable, str(TUTORIAL / "agent_client.py"), "--url", f"http://127.0.0.1:{port}",
+    clients = [subprocess.Popen([light_python(), str(TUTORIAL / "agent_client.py"), "--url", f"http://127.0.0.1:{port}",
                                  "--concurrency", "4", "--idle-exit", "120"], stderr=subprocess.PIPE, text=True)
                for _ in range(2)]
     proc, url = start_server(tmp_path, tiny_model_dir, port=port)
@@ -110,6 +118,7 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     by_uid = {e["episode_uid"]: e for e in trajectories(tmp_path / "out")}
     timed_out = by_uid[held.episode_uid]
     assert "timeout" in timed_out["flags"] and not timed_out["calls"]
+    assert "run by remote client local/flaky" in json.dumps(timed_out), timed_out  # who held it
     assert by_uid[answered.episode_uid]["reward"] == 1.0 and by_uid[answered.episode_uid]["calls"]
     row = json.loads((tmp_path / "out/metrics.jsonl").read_text().splitlines()[0])
     assert row["train/failure_rate"] == 0.5 and row["actor/num_samples"] == 1
@@ -138,6 +147,7 @@ def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     finally:
         code, rest = finish(proc, timeout=120)
     assert code == 1 and "all 2 episodes failed or timed out" in rest, rest  # step 2: nothing to train, it says so
+    assert "no remote client took the episode within 16s (astuner serve --take-timeout)" in rest, rest
     assert "Check that remote clients run against this server" in rest  # the clients to look at, not a workflow
 
 
@@ -174,6 +184,60 @@ def test_a_killed_server_resumes_its_last_step_and_the_clients_come_back(tmp_pat
         names.add(f"local/{socket.gethostname()}-{client.pid}")
     after = [json.loads(line) for line in (out / "trajectories/train_step_000003.jsonl").read_text().splitlines()]
     assert after and {e["output_metadata"]["remote_client"] for e in after} <= names  # the same processes
+
+
+# One client, one episode at a time, each taking about 2.5 s of the 4 s episode_timeout: with four episodes offered
+# at once, an episode whose deadline ran from its offer would time out waiting for the client.
+SLOW_CLIENT = """
+import asyncio, sys
+from astuner_remote import RemoteClient
+
+async def slow(episode):
+    await asyncio.sleep(2.0)
+    await episode.openai_client().chat.completions.create(
+        model=episode.model, max_tokens=3, messages=[{"role": "user", "content": episode.task["query"]}])
+    return 1.0
+
+print("slow_client:", RemoteClient(sys.argv[1], name="slow", reconnect_s=240).run(slow, concurrency=1,
+                                                                                  idle_exit_s=240), file=sys.stderr)
+"""
+
+
+def test_a_slow_client_loses_no_episode_and_a_stopped_server_keeps_it_waiting(tmp_path, tiny_model_dir):
+    """Four episodes a step, one client that runs one at a time: none times out (each episode's deadline starts
+    when the client takes it). SIGTERM after step 1's checkpoint is a stop, not the end of the run: the client keeps
+    waiting, and the same command resumes; the run's end is what ends the client."""
+    from astuner.remote import RemoteClient
+    from astuner.resume import is_complete
+
+    val = tmp_path / "val.jsonl"
+    val.write_text((REPO / "tutorial/agent_quickstart/data/val.jsonl").read_text().splitlines()[0] + "\n")
+    port, out = free_port(), tmp_path / "out"
+    script = tmp_path / "slow_client.py"
+    script.write_text(SLOW_CLIENT)
+    client = subprocess.Popen([sys.executable, str(script), f"http://127.0.0.1:{port}"], stderr=subprocess.PIPE,
+                              text=True)
+    overrides = ("astuner.rollout.episode_timeout=4", "astuner.trainer_common.save_freq=1",
+                 f"astuner.task_reader.jsonl_dataset_file.validation.file_path={val}")
+    proc, url = start_server(tmp_path, tiny_model_dir, *overrides, port=port)
+    watcher = RemoteClient(url, reconnect_s=5)
+    deadline = time.monotonic() + 240
+    while not (is_complete(out / "global_step_1") and watcher.status()["taken"] > 4):  # step 2 under way
+        assert proc.poll() is None and time.monotonic() < deadline, "step 2 never started"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    time.sleep(3.0)
+    assert client.poll() is None, client.stderr.read()  # not told the run is over: it waits for the server
+    restarted, _ = start_server(tmp_path, tiny_model_dir, *overrides, port=port)
+    code, rest = finish(restarted, timeout=300)
+    assert code == 0, rest
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 0 and "slow_client:" in err, err
+    episodes = trajectories(out)
+    assert episodes and all(not e["flags"] for e in episodes), [e["flags"] for e in episodes]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
 
 
 def test_a_remote_multi_agent_system_calls_each_agents_model(tmp_path, tiny_model_dir):
@@ -215,8 +279,15 @@ def test_results_are_checked_before_they_reach_the_run():
             workflow_output(body)
 
 
-def test_the_client_needs_no_torch():
-    code = ("import sys; sys.path.insert(0, 'tutorial/agent_quickstart'); import astuner.remote, openai_agent; "
-            "heavy = [m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules]; "
-            "assert not heavy, heavy")
+def test_the_client_installs_alone():
+    """The light install holds the client and the tutorial's agent, and neither astuner nor torch; in the full
+    install `astuner.remote` is the same client, imported without torch."""
+    code = (f"import sys, importlib.util; sys.path.insert(0, {str(REPO / 'tutorial/agent_quickstart')!r}); "
+            "import astuner_remote, lookup_agent; "
+            "found = [m for m in ('astuner', 'torch', 'transformers') if importlib.util.find_spec(m)]; "
+            "assert not found, found")
+    subprocess.run([light_python(), "-c", code], check=True, cwd="/")  # not the repository: its astuner/ is there
+    code = ("import sys; import astuner.remote, astuner_remote; assert astuner.remote.RemoteClient is "
+            "astuner_remote.RemoteClient; heavy = [m for m in ('torch', 'vllm', 'ray', 'transformers') "
+            "if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 from astuner.serve import wire_proto as wp
 from astuner.serve.futures import Futures, Outcome, TrainingQueue
-from astuner.serve.tinker_losses import cispo, cross_entropy, importance_sampling, ppo
+from astuner.serve.tinker_losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 
 pb = pytest.importorskip("tinker.proto.tinker_public_pb2") if sys.version_info < (3, 11) else \
     __import__("tinker.proto.tinker_public_pb2", fromlist=["x"])
@@ -110,6 +110,37 @@ def test_losses_by_hand():
     assert loss.item() == pytest.approx(3.4, rel=1e-6)
     loss.backward()
     assert logp.grad.tolist() == pytest.approx([-1.0, -1.2])
+    # DRO, beta 0.1: -((-1)(1) - 0.05 * 0 + (-2)(1) - 0.05 * 0.25) = 3.0125; gradient -(A - beta (logp - q)) =
+    # [-1, -(1 - 0.1 * 0.5)] = [-1, -0.95]
+    logp.grad = None
+    loss = dro(logp, q, adv, 0.1)
+    assert loss.item() == pytest.approx(3.0125, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-1.0, -0.95])
+
+
+def test_gspo_by_hand():
+    """One datum of two sampled tokens: log-ratios 0 and 0.5, so s = exp(0.25) = 1.2840 for both. Clipped at 1.2,
+    each token gives min(1.284, 1.2) = 1.2: L = -2.4 and no gradient; with hi 1.5, L = -2 * 1.284 and each token's
+    gradient is -s * A = -1.284 (the sequence's ratio, GSPO-token). A masked-out token counts neither in s nor in
+    L; two data have a ratio each."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    q, adv, mask, seq = torch.tensor([-1.0, -2.5]), torch.tensor([1.0, 1.0]), torch.ones(2), torch.zeros(2, dtype=torch.long)
+    s = float(np.exp(0.25))
+    loss = gspo(logp, q, adv, mask, seq, 0.8, 1.2)
+    assert loss.item() == pytest.approx(-2.4, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0])
+    logp.grad = None
+    loss = gspo(logp, q, adv, mask, seq, 0.8, 1.5)
+    assert loss.item() == pytest.approx(-2 * s, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-s, -s], rel=1e-6)
+    # the first token masked out: s = exp(0.5) over the second alone, and only the second is in L
+    assert gspo(logp, q, adv, torch.tensor([0.0, 1.0]), seq, 0.8, 2.0).item() == pytest.approx(-np.exp(0.5), rel=1e-6)
+    # two data, one token each: ratios exp(0) and exp(0.5), each its own
+    got = gspo(logp, q, adv, mask, torch.tensor([0, 1]), 0.5, 2.0).item()
+    assert got == pytest.approx(-(1.0 + np.exp(0.5)), rel=1e-6)
 
 
 def test_training_requests_run_in_seq_order_and_repeats_get_one_id():

@@ -107,17 +107,22 @@ def test_policy_losses_match_their_formulas(served, client, tiny_model_dir):
     n = len(TOKENS) - 1
     base = tc.forward([datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     q = base + np.linspace(-0.5, 0.5, n).astype(np.float32)  # sampling logprobs off the current ones
-    adv = np.linspace(-1, 1, n).astype(np.float32)
+    adv = np.linspace(-1, 2, n).astype(np.float32)
+    adv[:2] = 0  # prompt-like positions: out of gspo's sequence ratio
     rl = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
                      loss_fn_inputs={"target_tokens": TOKENS[1:], "logprobs": q.tolist(), "advantages": adv.tolist()})
     ratio = np.exp(base - q)
+    sampled = adv != 0  # gspo's sequence ratio: over the tokens with an advantage (no sequence_ratio_mask sent)
+    s = np.exp((base - q)[sampled].mean())
+    clip = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
     expected = {
-        "importance_sampling": -(ratio * adv).sum(),
-        "ppo": -np.minimum(ratio * adv, np.clip(ratio, 0.9, 1.1) * adv).sum(),
-        "cispo": -(np.clip(ratio, 0.9, 1.1) * base * adv).sum(),
+        "importance_sampling": (None, -(ratio * adv).sum()),
+        "ppo": (clip, -np.minimum(ratio * adv, np.clip(ratio, 0.9, 1.1) * adv).sum()),
+        "cispo": (clip, -(np.clip(ratio, 0.9, 1.1) * base * adv).sum()),
+        "dro": ({"beta": 0.3}, -(base * adv - 0.15 * (base - q) ** 2).sum()),
+        "gspo": (clip, -(sampled * np.minimum(s * adv, np.clip(s, 0.9, 1.1) * adv)).sum()),
     }
-    for loss_fn, value in expected.items():
-        config = None if loss_fn == "importance_sampling" else {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    for loss_fn, (config, value) in expected.items():
         got = tc.forward([rl], loss_fn, loss_fn_config=config).result().metrics["loss:sum"]
         assert_scalar_close(got, float(value), what=loss_fn)
 

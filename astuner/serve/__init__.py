@@ -111,7 +111,9 @@ def tinker_server(service, keys, host: str = LOOPBACK, port: int = 0, poll_wait_
     from astuner.serve.app import POLL_WAIT_S, TinkerApp
 
     tinker = TinkerApp(service, keys, POLL_WAIT_S if poll_wait_s is None else poll_wait_s)
-    return Server(tinker.app, keys, host, port, on_stop=tinker.close)
+    server = Server(tinker.app, keys, host, port, on_stop=tinker.close)
+    server.tinker = tinker  # its queues and counts, for the summary at stop and for tests
+    return server
 
 
 class Server:
@@ -122,6 +124,7 @@ class Server:
 
         check_host(host, keys)
         self.on_stop = on_stop
+        self.tinker = None  # the Tinker API app, when it serves one (`tinker_server`)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -84,8 +84,10 @@ class Sessions:
             return [s for s in self._live.values() if now - s.last_seen > self.timeout_s]
 
     def end(self, session_id: str, why: str) -> Session | None:
+        """Ends a live session, or says anew why an ended one ended (an expired session, once its states are
+        saved, names them)."""
         with self._lock:
-            session = self._live.pop(session_id, None)
+            session = self._live.pop(session_id, None) or self._ended.get(session_id)
             if session is None:
                 return None
             session.ended = why

@@ -1,0 +1,144 @@
+"""The remote agents' client and board without a model: a board served on loopback, offers made by hand, the real
+`astuner_remote.RemoteClient` taking them. Whatever one episode does, no other is dropped; a stopped client
+reports what it ran; a take is idempotent; an episode's deadline starts when it is taken."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from astuner.serve.remote_board import EpisodeBoard, RemoteAgentError
+
+
+@pytest.fixture()
+def board(tmp_path):
+    """A board on loopback (no keys) and an event loop of its own, where the offers live (as the run's)."""
+    from astuner.serve import Server
+    from astuner.serve.keys import KeyStore
+    from astuner.serve.remote_app import RemoteApp
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    board = EpisodeBoard(episode_timeout_s=60.0)
+    server = Server(RemoteApp(board, KeyStore(tmp_path / "keys.json")), KeyStore(tmp_path / "keys.json"))
+    board.public_url = server.start()
+    board.loop = loop
+    yield board
+    server.stop()
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def offer(board, *tasks: dict, on_take=None) -> list:
+    async def make():
+        return [board.offer({"task": task, "base_url": "", "api_key": "k", "model": "policy"}, on_take)
+                for task in tasks]
+
+    return asyncio.run_coroutine_threadsafe(make(), board.loop).result(5)
+
+
+def outcome(offer, timeout: float = 10.0):
+    async def wait():
+        try:
+            return await asyncio.wait_for(asyncio.shield(offer.future), timeout)
+        except RemoteAgentError as exc:
+            return exc
+
+    return asyncio.run_coroutine_threadsafe(wait(), offer.loop).result(timeout + 5)
+
+
+def test_one_episodes_failure_never_drops_another(board):
+    """numpy values are sent as numbers; a result that is not JSON, and an agent that raises, become those
+    episodes' errors, and the client goes on with the rest (before, the first of them ended the whole client)."""
+    from astuner_remote import RemoteClient
+
+    offers = offer(board, {"kind": "numpy"}, {"kind": "object"}, {"kind": "raise"}, {"kind": "plain"})
+
+    async def agent(episode):
+        kind = episode.task["kind"]
+        if kind == "raise":
+            raise ValueError("the agent broke")
+        if kind == "object":
+            return {"metadata": {"handle": object()}}
+        if kind == "numpy":
+            return {"reward": np.float32(0.5), "metadata": {"x": np.float64(1.5), "xs": np.arange(3)}}
+        return 1.0
+
+    posted = RemoteClient(board.public_url, name="c").run(agent, concurrency=1, episodes=4)
+    results = [outcome(o) for o in offers]
+    assert posted == 4
+    assert results[0].reward == 0.5 and results[0].metadata["x"] == 1.5 and results[0].metadata["xs"] == [0, 1, 2]
+    assert isinstance(results[1], RemoteAgentError) and "not JSON" in str(results[1])
+    assert isinstance(results[2], RemoteAgentError) and "the agent broke" in str(results[2])
+    assert results[3].reward == 1.0
+
+
+def test_a_client_takes_no_more_than_asked_and_counts_only_what_the_run_took(board):
+    from astuner_remote import RemoteClient
+
+    offers = offer(board, *({"i": i} for i in range(4)))
+
+    async def late(episode):  # its episode ends (its deadline passes) before the result is posted
+        gone = next(o for o in offers if o.episode_id == episode.episode_id)
+        board.loop.call_soon_threadsafe(board.withdraw, gone)
+        await asyncio.sleep(0.3)
+        return 1.0
+
+    assert RemoteClient(board.public_url, name="c").run(late, concurrency=4, episodes=2) == 0  # 410s: not counted
+    assert board.taken == 2  # concurrency 4, episodes 2: two taken, not four
+
+
+def test_a_stopped_client_reports_what_it_was_running(board):
+    from astuner_remote import RemoteClient
+
+    offers = offer(board, {"i": 0}, {"i": 1})
+
+    async def forever(episode):
+        await asyncio.Event().wait()
+
+    async def main():
+        task = asyncio.ensure_future(RemoteClient(board.public_url, name="c").run_async(forever, concurrency=2))
+        while board.taken < 2:
+            await asyncio.sleep(0.05)
+        task.cancel()  # Ctrl-C in asyncio.run, or the caller's own cancel
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    for o in offers:
+        got = outcome(o)
+        assert isinstance(got, RemoteAgentError) and "client stopped" in str(got)
+
+
+def test_a_take_sent_again_gets_the_same_episode(board):
+    offer(board, {"i": 0}, {"i": 1})
+    with httpx.Client(base_url=board.public_url, headers={"X-API-Key": "tml-x", "X-Astuner-Client": "c"}) as http:
+        first = http.post("/astuner/v1/episodes/next", json={"wait_s": 1, "take_token": "t1"}).json()["episode"]
+        again = http.post("/astuner/v1/episodes/next", json={"wait_s": 1, "take_token": "t1"}).json()["episode"]
+        other = http.post("/astuner/v1/episodes/next", json={"wait_s": 1, "take_token": "t2"}).json()["episode"]
+        foreign = httpx.post(f"{board.public_url}/astuner/v1/episodes/next", json={"wait_s": 0, "take_token": "t1"},
+                             headers={"X-API-Key": "tml-x", "X-Astuner-Client": "d"}).json()["episode"]
+    assert first["episode_id"] == again["episode_id"] != other["episode_id"]
+    assert foreign is None  # another client's token takes nothing of the first's (and nothing is left)
+    assert board.taken == 2
+
+
+def test_an_episodes_deadline_starts_when_it_is_taken(board):
+    """Offers wait for a free client without losing time: the one taken 1.5 s after it was offered still has its
+    whole episode_timeout, and the run's deadline for it moves to the take (the callback)."""
+    board.episode_timeout_s, board.take_timeout_s = 1.0, 30.0
+    taken = []
+    offer(board, {"i": 0}, on_take=lambda client, deadline: taken.append((client, deadline)))
+    time.sleep(1.5)
+    got = board.take("local/c")
+    assert got["deadline_s"] == 1.0
+    assert taken and taken[0][0] == "local/c" and abs(taken[0][1] - (time.monotonic() + 1.0)) < 0.5
+    board.take_timeout_s = 0.2
+    offer(board, {"i": 1})
+    time.sleep(0.4)
+    assert board.take("local/c") is None  # waited past its take bound: nobody may take it any more

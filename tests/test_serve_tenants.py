@@ -386,16 +386,19 @@ def test_bases_sharing_a_folder_name_are_named_apart():
     assert base_of(bases, "critic").name == "b/model" and base_of(bases, "/x/a/model").name == "a/model"
 
 
-def test_the_keys_summary_says_what_holds(tmp_path):
+def test_revoking_the_last_key_closes_the_server_and_says_so(tmp_path, capsys):
     from astuner.cli import main
     from astuner.serve.keys import KeyStore
 
     yaml = tmp_path / "s.yaml"
     yaml.write_text(f"astuner:\n  experiment_dir: {tmp_path / 'out'}\n  model: {{path: x}}\n")
     assert main(["serve-key", "create", "erin", "--conf", str(yaml)]) == 0
+    capsys.readouterr()
     assert main(["serve-key", "revoke", "erin", "--conf", str(yaml)]) == 0
+    said = capsys.readouterr().err
+    assert "no key is left, so the server refuses every request (it does not reopen" in said, said
     store = KeyStore(tmp_path / "out/serve/keys.json")
-    assert not store.open_access()
+    assert not store.open_access() and not store.any()
 
 
 def test_json_results_of_the_wire(team):

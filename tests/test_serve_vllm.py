@@ -61,6 +61,14 @@ def test_samplers_on_vllm_serve_the_trained_weights_and_the_base_again(tmp_path,
 
         again = base.sample(prompt, 1, greedy).result().sequences[0].tokens  # the base, from the model folder
         assert again == first
+        # top-k prompt logprobs from vLLM: the likeliest first, the prompt's own token's logprob no higher
+        top = base.sample(types.ModelInput.from_ints(TOKENS), 1, greedy, include_prompt_logprobs=True,
+                          topk_prompt_logprobs=3).result()
+        assert top.topk_prompt_logprobs[0] is None and len(top.topk_prompt_logprobs) == len(TOKENS)
+        for position in range(1, len(TOKENS)):
+            values = [lp for _, lp in top.topk_prompt_logprobs[position]]
+            assert len(values) == 3 and values == sorted(values, reverse=True)
+            assert top.prompt_logprobs[position] <= values[0] + atol
         assert not torch.equal(torch.tensor(scored[1:]), torch.tensor(
             base.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]))
     finally:

@@ -27,7 +27,8 @@ from starlette.routing import Route
 from astuner.serve.futures import Busy, Futures, Outcome, RequestError, TrainingQueue
 from astuner.serve.http_body import HttpError, read_body
 from astuner.serve.sessions import LOCAL, Session, tenant_label, tenant_of_key
-from astuner.serve.tinker_sampling import check_request, sample
+from astuner.heap import release_freed_memory
+from astuner.serve.tinker_sampling import EngineShares, check_request, sample
 from astuner.serve.wire_proto import ProtoError, peek_sequence, read_forward_backward
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class TinkerApp:
         self.queue: TrainingQueue | None = None
         self._tasks: set[asyncio.Task] = set()
         self.pending: dict[str, int] = {}  # tenant -> sequences it has waiting or being sampled
+        self.shares = EngineShares(self.limits.engine_share)
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.empty,
             "create_session": self.create_session, "session_heartbeat": self.heartbeat, "telemetry": self.telemetry,
@@ -98,7 +100,8 @@ class TinkerApp:
             *(Route(f"/api/v1/{path}", self._endpoint(fn, _json_sequence), methods=["POST"])
               for path, fn in sequenced.items()),
             Route("/api/v1/forward_backward", self._endpoint(self.forward_backward, _proto_sequence,
-                                                               self.limits.proto_body_bytes), methods=["POST"]),
+                                                               self.limits.proto_body_bytes, self._admit),
+                  methods=["POST"]),
             Route("/api/v1/get_server_capabilities", self._endpoint(self.capabilities), methods=["GET"]),
             Route("/api/v1/healthz", self._endpoint(self.empty), methods=["GET"]),
             Route("/api/v1/samplers/{sampler_id:path}", self._endpoint(self.sampler), methods=["GET"]),
@@ -124,7 +127,9 @@ class TinkerApp:
         task.add_done_callback(self._tasks.discard)
 
     def _endpoint(self, fn, sequence: Callable[[Call], tuple[str, int] | None] | None = None,
-                  limit: int | None = None):
+                  limit: int | None = None, admit=None):
+        """`admit(call, prefix)`: a check of the body's first bytes before the rest is read (a request that would
+        wait too far ahead is refused before it costs its upload)."""
         limit = limit or self.limits.json_body_bytes
 
         async def handle(request: Request) -> Response:
@@ -133,7 +138,7 @@ class TinkerApp:
             try:
                 call = Call(request, self._authorize(request), b"")
                 if request.method == "POST":
-                    call.body = await self._read(request, limit)
+                    call.body = await self._read(request, limit, admit and (lambda prefix: admit(call, prefix)))
                 out = await fn(call)
             except (HttpError, RequestError, ProtoError) as exc:
                 status = getattr(exc, "status", 400)
@@ -146,9 +151,10 @@ class TinkerApp:
 
         return handle
 
-    async def _read(self, request: Request, limit: int) -> bytes:
-        body = await read_body(request, limit)
-        if request.headers.get("content-encoding", "identity") == "identity":
+    async def _read(self, request: Request, limit: int, admit=None) -> bytes:
+        compressed = request.headers.get("content-encoding", "identity") != "identity"
+        body = await read_body(request, limit, None if compressed else admit)
+        if not compressed:
             return body
         if request.headers.get("content-encoding") != "zstd":
             raise HttpError(415, f"content-encoding {request.headers.get('content-encoding')!r}: send the body "
@@ -227,6 +233,7 @@ class TinkerApp:
         session = self.service.sessions.get(call.request.path_params["session_id"], call.tenant, touch=False)
         for model_id in self.service.close_session(session.session_id):
             self.queue.close(model_id)
+        release_freed_memory()  # its trainers' memory leaves with them
         return {}
 
     async def unknown(self, call: Call) -> dict:
@@ -255,6 +262,7 @@ class TinkerApp:
                                        f"create_training_client_from_state_with_optimizer)" if paths else ""))
             log.warning("astuner serve: session %s of %s %s; %s", session.session_id, tenant_label(session.tenant),
                         why, f"saved {', '.join(paths)}" if paths else "it held no training client")
+            release_freed_memory()
             return Outcome(json={})
 
         self.queue.run_now(session.tenant, save_and_free)
@@ -273,8 +281,19 @@ class TinkerApp:
     async def get_info(self, call: Call) -> dict:
         return self.service.info(call.field("model_id"), call.tenant)
 
+    def _admit(self, call: Call, prefix: bytes) -> None:
+        """A forward_backward's place in its client's order, read from its first bytes: one too far ahead, or one
+        the client's waiting bytes cannot take (its Content-Length), is a 429 before its upload is read."""
+        place = peek_sequence(prefix)
+        size = call.request.headers.get("content-length", "0")
+        if place is not None and size.isdigit() and place[0] in self.service.models:
+            self.service.model(place[0], call.tenant)
+            self.queue.check_room(place[0], place[1], int(size))
+
     async def forward_backward(self, call: Call) -> dict:
-        fb = read_forward_backward(call.body)
+        # a large body is parsed off the event loop: every other request (polls, heartbeats) goes on meanwhile
+        fb = read_forward_backward(call.body) if len(call.body) < 1 << 20 else \
+            await asyncio.to_thread(read_forward_backward, call.body)
         self.service.model(fb.model_id, call.tenant)
         return self._sequenced(call, fb.model_id, fb.seq_id, lambda: self.service.forward_backward(fb, call.tenant))
 
@@ -354,7 +373,8 @@ class TinkerApp:
 
         async def run() -> None:
             try:
-                outcome, prompt, results = await sample(self.service, data, call.tenant)
+                async with self.shares.hold(call.tenant, n):
+                    outcome, prompt, results = await sample(self.service, data, call.tenant)
                 self._record(call.tenant, ids, prompt, results)
             except RequestError as exc:
                 outcome = Outcome(error=str(exc))

@@ -6,7 +6,8 @@ id that never existed. Ids are random (`req-` and 16 random bytes), so none can 
 Training requests of one model run in their `seq_id` order, one at a time, on the one training thread: the SDK
 numbers them 1, 2, 3... per training client and may send a later one first (the chunks of a large
 `forward_backward` go out in parallel, the first chunk last). A request sent twice (a retry) gets the id of the
-first. A request refused before it could run (a bad body, an optimizer not served, a revoked key) still takes its
+first. The thread serves the tenants in turn, one request each (`FairWorker`): a tenant with many requests ready
+does not hold the others' behind them. A request refused before it could run (a bad body, an optimizer not served, a revoked key) still takes its
 turn (`refuse`): the SDK moves past a failed request, so its seq_id must not hold back the ones after it.
 
 What one model may hold while it waits for an earlier seq_id is bounded: a request more than `seq_window` ahead of
@@ -21,9 +22,11 @@ import asyncio
 import logging
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
+
+from astuner.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 RETRIES_REMEMBERED = 4096
@@ -119,13 +122,57 @@ class _Waiting:
     size: int  # bytes of the request's body, held until it has run
 
 
+LARGE_REQUEST = 8 << 20  # after a request this large, the heap it freed goes back to the system
+
+
+class FairWorker:
+    """One thread that runs jobs, taking the tenants in turn (round robin), each tenant's jobs in their order."""
+
+    def __init__(self, name: str = "astuner-serve-train"):
+        self._ready: OrderedDict[str, deque] = OrderedDict()  # tenant -> its jobs; the next tenant first
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tenant: str, fn: Callable, *args) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._ready.setdefault(tenant, deque()).append((fn, args))
+            self._cond.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                tenant, jobs = next(iter(self._ready.items()))
+                fn, args = jobs.popleft()
+                del self._ready[tenant]
+                if jobs:  # the tenant's next job waits for every other tenant's turn
+                    self._ready[tenant] = jobs
+            fn(*args)
+
+    def shutdown(self) -> None:
+        """Finish the job running; drop the rest."""
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=600)
+
+
 class TrainingQueue:
-    """Runs each model's requests in seq_id order on one thread (the trainers share the machine)."""
+    """Runs each model's requests in seq_id order on one thread (the trainers share the machine), the tenants in
+    turn."""
 
     def __init__(self, futures: Futures, seq_window: int = 64, held_bytes: int = 256 << 20):
         self.futures = futures
         self.seq_window, self.held_bytes = seq_window, held_bytes
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="astuner-serve-train")
+        self._worker = FairWorker()
         self._lock = threading.Lock()
         self._next: dict[str, int] = {}  # model_id -> the seq_id it runs next
         self._owner: dict[str, str] = {}  # model_id -> its tenant (the futures of its requests are theirs)
@@ -163,15 +210,8 @@ class TrainingQueue:
             if model_id not in self._next:
                 raise NotFound(f"no training client {model_id!r} on this server (closed, or made by a server that "
                                f"has since restarted)")
+            self._check_room(model_id, seq_id, size)
             nxt = self._next[model_id]
-            if seq_id > nxt:  # it waits: bounded in count and in bytes (the SDK retries a 429)
-                if seq_id - nxt > self.seq_window:
-                    raise Busy(f"seq_id {seq_id} is {seq_id - nxt} ahead of the request {model_id} runs next "
-                               f"({nxt}); this server holds at most {self.seq_window} ahead: send it again later")
-                if self._held[model_id] + size > self.held_bytes:
-                    raise Busy(f"training client {model_id} already holds {self._held[model_id] >> 20} MiB of "
-                               f"requests waiting for seq_id {nxt} (the limit is {self.held_bytes >> 20} MiB): "
-                               f"send it again later")
             request_id = self.futures.new(self._owner[model_id])
             self._remember(model_id, seq_id, request_id)
             if seq_id < nxt:
@@ -182,6 +222,23 @@ class TrainingQueue:
             self._held[model_id] += size
             self._dispatch(model_id)
         return request_id
+
+    def check_room(self, model_id: str, seq_id: int, size: int) -> None:
+        """A 429 (`Busy`) for a request that could not wait for its turn now; nothing for a repeat or the next."""
+        with self._lock:
+            if model_id in self._next and (model_id, seq_id) not in self._seen:
+                self._check_room(model_id, seq_id, size)
+
+    def _check_room(self, model_id: str, seq_id: int, size: int) -> None:
+        nxt = self._next[model_id]
+        if seq_id <= nxt:  # the next runs at once (or an old one fails at once): always taken
+            return
+        if seq_id - nxt > self.seq_window:
+            raise Busy(f"seq_id {seq_id} is {seq_id - nxt} ahead of the request {model_id} runs next ({nxt}); this "
+                       f"server holds at most {self.seq_window} ahead: send it again later")
+        if self._held[model_id] + size > self.held_bytes:
+            raise Busy(f"training client {model_id} already holds {self._held[model_id] >> 20} MiB of requests "
+                       f"waiting for seq_id {nxt} (the limit is {self.held_bytes >> 20} MiB): send it again later")
 
     def refuse(self, model_id: str, seq_id: int, message: str, tenant: str) -> None:
         """A request of the tenant's own client refused before it could be queued takes its turn as a failed
@@ -199,9 +256,9 @@ class TrainingQueue:
             pass
 
     def run_now(self, tenant: str, job: Callable[[], Outcome]) -> str:
-        """A request outside any model's order (creating a model), on the training thread."""
+        """A request outside any model's order (creating a model), on the training thread in the tenant's turn."""
         request_id = self.futures.new(tenant)
-        self._pool.submit(self._run, request_id, job)
+        self._worker.submit(tenant, self._run, request_id, job)
         return request_id
 
     def _remember(self, model_id: str, seq_id: int, request_id: str) -> None:
@@ -215,7 +272,7 @@ class TrainingQueue:
         while self._next[model_id] in waiting:
             item = waiting.pop(self._next[model_id])
             self._next[model_id] += 1
-            self._pool.submit(self._run, item.request_id, item.job, model_id, item.size)
+            self._worker.submit(self._owner[model_id], self._run, item.request_id, item.job, model_id, item.size)
 
     def _run(self, request_id: str, job: Callable[[], Outcome], model_id: str | None = None, size: int = 0) -> None:
         try:
@@ -231,6 +288,8 @@ class TrainingQueue:
                     if model_id in self._held:
                         self._held[model_id] -= size
         self.futures.resolve(request_id, outcome)
+        if size >= LARGE_REQUEST:
+            release_freed_memory()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._worker.shutdown()

@@ -14,8 +14,12 @@ class HttpError(Exception):
         self.status = status
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is over `limit` bytes (by its header or as it streams in)."""
+PREFIX_BYTES = 4096
+
+
+async def read_body(request, limit: int, check_prefix=None) -> bytes:
+    """The body, or a 413 as soon as it is over `limit` bytes (by its header or as it streams in). `check_prefix`
+    sees its first PREFIX_BYTES (or all of a shorter body) before the rest is read, and may refuse it (raise)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise HttpError(413, f"request body of {size} bytes; the limit is {limit}")
@@ -24,6 +28,11 @@ async def read_body(request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise HttpError(413, f"request body over the limit of {limit} bytes")
+        if check_prefix is not None and len(body) >= PREFIX_BYTES:
+            check_prefix(bytes(body[:PREFIX_BYTES]))
+            check_prefix = None
+    if check_prefix is not None:
+        check_prefix(bytes(body))
     return bytes(body)
 
 

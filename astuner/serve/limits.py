@@ -18,6 +18,7 @@ class ServeLimits:
     seq_window: int = 64  # a training request at most this far ahead of its client's next one waits
     held_mib: int = 256  # request bodies one training client may hold while they wait for their turn
     pending_samples: int = 256  # sequences one tenant may have waiting or being sampled
+    engine_share: int = 16  # of those, the most in the engine at once (the rest wait their turn in the server)
     json_body_bytes: int = 8 << 20
     proto_body_bytes: int = 256 << 20  # a forward_backward chunk: the SDK sends about 5 MB each
     provenance: str = "refuse"  # a datum whose spans disagree with what was sampled: "refuse" or "flag"

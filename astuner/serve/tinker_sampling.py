@@ -12,6 +12,7 @@ k likeliest tokens at each position (the API's sentinel, token 0 and -99999, whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from dataclasses import replace
@@ -91,6 +92,29 @@ def scored_prompt(engine, tokens: list[int], last_n: int | None, topk: int) -> t
         values = [math.nan] * hidden + values[hidden:]
         top = [None] * hidden + top[hidden:] if top is not None else None
     return values, top
+
+
+class EngineShares:
+    """At most `share` sequences of one tenant in the engine at once (a request larger than that goes alone); the
+    rest wait here, so a tenant's flood of samples never stands between another tenant's request and the engine."""
+
+    def __init__(self, share: int):
+        self.share = share
+        self._in: dict[str, int] = {}
+        self._cond: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant: str, n: int):
+        self._cond = self._cond or asyncio.Condition()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._in.get(tenant, 0) == 0 or self._in[tenant] + n <= self.share)
+            self._in[tenant] = self._in.get(tenant, 0) + n
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._in[tenant] -= n
+                self._cond.notify_all()
 
 
 _SAID = set()

@@ -547,3 +547,33 @@ def test_a_stream_left_after_its_first_chunk_under_uvicorn_is_not_recorded_and_o
         stop()
     assert len(tuner.calls) == (0 if reads == "one chunk" else 1)
     assert tuner.generated_tokens == (0 if reads == "one chunk" else len(engine.responses[0]))
+
+
+def test_a_body_over_the_limit_is_413_in_each_apis_shape_and_unknown_routes_answer_in_the_callers(demo_tokenizer,
+                                                                                                   gateway):
+    """The endpoint remote agents reach over the network reads no body past MAX_BODY_BYTES (it stops reading
+    there), and answers 413 in the shape of the API called; a route that does not exist answers in Anthropic's shape
+    to an Anthropic client (its `anthropic-version` header), wherever it points."""
+    from astuner.model_tuner.frontends.gateway_http import MAX_BODY_BYTES
+
+    tuner, _ = make_tuner(demo_tokenizer, [ANSWER_TURN], gateway=gateway)
+    huge = b'{"model": "p", "messages": [], "pad": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+
+    async def main():
+        url, key = tuner.base_url, tuner.api_key
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = await http.post(f"{url}/chat/completions", content=huge,
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            anthropic = await http.post(f"{url}/messages", content=huge, headers={
+                "x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"})
+            unknown = await http.post(f"{url}/nothing/here", json={}, headers={
+                "x-api-key": key, "anthropic-version": "2023-06-01"})
+        return chat, anthropic, unknown
+
+    chat, anthropic, unknown = asyncio.run(main())
+    assert chat.status_code == 413 and chat.json()["error"]["code"] == "request_too_large"
+    assert anthropic.status_code == 413 and anthropic.json()["type"] == "error"
+    assert anthropic.json()["error"]["type"] == "request_too_large"
+    assert unknown.status_code == 404 and unknown.json()["type"] == "error"
+    assert unknown.json()["error"]["type"] == "not_found_error"
+    assert not tuner.calls

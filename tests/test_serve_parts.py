@@ -167,6 +167,48 @@ def test_training_requests_run_in_seq_order_and_repeats_get_one_id():
     loop.call_soon_threadsafe(loop.stop)
 
 
+def test_the_training_thread_takes_tenants_in_turn():
+    """A tenant with ten requests ready does not hold another's behind them: the thread alternates."""
+    from astuner.serve.futures import FairWorker
+
+    gate, ran, done = threading.Event(), [], threading.Event()
+    worker = FairWorker()
+    worker.submit("first", gate.wait)  # holds the thread while the rest arrive
+    for i in range(10):
+        worker.submit("flood", ran.append, f"flood{i}")
+    for i in range(2):
+        worker.submit("quiet", ran.append, f"quiet{i}")
+    worker.submit("quiet", done.set)
+    gate.set()
+    assert done.wait(10)
+    worker.shutdown()
+    assert ran[:4] == ["flood0", "quiet0", "flood1", "quiet1"], ran
+
+
+def test_a_tenants_samples_hold_a_bounded_share_of_the_engine():
+    """At most `share` sequences of one tenant in the engine at once; another tenant's request goes in meanwhile."""
+    from astuner.serve.tinker_sampling import EngineShares
+
+    shares, inside, order = EngineShares(4), {"a": 0, "b": 0}, []
+
+    async def request(tenant, n):
+        async with shares.hold(tenant, n):
+            inside[tenant] += n
+            assert inside["a"] <= 4
+            order.append(tenant)
+            await asyncio.sleep(0.02)
+            inside[tenant] -= n
+
+    async def main():
+        flood = [asyncio.create_task(request("a", 4)) for _ in range(5)]
+        await asyncio.sleep(0.005)
+        await request("b", 1)  # waits for none of a's queue
+        await asyncio.gather(*flood)
+
+    asyncio.run(main())
+    assert order.index("b") <= 1, order
+
+
 def test_a_stream_of_one_snapshots_requests_does_not_starve_another():
     """Requests for snapshot A keep arriving (each holds the engine 5 ms); one for B arrives among them. The engine
     drains A's, switches to B and serves it, then A's later requests; without the fairness B waits for the end."""

@@ -25,6 +25,20 @@ def _say(line: str) -> None:
     print(f"astuner: {line}", file=sys.stderr, flush=True)
 
 
+HELP = {
+    "session_timeout": "Seconds without a heartbeat after which a session expires: its training clients are saved "
+                       "(their tinker:// paths logged) and their slots freed. The SDK sends one every 10 s.",
+    "max_lora_rank": "The largest LoRA rank a training client may ask for (never over the model's hidden size).",
+    "max_pending_samples": "Sequences one key may have waiting or being sampled; more are answered 429 (the SDK "
+                           "backs off).",
+    "max_held_mib": "MiB of requests one training client may send ahead of its turn; more are answered 429.",
+    "provenance": "A datum whose provenance spans disagree with what this server sampled: refuse it, or flag it "
+                  "(trained, counted in provenance_mismatch:sum).",
+    "take_timeout": "With remote agents: seconds an episode waits for a client to take it (default: 4 x "
+                    "rollout.episode_timeout); its episode_timeout starts when it is taken.",
+}
+
+
 @serve_app.command()
 def serve(
     conf: Annotated[str, typer.Option("--conf", "-c", help="The YAML config: its model (astuner.model.path), "
@@ -36,25 +50,14 @@ def serve(
     port: Annotated[int, typer.Option(help="Port; 0: any free port.")] = 8000,
     max_training_clients: Annotated[int, typer.Option(help="Training clients held at once, every key together "
                                                       "(each is a trainer with its optimizer state).", min=1)] = 2,
-    session_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat after which a session expires: "
-                                                   "its training clients are saved (their tinker:// paths logged) "
-                                                   "and their slots freed. The SDK sends one every 10 s.",
-                                                   min=1)] = 150.0,
-    max_lora_rank: Annotated[int, typer.Option(help="The largest LoRA rank a training client may ask for (never "
-                                               "over the model's hidden size).", min=1)] = 128,
-    max_pending_samples: Annotated[int, typer.Option(help="Sequences one key may have waiting or being sampled; "
-                                                     "more are answered 429 (the SDK backs off).", min=1)] = 256,
-    max_held_mib: Annotated[int, typer.Option(help="MiB of requests one training client may send ahead of its "
-                                              "turn; more are answered 429.", min=1)] = 256,
-    provenance: Annotated[str, typer.Option(help="A datum whose provenance spans disagree with what this server "
-                                            "sampled: refuse it, or flag it (trained, counted in "
-                                            "provenance_mismatch:sum).")] = "refuse",
+    session_timeout: Annotated[float, typer.Option(help=HELP["session_timeout"], min=1)] = 150.0,
+    max_lora_rank: Annotated[int, typer.Option(help=HELP["max_lora_rank"], min=1)] = 128,
+    max_pending_samples: Annotated[int, typer.Option(help=HELP["max_pending_samples"], min=1)] = 256,
+    max_held_mib: Annotated[int, typer.Option(help=HELP["max_held_mib"], min=1)] = 256,
+    provenance: Annotated[str, typer.Option(help=HELP["provenance"])] = "refuse",
     public_url: Annotated[str | None, typer.Option(help="The address remote agents reach this server at (default: "
                                                    "http://HOST:PORT).", show_default=False)] = None,
-    take_timeout: Annotated[float | None, typer.Option(help="With remote agents: seconds an episode waits for a "
-                                                       "client to take it (default: 4 x rollout.episode_timeout); "
-                                                       "its episode_timeout starts when it is taken.", min=1,
-                                                       show_default=False)] = None,
+    take_timeout: Annotated[float | None, typer.Option(help=HELP["take_timeout"], min=1, show_default=False)] = None,
     with_logview: Annotated[bool, typer.Option("--with-logview", help="With remote agents: serve the run's "
                                                "trajectory and metrics viewer on 127.0.0.1, as a run does.")] = False,
 ) -> None:

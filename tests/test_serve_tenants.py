@@ -370,8 +370,8 @@ def test_a_stop_saves_every_tenants_clients_each_in_its_own_folder(team, tiny_mo
     folder = team["service"].state_dir / tc.model_id.replace(":", "_")
     assert (folder / "tenant").read_text() == "key:alice"
     with pytest.raises(Exception):
-        team["service"].saved_file(path, "weights", "key:bob")
-    assert team["service"].saved_file(path, "weights", "key:alice").exists()
+        team["service"].saved.file_of(path, "weights", "key:bob")
+    assert team["service"].saved.file_of(path, "weights", "key:alice").exists()
     alice.close("success").result()
 
 

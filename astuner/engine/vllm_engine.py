@@ -328,29 +328,14 @@ class VLLMEngine:
         return self._call(run(), BATCH_TIMEOUT_S, "a batch generation")
 
     def sequence_logprobs(self, token_ids: list[int], start: int, lora=None) -> list[float]:
-        """log p(token_ids[i] | token_ids[:i]) for i >= start, from vLLM's prompt logprobs (the model's own,
-        untempered distribution): the engine side of the engine/trainer equality checks."""
+        """log p(token_ids[i] | token_ids[:i]) for i >= start: the engine side of the engine/trainer checks."""
         return self.prompt_logprobs(token_ids, lora=lora).values[max(start, 1) - 1 :]
 
     def prompt_logprobs(self, token_ids: list[int], topk: int = 0, lora=None) -> PromptLogprobs:
-        from vllm import SamplingParams as VSamplingParams
-
-        async def run():
-            params = VSamplingParams(max_tokens=1, prompt_logprobs=topk, detokenize=False, temperature=0.0)
-            final = None
-            async for output in self._llm.generate({"prompt_token_ids": list(token_ids)}, params, uuid.uuid4().hex,
-                                                   lora_request=lora):
-                final = output
-            return final.prompt_logprobs
-
-        scored = self._call(run(), self.sync_timeout_s, "vLLM to score a prompt")
-        values = [float(scored[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
-        if topk <= 0:
-            return PromptLogprobs(values)
-        # each position holds the prompt's own token and the top-k, with their ranks (1: the likeliest)
-        ranked = [sorted((p.rank, t, float(p.logprob)) for t, p in scored[i].items() if p.rank <= topk)
-                  for i in range(1, len(token_ids))]
-        return PromptLogprobs(values, [[(t, lp) for _, t, lp in pos] for pos in ranked])
+        """From vLLM's prompt logprobs (the model's own, untempered distribution)."""
+        scored = self._call(_score_prompt(self._llm, token_ids, topk, lora), self.sync_timeout_s,
+                            "vLLM to score a prompt")
+        return _prompt_logprobs(scored, token_ids, topk)
 
     # ---------------------------------------------------------------- internals
 
@@ -431,3 +416,25 @@ def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dt
         return 4
     need = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * max_model_len * max_num_seqs / 2**30
     return int(min(16, max(1, -(-need // 1))))
+
+
+async def _score_prompt(llm, token_ids: list[int], topk: int, lora):
+    from vllm import SamplingParams as VSamplingParams
+
+    params = VSamplingParams(max_tokens=1, prompt_logprobs=topk, detokenize=False, temperature=0.0)
+    final = None
+    async for output in llm.generate({"prompt_token_ids": list(token_ids)}, params, uuid.uuid4().hex,
+                                     lora_request=lora):
+        final = output
+    return final.prompt_logprobs
+
+
+def _prompt_logprobs(scored: list, token_ids: list[int], topk: int) -> PromptLogprobs:
+    """vLLM's prompt logprobs (per position: the prompt's own token and the top-k, with their ranks, 1 the
+    likeliest) as the engine interface's record."""
+    values = [float(scored[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
+    if topk <= 0:
+        return PromptLogprobs(values)
+    ranked = [sorted((p.rank, t, float(p.logprob)) for t, p in scored[i].items() if p.rank <= topk)
+              for i in range(1, len(token_ids))]
+    return PromptLogprobs(values, [[(t, lp) for _, t, lp in position] for position in ranked])

@@ -77,12 +77,9 @@ class ModelTuner:
         self.limits = limits
         self.temperature = float(temperature)
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
-        self.madness_checks = validate_checklist(madness_checks)
-        self.seed = seed
+        self.madness_checks, self.seed = validate_checklist(madness_checks), seed
         self.deadline = deadline  # time.monotonic() after which no LLM call starts; None: no deadline
-        # What the rollout says when the deadline passes, where a workflow moved it (a remote episode's starts when
-        # a client takes it); None: "episode timed out after <episode_timeout>s".
-        self.deadline_note: str | None = None
+        self.deadline_note: str | None = None  # what a timeout says when a workflow moved the deadline (remote)
         self.episode_uid = episode_uid
         self.reasoning_parser = reasoning_parser or NoReasoningParser()
         self.gateway = gateway  # the OpenAI front ends (gateway.Gateway); None: not offered

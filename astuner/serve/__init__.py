@@ -1,17 +1,22 @@
 """`astuner serve`: the YAML's model, trainer and engine behind the Tinker API, on a port.
 
-    app.py              the HTTP endpoints (Starlette), keys, size limits, the API's error shapes
-    futures.py          request ids, long polls, each training client's requests in seq_id order
-    bases.py            the models served: astuner.model and astuner.models, an engine each
+    app.py              the HTTP endpoints (Starlette): keys and tenants, bodies within their limits, the API's
+                        error shapes, a refused request's turn, sessions and their expiry
+    app_training.py     the training routes; app_sampling.py the sampling routes; call.py a request as they see it
+    futures.py          request ids, long polls, each training client's requests in seq_id order, the tenants in turn
     sessions.py         tenants (a key each), their sessions, the silence after which a session expires
     limits.py           what one tenant may make the server hold (bodies, waiting requests, samples, ranks)
-    provenance.py       what the server sampled, checked against the data said to come from it
+    bases.py            the models served: astuner.model and astuner.models, an engine each
     tinker_service.py   training clients (astuner Trainers), their states and sampler saves
+    tinker_data.py      a forward_backward's loss and data, checked, as trainer samples
+    saved_states.py     tinker:// paths, their files and whose they are
+    provenance.py       what the server sampled, checked against the data said to come from it
     snapshots.py        the weights samplers serve, sampling sessions, the engine's switches between them
     tinker_losses.py    the API's built-in losses as trainer objectives
-    tinker_sampling.py  sample / compute_logprobs on the config's engine (HF or vLLM)
+    tinker_sampling.py  sample / compute_logprobs on the config's engine (HF or vLLM), a tenant's share of it
     wire_proto.py       the API's protobuf messages, by hand
     keys.py             the clients' keys (`astuner serve-key`)
+    remote_app.py, remote_board.py   remote agents: the episodes' board and its routes
 
 Nothing here is imported by `astuner --help`; torch loads when the server builds its model.
 """

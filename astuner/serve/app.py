@@ -14,9 +14,8 @@ past a failed request. A silent session expires (`sessions.py`): checked every f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from starlette.applications import Starlette
@@ -24,53 +23,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astuner.serve.futures import Busy, Futures, Outcome, RequestError, TrainingQueue
-from astuner.serve.http_body import HttpError, read_body
-from astuner.serve.sessions import LOCAL, Session, tenant_label, tenant_of_key
 from astuner.heap import release_freed_memory
-from astuner.serve.tinker_sampling import EngineShares, check_request, sample
-from astuner.serve.wire_proto import ProtoError, peek_sequence, read_forward_backward
+from astuner.http_body import HttpError, read_body
+from astuner.serve import app_sampling, app_training
+from astuner.serve.call import Call, json_sequence
+from astuner.serve.futures import Futures, Outcome, RequestError, TrainingQueue
+from astuner.serve.sessions import LOCAL, Session, tenant_label, tenant_of_key
+from astuner.serve.tinker_sampling import EngineShares
+from astuner.serve.wire_proto import ProtoError, peek_sequence
 
 log = logging.getLogger(__name__)
 POLL_WAIT_S = 20.0  # a poll is held this long before "try_again" (the SDK times out at 45 s)
 PROTO = "application/x-protobuf"
-
-
-@dataclass
-class Call:
-    """One request as a handler sees it: the tenant it acts for and its body, read within its route's limit."""
-
-    request: Request
-    tenant: str
-    body: bytes
-    _json: dict | None = field(default=None, repr=False)
-
-    def json(self) -> dict:
-        if self._json is None:
-            try:
-                data = json.loads(self.body or b"{}")
-            except ValueError as exc:
-                raise HttpError(400, f"the body is not JSON ({exc})") from None
-            if not isinstance(data, dict):
-                raise HttpError(400, "the body must be a JSON object")
-            self._json = data
-        return self._json
-
-    def field(self, key: str, kind: type = str):
-        value = self.json().get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            raise HttpError(400, f"{key}: a {kind.__name__} is required")
-        return value
-
-
-def _json_sequence(call: Call) -> tuple[str, int] | None:
-    try:
-        data = call.json()
-    except HttpError:
-        return None
-    model_id, seq_id = data.get("model_id"), data.get("seq_id")
-    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool)
-    return (model_id, seq_id) if ok else None
 
 
 def _proto_sequence(call: Call) -> tuple[str, int] | None:
@@ -86,25 +50,27 @@ class TinkerApp:
         self._tasks: set[asyncio.Task] = set()
         self.pending: dict[str, int] = {}  # tenant -> sequences it has waiting or being sampled
         self.shares = EngineShares(self.limits.engine_share)
+        train, sampling = app_training, app_sampling
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.empty,
             "create_session": self.create_session, "session_heartbeat": self.heartbeat, "telemetry": self.telemetry,
-            "create_model": self.create_model, "get_info": self.get_info,
-            "create_sampling_session": self.create_sampling_session, "asample": self.asample,
-            "retrieve_future": self.retrieve_future,
+            "create_model": partial(train.create_model, self), "get_info": partial(train.get_info, self),
+            "create_sampling_session": partial(sampling.create_sampling_session, self),
+            "asample": partial(sampling.asample, self), "retrieve_future": self.retrieve_future,
         }
-        sequenced = {"optim_step": self.optim_step, "save_weights": self.save_weights,
-                     "save_weights_for_sampler": self.save_weights_for_sampler, "load_weights": self.load_weights}
+        sequenced = {name: partial(getattr(train, name), self)
+                     for name in ("optim_step", "save_weights", "save_weights_for_sampler", "load_weights")}
         self.app = Starlette(routes=[
             *(Route(f"/api/v1/{path}", self._endpoint(fn), methods=["POST"]) for path, fn in post.items()),
-            *(Route(f"/api/v1/{path}", self._endpoint(fn, _json_sequence), methods=["POST"])
+            *(Route(f"/api/v1/{path}", self._endpoint(fn, json_sequence), methods=["POST"])
               for path, fn in sequenced.items()),
-            Route("/api/v1/forward_backward", self._endpoint(self.forward_backward, _proto_sequence,
-                                                               self.limits.proto_body_bytes, self._admit),
-                  methods=["POST"]),
+            Route("/api/v1/forward_backward", self._endpoint(partial(train.forward_backward, self), _proto_sequence,
+                                                               self.limits.proto_body_bytes,
+                                                               partial(train.admit, self)), methods=["POST"]),
             Route("/api/v1/get_server_capabilities", self._endpoint(self.capabilities), methods=["GET"]),
             Route("/api/v1/healthz", self._endpoint(self.empty), methods=["GET"]),
-            Route("/api/v1/samplers/{sampler_id:path}", self._endpoint(self.sampler), methods=["GET"]),
+            Route("/api/v1/samplers/{sampler_id:path}", self._endpoint(partial(sampling.sampler, self)),
+                  methods=["GET"]),
             Route("/api/v1/sessions/{session_id}/finish", self._endpoint(self.finish), methods=["POST"]),
             Route("/{path:path}", self._endpoint(self.unknown), methods=["GET", "POST", "PUT", "DELETE"]),
         ])
@@ -119,9 +85,9 @@ class TinkerApp:
         if self.futures is None:
             self.futures = Futures(asyncio.get_running_loop())
             self.queue = TrainingQueue(self.futures, self.limits.seq_window, self.limits.held_mib << 20)
-            self._spawn(self._expire_silent_sessions())
+            self.spawn(self._expire_silent_sessions())
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -267,134 +233,6 @@ class TinkerApp:
 
         self.queue.run_now(session.tenant, save_and_free)
 
-    # --- training -------------------------------------------------------------------------------------------------
-
-    async def create_model(self, call: Call) -> dict:
-        data = call.json()
-        model_id = self.service.new_model_id(data.get("session_id"), call.field("model_seq_id", int), call.tenant)
-        self.service.check_creation(data.get("base_model"), data.get("lora_config"), data.get("optimizer_config"))
-        self.queue.open(model_id, call.tenant)
-        rid = self.queue.run_now(call.tenant, lambda: self.service.create_model(
-            model_id, data.get("base_model"), data.get("lora_config"), call.tenant, data.get("optimizer_config")))
-        return {"request_id": rid, "model_id": model_id}
-
-    async def get_info(self, call: Call) -> dict:
-        return self.service.info(call.field("model_id"), call.tenant)
-
-    def _admit(self, call: Call, prefix: bytes) -> None:
-        """A forward_backward's place in its client's order, read from its first bytes: one too far ahead, or one
-        the client's waiting bytes cannot take (its Content-Length), is a 429 before its upload is read."""
-        place = peek_sequence(prefix)
-        size = call.request.headers.get("content-length", "0")
-        if place is not None and size.isdigit() and place[0] in self.service.models:
-            self.service.model(place[0], call.tenant)
-            self.queue.check_room(place[0], place[1], int(size))
-
-    async def forward_backward(self, call: Call) -> dict:
-        # a large body is parsed off the event loop: every other request (polls, heartbeats) goes on meanwhile
-        fb = read_forward_backward(call.body) if len(call.body) < 1 << 20 else \
-            await asyncio.to_thread(read_forward_backward, call.body)
-        self.service.model(fb.model_id, call.tenant)
-        return self._sequenced(call, fb.model_id, fb.seq_id, lambda: self.service.forward_backward(fb, call.tenant))
-
-    def _sequenced(self, call: Call, model_id: str, seq_id: int, job) -> dict:
-        return {"request_id": self.queue.submit(model_id, seq_id, job, len(call.body)), "model_id": model_id}
-
-    def _training(self, call: Call) -> tuple[dict, str, int]:
-        model_id, seq_id = call.field("model_id"), call.field("seq_id", int)
-        self.service.model(model_id, call.tenant)
-        return call.json(), model_id, seq_id
-
-    async def optim_step(self, call: Call) -> dict:
-        data, model_id, seq_id = self._training(call)
-        if "adam_params" not in data:
-            kind = (data.get("optimizer_params") or {}).get("type") if isinstance(data.get("optimizer_params"),
-                                                                                  dict) else None
-            raise HttpError(400, f"optim_step: astuner serve steps AdamW only (adam_params); "
-                                 f"{f'{kind} is' if kind else 'other optimizers are'} refused")
-        return self._sequenced(call, model_id, seq_id,
-                               lambda: self.service.optim_step(model_id, data["adam_params"], call.tenant))
-
-    async def save_weights(self, call: Call) -> dict:
-        data, model_id, seq_id = self._training(call)
-        name = call.field("path")
-        return self._sequenced(call, model_id, seq_id, lambda: self.service.save_state(model_id, name, call.tenant))
-
-    async def save_weights_for_sampler(self, call: Call) -> dict:
-        data, model_id, seq_id = self._training(call)
-        name, sampler_id = data.get("path"), None
-        if name is None:  # save_weights_and_get_sampling_client: an ephemeral sampler of these weights
-            session = model_id.split(":")[0]
-            sampler_id = f"{session}:sample:{call.field('sampling_session_seq_id', int)}"
-        return self._sequenced(call, model_id, seq_id,
-                               lambda: self.service.save_for_sampler(model_id, name, sampler_id, call.tenant))
-
-    async def load_weights(self, call: Call) -> dict:
-        data = call.json()
-        path, optimizer = call.field("path"), bool(data.get("optimizer", False))
-        if data.get("session_id") is not None and data.get("seq_id") is None:  # from a state: a creation
-            model_id = self.service.new_model_id(data["session_id"], call.field("model_seq_id", int), call.tenant)
-            self.service.check_optimizer(data.get("optimizer_config"))
-            self.service.saved_file(path, "weights", call.tenant)  # 404 now for a path not the tenant's
-            self.queue.open(model_id, call.tenant)
-            rid = self.queue.run_now(call.tenant, lambda: self.service.load_state(model_id, path, optimizer,
-                                                                                  call.tenant, create=True))
-            return {"request_id": rid, "model_id": model_id}
-        data, model_id, seq_id = self._training(call)
-        self.service.saved_file(path, "weights", call.tenant)
-        return self._sequenced(call, model_id, seq_id,
-                               lambda: self.service.load_state(model_id, path, optimizer, call.tenant))
-
-    # --- sampling -------------------------------------------------------------------------------------------------
-
-    async def create_sampling_session(self, call: Call) -> dict:
-        session = self.service.sessions.get(call.json().get("session_id"), call.tenant)
-        sampler_id = f"{session.session_id}:sample:{call.field('sampling_session_seq_id', int)}"
-        data = call.json()
-        return self.service.create_sampler(sampler_id, data.get("model_path"), data.get("base_model"), call.tenant)
-
-    async def sampler(self, call: Call) -> dict:
-        sampler_id = call.request.path_params["sampler_id"]
-        return self.service.sampler(sampler_id, call.tenant)[1].info(sampler_id)
-
-    async def asample(self, call: Call) -> dict:
-        data = call.json()
-        check_request(data)
-        sampler_id = call.field("sampling_session_id")
-        self.service.sampler(sampler_id, call.tenant)[1].snapshot_of(sampler_id)
-        n = data.get("num_samples", 1)
-        held = self.pending.get(call.tenant, 0)
-        if held + n > self.limits.pending_samples:
-            raise Busy(f"{held} sequences of this key are waiting or being sampled; the limit is "
-                       f"{self.limits.pending_samples} (astuner serve --max-pending-samples): send it again later")
-        self.pending[call.tenant] = held + n
-        rid = self.futures.new(call.tenant)
-        ids = [f"{rid}-{i}" for i in range(n)]
-
-        async def run() -> None:
-            try:
-                async with self.shares.hold(call.tenant, n):
-                    outcome, prompt, results = await sample(self.service, data, call.tenant)
-                self._record(call.tenant, ids, prompt, results)
-            except RequestError as exc:
-                outcome = Outcome(error=str(exc))
-            except Exception as exc:  # noqa: BLE001 - the client gets it, the log the traceback
-                log.exception("astuner serve: sample %s failed", rid)
-                outcome = Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
-            finally:
-                self.pending[call.tenant] -= n
-            self.futures.resolve(rid, outcome)
-
-        self._spawn(run())
-        return {"request_id": rid, "sample_sequence_ids": ids}
-
-    def _record(self, tenant: str, ids: list[str], prompt: list[int], results) -> None:
-        """What was sampled, for the provenance check of the data trained on it later (`provenance.py`)."""
-        import numpy as np
-
-        prompt_ids = np.asarray(prompt, np.int32)
-        for sequence_id, result in zip(ids, results):
-            self.service.records.add(tenant, sequence_id, prompt_ids, result.token_ids, result.logprobs)
 
     async def retrieve_future(self, call: Call) -> Response:
         rid = call.field("request_id")

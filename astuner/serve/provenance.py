@@ -19,13 +19,18 @@ token-pipeline guard of the training loop (model_tuner/pipeline_check.py): what 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from astuner.serve.wire_proto import Span, WireDatum
+from astuner.serve.futures import RequestError
+from astuner.serve.tinker_losses import INPUTS
+from astuner.serve.wire_proto import ForwardBackwardRequest, Span, WireDatum
+
+log = logging.getLogger(__name__)
 
 RECORDED_TOKENS = 4_000_000  # about 32 MB of sampled tokens and logprobs; the oldest records go first
 
@@ -69,6 +74,23 @@ class SampleRecords:
 class Verdict:
     mismatched: list[str]  # what differs, one line per datum that does
     unverified: int  # data with a span naming a sequence not on record
+
+
+def verdict(records: SampleRecords, tenant: str, request: ForwardBackwardRequest, mode: str) -> dict[str, float]:
+    """The request's data checked: a RequestError for a datum that differs from what was sampled (mode "refuse");
+    the metrics the API reports when any datum has spans."""
+    if all(d.input_spans is None and d.loss_spans is None for d in request.data):
+        return {}
+    found = check(records, tenant, request.data, "logprobs" in INPUTS.get(request.loss_fn, ()))
+    if found.mismatched:
+        lines = "; ".join(found.mismatched[:3]) + ("; ..." if len(found.mismatched) > 3 else "")
+        if mode == "refuse":
+            raise RequestError(f"{len(found.mismatched)} datum(s) differ from what this server sampled: {lines} "
+                               f"(astuner serve --provenance flag trains them and counts them instead)")
+        log.warning("astuner serve: %s: %d datum(s) differ from what was sampled, trained as sent (provenance: "
+                    "flag): %s", request.model_id, len(found.mismatched), lines)
+    return {"provenance_mismatch:sum": float(len(found.mismatched)),
+            "provenance_unverified:sum": float(found.unverified)}
 
 
 def check(records: SampleRecords, tenant: str, data: list[WireDatum], reads_logprobs: bool) -> Verdict:

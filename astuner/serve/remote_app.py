@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from astuner.serve.http_body import HttpError, read_json
+from astuner.http_body import HttpError, read_json
 from astuner.serve.remote_board import BoardError, EpisodeBoard, RemoteAgentError, workflow_output
 
 MAX_BODY = 8 << 20

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from astuner.serve.http_body import HttpError
+from astuner.http_body import HttpError
 from astuner.workflow import Workflow, WorkflowOutput, WorkflowTask
 
 _BOARD: EpisodeBoard | None = None

@@ -11,17 +11,15 @@
                      waits for the requests in flight, loads with the verified sync, `engine/fingerprint.py`):
                      `snapshots.py`
 
-Paths are `tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, kept under
-`<experiment_dir>/serve/`, so a restarted server loads what an earlier one saved. Everything belongs to a tenant
-(`sessions.py`): a session, its training clients and samplers, a model's saved files (its folder holds a `tenant`
-file; a folder without one, saved before tenants existed, is the loopback tenant's). Another tenant's are 404.
+Saved states and sampler weights are `tinker://` paths to files under `<experiment_dir>/serve/state/`
+(`saved_states.py`), so a restarted server loads what an earlier one saved. Everything belongs to a tenant
+(`sessions.py`): a session, its training clients and samplers, a model's saved files. Another tenant's are 404.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 import secrets
 import threading
 from dataclasses import dataclass, field, replace
@@ -33,17 +31,15 @@ from astuner.serve import provenance
 from astuner.serve.bases import ServedBase, base_of, base_of_file
 from astuner.serve.futures import NotFound, Outcome, RequestError
 from astuner.serve.limits import ServeLimits
-from astuner.serve.sessions import LOCAL, Sessions
+from astuner.serve.saved_states import SavedStates
+from astuner.serve.sessions import Sessions, tenant_label
 from astuner.serve.snapshots import EPHEMERAL_KEPT, Samplers
+from astuner.serve.tinker_data import request_data
+from astuner.serve.tinker_losses import TinkerLoss
+from astuner.serve.wire_proto import ForwardBackwardRequest, forward_backward_output
 from astuner.trainer.lora import is_lora_param
-from astuner.serve.tinker_losses import CONFIG_KEYS, INPUTS, OPTIONAL_INPUTS, REFUSED, TinkerDatum, TinkerLoss
-from astuner.serve.wire_proto import ForwardBackwardRequest, WireDatum, forward_backward_output
-from astuner.types import Sample
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_MODEL_ID = re.compile(r"s[0-9a-f]+-[0-9a-f]+:train:[0-9]+")  # always with fullmatch: `$` takes a trailing newline
-TENANT_FILE = "tenant"
 
 
 @dataclass
@@ -61,6 +57,7 @@ class TinkerService:
         self.typed, self.bases = typed, bases
         self.policy = next(iter(bases.values()))  # astuner.model: base_model's default
         self.state_dir = Path(state_dir)
+        self.saved = SavedStates(self.state_dir)
         self.limits = limits or ServeLimits()
         self.boot = secrets.token_hex(3)  # session ids of a restarted server never meet an earlier one's
         self.sessions = Sessions(self.boot, self.limits.session_timeout_s)
@@ -96,38 +93,12 @@ class TinkerService:
 
     def check_creation(self, base_model: str | None, lora: dict | None, optimizer: dict | None) -> int:
         """What a create_model asks, checked before anything is built: its LoRA rank (0: the whole model)."""
-        base = self.check_base_model(base_model)
-        self.check_optimizer(optimizer)
-        lora = lora or {}
-        try:
-            rank = int(lora.get("rank", 32))
-        except (TypeError, ValueError):
-            raise RequestError(f"lora_config.rank must be an integer, got {lora.get('rank')!r}") from None
-        unsupported = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k, True) is not True]
-        if unsupported:
-            raise RequestError(f"lora_config {', '.join(unsupported)}=false: astuner serve puts adapters on the "
-                               f"YAML's trainer_common.lora.target_modules; set them there instead")
-        hidden = base.facts.shape.hidden if base.facts.shape is not None else None
-        most = min(r for r in (self.limits.max_lora_rank, hidden) if r)
-        if not 0 <= rank <= most:
-            raise RequestError(f"lora_config.rank must be 0 (the whole model) to {most} (the server's "
-                               f"--max-lora-rank {self.limits.max_lora_rank}"
-                               + (f", the model's hidden size {hidden}" if hidden else "") + f"), got {rank}")
-        return rank
-
-    @staticmethod
-    def check_optimizer(optimizer: dict | None) -> None:
-        """A training client's optimizer is chosen at its creation: one astuner serve does not step is refused then,
-        not at its first optim_step."""
-        kind = (optimizer or {}).get("type", "adamw") if isinstance(optimizer, (dict, type(None))) else None
-        if kind != "adamw":
-            raise RequestError(f"optimizer_config {optimizer!r}: astuner serve trains with AdamW only (adamw); "
-                               f"create the training client without an optimizer_config, or with type adamw")
+        return lora_rank_asked(self.check_base_model(base_model), lora, optimizer, self.limits)
 
     def create_model(self, model_id: str, base_model: str | None, lora: dict | None, tenant: str,
                      optimizer: dict | None = None) -> Outcome:
-        rank = self.check_creation(base_model, lora, optimizer)
         base = self.check_base_model(base_model)
+        rank = lora_rank_asked(base, lora, optimizer, self.limits)
         with self._lock:
             if model_id in self.models:  # a retried creation: the client it made
                 return Outcome(json={"type": "create_model", "model_id": model_id})
@@ -139,7 +110,7 @@ class TinkerService:
         trainer = self._new_trainer(base, rank)
         with self._lock:
             self.models[model_id] = ServedModel(model_id, trainer, rank, base, tenant)
-        log.info("astuner serve: training client %s on %s (%s)", model_id, base.name,
+        log.info("astuner serve: training client %s of %s on %s (%s)", model_id, tenant_label(tenant), base.name,
                  f"LoRA rank {rank}" if rank else "full model")
         return Outcome(json={"type": "create_model", "model_id": model_id})
 
@@ -203,7 +174,7 @@ class TinkerService:
             if samplers is not None and samplers.snapshots[model_path].tenant != tenant:
                 samplers = None  # another tenant's weights in memory: as if absent (its file says the same)
             if samplers is None:
-                file = self.saved_file(model_path, "sampler_weights", tenant)
+                file = self.saved.file_of(model_path, "sampler_weights", tenant)
                 samplers = self.samplers[base_of_file(self.bases, file).name]
                 samplers.add(model_path, tenant, file=file)
             samplers.open_session(sampler_id, model_path, tenant)
@@ -223,32 +194,9 @@ class TinkerService:
 
     def forward_backward(self, request: ForwardBackwardRequest, tenant: str) -> Outcome:
         model = self.model(request.model_id, tenant)
-        if request.loss_fn in REFUSED:
-            raise RequestError(f"loss_fn {request.loss_fn!r}: {REFUSED[request.loss_fn]}")
-        if request.loss_fn not in INPUTS:
-            raise RequestError(f"loss_fn {request.loss_fn!r} is not one astuner serve knows; it serves "
-                               f"{', '.join(INPUTS)}")
-        allowed = CONFIG_KEYS.get(request.loss_fn, ())
-        extra = sorted(set(request.config) - set(allowed))
-        if extra:
-            raise RequestError(f"loss_fn_config {extra} does not apply to {request.loss_fn} (it reads "
-                               f"{', '.join(allowed) or 'none'})")
-        texts = sorted(k for k, v in request.config.items() if not isinstance(v, float) or not math.isfinite(v))
-        if texts:
-            raise RequestError(f"loss_fn_config {texts}: finite numbers only")
         vocab = int(model.trainer.model.get_input_embeddings().weight.shape[0])
-        context = model.base.facts.max_position_embeddings
-        data = [datum_sample(d, i, request.loss_fn, vocab, context) for i, d in enumerate(request.data)]
-        if not data:
-            raise RequestError("forward_backward needs at least one datum")
-        verdict = provenance.check(self.records, tenant, request.data, "logprobs" in INPUTS[request.loss_fn])
-        if verdict.mismatched:
-            lines = "; ".join(verdict.mismatched[:3]) + ("; ..." if len(verdict.mismatched) > 3 else "")
-            if self.limits.provenance == "refuse":
-                raise RequestError(f"{len(verdict.mismatched)} datum(s) differ from what this server sampled: "
-                                   f"{lines} (astuner serve --provenance flag trains them and counts them instead)")
-            log.warning("astuner serve: %s: %d datum(s) differ from what was sampled, trained as sent (provenance: "
-                        "flag): %s", request.model_id, len(verdict.mismatched), lines)
+        data = request_data(request, vocab, model.base.facts.max_position_embeddings)
+        reported = provenance.verdict(self.records, tenant, request, self.limits.provenance)
         objective = TinkerLoss(request.loss_fn, data, request.config)
         samples = [d.sample for d in data]
         logprobs: list = [None] * len(samples)
@@ -258,10 +206,7 @@ class TinkerService:
         else:
             sums = trainer.forward_backward(samples, objective, logprobs_out=logprobs)
         arrays = [np.asarray(lp, np.float32) for lp in logprobs]
-        metrics = {"loss:sum": sums["loss"]}
-        if any(d.input_spans is not None or d.loss_spans is not None for d in request.data):
-            metrics.update({"provenance_mismatch:sum": float(len(verdict.mismatched)),
-                            "provenance_unverified:sum": float(verdict.unverified)})
+        metrics = {"loss:sum": sums["loss"], **reported}
         return Outcome(proto=forward_backward_output({"logprobs": arrays}, len(arrays), metrics))
 
     def optim_step(self, model_id: str, adam: dict, tenant: str) -> Outcome:
@@ -283,46 +228,11 @@ class TinkerService:
 
     # --- state ------------------------------------------------------------------------------------------------
 
-    def _path(self, model_id: str, kind: str, name) -> tuple[str, Path]:
-        if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
-            raise RequestError(f"{model_id!r} is not a training client id of this server")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise RequestError(f"checkpoint name {name!r}: letters, digits, '.', '_' and '-' only (up to 128)")
-        return f"tinker://{model_id}/{kind}/{name}", self.state_dir / model_id.replace(":", "_") / kind / name
-
-    def saved_file(self, path: str, kind: str, tenant: str) -> Path:
-        """The tenant's saved file at a tinker:// path; 404 when there is none, or it is another tenant's."""
-        text = path if isinstance(path, str) else ""
-        match = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", text)
-        if match is None or match.group(2) != kind:
-            raise RequestError(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path of this server")
-        file = self._path(match.group(1), kind, match.group(3))[1]
-        if not file.exists() or self._tenant_of(file.parent.parent) != tenant:
-            raise NotFound(f"{path}: no such {'saved state' if kind == 'weights' else 'sampler weights'} on this "
-                           f"server")
-        return file
-
-    @staticmethod
-    def _tenant_of(folder: Path) -> str:
-        try:
-            return (folder / TENANT_FILE).read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            return LOCAL  # saved before tenants existed: a loopback server's, without keys
-
-    def _new_file(self, model: ServedModel, kind: str, name: str) -> tuple[str, Path]:
-        """Where a model saves `name`, in a folder that says whose it is."""
-        uri, file = self._path(model.model_id, kind, name)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        owner = file.parent.parent / TENANT_FILE
-        if not owner.exists():
-            owner.write_text(model.tenant, encoding="utf-8")
-        return uri, file
-
     def save_state(self, model_id: str, name: str, tenant: str | None = None) -> Outcome:
         import torch
 
         model = self.model(model_id, tenant)
-        uri, file = self._new_file(model, "weights", name)
+        uri, file = self.saved.new_file(model.model_id, model.tenant, "weights", name)
         trainer = model.trainer
         state = trainer.state_dict(optimizer=True)
         # fp32 weights are the model's own (state "model" None); under LoRA the adapter alone is the state
@@ -337,7 +247,7 @@ class TinkerService:
     def load_state(self, model_id: str, path: str, optimizer: bool, tenant: str, create: bool = False) -> Outcome:
         import torch
 
-        file = self.saved_file(path, "weights", tenant)
+        file = self.saved.file_of(path, "weights", tenant)
         saved = torch.load(file, map_location="cpu", weights_only=False)
         if create:
             self.create_model(model_id, saved.get("model_name"), {"rank": saved["lora_rank"]}, tenant)
@@ -362,7 +272,7 @@ class TinkerService:
         named = model.trainer.named_parameters_for_sync()
         tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in named}
         if name is not None:
-            uri, file = self._new_file(model, "sampler_weights", name)
+            uri, file = self.saved.new_file(model.model_id, model.tenant, "sampler_weights", name)
             tmp = file.with_name(file.name + ".tmp")
             save_file(tensors, str(tmp), metadata={"base_model": model.base.name})
             tmp.replace(file)
@@ -380,36 +290,30 @@ class TinkerService:
         return Outcome(json=out)
 
 
-def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int, context: int | None = None) -> TinkerDatum:
-    """A datum as a trainer sample (prompt x_0, response the targets; `tinker_losses.py`), its inputs checked."""
-    n = len(d.tokens)
-    needed = ("target_tokens", *INPUTS[loss_fn])
-    optional = OPTIONAL_INPUTS.get(loss_fn, ())
-    missing = [k for k in needed if k not in d.inputs]
-    extra = sorted(set(d.inputs) - set(needed) - set(optional))
-    if missing or extra:
-        raise RequestError(f"datum {index}: {loss_fn} takes loss_fn_inputs {', '.join(needed)}"
-                           + (f" (and optionally {', '.join(optional)})" if optional else "")
-                           + (f"; missing {', '.join(missing)}" if missing else "")
-                           + (f"; not read: {', '.join(extra)}" if extra else ""))
-    if n == 0:
-        raise RequestError(f"datum {index}: model_input holds no tokens")
-    if context is not None and n + 1 > context:
-        raise RequestError(f"datum {index}: {n} input tokens and a target exceed the model's context ({context} "
-                           f"positions); shorten it (sampling refuses the same)")
-    present = [k for k in (*needed, *optional) if k in d.inputs]
-    for key in present:
-        if d.inputs[key].shape != (n,):
-            raise RequestError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(d.inputs[key].shape)}, "
-                               f"model_input {n} tokens (one value per position)")
-    tokens = d.tokens.astype(np.int64)
-    targets = d.inputs["target_tokens"].astype(np.int64)
-    if not np.array_equal(tokens[1:], targets[:-1]):
-        raise RequestError(f"datum {index}: target_tokens must be model_input shifted by one (position i predicts "
-                           f"token i + 1); astuner serve trains on next-token targets only")
-    if tokens.min() < 0 or tokens.max() >= vocab or not 0 <= targets[-1] < vocab:
-        raise RequestError(f"datum {index}: a token id is outside the vocabulary (0..{vocab - 1})")
-    inputs = {k: [float(x) for x in d.inputs[k]] for k in present if k != "target_tokens"}
-    old = inputs.get("logprobs", [0.0] * n)
-    sample = Sample([int(tokens[0])], targets.tolist(), old, 0.0, 1.0, f"datum-{index}")
-    return TinkerDatum(sample, inputs)
+def check_optimizer(optimizer: dict | None) -> None:
+    """A training client's optimizer is chosen at its creation: one astuner serve does not step is refused then,
+    not at its first optim_step."""
+    kind = (optimizer or {}).get("type", "adamw") if isinstance(optimizer, (dict, type(None))) else None
+    if kind != "adamw":
+        raise RequestError(f"optimizer_config {optimizer!r}: astuner serve trains with AdamW only (adamw); "
+                           f"create the training client without an optimizer_config, or with type adamw")
+
+
+def lora_rank_asked(base: ServedBase, lora: dict | None, optimizer: dict | None, limits: ServeLimits) -> int:
+    check_optimizer(optimizer)
+    lora = lora or {}
+    try:
+        rank = int(lora.get("rank", 32))
+    except (TypeError, ValueError):
+        raise RequestError(f"lora_config.rank must be an integer, got {lora.get('rank')!r}") from None
+    unsupported = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k, True) is not True]
+    if unsupported:
+        raise RequestError(f"lora_config {', '.join(unsupported)}=false: astuner serve puts adapters on the "
+                           f"YAML's trainer_common.lora.target_modules; set them there instead")
+    hidden = base.facts.shape.hidden if base.facts.shape is not None else None
+    most = min(r for r in (limits.max_lora_rank, hidden) if r)
+    if not 0 <= rank <= most:
+        raise RequestError(f"lora_config.rank must be 0 (the whole model) to {most} (the server's "
+                           f"--max-lora-rank {limits.max_lora_rank}"
+                           + (f", the model's hidden size {hidden}" if hidden else "") + f"), got {rank}")
+    return rank

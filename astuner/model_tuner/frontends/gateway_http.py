@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from astuner.model_tuner.frontends.gateway_calls import Entry, complete, hung_up
-from astuner.serve.http_body import HttpError, read_body
+from astuner.http_body import HttpError, read_body
 
 MAX_BODY_BYTES = 16 << 20  # far over any chat request of a model's context; a network client may send anything
 

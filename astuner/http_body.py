@@ -1,5 +1,6 @@
-"""What the server's two apps (the Tinker API, the remote agents' board) share: an HTTP failure with its status,
-and request bodies read within a size limit."""
+"""What astuner's HTTP apps (the Tinker API and the remote agents' board of `astuner serve`, the run's OpenAI and
+Anthropic gateway) share: an HTTP failure with its status, and request bodies read within a size limit (a client
+on the network may send anything)."""
 
 from __future__ import annotations
 

@@ -98,3 +98,27 @@ def test_a_merged_sync_makes_each_delta_only_when_its_weight_is_yielded(tiny_mod
         merged += any(m in name for m in ("q_proj", "v_proj", "down_proj"))
         assert len(made) == merged, name  # one delta per merged weight so far, never ahead of it
     assert merged == 2 * 3
+
+
+def test_a_bf16_lora_trainer_never_puts_an_fp32_base_on_its_device(tiny_model_dir, demo_tokenizer, monkeypatch):
+    """The frozen base of a bf16 LoRA trainer is cast on the host: what moves to the device is bf16 (2 bytes a
+    parameter, as the memory plan counts), never the fp32 load (4). The adapters still start from the seed alone,
+    with fp32 masters, and train."""
+    moved: list[set] = []
+    to = torch.nn.Module.to
+
+    def recording_to(module, *args, **kwargs):
+        if any(isinstance(a, (str, torch.device)) for a in args) or "device" in kwargs:
+            moved.append({p.dtype for p in module.parameters()})
+        return to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
+    t = _trainer(tiny_model_dir, lora=LORA, lr=1e-3, precision="bf16")
+    monkeypatch.undo()
+    assert moved and moved[0] == {torch.bfloat16}, moved  # the whole model's first move: bf16 already
+    assert {p.dtype for n, p in t.model.named_parameters() if ".base_layer." in n} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for g in t.optimizer.param_groups for p in g["params"])
+    samples = [_sample(t, demo_tokenizer, "Hi there", " general kenobi", 1.0, "a")]
+    before = [m.clone() for m in t._master.masters]
+    t.train_step(samples)
+    assert any(not torch.equal(a, b) for a, b in zip(before, t._master.masters))

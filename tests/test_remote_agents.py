@@ -27,9 +27,10 @@ def light_python() -> str:
     return str(LIGHT_PYTHON)
 
 
-def start_server(tmp_path: Path, model_dir: Path, *overrides: str, port: int = 0) -> tuple[subprocess.Popen, str]:
+def start_server(tmp_path: Path, model_dir: Path, *overrides: str, port: int = 0,
+                 options: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "astuner.cli", "serve", "--conf", str(TUTORIAL / "remote_agent.yaml"), "--port",
-           str(port),
+           str(port), *options,
            f"astuner.model.path={model_dir}", f"astuner.experiment_dir={tmp_path / 'out'}",
            "astuner.trainer_common.total_training_steps=2", "astuner.data.train_batch_size=2",
            "astuner.rollout.num_repeat=2", "astuner.trainer_common.test_freq=100",
@@ -103,7 +104,8 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     val.write_text((REPO / "tutorial/agent_quickstart/data/val.jsonl").read_text().splitlines()[0] + "\n")
     proc, url = start_server(tmp_path, tiny_model_dir, "astuner.trainer_common.total_training_steps=1",
                              "astuner.data.train_batch_size=1", "astuner.rollout.episode_timeout=6",
-                             f"astuner.task_reader.jsonl_dataset_file.validation.file_path={val}")
+                             f"astuner.task_reader.jsonl_dataset_file.validation.file_path={val}",
+                             options=("--take-timeout", "6"))
     client = RemoteClient(url, name="flaky", reconnect_s=5)
     held, answered = client.next_episode(wait_s=30), client.next_episode(wait_s=30)
     assert held is not None and answered is not None and 0 < held.deadline_s <= 6
@@ -128,7 +130,7 @@ def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     from astuner.remote import RemoteClient, RemoteError
 
     proc, url = start_server(tmp_path, tiny_model_dir, "astuner.data.train_batch_size=1",
-                             "astuner.rollout.episode_timeout=4")
+                             "astuner.rollout.episode_timeout=4", options=("--take-timeout", "5"))
     try:
         mine, other = RemoteClient(url, name="a", reconnect_s=5), RemoteClient(url, name="b", reconnect_s=5)
         first, second = mine.next_episode(wait_s=30), mine.next_episode(wait_s=30)
@@ -147,7 +149,7 @@ def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     finally:
         code, rest = finish(proc, timeout=120)
     assert code == 1 and "all 2 episodes failed or timed out" in rest, rest  # step 2: nothing to train, it says so
-    assert "no remote client took the episode within 16s (astuner serve --take-timeout)" in rest, rest
+    assert "no remote client took the episode within 5s (astuner serve --take-timeout)" in rest, rest
     assert "Check that remote clients run against this server" in rest  # the clients to look at, not a workflow
 
 

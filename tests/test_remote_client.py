@@ -89,7 +89,8 @@ def test_a_client_takes_no_more_than_asked_and_counts_only_what_the_run_took(boa
         await asyncio.sleep(0.3)
         return 1.0
 
-    assert RemoteClient(board.public_url, name="c").run(late, concurrency=4, episodes=2) == 0  # 410s: not counted
+    client = RemoteClient(board.public_url, name="c")
+    assert client.run(late, concurrency=4, episodes=2, idle_exit_s=3) == 0  # 410s: not counted
     assert board.taken == 2  # concurrency 4, episodes 2: two taken, not four
 
 
@@ -142,3 +143,33 @@ def test_an_episodes_deadline_starts_when_it_is_taken(board):
     offer(board, {"i": 1})
     time.sleep(0.4)
     assert board.take("local/c") is None  # waited past its take bound: nobody may take it any more
+
+
+def test_only_a_finished_run_tells_the_clients_it_is_over(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM on `astuner serve` stops a run that the same command resumes: the board must not say
+    `run_over` then (clients waiting for an episode would exit); a run that finished says it."""
+    import typer
+
+    from astuner import cli_serve, launch
+    from astuner.interrupts import Terminated
+    from astuner.serve import remote_board
+    from astuner.serve.keys import KeyStore
+
+    boards = []
+    monkeypatch.setattr(remote_board, "install_board", lambda b: boards.append(b) if b is not None else None)
+
+    def serve_once() -> None:
+        cli_serve._serve_remote_agents("x.yaml", [], KeyStore(tmp_path / "keys.json"), "127.0.0.1", 0, None, False,
+                                       60.0, None)
+
+    for stop in (Terminated, KeyboardInterrupt):
+        def stopped(*args, **kwargs):
+            raise stop()
+
+        monkeypatch.setattr(launch, "run", stopped)
+        with pytest.raises(typer.Exit):
+            serve_once()
+        assert boards[-1].run_over is False, stop
+    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
+    serve_once()
+    assert boards[-1].run_over is True

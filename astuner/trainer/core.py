@@ -72,8 +72,12 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(s.seed)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.model = (model if self.shard_on_join else model.to(self.device)).eval()
         self.precision = resolve_precision(s.precision, self.device.type)
+        if lora and self.precision == "bf16" and not self.shard_on_join:
+            # The frozen base is held in bf16 (MasterWeights casts it): cast it here, on the host, so the device
+            # never holds an fp32 copy of it (4 bytes a parameter beside an awake engine, where 2 are planned).
+            cast_parameters(model, torch.bfloat16)
+        self.model = (model if self.shard_on_join else model.to(self.device)).eval()
         if s.gradient_checkpointing:
             # Hugging Face recomputes activations only in train mode; that mode must then compute what eval mode
             # does (no dropout), or the PPO ratio would not start at 1.

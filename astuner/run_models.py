@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
+from astuner.errors import UserError
 from astuner.types import SyncReport
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,14 @@ def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, 
         from astuner.engine.vllm_adapters import AdapterVLLMEngine
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return AdapterVLLMEngine(model_path, lora, **vllm_engine_settings(typed, max_model_len, kv_cache_bytes,
-                                                                           device_type))
+        settings = vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type)
+        if device_type == "cuda" and settings["dtype"] == "float32":  # before the engine fails at its start
+            raise UserError(
+                f"models {', '.join([POLICY, *names])} are LoRA adapters on one base, served by vLLM's LoRA kernels, "
+                "which compute in bf16 or fp16 only; this run's trainer is fp32 (astuner.trainer_common.precision), "
+                "and its engine computes as it does. Set astuner.trainer_common.precision: bf16 (auto is bf16 on "
+                "CUDA), or astuner.rollout.engine: hf")
+        return AdapterVLLMEngine(model_path, lora, **settings)
     from astuner.engine.adapters import AdapterHFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -263,7 +263,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tenants", type=int, default=4)
     args = parser.parse_args()
-    model = args.model or tiny_model(Path(tempfile.mkdtemp(prefix="tiny_")))
+    from identical_runs import tiny_model  # the tests' tiny model, beside this file
+
+    model = args.model or str(tiny_model(Path(tempfile.mkdtemp(prefix="tiny_"))))
     report = run(model, args.steps, args.tenants)
     print(json.dumps({k: v for k, v in report.items() if k != "losses"}, indent=1))
     print(f"{args.tenants} good tenants, {args.steps} steps each (forward_backward, optim_step, a 4-token sample):")
@@ -274,24 +276,6 @@ def main() -> None:
           f"{report['p50_attacked_ms']:.0f} ms)")
     print(f"  server memory: {report['rss_before_mib']:.0f} MiB before the bad tenant, "
           f"{report['rss_after_mib']:.0f} MiB after its sessions expired ({report['expired']} expired)")
-
-
-def tiny_model(folder: Path) -> str:
-    """The tests' tiny model (2 layers, random weights, the demo tokenizer)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from astuner.model_cache import ensure_demo_model
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model("smollm2-135m-instruct"))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 if __name__ == "__main__":

@@ -217,3 +217,41 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
     assert share(gpu_share_per_engine(loaded().typed, 3, on_cuda=True)) == pytest.approx(0.2)  # verl, debug
     assert share(gpu_share_per_engine(loaded().typed, 1, on_cuda=True)) == 0.6
     assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) is hf.typed
+
+
+# --- adapters on vLLM (several models on one base): the base survives the sleep; fp32 is refused at start --------
+
+def test_an_adapter_engine_sleeps_at_level_1_so_its_base_survives_the_train_step():
+    """A sync of an adapter engine sends adapters only: at level 2 vLLM discards the base weights during the step
+    and nothing reloads them (every later episode would sample from uninitialised memory, silently). The plain
+    engine, whose sync re-sends every weight, keeps level 2 (no host copy)."""
+    from astuner.engine.vllm_adapters import AdapterVLLMEngine
+
+    for cls, level in ((AdapterVLLMEngine, 1), (None, 2)):
+        events: list = []
+        eng = _sleeping_engine(events)
+        if cls is not None:
+            eng.__class__ = cls
+        eng.sleep()
+        assert events == [("sleep", level)], (cls, events)
+
+
+def test_adapters_on_vllm_with_an_fp32_trainer_on_cuda_are_refused_before_the_engine_starts(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """vLLM's LoRA kernels take bf16 or fp16; the engine follows the trainer's precision, so an fp32 trainer with
+    adapters on CUDA would fail at the engine's start (a traceback from Triton): it is refused first, naming what
+    to set."""
+    import torch
+
+    from astuner.config import load_config
+    from astuner.errors import UserError
+    from astuner.run_models import build_adapter_engine
+    from test_several_models import write_run
+
+    roster = (f"models: {{critic: {{path: {tiny_model_dir}, lora_rank: 4}}}}\n  agents: {{critic: {{model: critic}}}}")
+    yaml = write_run(tmp_path, tiny_model_dir, "TwoAgents", roster=roster)
+    loaded = load_config(str(yaml), ["astuner.rollout.engine=vllm", "astuner.trainer_common.precision=fp32",
+                                     "astuner.trainer_common.lora.rank=4"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="precision: bf16"):
+        build_adapter_engine(loaded.typed, str(tiny_model_dir), None, 256, None, ["critic"])

@@ -62,6 +62,11 @@ def zero_adapter(model_path: str, settings) -> dict:
 class AdapterVLLMEngine(VLLMEngine):
     """The vLLM engine with one LoRA adapter per model over one base; `adapters`: {model name: LoraSettings}."""
 
+    # A sync sends adapters only, never the base: asleep during a train step (CUDA) the base must survive, so
+    # level 1 (weights backed up in host memory, restored on wake), not the plain engine's level 2, which discards
+    # them and would leave every later episode sampling from uninitialised memory, silently.
+    SLEEP_LEVEL = 1
+
     def __init__(self, model_path: str, adapters: dict, **kwargs) -> None:
         self.adapters = dict(adapters)
         self._requests: dict[str, object] = {}  # model -> its current LoRARequest (a zero adapter at start)

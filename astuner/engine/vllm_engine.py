@@ -298,10 +298,15 @@ class VLLMEngine:
             f"sync: requests still hold cached blocks ({len(self._live)} live here). Their KV would come from the "
             "old weights, so the run stops; a request outliving its step is a bug: please report it.")
 
+    # vLLM's sleep level: 2 discards the weights (a sync re-sends all of them); an engine whose sync sends only
+    # part of what it serves keeps the rest at level 1, which backs the weights up in host memory.
+    SLEEP_LEVEL = 2
+
     def sleep(self) -> None:
         """Free vLLM's accelerator memory while the trainer steps (CUDA with sleep mode only; else a no-op)."""
         if self.sleep_mode and not self._asleep:
-            self._call(self._llm.sleep(level=2), self.sync_timeout_s, "vLLM to release its memory (sleep)")
+            self._call(self._llm.sleep(level=self.SLEEP_LEVEL), self.sync_timeout_s,
+                       "vLLM to release its memory (sleep)")
             self._asleep = True
 
     def shutdown(self) -> None:

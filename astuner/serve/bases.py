@@ -3,8 +3,9 @@
 
 A client names one as `base_model`: by the path the YAML gives it, its local folder, the folder's name, or its
 roster name (`policy` for astuner.model, the key under astuner.models). Roster entries on one folder are one base
-(their adapters then share it). Each base has its tokenizer at once and its own engine (rollout.engine: HF or
-vLLM) from its first sampling request (astuner.model's at start), so a model nobody samples costs no engine memory.
+(their adapters then share it). Each base has its tokenizer at once and its own engine (rollout.engine): on vLLM
+every engine at start (they split the GPU's share), on HF from its first sampling request (astuner.model's at start),
+so a model nobody samples costs no engine memory there.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class ServedBase:
             return self.engine
 
 
-def served_bases(typed, make_engine: Callable[[ServedBase], Any]) -> dict[str, ServedBase]:
-    """The YAML's models by served name, astuner.model first; its engine is built here, the others' later."""
+def served_bases(typed) -> dict[str, ServedBase]:
+    """The YAML's models by served name, astuner.model first (their engines: `build_service` gives the maker)."""
     from astuner import preflight, runtime
     from astuner.config.schema_models import POLICY, same_folder
     from astuner.tokenizer import load_tokenizer
@@ -57,8 +58,7 @@ def served_bases(typed, make_engine: Callable[[ServedBase], Any]) -> dict[str, S
             continue
         key = "astuner.model.path" if roster_name == POLICY else f"astuner.models.{roster_name}.path"
         bases[path] = ServedBase(path, folder, (roster_name,), load_tokenizer(folder),
-                                 preflight.read_model_facts(folder, key), make_engine)
-    next(iter(bases.values())).get_engine()
+                                 preflight.read_model_facts(folder, key))
     return bases
 
 

@@ -79,6 +79,7 @@ class RunPlan:
     others_bytes: int = 0
     others: tuple[str, ...] = ()
     other_engines: int = 0  # engines of other models (an adapter on the policy's base has none of its own)
+    engine_apart: bool = False  # the engines hold GPUs of their own (trinity's explorers), not the trainer's card
 
     @property
     def engines(self) -> int:
@@ -87,8 +88,10 @@ class RunPlan:
 
     @property
     def weights_bytes(self) -> int:
-        """Weights, gradients, optimizer states, the engine's and the reference model's weights (every model's)."""
-        return self.trainer_bytes + self.engine_bytes + self.ref_bytes + self.others_bytes
+        """Weights, gradients, optimizer states, the engine's and the reference model's weights (every model's),
+        on the trainer's card or host (an engine apart, on cards of its own, is not on it)."""
+        return self.trainer_bytes + (0 if self.engine_apart else self.engine_bytes) + self.ref_bytes + \
+            self.others_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -110,7 +113,8 @@ class RunPlan:
             (
                 "memory estimate",
                 f"{self.total_bytes / GIB:.1f} GiB (trainer {self.trainer_bytes / GIB:.1f}, engine "
-                f"{self.engine_bytes / GIB:.1f}, KV cache {self.kv_cache_bytes / GIB:.1f} ({self.kv_sequences:.1f} "
+                f"{self.engine_bytes / GIB:.1f}{' on GPUs of its own, not counted here' if self.engine_apart else ''}"
+                f", KV cache {self.kv_cache_bytes / GIB:.1f} ({self.kv_sequences:.1f} "
                 f"sequences of max_model_len){f' x {self.engines} engines' if self.engines > 1 else ''}, "
                 f"reference {self.ref_bytes / GIB:.1f}, activations {self.activation_bytes / GIB:.1f}"
                 f"{f', other models {self.others_bytes / GIB:.1f}' if self.others else ''}); available {available}",
@@ -293,6 +297,9 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
+        # trinity's explorers run their engines on GPUs of their own (ray_worker.ENGINE_ALONE_GPU_SHARE): a trainer
+        # rank's card holds its trainer only
+        engine_apart=backbone == "trinity" and device == "cuda" and not offline,
     )
     if others:
         plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))

@@ -180,3 +180,31 @@ def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, ti
     with pytest.raises(UserError, match=r"strategy \(model critic, a trainer group of its own\).*LoRA"):
         plan("astuner.trainer_common.trainer_groups=per_model", "astuner.trainer_common.strategy=fsdp2",
              "astuner.trainer_common.n_gpus_per_node=2", "+astuner.models.critic.lora_rank=4")
+
+
+def test_a_trinity_trainer_card_is_planned_without_the_explorers_engine(tmp_path, tiny_model_dir):
+    """trinity's explorers hold GPUs of their own: a 3B full fine-tuning (bf16, about 52 GiB of weights, gradients
+    and AdamW) fits a trainer's 80 GB card even though the engine's share would not fit beside it; colocated
+    (verl), the same run is refused with the engine's share counted."""
+    from astuner import preflight
+    from astuner.config import load_config
+    from astuner.errors import UserError
+
+    yaml = write_run(tmp_path, tiny_model_dir, "WriterAndCritic", roster="")
+    facts = preflight.ModelFacts(str(tiny_model_dir), "Qwen2ForCausalLM", 3_090_000_000, 32768)
+    card = preflight.DeviceFacts("cuda", 79 * 2**30, 80 * 2**30)
+
+    def plan(backbone):
+        typed = load_config(yaml, ["astuner.rollout.engine=hf", "astuner.rollout.gpu_memory_utilization=0.6"]).typed
+        typed = typed.model_copy(update={"astuner": typed.astuner.model_copy(
+            update={"rollout": typed.astuner.rollout.model_copy(update={"engine": "vllm"})})})
+        return preflight.make_plan(typed, backbone, facts, 4096, 2, card)
+
+    apart = plan("trinity")
+    assert apart.engine_apart and apart.weights_bytes == apart.trainer_bytes  # the explorer's share not on this card
+    preflight.check_fits(apart, facts)
+    assert "on GPUs of its own" in apart.block(facts)
+    together = plan("verl")
+    assert not together.engine_apart and together.weights_bytes == together.trainer_bytes + together.engine_bytes
+    with pytest.raises(UserError, match="needs about 100 GiB"):
+        preflight.check_fits(together, facts)

@@ -162,9 +162,9 @@ class RemoteClient:
                 state["claims"] += 1  # reserved before asking: never more than `episodes` taken
                 try:
                     episode = await self._next(min(20.0, idle_exit_s or 20.0))
-                except RemoteError as exc:  # the server stayed away for reconnect_s
-                    state["claims"] -= 1
-                    log.warning("astuner_remote: %s", exc)
+                except (RemoteError, httpx.HTTPError, ValueError, KeyError) as exc:  # gone past reconnect_s, or
+                    state["claims"] -= 1  # an answer this client cannot read: it stops, holding nothing
+                    log.warning("astuner_remote: no episode taken: %s", exc)
                     return
                 if episode is None:
                     state["claims"] -= 1
@@ -193,14 +193,14 @@ class RemoteClient:
             return await self._report(episode, "".join(traceback.format_exception_only(type(exc), exc)).strip())
         try:
             return await self._post_result(episode, result)
-        except RemoteError as exc:  # a result the run refused (400): this episode fails, not the rest
+        except (RemoteError, httpx.HTTPError, ValueError) as exc:  # refused (400), or the post itself failed
             return await self._report(episode, str(exc))
 
     async def _report(self, episode: RemoteEpisode, error: str) -> bool:
         """The episode's error post; a failure to post it is logged (the server's deadline then flags it)."""
         try:
             return await self._post(f"/astuner/v1/episodes/{episode.episode_id}/error", {"error": error[:4000]})
-        except (RemoteError, httpx.HTTPError) as exc:
+        except (RemoteError, httpx.HTTPError, ValueError) as exc:
             log.warning("astuner_remote: could not report episode %s (%s): %s", episode.episode_id, error[:200], exc)
             return False
 

@@ -104,8 +104,8 @@ def test_the_fingerprint_allocates_one_chunk_at_a_time_never_the_whole_tensor(co
     fingerprint([("w", t)])  # builds the device's cached sign pattern (at most BLOCK, once): not per tensor
     mode = _LargestAllocation()
     mode._inputs = {t.untyped_storage().data_ptr()}  # views of the input are no allocation
-    with mode:
-        fingerprint([("w", t)])
+    with mode:  # one thread (the mode sees its own thread's operations); each pool thread works the same way
+        fingerprint([("w", t)], threads=1)
     assert 0 < mode.largest <= CHUNK, f"an operation made a tensor of {mode.largest} elements (chunk {CHUNK})"
 
 
@@ -296,3 +296,34 @@ def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_mode
                                            r"sent sum") as info:
         faulty.load_weights(new.named_parameters())
     assert "model.layers.0" not in str(info.value)  # only the tensor that missed its update
+
+
+def test_host_tensors_are_summed_on_threads_with_the_same_prints_in_the_same_order():
+    """A sync's host tensors are fingerprinted on a pool of threads (torch releases the GIL in its kernels; a Ray
+    actor's torch runs one thread per kernel): every print is the serial one, the names in the order they came."""
+    import threading
+
+    from astuner.engine import fingerprint as fp
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(300 + 37 * i, 129, generator=gen).to(torch.bfloat16)) for i in range(12)]
+    serial = fp.FingerprintBuilder(threads=1)
+    for name, t in tensors:
+        serial.add(name, t)
+    seen: set = set()
+    real = fp.tensor_print
+
+    def noting(tensor):
+        seen.add(threading.current_thread().name)
+        return real(tensor)
+
+    fp.tensor_print = noting
+    try:
+        pooled = fp.FingerprintBuilder(threads=4)
+        for name, t in tensors:
+            pooled.add(name, t)
+        got = pooled.result()
+    finally:
+        fp.tensor_print = real
+    assert got == serial.result() and list(got) == [n for n, _ in tensors]
+    assert any(name.startswith("astuner-fingerprint") for name in seen)

@@ -164,7 +164,7 @@ def test_data_files_are_what_make_data_writes(tmp_path, lookup_task):
 
     copy = tmp_path / "agent_quickstart"
     copy.mkdir()
-    for name in ("make_data.py", "lookup_task.py", "warmup_tools.py"):
+    for name in ("make_data.py", "lookup_task.py", "lookup_agent.py", "warmup_tools.py"):
         (copy / name).write_text((TUTORIAL / name).read_text())
     subprocess.run([sys.executable, "make_data.py"], cwd=copy, check=True)
     for name in ("train.jsonl", "val.jsonl", "sft_train.jsonl"):

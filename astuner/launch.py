@@ -17,6 +17,7 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
         raise UserError("--with-ray places the verl or trinity backbone on a Ray cluster; the debug backbone runs in "
                         "this one process. Drop --with-ray, or add --backbone verl (or trinity).")
 
+    from astuner import run_lock
     from astuner.config import config_warnings, load_config, save_config
     from astuner.resume import plan_start
 
@@ -28,12 +29,42 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
         print(f"astuner: warning: {warning}", file=sys.stderr)
     start = plan_start(loaded)
     loaded = start.loaded
-    print(f"astuner: {start.message}", file=sys.stderr)
-    if start.note:
-        print(f"astuner: {start.note}", file=sys.stderr)
-    save_config(loaded, resumed_at=start.resumed_step)
-    print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
+    folder = run_lock.claim(loaded.experiment_dir)  # held to the run's end: one live run per folder
+    try:
+        print(f"astuner: {start.message}", file=sys.stderr)
+        if start.note:
+            print(f"astuner: {start.note}", file=sys.stderr)
+        save_config(loaded, resumed_at=start.resumed_step)
+        print(f"astuner: config saved in {loaded.experiment_dir}", file=sys.stderr)
+        _run(backbone, loaded, start, with_ray, with_logview)
+    except UserError:
+        _forget(folder)
+        raise
+    finally:
+        folder.release()
 
+
+def _forget(folder) -> None:
+    """A start refused for bad input (a misspelt class, a missing file) leaves no folder behind: one it created and
+    that holds no results yet goes, so the corrected command starts there rather than in `<folder>_1`."""
+    import shutil
+
+    from astuner.resume import has_results
+
+    # The log sink's open file outlives the folder harmlessly; prints routed to it then reach the console.
+    if folder.created is None or not folder.folder.is_dir() or has_results(folder.folder):
+        return
+    shutil.rmtree(folder.folder, ignore_errors=True)
+    for above in folder.folder.parents:  # the folders above it this run created, while empty (another run's stay)
+        if not above.is_relative_to(folder.created):
+            break
+        try:
+            above.rmdir()
+        except OSError:
+            break
+
+
+def _run(backbone: str, loaded, start, with_ray: bool, with_logview: bool) -> None:
     # Runs must not reach for the Hugging Face hub (offline clusters, reproducibility); a user can still opt in.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -6,6 +6,10 @@
     <path>   continue from that checkpoint folder (global_step_N with its astuner_resume/), writing on in
              experiment_dir.
 
+A folder holds a run once a run saved its config there. One a live run holds (astuner/run_lock.py) is never
+resumed or written into: a fresh run goes to the next free `<experiment_dir>_N`, a resume of it is refused naming
+the live run's PID.
+
 A checkpoint is complete when `global_step_N/astuner_resume/state.json` exists: the trainer writes it last, inside
 a temporary folder that is renamed into place, so a run killed at any moment never leaves a half checkpoint that
 looks complete. A run never appends silently to another run's metrics or tensorboard: a resumed run first cuts
@@ -149,11 +153,21 @@ def latest_checkpoint(experiment_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def holds_a_run(experiment_dir: Path) -> bool:
+def has_results(experiment_dir: Path) -> bool:
+    """Metrics, a checkpoint or tensorboard events: what a run's first step leaves."""
     metrics = experiment_dir / "metrics.jsonl"
     return (metrics.is_file() and metrics.stat().st_size > 0) or any(experiment_dir.glob("global_step_*")) or any(
         (experiment_dir / "tensorboard").glob("events.*")
     )
+
+
+def holds_a_run(experiment_dir: Path) -> bool:
+    """A run's results, its saved config (a run that has not finished a step yet, or was killed before one), or a
+    live run's lock (astuner/run_lock.py)."""
+    from astuner.run_lock import live_holder
+
+    return (has_results(experiment_dir) or (experiment_dir / "config.yaml").is_file()
+            or live_holder(experiment_dir) is not None)
 
 
 def fresh_folder(experiment_dir: Path) -> Path:
@@ -165,7 +179,20 @@ def fresh_folder(experiment_dir: Path) -> Path:
         n += 1
 
 
+def _refuse_live(out: Path) -> None:
+    """A run's folder that a live run writes is neither resumed nor written into (astuner/run_lock.py)."""
+    from astuner.run_lock import busy, live_holder
+
+    holder = live_holder(out)
+    if holder is not None:
+        raise busy(out, holder)
+
+
 def plan_start(loaded) -> RunStart:
+    """Where this run writes and what it continues from. The run then takes its folder with
+    astuner.run_lock.claim, which refuses a folder another run took in between."""
+    from astuner.run_lock import live_holder
+
     mode = loaded.typed.astuner.trainer_common.resume_mode
     out = loaded.experiment_dir
     if mode not in ("auto", "disable"):
@@ -178,15 +205,19 @@ def plan_start(loaded) -> RunStart:
                 f"global_step_N folder holding {RESUME_DIR}/state.json). Use auto, disable, or such a folder."
             )
         path = path.resolve()
+        _refuse_live(out)
         return RunStart(loaded, path, f"resuming from {path} (resume_mode is a path)", check_resume(loaded, path))
     if mode == "auto":
         checkpoint = latest_checkpoint(out) if out.is_dir() else None
         if checkpoint is not None:
+            _refuse_live(out)
             return RunStart(loaded, checkpoint, f"resuming from {checkpoint} (resume_mode auto)",
                             check_resume(loaded, checkpoint))
     if out.is_dir() and holds_a_run(out):
         new = fresh_folder(out)
-        why = "has no complete checkpoint to resume" if mode == "auto" else "holds a run and resume_mode is disable"
+        holder = live_holder(out)
+        why = ("has no complete checkpoint to resume" if mode == "auto" else "holds a run and resume_mode is disable"
+               ) if holder is None else f"is in use by a live run ({holder})"
         moved = dataclasses.replace(loaded, experiment_dir=new)
         return RunStart(moved, None, f"{out} {why}; starting a fresh run in {new}")
     return RunStart(loaded, None, f"starting a fresh run in {out}")

@@ -108,6 +108,7 @@ class RunSummary:
     last_checkpoint: Path | None = None
     score_name: str = "accuracy"  # or "loss" (offline objectives)
     warnings: list[str] = field(default_factory=list)  # what still held at the last step (tools never used)
+    void_validations: list[int] = field(default_factory=list)  # steps whose validation measured nothing
 
     def line(self, name: str) -> str:
         """The run in one line, then each standing warning on its own line (a reader of the end sees both)."""
@@ -119,6 +120,9 @@ class RunSummary:
             digits = 3 if self.score_name == "accuracy" else 4
             text += (f"; validation {self.score_name} {start:.{digits}f} (step {first}) -> {end:.{digits}f} "
                      f"(step {last}), {end - start:+.{digits}f}")
+        if self.void_validations:
+            steps = ", ".join(map(str, self.void_validations))
+            text += f"; validation void (n/a) at step{'s' if len(self.void_validations) > 1 else ''} {steps}"
         if self.last_checkpoint is not None:
             text += f"; checkpoint {self.last_checkpoint}"
         return "\n".join([text] + [f"warning: {w}" for w in self.warnings])
@@ -274,10 +278,17 @@ class _Run:
         with self.watchdog.stage("validation"):
             result = self.stages.validate(self.val_tasks, step, self.settings.val_num_repeat, self.progress)
         metrics = {**result.metrics, "time/validation_s": time.perf_counter() - t0}
-        self.summary.val_scores[step] = self.state.val_scores[str(step)] = result.score
+        if result.void:  # a score of 0 here would read as a measured model: none is recorded
+            self.summary.void_validations.append(step)
+        else:
+            self.summary.val_scores[step] = self.state.val_scores[str(step)] = result.score
         self.monitor.log_metrics(step, metrics)
         if result.episodes:
             self.monitor.save_episodes(step, result.episodes, "val")
+        if result.void:
+            log.warning(f"validation void at step {step}: {result.void}; its {result.score_name} is n/a (no "
+                        "measurement). Fix what stopped the episodes (astuner.log names each), then validate again.")
+            return
         digits = 3 if result.score_name == "accuracy" else 4
         log.info(f"step {step} validation {result.score_name} {result.score:.{digits}f} over {len(self.val_tasks)} "
                  "tasks")

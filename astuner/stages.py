@@ -26,10 +26,11 @@ driver ever asks whether a method exists.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astuner.monitor import validation_metrics
+from astuner.monitor import validation_metrics, void_note
 from astuner.types import Episode, Sample, SyncReport, Task, TrainResult
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,11 @@ class Validation:
     metrics: dict[str, float]
     score_name: str  # "accuracy" (higher is better) or "loss"
     episodes: list[Episode] = field(default_factory=list)
+    void: str | None = None  # why it measured nothing (monitor.void_note): most episodes failed or timed out
 
     @property
     def score(self) -> float:
-        return self.metrics[f"val/{self.score_name}"]
+        return math.nan if self.void else self.metrics[f"val/{self.score_name}"]
 
 
 class Stages:
@@ -79,7 +81,8 @@ class Stages:
         """Greedy episodes of every task; with `repeats` > 1 also pass@k over that many sampled episodes."""
         episodes = self.rollout(tasks, validation=True, step=step, progress=progress)
         sampled = self.rollout_sampled(tasks, step, repeats, progress) if repeats > 1 else []
-        return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled)
+        return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled,
+                          void_note(episodes))
 
     def load_checkpoint(self, path: Path) -> dict:
         raise NotImplementedError(f"{type(self).__name__} cannot resume from a checkpoint")

@@ -155,3 +155,28 @@ def test_eval_unknown_baseline_exits_2_naming_the_models_before_any_model_runs(t
     assert not out.exists()  # refused before the log file or any model
     assert main(["eval", "--conf", str(yaml), "--baseline", "base", "--all-pairs"]) == 2
     assert "give one of the two" in capsys.readouterr().err
+
+
+def test_a_void_model_shows_n_a_for_its_scores_and_its_differences():
+    from dataclasses import replace
+
+    from astuner.evaluation.runner import table
+
+    base, void = _report("base", [0, 1, 0, 1]), _report("warm", [0, 0, 0, 0])
+    void = replace(void, summary={**void.summary, "failure_rate": 1.0}, void="4 of 4 timed out")
+    rows = {line.split()[0]: line.split()[1:] for line in table([base, void]).splitlines()[1:]}
+    assert rows["greedy/success_rate"] == ["0.500", "n/a", "n/a"]  # base, warm, warm - base
+    assert rows["failure_rate"] == ["1.000"]  # the rates that say why stand
+
+
+def test_tool_use_in_the_eval_summary_by_hand():
+    from astuner.algorithm.pass_at_k import summarize, task_results
+    from astuner.types import Episode, LLMCall, Task
+
+    def episode(i, calls):
+        reply = {"tool_calls": [{"name": "stock"}] * calls} if calls else {"content": "\\boxed{3}"}
+        return Episode(Task(f"t{i}", "q"), 0, f"e{i}", calls=[LLMCall([1], [2], [-1.0], "stop", 1.0, reply=reply)])
+
+    greedy = [episode(0, 2), episode(1, 0), episode(2, 1), episode(3, 0)]
+    summary = summarize(task_results(greedy, [], []), greedy, [])
+    assert summary["tool_calls_per_episode"] == 3 / 4 and summary["episodes_with_a_tool_call"] == 2 / 4

@@ -363,3 +363,43 @@ def test_sync_reports_of_several_engines_combine_to_the_worst():
     assert worst.metrics() == {"time/engine_load_s": 2.0, "sync/verified": 0.0, "time/sync_verify_s": 0.5}
     assert SyncReport.worst([SyncReport(), SyncReport()]).metrics() == {}  # nothing measured, nothing logged
     assert SyncReport(total_s=1.5, verified=1.0).figures() == {"total_s": 1.5, "verified": 1.0}
+
+
+def _timed_out(task, i):
+    return Episode(task, i, f"{task.task_id}#{i}", flags=["timeout"], error="episode timed out after 600s",
+                   error_summary="episode timed out after 600s", error_source="workflow")
+
+
+def test_void_note_by_hand():
+    from astuner.monitor import void_note
+
+    task = Task("t", "q")
+    ok = Episode(task, 0, "ok", calls=[call(1)], reward=1.0, is_success=True)
+    failed = Episode(task, 1, "f", flags=["failed"], error_summary="ValueError: boom", error_source="judge")
+    assert void_note([_timed_out(task, i) for i in range(32)]) == (
+        "32 of 32 timed out (episode timed out after 600s; astuner.rollout.episode_timeout)")
+    assert void_note([ok, ok, failed, failed]) is None  # half failed: still a measurement
+    assert void_note([ok, failed, failed, _timed_out(task, 3)]) == (
+        "1 of 4 timed out (episode timed out after 600s; astuner.rollout.episode_timeout); 2 of 4 failed (the "
+        "first: ValueError: boom, in the judge)")
+    assert void_note([]) is None
+
+
+def test_a_void_validation_is_n_a_never_a_score_of_0(caplog):
+    """All validation episodes time out: the console says so, val/accuracy is not logged (val/void is), the summary
+    keeps no score for that step and says the validation was void."""
+    class TimingOut(FakeStages):
+        def rollout(self, tasks, validation, step=0, progress=None):
+            if validation:
+                return [_timed_out(t, 0) for t in tasks]
+            return super().rollout(tasks, validation, step, progress)
+
+    monitor = FakeMonitor()
+    with caplog.at_level("WARNING", logger="astuner.loop"):
+        summary = run_loop(settings(total_training_steps=1), TimingOut(), TASKS, TASKS[:2], monitor)
+    val = next(m for _, m in monitor.logged if "val/failure_rate" in m)
+    assert val["val/void"] == 1.0 and val["val/failure_rate"] == 1.0 and "val/accuracy" not in val
+    assert summary.val_scores == {} and summary.void_validations == [0, 1]  # before training and at its end
+    assert "validation void (n/a) at steps 0, 1" in summary.line("run")
+    assert ("validation void at step 0: 2 of 2 timed out (episode timed out after 600s; "
+            "astuner.rollout.episode_timeout); its accuracy is n/a") in caplog.text

@@ -256,7 +256,7 @@ def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, 
     assert (checkpoint / "config.json").is_file() and (first / "global_step_2" / "config.json").is_file()
     assert (warm / "model").resolve() == checkpoint.resolve() and not (warm / "model").readlink().is_absolute()
     assert sorted(p.name for p in warm.iterdir()) == ["draw_1", "draw_2", "model"]
-    assert "0 of 32 sampled episodes on 8 training task(s) scored" in err
+    assert "0 of 32 sampled episodes on 8 training task(s) scored" in err and "tool calls per episode" in err
     assert "drawing other demonstrations (seed 1)" in err and "no draw of 2 scored" in err
     assert "with --seed 2" in err  # what to do when GRPO then finds no reward
     rows = [json.loads(line) for line in (folder / "demonstrations.jsonl").read_text().splitlines()]
@@ -274,7 +274,8 @@ def test_the_draw_check_counts_what_grpo_can_learn_from():
     from astuner.offline.warmstart import draw_check
 
     def episodes(*groups):
-        return [NS(task=NS(task_id=f"t{i}"), reward=r, is_success=r == 1.0) for i, g in enumerate(groups) for r in g]
+        return [NS(task=NS(task_id=f"t{i}"), reward=r, is_success=r == 1.0, calls=[], flags=[])
+                for i, g in enumerate(groups) for r in g]
 
     stuck = draw_check(episodes([0.0, 0.0], [0.0, 0.0]))
     assert (stuck.scored, stuck.signal_tasks, stuck.tasks, stuck.stuck) == (0, 0, 2, True)
@@ -284,6 +285,25 @@ def test_the_draw_check_counts_what_grpo_can_learn_from():
     assert (mixed.scored, mixed.signal_tasks, mixed.stuck) == (1, 1, False)
     solved = draw_check(episodes([1.0, 1.0]))  # nothing to compare, but nothing to fix by drawing again
     assert (solved.scored, solved.signal_tasks, solved.stuck) == (2, 0, False)
+
+
+def test_the_draw_check_says_what_the_model_did_and_when_it_measured_nothing():
+    from astuner.offline.warmstart import draw_check
+    from astuner.types import Episode, LLMCall, Task
+
+    def episode(i, calls, flags=()):
+        reply = {"tool_calls": [{"name": "stock"}] * calls} if calls else {"content": "no idea"}
+        return Episode(Task(f"t{i % 2}", "q"), i, f"e{i}", calls=[LLMCall([1], [2], [-1.0], "stop", 1.0, reply=reply)],
+                       flags=list(flags), error_summary="episode timed out after 60s" if flags else None)
+
+    check = draw_check([episode(0, 3), episode(1, 0), episode(2, 1), episode(3, 0)])
+    assert check.void is None and check.line() == (
+        "0 of 4 sampled episodes on 2 training task(s) scored; 0 task(s) give GRPO rewards to compare; 1.00 tool "
+        "calls per episode, 2 of 4 episodes with one")
+    void = draw_check([episode(i, 1, ["timeout"]) for i in range(3)] + [episode(3, 0)])
+    assert void.line() == ("the check is void: 3 of 4 timed out (episode timed out after 60s; "
+                           "astuner.rollout.episode_timeout); its score is n/a (0.75 tool calls per episode, 3 of 4 "
+                           "episodes with one)")
 
 
 def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_task, monkeypatch, capsys):

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from astuner.errors import UserError
 from astuner.algorithm.pass_at_k import TaskResult, ks_for, paired_difference, summarize, task_results
+from astuner.monitor.metrics import void_note
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "train")
@@ -32,6 +33,7 @@ class ModelReport:
     path: str
     tasks: list[TaskResult]
     summary: dict[str, float]
+    void: str | None = None  # why its greedy episodes measured nothing (monitor.void_note); its accuracy is n/a
 
 
 @dataclass
@@ -171,7 +173,13 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     summary = summarize(results, greedy + sampled, ks)
     summary["seconds"] = time.perf_counter() - start
     log.info("eval %s: %s", label, json.dumps(summary))
-    return ModelReport(label, str(path), results, summary)
+    void = void_note(greedy)
+    if void:
+        from astuner.logs import announce
+
+        announce(f"eval {label}: void: {void}; its accuracy is n/a (no measurement). Fix what stopped the episodes "
+                 "(the log names each), then evaluate again.")
+    return ModelReport(label, str(path), results, summary, void)
 
 
 def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:
@@ -219,11 +227,14 @@ def table(reports: list[ModelReport], pairs: list[tuple[str, str]] | None = None
     diffs = comparisons(reports, pairs)
     header = ["metric", *[r.label for r in reports], *[f"{d.name} [95% CI]" for d in diffs]]
     rows = [header]
+    void = {r.label for r in reports if r.void}
     for name in names:
-        row = [name, *[_fmt(r.summary.get(name)) for r in reports]]
+        measured = not name.startswith(("greedy/", "sampled/"))  # counts and rates stand; scores of a void do not
+        row = [name, *[_fmt(r.summary.get(name)) if measured or r.label not in void else "n/a" for r in reports]]
         for d in diffs:
             m = d.metrics.get(name)
-            row.append(f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]" if m else "")
+            cell = f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]" if m else ""
+            row.append("n/a" if m and void & {d.model, d.baseline} else cell)
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -243,7 +254,7 @@ def write_reports(reports: list[ModelReport], out_dir: Path, split: str, k_sampl
                                  round(t.sampled_reward_mean, 6), round(t.tokens_per_episode, 2),
                                  *[round(t.pass_at[k], 6) if k in t.pass_at else "" for k in ks]])
     summary = {"split": split, "num_repeat": k_samples,
-               "models": [{"label": r.label, "path": r.path, **r.summary} for r in reports],
+               "models": [{"label": r.label, "path": r.path, **r.summary, "void": r.void} for r in reports],
                "differences": [{"model": d.model, "baseline": d.baseline, **d.metrics}
                                for d in comparisons(reports, pairs)]}
     (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

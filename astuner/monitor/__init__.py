@@ -11,6 +11,7 @@ from astuner.monitor.metrics import (
     staleness_metrics,
     tool_calls_received,
     validation_metrics,
+    void_note,
     warn_pipeline,
     zero_adv_group_fraction,
 )
@@ -19,5 +20,6 @@ from astuner.monitor.outputs import Monitor
 __all__ = [
     "Monitor", "StepMetrics", "announce", "episode_metrics", "parse_failure_rate", "pipeline_metrics",
     "run_log_path", "setup_logging", "staleness_metrics", "tool_calls_received", "validation_metrics",
+    "void_note",
     "warn_pipeline", "zero_adv_group_fraction",
 ]

@@ -72,10 +72,34 @@ def _mean_episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, flo
     return {f"{prefix}/metrics/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
 
 
+def void_note(episodes: list[Episode]) -> str | None:
+    """Why a set of episodes measures nothing: more than half of them failed or timed out (an accuracy over them
+    would be a score of 0 for a model that was never measured), e.g. "32 of 32 timed out (episode timed out after
+    600s; astuner.rollout.episode_timeout)". None when at least half ended normally."""
+    n = len(episodes)
+    timed = [e for e in episodes if FLAG_TIMEOUT in e.flags]
+    failed = [e for e in episodes if FLAG_FAILED in e.flags and FLAG_TIMEOUT not in e.flags]
+    if not n or 2 * (len(timed) + len(failed)) <= n:
+        return None
+    parts = []
+    if timed:
+        parts.append(f"{len(timed)} of {n} timed out ({timed[0].error_summary or 'episode timed out'}; "
+                     "astuner.rollout.episode_timeout)")
+    if failed:
+        first = failed[0]
+        parts.append(f"{len(failed)} of {n} failed (the first: {first.error_summary or 'no message'}, in the "
+                     f"{first.error_source or 'workflow'})")
+    return "; ".join(parts)
+
+
 def validation_metrics(greedy: list[Episode], sampled: list[Episode], repeats: int) -> dict[str, float]:
     """`val/*` of the greedy episodes; `val/accuracy` is their success rate. With `repeats` > 1, pass@k for
-    k in ks_for(repeats) over the sampled episodes (unbiased estimator, algorithm/pass_at_k.py)."""
+    k in ks_for(repeats) over the sampled episodes (unbiased estimator, algorithm/pass_at_k.py). A void validation
+    (`void_note`: most episodes failed or timed out) has `val/void` 1 and no accuracy: it measured nothing."""
     metrics = episode_metrics(greedy, "val")
+    if void_note(greedy):
+        metrics["val/void"] = 1.0
+        return metrics
     metrics["val/accuracy"] = metrics["val/success_rate"]
     if repeats > 1:
         ks = ks_for(repeats)

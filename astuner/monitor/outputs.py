@@ -69,6 +69,8 @@ class Monitor:
             for key, short in _POSTFIX.items():
                 if key in metrics:
                     self._postfix[short] = f"{metrics[key]:.3g}"
+            if metrics.get("val/void"):
+                self._postfix["val_acc"] = "n/a"
             self.bar.set_postfix(dict(self._postfix), refresh=True)
 
     def save_episodes(self, step: int, episodes: list[Episode], tag: str, samples=None) -> None:

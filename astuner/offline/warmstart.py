@@ -145,6 +145,18 @@ class DrawCheck:
     scored: int  # episodes that succeeded, or whose reward is above the lowest seen
     signal_tasks: int  # tasks whose episodes' rewards differ: the groups GRPO learns from
     tasks: int
+    tool_calls: int = 0  # parsed tool calls handed to the agent, over every episode
+    with_a_tool_call: int = 0  # episodes holding at least one
+    void: str | None = None  # most episodes failed or timed out: the check measured nothing (monitor.void_note)
+
+    def line(self) -> str:
+        """What the check saw, in one line."""
+        tools = (f"{self.tool_calls / max(self.episodes, 1):.2f} tool calls per episode, {self.with_a_tool_call} of "
+                 f"{self.episodes} episodes with one")
+        if self.void:
+            return f"the check is void: {self.void}; its score is n/a ({tools})"
+        return (f"{self.scored} of {self.episodes} sampled episodes on {self.tasks} training task(s) scored; "
+                f"{self.signal_tasks} task(s) give GRPO rewards to compare; {tools}")
 
     @property
     def stuck(self) -> bool:
@@ -158,8 +170,12 @@ def draw_check(episodes: list) -> DrawCheck:
     by_task: dict[str, set] = {}
     for e in episodes:
         by_task.setdefault(e.task.task_id, set()).add(e.reward)
+    from astuner.monitor.metrics import tool_calls_received, void_note
+
+    calls = [tool_calls_received(e.calls) for e in episodes]
     return DrawCheck(episodes=len(episodes), scored=sum(e.is_success or e.reward > low for e in episodes),
-                     signal_tasks=sum(len(r) > 1 for r in by_task.values()), tasks=len(by_task))
+                     signal_tasks=sum(len(r) > 1 for r in by_task.values()), tasks=len(by_task),
+                     tool_calls=sum(calls), with_a_tool_call=sum(c > 0 for c in calls), void=void_note(episodes))
 
 
 def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> DrawCheck:
@@ -268,8 +284,11 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         checkpoint = _sft(conf, sft_overrides(run, settings, project, overrides), run)
         setup_logging(run, "check.log")
         check = check_warm_start(loaded, checkpoint, settings)
-        say(f"warmstart: {checkpoint}: {check.scored} of {check.episodes} sampled episodes on {check.tasks} training "
-            f"task(s) scored; {check.signal_tasks} task(s) give GRPO rewards to compare (log: {run / 'check.log'})")
+        say(f"warmstart: {checkpoint}: {check.line()} (log: {run / 'check.log'})")
+        if check.void:
+            say("warmstart: WARNING: the check measured nothing, so another draw would not either: fix what stopped "
+                f"the episodes ({run / 'check.log'} names each) and rerun; this draw is kept unchecked")
+            break
         if not check.stuck:
             break
         if draw + 1 < settings.draws:

@@ -10,6 +10,7 @@ a dict) is a UserError naming the tool and the field. `check_tools` also returns
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from astuner.errors import UserError
@@ -155,5 +156,26 @@ def check_tools(tools: list) -> list[str]:
     """Every tool made plain (a UserError naming the tool and field for what cannot be); the notes of all."""
     notes: list[str] = []
     for tool in tools:
-        notes += plain_parameters(tool)[1]
+        plain, dropped = plain_parameters(tool)
+        notes += dropped + quoted_examples(function_of(tool), plain)
+    return notes
+
+
+# A quoted value in a description ('e.g. "umbrella"', "like 'EUR'"): a small warm-started model copies it into
+# every call, whatever the task asks.
+_QUOTED = re.compile(r"""(?:^|[\s(:=,])(["'`\u201c])([^"'`\u201d\n]{1,40})(?:["'`\u201d])""")
+
+
+def quoted_examples(function: dict, plain: dict) -> list[str]:
+    """A note for each description (the tool's, or an argument's) that holds a quoted example value."""
+    described = [("", function.get("description"))]
+    described += [(f", argument {name!r}", (schema or {}).get("description"))
+                  for name, schema in (plain.get("properties") or {}).items() if isinstance(schema, dict)]
+    notes = []
+    for where, text in described:
+        found = _QUOTED.search(text) if isinstance(text, str) else None
+        if found:
+            notes.append(f"tool {function['name']!r}{where}: its description quotes an example value "
+                         f"({found.group(1)}{found.group(2)}{found.group(1)}); a small warm-started model tends to "
+                         "copy such a value into every call: describe the values without one (\"an item name\")")
     return notes

@@ -174,6 +174,11 @@ def defined_names(module) -> tuple[list[str], list[str]]:
     return agents, others
 
 
+def _folders(dirs: list[Path]) -> str:
+    """The folders searched, each once (the YAML's folder is often the working directory too)."""
+    return ", ".join(dict.fromkeys(str(Path(d).resolve()) for d in dirs))
+
+
 def _load_shipped(target: str, name: str, dirs: list[Path], spec: str):
     import pickle
 
@@ -184,7 +189,7 @@ def _load_shipped(target: str, name: str, dirs: list[Path], spec: str):
             if name not in shipped:
                 raise ClassSpecError(f"{spec!r}: {path} holds {', '.join(sorted(shipped))}, not {name!r}")
             return shipped[name]
-    raise ClassSpecError(f"{spec!r}: file {target!r} not found (looked in {', '.join(str(d) for d in dirs)}); "
+    raise ClassSpecError(f"{spec!r}: file {target!r} not found (looked in {_folders(dirs)}); "
                          "on a multi-node cluster the run folder must be on storage every node reads")
 
 
@@ -201,7 +206,7 @@ def _load_file(target: str, dirs: list[Path], spec: str):
             sys.modules[name] = module
             module_spec.loader.exec_module(module)
             return module
-    raise ClassSpecError(f"{spec!r}: file {target!r} not found (looked in {', '.join(str(d) for d in dirs)})")
+    raise ClassSpecError(f"{spec!r}: file {target!r} not found (looked in {_folders(dirs)})")
 
 
 def _import_module(target: str, dirs: list[Path], spec: str):

@@ -196,3 +196,12 @@ def test_rollout_progress_counts_every_episode():
     stages.rollout_sampled([object()] * 4, step=0, repeats=5, progress=Bar)  # pass@k validation
     assert [(b.desc, b.total, b.n) for b in bars] == [("rollout", 12, 12), ("validation", 4, 4),
                                                       ("validation", 20, 20)]
+
+
+def test_a_missing_file_names_each_folder_looked_in_once(tmp_path, monkeypatch):
+    from astuner.workflow import ClassSpecError, load_class
+
+    monkeypatch.chdir(tmp_path)  # the YAML's folder is the working directory, as in most runs
+    with pytest.raises(ClassSpecError) as caught:
+        load_class("missing.py->Agent", [tmp_path])
+    assert f"file 'missing.py' not found (looked in {tmp_path.resolve()})" in str(caught.value)

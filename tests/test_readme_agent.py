@@ -49,13 +49,15 @@ def write_own_agent(readme: str, folder: Path) -> list[str]:
         elif lang == "bash" and body.startswith("astuner "):
             commands.append(shlex.split(body, comments=True))
     assert {"my_agent.py", "my_judge.py", "my_agent.yaml"} <= set(files), f"README names the files {sorted(files)}"
-    assert len(jsonl) == 1 and len(commands) == 1, "the section should show one task file and one command"
+    assert len(jsonl) == 2 and len(commands) == 1, "the section should show the training and validation tasks " \
+        "and one command"
     for name, body in files.items():
         (folder / name).write_text(body)
-    # The task file goes where the YAML reads it.
-    task_path = yaml.safe_load(files["my_agent.yaml"])["astuner"]["task_reader"]["jsonl_dataset_file"]["training"]
-    (folder / task_path["file_path"]).parent.mkdir(parents=True, exist_ok=True)
-    (folder / task_path["file_path"]).write_text(jsonl[0])
+    # The task files go where the YAML reads them: the training tasks first, then the validation tasks.
+    files = yaml.safe_load(files["my_agent.yaml"])["astuner"]["task_reader"]["jsonl_dataset_file"]
+    for split, body in zip(("training", "validation"), jsonl):
+        (folder / files[split]["file_path"]).parent.mkdir(parents=True, exist_ok=True)
+        (folder / files[split]["file_path"]).write_text(body)
     return commands[0]
 
 
@@ -76,6 +78,8 @@ def test_readme_own_agent_trains_two_steps_as_written(tmp_path, tiny_model_dir, 
     train = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/reward_mean" in m]
     # A failed workflow or judge (a missing import, a wrong metadata key) would show as failed episodes.
     assert len(train) == 2 and all(m["train/failure_rate"] == 0 for m in train), train
+    val = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/failure_rate" in m]
+    assert [m["step"] for m in val] == [0, 2] and all(m["val/failure_rate"] == 0 for m in val), val
     episodes = [json.loads(line) for line in (run / "trajectories/train_step_000001.jsonl").read_text().splitlines()]
     assert len(episodes) == 4 and all(e["calls"] for e in episodes)
     assert "convert" in episodes[0]["calls"][0]["prompt"] and "from_unit" in episodes[0]["calls"][0]["prompt"]
@@ -94,7 +98,8 @@ def test_readme_own_agent_tasks_can_be_won_and_its_yaml_runs_the_steps_it_states
     tolerance = float(re.search(r"\) < ([0-9.e-]+)", (tmp_path / "my_judge.py").read_text()).group(1))
     units = {"millimetres": "mm", "centimetres": "cm", "metres": "m", "kilometres": "km", "miles": "mi"}
     rows = [json.loads(line) for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines() if line]
-    for row in rows:
+    held_out = [json.loads(line) for line in (tmp_path / "data" / "val.jsonl").read_text().splitlines() if line]
+    for row in rows + held_out:
         to_unit, value, from_unit = re.match(r"How many (\w+) are ([\d.]+) (\w+)\?", row["question"]).groups()
         text = agent.convert(float(value), units[from_unit], units[to_unit]).content[0]["text"]
         printed = float(text.split("= ")[1].split()[0])

@@ -463,3 +463,20 @@ def test_the_next_command_trains_in_a_folder_of_its_own(tmp_path, monkeypatch):
     assert command == ("astuner --conf my_agent.yaml astuner.rollout.n=4 "
                        "astuner.model.path=ck/global_step_16 "
                        "astuner.experiment_dir=launcher_record/my_agent_from_warmstart_1")
+
+
+def test_a_quoted_example_in_a_description_is_named():
+    """A warm-started small model copied `e.g. "umbrella"` into every call: the tools' check says so."""
+    from astuner.tool_schema import check_tools
+
+    def tool(description, item_description):
+        return {"type": "function", "function": {"name": "stock", "description": description, "parameters": {
+            "type": "object", "properties": {"item": {"type": "string", "description": item_description}}}}}
+
+    notes = check_tools([tool("How many of an item are in stock.", 'The item, e.g. "umbrella".')])
+    assert notes == ["tool 'stock', argument 'item': its description quotes an example value (\"umbrella\"); a small "
+                     "warm-started model tends to copy such a value into every call: describe the values without one "
+                     "(\"an item name\")"]
+    assert "tool 'stock': its description quotes an example value ('EUR')" in check_tools(
+        [tool("Prices in a currency such as 'EUR'.", "The item.")])[0]
+    assert check_tools([tool("The shop's stock (don't guess).", "The item's name, as the customer wrote it.")]) == []

@@ -79,14 +79,21 @@ def launch(
     Serve the model for training over the Tinker API: astuner serve --conf x.yaml (keys: astuner serve-key)
     """
     try:
-        with sigterm_as_interrupt():
-            run(conf, backbone, list(overrides or []), with_ray=with_ray, with_logview=with_logview)
-    except Terminated:
-        print("astuner: terminated (SIGTERM); the engine's processes were stopped", file=sys.stderr)
-        raise typer.Exit(TERMINATED_EXIT) from None
+        _until_sigterm(lambda: run(conf, backbone, list(overrides or []), with_ray=with_ray,
+                                   with_logview=with_logview))
     except KeyboardInterrupt:
         print("astuner: interrupted", file=sys.stderr)
         raise typer.Exit(INTERRUPT_EXIT) from None
+
+
+def _until_sigterm(work):
+    """`work()`, which SIGTERM unwinds like Ctrl-C within interrupts.GRACE_S, saying so once (exit 143)."""
+    try:
+        with sigterm_as_interrupt():
+            return work()
+    except Terminated:
+        print("astuner: terminated (SIGTERM); the engine's processes were stopped", file=sys.stderr)
+        raise typer.Exit(TERMINATED_EXIT) from None
 
 
 def _subcommand_app() -> typer.Typer:
@@ -179,8 +186,8 @@ def evaluate(
 
         return tqdm(total=total, desc=desc, unit="episode", file=sys.stderr, dynamic_ncols=True)
 
-    reports = run_eval(loaded, models, split=split, num_repeat=num_repeat, out_dir=folder, progress=progress,
-                       baseline=baseline)
+    reports = _until_sigterm(lambda: run_eval(loaded, models, split=split, num_repeat=num_repeat, out_dir=folder,
+                                              progress=progress, baseline=baseline))
     print(table(reports, pairs))
     print(f"astuner: per-task results in {folder / 'eval_tasks.csv'}, summary in {folder / 'eval_summary.json'}, "
           f"log in {log_file}", file=sys.stderr)
@@ -271,8 +278,9 @@ def warmstart(
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed,
                                  draws=draws, chain_share=chain_share)
-    result = run_warmstart(conf, list(overrides or []), tools, out, settings,
-                           say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True))
+    result = _until_sigterm(lambda: run_warmstart(
+        conf, list(overrides or []), tools, out, settings,
+        say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True)))
     # stdout: the result, its last line the GRPO command to run next (copied as it is)
     # A warm start is a draw of demonstrations: on a two-tool task some draws left GRPO no reward to compare.
     print(f"astuner: if the GRPO run stops without a learning signal (every episode 0), draw other demonstrations "

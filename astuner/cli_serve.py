@@ -112,7 +112,8 @@ def _serve_tinker(loaded, keys, host: str, port: int, limits) -> None:
     _say(f"serving the Tinker API at {server.url}; Ctrl-C saves the open training clients and stops")
     server.start()
     try:
-        with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does: the clients' states are saved
+        # SIGTERM stops it as Ctrl-C does, with no deadline: the clients' states are saved
+        with sigterm_as_interrupt(grace_s=None):
             server.wait()
     except Terminated:
         _say("terminated (SIGTERM)")
@@ -150,7 +151,7 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
     _say(f"remote agents: episodes at {board.public_url}/astuner/v1/episodes/next, model calls at "
          f"{board.public_url}/v1 (each episode's own key); the run starts now")
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(grace_s=None):  # no deadline: a stop saves as the same command resumes
             run(conf, "debug", overrides, with_logview=with_logview)
         board.run_over = True  # the run finished: waiting clients hear it before the server closes
         time.sleep(0.5)

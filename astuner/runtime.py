@@ -227,7 +227,10 @@ def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache
     if typed.astuner.rollout.engine == "auto":
         log.info("astuner.rollout.engine=auto: using %s (%s)", name,
                  "vLLM is installed" if name == "vllm" else "vLLM is not installed")
-    return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes)
+    from astuner.phase import phase
+
+    with phase(f"starting the {name} engine ({Path(str(model_path)).name}, max_model_len {max_model_len})"):
+        return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes)
 
 
 def load_workflow(loaded):

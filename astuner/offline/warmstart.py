@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shlex
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def distinct_tools(calls) -> list[dict]:
     return list(by_name.values())
 
 
-def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | None = None) -> list:
+def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | None = None,
+                 desc: str = "warmstart episodes") -> list:
     """Episodes of the config's workflow and judge on `tasks` with the model at `model_path`: one greedy episode
     per task, or `sampled_repeats` per task at the config's temperature."""
     from astuner import preflight
@@ -108,9 +110,15 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
     tokenizer = load_tokenizer(model_path)
     engine = build_engine(typed, model_path, tokenizer, max_len)
     runner = build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path, max_len)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(tasks) * (sampled_repeats or 1), desc=desc, unit="episode", file=sys.stderr,
+               dynamic_ncols=True)
     try:
-        return runner.run(tasks, validation=True, sampled_repeats=sampled_repeats)
+        return runner.run(tasks, validation=True, sampled_repeats=sampled_repeats,
+                          on_episode_done=lambda _: bar.update(1))
     finally:
+        bar.close()
         runner.close()
         engine.shutdown()
 
@@ -126,7 +134,7 @@ def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
     if not tasks:
         raise UserError("warmstart: the config has no tasks to run the dry run on; give the tools with --tools FILE "
                         "(a JSON list of OpenAI function schemas)")
-    done = run_episodes(loaded, build_policy_model_path(loaded.typed), tasks)
+    done = run_episodes(loaded, build_policy_model_path(loaded.typed), tasks, desc="warmstart: dry run")
     tools = distinct_tools(call for episode in done for call in episode.calls)
     if not tools:
         errors = [e.error_summary for e in done if e.error_summary]
@@ -184,7 +192,7 @@ def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> D
 
     reader = build_task_reader(loaded.typed, loaded.config_dir)
     tasks = (reader.training_tasks() or reader.validation_tasks())[:settings.check_tasks]
-    return draw_check(run_episodes(loaded, str(checkpoint), tasks, settings.check_samples))
+    return draw_check(run_episodes(loaded, str(checkpoint), tasks, settings.check_samples, desc="warmstart: check"))
 
 
 KEPT = "model"  # the link, in the warm start's folder, to the checkpoint kept

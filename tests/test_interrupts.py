@@ -1,0 +1,54 @@
+"""SIGTERM ends a command within its deadline, saying so once, even when its cleanup hangs; the processes it
+started go with it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+HANGS_IN_CLEANUP = textwrap.dedent("""
+    import subprocess, sys, time
+    from astuner.interrupts import Terminated, sigterm_as_interrupt
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        with sigterm_as_interrupt(grace_s=float(sys.argv[1])):
+            print(child.pid, flush=True)
+            try:
+                time.sleep(300)
+            finally:
+                time.sleep(300)  # an engine that never answers its shutdown
+    except Terminated:
+        print("unwound", flush=True)
+""")
+
+
+def test_sigterm_ends_a_hanging_cleanup_at_its_deadline_once_and_kills_the_children():
+    proc = subprocess.Popen([sys.executable, "-c", HANGS_IN_CLEANUP, "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = psutil.Process(int(proc.stdout.readline()))
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # a second one (a process group's, an impatient user's) changes nothing
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - start < 10
+    assert err.count("terminated (SIGTERM)") == 1 and "ran past 2 s" in err, err
+    assert "unwound" not in out
+    psutil.wait_procs([child], timeout=10)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_prompt_cleanup_ends_normally_before_the_deadline():
+    quick = HANGS_IN_CLEANUP.replace("time.sleep(300)  # an engine", "child.kill()  # an engine")
+    proc = subprocess.Popen([sys.executable, "-c", quick, "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == "unwound" and "ran past" not in err

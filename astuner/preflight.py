@@ -204,7 +204,8 @@ def local_device() -> DeviceFacts:
 
 
 def available_memory(device: str) -> int | None:
-    """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit."""
+    """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit and by
+    the NUMA node's available memory (vLLM's CPU backend checks its KV cache against the node's)."""
     if device == "cuda":
         import torch
 
@@ -229,7 +230,25 @@ def available_memory(device: str) -> int | None:
             room = int(limit) - usage
             available = room if available is None else min(available, room)
         break
-    return available
+    node = node_available_memory()
+    return available if node is None else node if available is None else min(available, node)
+
+
+def node_available_memory() -> int | None:
+    """What vLLM's CPU backend checks its KV cache against: the available memory of the NUMA node of this process's
+    first CPU (free + file cache + reclaimable slab, from /sys/devices/system/node/nodeN/meminfo). On a machine of
+    several nodes this is less than MemAvailable; None where the kernel has no node files."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        node = next(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*")).name
+        fields = {}
+        for line in Path(f"/sys/devices/system/node/{node}/meminfo").read_text().splitlines():
+            parts = line.split()  # "Node 0 MemFree:  13420192 kB"
+            if len(parts) >= 4:
+                fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        return fields["MemFree"] + fields["Active(file)"] + fields["Inactive(file)"] + fields.get("SReclaimable", 0)
+    except (OSError, StopIteration, KeyError, ValueError, AttributeError):
+        return None
 
 
 def optimizer_steps_per_step(typed) -> int:

@@ -121,7 +121,7 @@ def prepare_cpu_backend(extra_args: dict, model_path: str, max_model_len: int, m
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         extra_args.setdefault("kv_cache_memory_bytes", int(
-            kv_cache_bytes or _cpu_kv_cache_gib(model_path, max_model_len, max_num_seqs, dtype) * 2**30))
+            kv_cache_bytes or _cpu_kv_cache_bytes(model_path, max_model_len, max_num_seqs, dtype)))
 
 
 def vllm_sampling_params(sampling: SamplingParams):
@@ -347,10 +347,13 @@ class VLLMEngine:
     def _start_engine(self, settings: dict, on_cuda: bool, timeout_s: float) -> None:
         """Start vLLM's engine (`settings`: `engine_args`'s, but the model and device) with its processes' output
         in the run's log file; a start that fails stops the client loop and names that file."""
+        from astuner.engine import start_failure
         from astuner.engine.vllm_process import cpu_preload, engine_process_environment
         from astuner.logs import run_log_path
 
         preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
+        log_path = run_log_path()
+        log_start = start_failure.log_size(log_path)
         try:
             with engine_process_environment(run_log_path(), preload):
                 self._llm = self._call(self._start(**engine_args(self.model_path, on_cuda=on_cuda, **settings)),
@@ -361,9 +364,19 @@ class VLLMEngine:
                        "vLLM's worker to watch this process")
         except BaseException as exc:
             self._stop_loop()
-            if run_log_path() is not None and isinstance(exc, Exception):
+            if not isinstance(exc, Exception):
+                raise
+            cause = start_failure.root_cause(start_failure.log_since(log_path, log_start))
+            if cause is not None:
+                from astuner.errors import UserError
+
+                fix = start_failure.advice(cause, on_cuda, settings["max_model_len"], settings["max_num_seqs"],
+                                           settings["gpu_memory_utilization"])
+                raise UserError(f"the vLLM engine for {self.model_path} did not start: {cause} {fix} (vLLM's output: "
+                                f"{log_path})") from exc
+            if log_path is not None:
                 raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "
-                                   f"output is in {run_log_path()}") from exc
+                                   f"output is in {log_path}") from exc
             raise
 
     async def _start(self, **kwargs):
@@ -406,21 +419,39 @@ class VLLMEngine:
             self._thread.join(timeout=10)
 
 
-def _cpu_kv_cache_gib(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str) -> int:
-    """GiB of KV cache for max_num_seqs sequences of max_model_len tokens (at least 1, at most 16)."""
+def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
+                        available: int | None = None) -> int:
+    """The KV cache of an engine started outside a run's memory fit (`astuner eval`, the warm start): max_num_seqs
+    sequences of max_model_len tokens (rounded up to whole GiB, at most 16 GiB), but at most half of what the
+    model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's), and
+    at least one full-length sequence (more wait their turn)."""
     import json
     from types import SimpleNamespace
 
-    from astuner.memory import ModelShape
+    from astuner.memory import ModelShape, blocks_of
+    from astuner.preflight import available_memory
 
     try:
-        shape = ModelShape.from_config(SimpleNamespace(**json.loads((Path(model_path) / "config.json").read_text())))
-    except (OSError, ValueError):
-        shape = None
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        shape = ModelShape.from_config(SimpleNamespace(**config))
+    except (OSError, ValueError, TypeError):
+        config, shape = {}, None
     if shape is None:
-        return 4
-    need = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * max_model_len * max_num_seqs / 2**30
-    return int(min(16, max(1, -(-need // 1))))
+        return 4 * 2**30
+    per_seq = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * blocks_of(max_model_len)
+    wanted = min(16 * 2**30, max(2**30, -(-per_seq * max_num_seqs // 2**30) * 2**30))
+    available = available_memory("cpu") if available is None else available
+    if available is None:
+        return wanted
+    stored = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    widen = 2 if dtype == "float32" and config.get("torch_dtype") in ("bfloat16", "float16") else 1
+    room = (available - stored * widen) // 2
+    kv = max(per_seq, min(wanted, room))
+    if kv < wanted:
+        log.info("vLLM KV cache %.2f GiB (%.1f of max_num_seqs=%d sequences of %d tokens): half of what the weights "
+                 "leave of %.1f GiB available", kv / 2**30, kv / per_seq, max_num_seqs, max_model_len,
+                 available / 2**30)
+    return int(kv)
 
 
 async def _score_prompt(llm, token_ids: list[int], topk: int, lora):

@@ -259,6 +259,10 @@ def warmstart(
     chain_share: Annotated[float | None, typer.Option(
         help="Share of the demonstrations that chain two calls (one tool's result passed to another). Default: 0.5 "
         "with several tools, 0 with one.", min=0.0, max=1.0, show_default=False)] = None,
+    gather_share: Annotated[float | None, typer.Option(
+        help="Share of the demonstrations that call two tools and compute the answer from their numbers (a product "
+        "or a sum). Default: 0.5 when most of the judge's answers are numbers the tools did not return (chains then "
+        "0.25), else 0.", min=0.0, max=1.0, show_default=False)] = None,
     out: Annotated[str | None, typer.Option(
         help="The warm start's folder: each draw's SFT run in draw_N/, and `model`, a link to the checkpoint kept. "
         "Default: <experiment_dir>_warmstart.", show_default=False)] = None,
@@ -277,7 +281,7 @@ def warmstart(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed,
-                                 draws=draws, chain_share=chain_share)
+                                 draws=draws, chain_share=chain_share, gather_share=gather_share)
     result = _until_sigterm(lambda: run_warmstart(
         conf, list(overrides or []), tools, out, settings,
         say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True)))

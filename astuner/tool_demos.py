@@ -13,6 +13,9 @@ Episodes, in the shape of the hand-written ones of tutorial/agent_quickstart/war
   single  system, question, one call to the one twin offered, its result, the boxed answer
   chain   two twins offered; the first one's result, an identifier, is the value of one argument of the second
           (the tutorial's flight -> gate, the lookup task's name -> badge -> code)
+  gather  two twins offered and both called; their results are numbers, and the answer is computed from them (a
+          product or a sum, written out before the box): "gather, then compute", as a shop assistant multiplies
+          the stock by the price
 A new set of twins is drawn for every episode, so the model learns to read names from the schema, not to recall
 them. Optional arguments are passed in about half the calls, and the question names only what is passed.
 
@@ -50,6 +53,10 @@ SYSTEM_CHAIN = ("You answer questions with tools. First call {first} with the va
                 "{second} with the {carried} it returns and the other values the question gives, then give the "
                 "{noun} inside \\boxed{{}}.")
 ANSWER = "The answer is \\boxed{{{}}}."
+SYSTEM_GATHER = ("You answer questions with tools. Call {first} and {second} with the values the question gives, then "
+                 "compute the answer from their results and give it inside \\boxed{{}}.")
+# What a gathered result is: a count (an integer) or an amount (one decimal), and how two combine.
+GATHER_OPS = {"product": ("times", "*", lambda a, b: a * b), "sum": ("plus", "+", lambda a, b: a + b)}
 
 
 def draw_value(slot: Slot, rng: random.Random, optional_rate: float = 0.5) -> Any:
@@ -175,19 +182,24 @@ def default_chain_share(tools: list[dict]) -> float:
 
 
 def demonstrations(tools: list[dict], count: int = 32, seed: int = 0, chain_share: float | None = None,
-                   answer_format: str = ANSWER) -> list[dict]:
+                   answer_format: str = ANSWER, gather_share: float = 0.0) -> list[dict]:
     """`count` episodes ({"tools", "messages"} rows) with made-up twins of `tools` (module docstring); a share
     `chain_share` of them (default_chain_share when None) chains two calls when some twin has a scalar argument
-    to pass a result to. The same (tools, count, seed, chain_share) always gives the same rows."""
+    to pass a result to, and a share `gather_share` gathers two numbers and computes the answer. The same
+    arguments always give the same rows."""
     if not tools:
         raise ValueError("no tool schemas to make demonstrations for")
     if chain_share is None:
         chain_share = default_chain_share(tools)
-    if not 0.0 <= chain_share <= 1.0:
-        raise ValueError(f"chain_share is a share of the episodes, between 0 and 1, not {chain_share}")
+    for name, share in (("chain_share", chain_share), ("gather_share", gather_share)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} is a share of the episodes, between 0 and 1, not {share}")
+    if chain_share + gather_share > 1.0:
+        raise ValueError(f"chain_share {chain_share} and gather_share {gather_share} add up to more than every episode")
     banned = user_vocabulary(tools)
     rng = random.Random(seed)
     chains = round(count * chain_share)
+    gathers = round(count * gather_share)
     rows = []
     for i in range(count):
         names: set[str] = set()
@@ -197,6 +209,9 @@ def demonstrations(tools: list[dict], count: int = 32, seed: int = 0, chain_shar
             if row is not None:
                 rows.append(row)
                 continue
+        elif i < chains + gathers:
+            rows.append(_gather(offered, tools, rng, banned, names, answer_format))
+            continue
         twin = offered[i % len(offered)]
         offered = [twin]  # one tool offered, one called: with several offered, the chains are the episodes
         arguments = draw_value(twin.args, rng)
@@ -241,3 +256,60 @@ def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: f
     steps = [(first, first_args, f"The {carried.words} is {_text(passed)}."),
              (second, second_args, f"The {second.noun} is {answer}.")]
     return _episode(system, question, steps, answer, offered, answer_format)
+
+
+def _gathered(twin: Twin, arguments: dict, as_count: bool) -> float | int:
+    """A gathered result: a count (2 to 40) or an amount with one decimal (0.5 to 99.5), fixed by the arguments."""
+    h = _digest("gather", twin.name, arguments)
+    return 2 + h % 39 if as_count else (5 + h % 991) / 10
+
+
+def _number(value: float) -> str:
+    return f"{round(value, 2):.10g}"
+
+
+def _gather(offered: list[Twin], tools: list[dict], rng: random.Random, banned: frozenset[str], names: set[str],
+            answer_format: str) -> dict:
+    """A two-call episode whose answer is computed: both twins are called with values the question gives, each
+    returns a number, and the answer combines them (GATHER_OPS), the arithmetic written out before the box. One
+    tool: a second twin of the same shape is the other look-up."""
+    if len(offered) < 2:
+        offered = [*offered, make_twin(tools[0], rng, banned, names)]
+    first, second = rng.sample(offered, 2)
+    first_args, second_args = draw_value(first.args, rng), draw_value(second.args, rng)
+    a, b = _gathered(first, first_args, True), _gathered(second, second_args, rng.random() < 0.5)
+    op = rng.choice(sorted(GATHER_OPS))
+    word, sign, combine = GATHER_OPS[op]
+    answer = _number(combine(a, b))
+    question = (f"What is the {first.noun} for {asked([(first.args.fields, first_args)], rng) or 'this'} {word} the "
+                f"{second.noun} for {asked([(second.args.fields, second_args)], rng) or 'this'}?")
+    system = SYSTEM_GATHER.format(first=first.name, second=second.name)
+    steps = [(first, first_args, f"The {first.noun} is {_number(a)}."),
+             (second, second_args, f"The {second.noun} is {_number(b)}.")]
+    row = _episode(system, question, steps, answer, offered, answer_format)
+    last = row["messages"][-1]
+    last["content"] = f"{_number(a)} {sign} {_number(b)} = {answer}. {last['content']}"
+    return row
+
+
+def answers_are_computed(answers: list, tool_results: list[str], tools: list[dict]) -> bool:
+    """Whether the judge's answers look computed from tool results rather than read from one: the agent offers
+    several tools, most answers are numbers, and (when the dry run saw tool results at all) most numeric answers
+    appear in none of them. A single tool's number is read, not computed (a unit converter's answer)."""
+    numbers = [str(a).strip() for a in answers if _is_number(a)]
+    if len(tools) < 2 or not answers or 2 * len(numbers) <= len(answers):
+        return False
+    if not tool_results:
+        return True
+    seen = sum(any(n in text for text in tool_results) for n in numbers)
+    return 2 * seen < len(numbers)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        float(str(value).replace(",", "").strip())
+        return True
+    except ValueError:
+        return False

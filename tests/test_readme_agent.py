@@ -144,3 +144,21 @@ def test_tutorial_readme_reads_only_run_folders_its_commands_write(readme):
                 written.add(f"launcher_record/{Path(args[3]).stem}_warmstart")
             read |= {m for a in args for m in re.findall(r"launcher_record/[^/\s=]+(?=/)", a)}
     assert read <= written, f"{readme}: reads {sorted(read - written)}, its commands write {sorted(written)}"
+
+
+def test_readme_hand_written_demonstration_is_one_valid_sft_row(demo_tokenizer):
+    """The fallback row the section shows, its wrapped lines joined, is an offline_data row SFT trains on: both
+    tool calls and the computed answer are trained tokens."""
+    blocks = [body for lang, body in code_blocks(section((REPO / "README.md").read_text(), "Your own agent"))
+              if lang == "text" and body.lstrip().startswith('{"tools"')]
+    assert len(blocks) == 1
+    row = json.loads(" ".join(line.strip() for line in blocks[0].splitlines()))
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert {t["function"]["name"] for t in row["tools"]} == {
+        c["function"]["name"] for m in row["messages"] for c in m.get("tool_calls", [])}
+    from astuner.model_tuner import ChatRenderer
+    from astuner.task_reader.offline_data import tokenize_conversation
+
+    example = tokenize_conversation(ChatRenderer(demo_tokenizer), row["messages"], row["tools"], ("<|im_end|>",))
+    trained = demo_tokenizer.decode([i for i, m in zip(example.ids, example.mask) if m])
+    assert '"name": "stock"' in trained and '"name": "price"' in trained and "\\boxed{87.5}" in trained

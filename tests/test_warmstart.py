@@ -228,7 +228,8 @@ def test_dry_run_reads_the_tools_the_workflow_offers(tmp_path, tiny_model_dir, l
     loaded = load_config(TUTORIAL / "agent_quickstart.yaml", [
         f"astuner.experiment_dir={tmp_path}", f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=hf",
         "astuner.rollout.max_response_length_in_one_turn=8", "astuner.rollout.compute_madness_checklist=[]"])
-    assert tools_from_dry_run(loaded, episodes=2) == lookup_task.TOOL_SCHEMAS
+    tools, results = tools_from_dry_run(loaded, episodes=2)
+    assert tools == lookup_task.TOOL_SCHEMAS and all(isinstance(r, str) for r in results)
 
 
 def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, tiny_model_dir, lookup_task,
@@ -480,3 +481,66 @@ def test_a_quoted_example_in_a_description_is_named():
     assert "tool 'stock': its description quotes an example value ('EUR')" in check_tools(
         [tool("Prices in a currency such as 'EUR'.", "The item.")])[0]
     assert check_tools([tool("The shop's stock (don't guess).", "The item's name, as the customer wrote it.")]) == []
+
+
+SHOP_TOOLS = [
+    {"type": "function", "function": {"name": "stock", "description": "How many of an item the shop has.",
+                                      "parameters": {"type": "object", "properties": {"item": {"type": "string"}},
+                                                     "required": ["item"]}}},
+    {"type": "function", "function": {"name": "price", "description": "The price of one item in a currency.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "item": {"type": "string"},
+                                          "currency": {"type": "string", "enum": ["EUR", "USD", "GBP"]}},
+                                          "required": ["item", "currency"]}}},
+]
+
+
+def test_gather_episodes_call_two_tools_and_compute_the_answer_from_their_numbers():
+    """The shop assistant's pattern: two independent look-ups, a product or a sum written out, then the box."""
+    import re
+
+    from astuner.tool_demos import demonstrations
+
+    rows = demonstrations(SHOP_TOOLS, count=40, seed=3, chain_share=0.0, gather_share=1.0)
+    ops = set()
+    for row in rows:
+        messages = row["messages"]
+        calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")]
+        offered = [t["function"]["name"] for t in row["tools"]]
+        assert len(calls) == 2 and calls[0] != calls[1] and set(calls) <= set(offered)
+        a, b = (float(re.search(r"is (-?[\d.]+)\.$", m["content"]).group(1)) for m in messages if m["role"] == "tool")
+        final = messages[-1]["content"]
+        left, sign, right, result, boxed = re.match(
+            r"(-?[\d.]+) ([*+]) (-?[\d.]+) = (-?[\d.]+)\. The answer is \\boxed\{(-?[\d.]+)\}\.$", final).groups()
+        assert (float(left), float(right)) == (a, b) and result == boxed
+        assert float(result) == pytest.approx(a * b if sign == "*" else a + b, abs=1e-9)
+        assert ("times" if sign == "*" else "plus") in messages[1]["content"]
+        ops.add(sign)
+        text = json.dumps(row).lower()
+        assert not re.search(r"\b(stock|price|item|currency|eur|usd|gbp)\b", text), text  # none of the user's words
+    assert ops == {"*", "+"}
+    # The shares add up: 8 chains, 16 gathers, 8 singles of 32.
+    mixed = demonstrations(SHOP_TOOLS, count=32, seed=0, chain_share=0.25, gather_share=0.5)
+    kinds = [sum(bool(m.get("tool_calls")) for m in r["messages"]) if "=" not in r["messages"][-1]["content"]
+             else "gather" for r in mixed]
+    assert (kinds.count("gather"), kinds.count(2), kinds.count(1)) == (16, 8, 8)
+    with pytest.raises(ValueError, match="add up to more"):
+        demonstrations(SHOP_TOOLS, chain_share=0.6, gather_share=0.5)
+
+
+def test_gather_episodes_are_chosen_when_the_answers_look_computed():
+    from astuner.offline.warmstart import WarmStartSettings, episode_kinds
+    from astuner.tool_demos import answers_are_computed
+
+    assert answers_are_computed(["42", "17.5", "9"], [], SHOP_TOOLS)  # numbers; no tool result seen
+    assert not answers_are_computed(["42", "17.5"], ["stock: 42", "17.5 EUR"], SHOP_TOOLS)  # read from a result
+    assert answers_are_computed(["42", "17.5", "12"], ["stock: 6", "price: 7.0 EUR", "12"], SHOP_TOOLS)
+    assert not answers_are_computed(["2500", "120"], [], SHOP_TOOLS[:1])  # one tool's number is read, not computed
+    assert not answers_are_computed(["AB-1234", "CD-5678", "7"], [], SHOP_TOOLS)  # codes
+    chosen, line = episode_kinds(WarmStartSettings(), SHOP_TOOLS, ["42", "17.5"], [])
+    assert (chosen.gather_share, chosen.chain_share) == (0.5, 0.25)
+    assert line.startswith("most of the judge's answers are numbers, and the dry run saw no tool result: half")
+    kept, line = episode_kinds(WarmStartSettings(), SHOP_TOOLS, ["AB-1234"], [])
+    assert (kept.gather_share, kept.chain_share, line) == (0.0, None, None)
+    given, _ = episode_kinds(WarmStartSettings(gather_share=0.1), SHOP_TOOLS, ["42"], [])
+    assert given.gather_share == 0.1

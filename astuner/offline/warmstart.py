@@ -53,6 +53,9 @@ class WarmStartSettings:
     check_tasks: int = 8
     check_samples: int = 4  # episodes per task, at the config's temperature
     chain_share: float | None = None  # episodes that chain two calls; None: tool_demos.default_chain_share
+    # Episodes that gather two numbers and compute the answer; None: half when the judge's answers look computed
+    # from tool results (tool_demos.answers_are_computed), none otherwise.
+    gather_share: float | None = None
     lr: float = 5.0e-5  # the agent quick-start's SFT rate; a GRPO config's own lr is usually far lower
     batch_size: int = 4
 
@@ -123,8 +126,9 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
         engine.shutdown()
 
 
-def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
-    """Run `episodes` greedy episodes of the workflow (validation tasks first) and collect the tools offered."""
+def tools_from_dry_run(loaded, episodes: int) -> tuple[list[dict], list[str]]:
+    """Run `episodes` greedy episodes of the workflow (validation tasks first); the tools offered, and the tool
+    results the episodes' later calls were shown (none when the model called no tool)."""
     from astuner.runtime import build_policy_model_path, quiet_library_progress
     from astuner.task_reader import build_task_reader
 
@@ -142,7 +146,34 @@ def tools_from_dry_run(loaded, episodes: int) -> list[dict]:
         raise UserError(f"warmstart: the dry run's {len(done)} episodes offered no tools to the model{why}. The "
                         "agent must pass `tools=` to the model call; or give them with --tools FILE (a JSON list of "
                         "OpenAI function schemas)")
-    return tools
+    results = [str(m.get("content")) for e in done for c in e.calls for m in (c.messages or [])
+               if isinstance(m, dict) and m.get("role") == "tool"]
+    return tools, results
+
+
+def task_answers(loaded, limit: int = 64) -> list:
+    """The answers the judge compares with, from the first training tasks' rows (answer, ground_truth, solution)."""
+    from astuner.task_reader import build_task_reader
+
+    rows = [t.metadata for t in build_task_reader(loaded.typed, loaded.config_dir).training_tasks()[:limit]]
+    return [next(r[k] for k in ("answer", "ground_truth", "solution") if k in r) for r in rows
+            if isinstance(r, dict) and any(k in r for k in ("answer", "ground_truth", "solution"))]
+
+
+def episode_kinds(settings: "WarmStartSettings", tools: list[dict], answers: list, results: list[str]):
+    """The settings with the share of gather-then-compute episodes chosen (when not given) and the line saying
+    why: half of the episodes when the judge's answers look computed from tool results, a quarter then chaining."""
+    from astuner.tool_demos import answers_are_computed
+
+    if settings.gather_share is not None:
+        return settings, None
+    if not answers_are_computed(answers, results, tools):
+        return replace(settings, gather_share=0.0), None
+    chain = 0.25 if settings.chain_share is None else min(settings.chain_share, 0.5)
+    seen = "none of which the dry run saw in a tool result" if results else "and the dry run saw no tool result"
+    return replace(settings, gather_share=0.5, chain_share=chain), (
+        f"most of the judge's answers are numbers, {seen}: half of the demonstrations gather two values and compute "
+        f"the answer, {chain:.0%} chain two calls (--gather-share, --chain-share to choose)")
 
 
 @dataclass(frozen=True)
@@ -249,7 +280,8 @@ def _quoted(path: Path) -> str:
 def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSettings) -> int:
     from astuner.tool_demos import demonstrations
 
-    rows = demonstrations(tools, count=settings.count, seed=settings.seed, chain_share=settings.chain_share)
+    rows = demonstrations(tools, count=settings.count, seed=settings.seed, chain_share=settings.chain_share,
+                          gather_share=settings.gather_share or 0.0)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / TOOLS).write_text(json.dumps(tools, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (folder / DEMONSTRATIONS).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
@@ -269,19 +301,22 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
     sft_overrides(folder, settings, project, overrides)  # keys it refuses stop the command now
     folder.mkdir(parents=True, exist_ok=True)
     if tools_file:
-        tools = read_tools_file(Path(tools_file).expanduser())
+        tools, results = read_tools_file(Path(tools_file).expanduser()), []
         source = tools_file
     else:
         # vLLM's output and the workflow's lines go to a log file, as in a run: the console keeps to progress.
         log_file = setup_logging(folder, "dry_run.log")
         say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
             f"(or give them with --tools FILE); its log: {log_file}")
-        tools = tools_from_dry_run(loaded, settings.dry_run_episodes)
+        tools, results = tools_from_dry_run(loaded, settings.dry_run_episodes)
         source = "the dry run"
     notes = checked(tools, f"warmstart: the tools of {source}")
     names = [t.get("function", t)["name"] for t in tools]
     for note in dict.fromkeys(notes):
         say(f"warmstart: {note}")
+    settings, kinds = episode_kinds(settings, tools, task_answers(loaded), results)
+    if kinds:
+        say(f"warmstart: {kinds}")
     for draw in range(settings.draws):
         seed = settings.seed + draw
         run = folder / f"draw_{draw + 1}"

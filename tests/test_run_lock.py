@@ -21,10 +21,14 @@ from astuner.resume import plan_start
 from astuner.run_lock import LOCK_NAME, claim, live_holder
 
 HOLD = """
-import sys, time
+import os, sys, time
 from astuner.run_lock import claim
 claim(sys.argv[1])
-print("held", flush=True)
+child = os.fork()  # as vLLM's engine core is forked from a run: it must not keep the folder once the run is gone
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print("held", child, flush=True)
 time.sleep(120)
 """
 
@@ -34,12 +38,16 @@ def live_run(tmp_path):
     """A process holding the lock on a folder as a live run does; yields (folder, process)."""
     folder = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    said, proc.child = proc.stdout.readline().split(), None
     try:
-        assert proc.stdout.readline().strip() == "held"
+        assert said[0] == "held"
+        proc.child = int(said[1])
         yield folder, proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        if proc.child:
+            os.kill(proc.child, signal.SIGKILL)
 
 
 def complete_checkpoint(folder, step=2):
@@ -81,12 +89,19 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path, tiny_model_dir, live_run):
     complete_checkpoint(folder)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    os.kill(proc.child, 0)  # its forked child lives on, holding the lock file open: the folder is free all the same
     assert (folder / LOCK_NAME).is_file() and live_holder(folder) is None
     start = plan_start(load_config(yaml))
     assert start.resumed_step == 2 and start.loaded.experiment_dir == folder
     lock = claim(folder)
     try:
-        assert live_holder(folder).pid == os.getpid()
+        assert live_holder(folder).pid == os.getpid() and live_holder(folder).pid == os.getpid()  # asked twice
+        with pytest.raises(UserError, match=f"PID {os.getpid()}"):
+            claim(folder)  # a second claim of this process would not conflict in the kernel: refused here
+        probe = subprocess.run([sys.executable, "-c", "import sys, pathlib; from astuner.run_lock import live_holder; "
+                                "print(live_holder(pathlib.Path(sys.argv[1])).pid)", str(folder)],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == str(os.getpid())  # still held after this process asked
     finally:
         lock.release()
     assert live_holder(folder) is None

@@ -1,4 +1,4 @@
-"""The multi-tenant load and fault test: four tenants train and sample at once on `astuner serve` (a server
+"""The multi-tenant load and fault test: two tenants train and sample at once on `astuner serve` (a server
 process, keys, the HF engine) while a fifth, with a key of its own, names their ids, sends requests far ahead of
 its turn, oversized bodies and a flood of samples, abandons a session mid-step and is killed mid-request.
 The scenario is bench/serve_tenants.py's, smaller; the bench prints the latencies (README, "Serving for a team")."""
@@ -17,14 +17,14 @@ import serve_tenants  # noqa: E402
 
 
 def test_good_tenants_train_exactly_as_alone_while_a_bad_one_is_refused(tiny_model_dir):
-    report = serve_tenants.run(str(tiny_model_dir), steps=2, tenants=4, session_timeout=15.0, floor=False)
+    report = serve_tenants.run(str(tiny_model_dir), steps=2, tenants=2, session_timeout=15.0, floor=False)
     log = Path(report["server_log"]).read_text()
     # every good tenant's losses and final weights are its solo run's, bit for bit: nothing of theirs was changed
-    assert report["losses_equal"] == [True] * 4, report["losses"]
+    assert report["losses_equal"] == [True] * 2, report["losses"]
     refusals = report["refusals"]
     # everything of another tenant's is a 404; what could not wait is a 429 (the SDK sends it again); a body over
     # its limit a 413: each in the API's shape
-    assert refusals["foreign 404 json"] == 16, refusals
+    assert refusals["foreign 404 json"] == 4 * 2, refusals  # four requests on each good tenant's ids
     assert refusals.get("far ahead 429 json") == 1 and refusals.get("oversized 413 json") == 1, refusals
     assert refusals.get("ahead 429 json", 0) >= 1 and refusals.get("flood 429 json", 0) >= 1, refusals
     assert all(key.endswith(" json") for key in refusals if not key.split()[-2].startswith("2")), refusals

@@ -190,7 +190,7 @@ def evaluate(
                                               progress=progress, baseline=baseline))
     print(table(reports, pairs))
     print(f"astuner: per-task results in {folder / 'eval_tasks.csv'}, summary in {folder / 'eval_summary.json'}, "
-          f"log in {log_file}", file=sys.stderr)
+          f"log in {log_file}; every episode in the log viewer: astuner logview {folder}", file=sys.stderr)
 
 
 export_app = _subcommand_app()

@@ -84,6 +84,18 @@ def test_eval_command_compares_two_models(tmp_path, tiny_model_dir, capsys, monk
     n_tasks = int(first["tasks"])
     assert len(rows) == 2 * n_tasks and all(r["samples"] == "2" for r in rows)
     assert set(rows[0]) >= {"greedy_success", "pass@1", "pass@2", "tokens_per_episode"}
+    assert "tool_calls_per_episode" in first and "episodes_with_a_tool_call" in first
+    # Every episode, per model, where the log viewer opens them (`astuner logview <out>`).
+    from starlette.testclient import TestClient
+
+    from astuner.logview.app import build_app
+
+    client = TestClient(build_app(out))
+    runs = sorted(r["id"] for r in client.get("/api/runs").json()["runs"])
+    assert len(runs) == 2 and all(r.startswith("episodes/") for r in runs), runs
+    steps = client.get(f"/api/runs/{runs[0]}/steps").json()["steps"]
+    counts = {s["split"]: s["episodes"] for s in steps}
+    assert counts == {"greedy": n_tasks, "sampled": 2 * n_tasks}, steps
 
 
 def test_eval_command_bad_input(tmp_path, tiny_model_dir, capsys, monkeypatch):

@@ -115,7 +115,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
     try:
         for spec in models:
             reports.append(_evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, judge,
-                                           auxiliary, progress))
+                                           auxiliary, progress, out_dir))
     finally:
         if auxiliary is not None:
             auxiliary.shutdown()
@@ -125,8 +125,9 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
 
 
 def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, judge, auxiliary,
-                    progress) -> ModelReport:
-    """One model: its engine, the greedy and sampled episodes, its report."""
+                    progress, out_dir: Path | None = None) -> ModelReport:
+    """One model: its engine, the greedy and sampled episodes (kept for the log viewer in
+    `out_dir/episodes/<label>/`), its report."""
     from astuner import preflight
     from astuner.model_cache import ModelPathError, resolve_model_path
     from astuner.rollout import RolloutRunner, RolloutSettings
@@ -169,6 +170,8 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
         runner.close(auxiliary=False)  # the pool serves the next model too
         for e in (engine, *others.values()):
             e.shutdown()
+    if out_dir is not None:
+        keep_episodes(Path(out_dir) / "episodes" / label.replace("/", "_"), greedy, sampled, tokenizer)
     results = task_results(greedy, sampled, ks)
     summary = summarize(results, greedy + sampled, ks)
     summary["seconds"] = time.perf_counter() - start
@@ -199,6 +202,21 @@ def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:
                          f"astuner.models.{name}.path ({configured})")
             out[name] = configured
     return out
+
+
+def keep_episodes(folder: Path, greedy: list, sampled: list, tokenizer) -> None:
+    """The episodes of one model where `astuner logview <eval folder>` opens them: split "greedy" and "sampled"."""
+    from astuner.logview.records import episode_records
+    from astuner.logview.store import StepWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    store = StepWriter(folder)
+    try:
+        store.write("greedy", 0, episode_records(greedy, None, tokenizer))
+        if sampled:
+            store.write("sampled", 0, episode_records(sampled, None, tokenizer))
+    finally:
+        store.close()
 
 
 def comparisons(reports: list[ModelReport], pairs: list[tuple[str, str]] | None = None) -> list[Difference]:

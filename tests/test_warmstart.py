@@ -293,7 +293,8 @@ def test_the_draw_check_says_what_the_model_did_and_when_it_measured_nothing():
     from astuner.types import Episode, LLMCall, Task
 
     def episode(i, calls, flags=()):
-        reply = {"tool_calls": [{"name": "stock"}] * calls} if calls else {"content": "no idea"}
+        stock = {"type": "function", "function": {"name": "stock", "arguments": '{"item": "scarf"}'}}
+        reply = {"tool_calls": [stock] * calls} if calls else {"content": "no idea"}
         return Episode(Task(f"t{i % 2}", "q"), i, f"e{i}", calls=[LLMCall([1], [2], [-1.0], "stop", 1.0, reply=reply)],
                        flags=list(flags), error_summary="episode timed out after 60s" if flags else None)
 
@@ -301,6 +302,8 @@ def test_the_draw_check_says_what_the_model_did_and_when_it_measured_nothing():
     assert check.void is None and check.line() == (
         "0 of 4 sampled episodes on 2 training task(s) scored; 0 task(s) give GRPO rewards to compare; 1.00 tool "
         "calls per episode, 2 of 4 episodes with one")
+    assert check.example == "task t0, reward 0: " + " -> ".join(['stock({"item": "scarf"})'] * 3 + ["''"])
+    assert draw_check([episode(1, 0)]).example == "task t1, reward 0: 'no idea'"
     void = draw_check([episode(i, 1, ["timeout"]) for i in range(3)] + [episode(3, 0)])
     assert void.line() == ("the check is void: 3 of 4 timed out (episode timed out after 60s; "
                            "astuner.rollout.episode_timeout); its score is n/a (0.75 tool calls per episode, 3 of 4 "

@@ -187,6 +187,7 @@ class DrawCheck:
     tool_calls: int = 0  # parsed tool calls handed to the agent, over every episode
     with_a_tool_call: int = 0  # episodes holding at least one
     void: str | None = None  # most episodes failed or timed out: the check measured nothing (monitor.void_note)
+    example: str = ""  # what the model did in one sampled episode (its calls and its last words)
 
     def line(self) -> str:
         """What the check saw, in one line."""
@@ -214,7 +215,24 @@ def draw_check(episodes: list) -> DrawCheck:
     calls = [tool_calls_received(e.calls) for e in episodes]
     return DrawCheck(episodes=len(episodes), scored=sum(e.is_success or e.reward > low for e in episodes),
                      signal_tasks=sum(len(r) > 1 for r in by_task.values()), tasks=len(by_task),
-                     tool_calls=sum(calls), with_a_tool_call=sum(c > 0 for c in calls), void=void_note(episodes))
+                     tool_calls=sum(calls), with_a_tool_call=sum(c > 0 for c in calls), void=void_note(episodes),
+                     example=episode_line(episodes[0]) if episodes else "")
+
+
+def episode_line(episode, width: int = 300) -> str:
+    """One episode in a line: its task, each tool call with its arguments, its last words (or its error)."""
+    steps = []
+    for call in getattr(episode, "calls", []):
+        reply = call.reply or {}
+        for tool_call in reply.get("tool_calls") or []:
+            function = tool_call.get("function", tool_call)
+            steps.append(f"{function.get('name')}({function.get('arguments', '')})")
+    calls = getattr(episode, "calls", [])
+    last = getattr(episode, "error_summary", None) or (
+        ((calls[-1].reply or {}).get("content") or calls[-1].response_text) if calls else "")
+    text = f"task {episode.task.task_id}, reward {episode.reward:g}: " + " -> ".join(
+        steps + [repr(" ".join(str(last).split())[:120])])
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> DrawCheck:
@@ -328,6 +346,8 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
         setup_logging(run, "check.log")
         check = check_warm_start(loaded, checkpoint, settings)
         say(f"warmstart: {checkpoint}: {check.line()} (log: {run / 'check.log'})")
+        if check.example:
+            say(f"warmstart: one sampled episode: {check.example}")
         if check.void:
             say("warmstart: WARNING: the check measured nothing, so another draw would not either: fix what stopped "
                 f"the episodes ({run / 'check.log'} names each) and rerun; this draw is kept unchecked")

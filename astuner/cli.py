@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from astuner.cli_serve import key_app, serve_app
-from astuner.errors import StageTimeout, TrainingStalled, UserError, WorkerLost
+from astuner.errors import EngineStartError, StageTimeout, TrainingStalled, UserError, WorkerLost
 from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
 from astuner.launch import run
 
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.details:
             print(exc.details, file=sys.stderr)
         return code
-    except (TrainingStalled, WorkerLost, StageTimeout) as exc:
+    except (TrainingStalled, WorkerLost, StageTimeout, EngineStartError) as exc:
         _fail(str(exc))
         return STALLED_EXIT
     except (KeyboardInterrupt, *_ABORTS):

@@ -4,6 +4,7 @@ UserError: bad input (config, data, user code paths); exit code 2.
 TrainingStalled: the run stopped because it would otherwise train on nothing; exit code 1.
 WorkerLost: a process of a Ray backbone died or did not answer in time; exit code 1.
 StageTimeout: a stage of a step ran past astuner.trainer_common.stage_timeout_s (astuner/watchdog.py); exit code 1.
+EngineStartError: a rollout engine could not start (vLLM's root cause and the keys that fix it); exit code 1.
 """
 
 
@@ -29,6 +30,11 @@ class WorkerLost(RuntimeError):
     def __init__(self, message: str, trainer_ok: bool = False) -> None:
         super().__init__(message)
         self.trainer_ok = trainer_ok
+
+
+class EngineStartError(RuntimeError):
+    """An engine could not start; the message quotes the root cause and names the astuner keys that fix it. Not a
+    UserError: the run's folder, whose log holds the engine's whole output, is kept."""
 
 
 class StageTimeout(RuntimeError):

@@ -75,7 +75,7 @@ def test_the_root_cause_is_vllms_first_error_without_its_flag_names():
 
 def test_an_engine_that_cannot_start_is_one_error_paragraph_with_the_keys_that_fix_it(tmp_path, tiny_model_dir,
                                                                                         monkeypatch, capsys):
-    """Real vLLM, asked for a KV cache no machine has: `astuner eval` exits 2 with vLLM's root cause and the astuner
+    """Real vLLM, asked for a KV cache no machine has: `astuner eval` exits 1 with vLLM's root cause and the astuner
     keys, no traceback."""
     from test_run_contract import write_run
 
@@ -85,7 +85,7 @@ def test_an_engine_that_cannot_start_is_one_error_paragraph_with_the_keys_that_f
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "100000")  # GiB
     code = main(["eval", "--conf", str(yaml), "--num-repeat", "0", "astuner.rollout.engine=vllm"])
     err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert code == 1 and "Traceback" not in err, err[-3000:]
     error = next(line for line in err.splitlines() if line.startswith("astuner: error:"))
     assert "did not start: ValueError: Available memory on node" in error
     assert "astuner.rollout.max_model_len lower (now 256" in error and "eval.log" in error

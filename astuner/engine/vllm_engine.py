@@ -368,11 +368,11 @@ class VLLMEngine:
                 raise
             cause = start_failure.root_cause(start_failure.log_since(log_path, log_start))
             if cause is not None:
-                from astuner.errors import UserError
+                from astuner.errors import EngineStartError
 
                 fix = start_failure.advice(cause, on_cuda, settings["max_model_len"], settings["max_num_seqs"],
                                            settings["gpu_memory_utilization"])
-                raise UserError(f"the vLLM engine for {self.model_path} did not start: {cause} {fix} (vLLM's output: "
+                raise EngineStartError(f"the vLLM engine for {self.model_path} did not start: {cause} {fix} (vLLM's output: "
                                 f"{log_path})") from exc
             if log_path is not None:
                 raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "

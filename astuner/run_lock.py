@@ -131,9 +131,10 @@ def claim(folder: Path) -> RunLock:
 
 
 def busy(folder: Path, holder: Holder) -> UserError:
-    from astuner.resume import fresh_folder
-
+    n = 1
+    while folder.with_name(f"{folder.name}_{n}").exists():
+        n += 1
     return UserError(
         f"{folder} is in use by a live run ({holder}). A second run there would overwrite its config and "
         "checkpoints. Wait for it to end (this command then resumes from its latest checkpoint), stop it, or give "
-        f"this run a folder of its own: astuner.experiment_dir={fresh_folder(folder)}.")
+        f"this run a folder of its own: astuner.experiment_dir={folder.with_name(f'{folder.name}_{n}')}.")

@@ -59,3 +59,20 @@ def log_size(path: Path | None) -> int:
         return path.stat().st_size if path is not None else 0
     except OSError:
         return 0
+
+
+def explain(exc: Exception, model_path: str, log_path: Path | None, log_start: int, settings: dict,
+            on_cuda: bool) -> None:
+    """Raise what a failed engine start says: EngineStartError with vLLM's root cause (from the log written since
+    `log_start`) and the keys that fix it; else a RuntimeError naming the log; returns when there is no log."""
+    from astuner.errors import EngineStartError
+
+    cause = root_cause(log_since(log_path, log_start))
+    if cause is not None:
+        fix = advice(cause, on_cuda, settings["max_model_len"], settings["max_num_seqs"],
+                     settings["gpu_memory_utilization"])
+        raise EngineStartError(f"the vLLM engine for {model_path} did not start: {cause} {fix} (vLLM's output: "
+                               f"{log_path})") from exc
+    if log_path is not None:
+        raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' output is "
+                           f"in {log_path}") from exc

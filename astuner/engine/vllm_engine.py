@@ -352,10 +352,9 @@ class VLLMEngine:
         from astuner.logs import run_log_path
 
         preload = cpu_preload() if not on_cuda and os.environ.get("ASTUNER_VLLM_PRELOAD", "1") != "0" else ""
-        log_path = run_log_path()
-        log_start = start_failure.log_size(log_path)
+        log_path, log_start = run_log_path(), start_failure.log_size(run_log_path())
         try:
-            with engine_process_environment(run_log_path(), preload):
+            with engine_process_environment(log_path, preload):
                 self._llm = self._call(self._start(**engine_args(self.model_path, on_cuda=on_cuda, **settings)),
                                        timeout_s,
                                        "the vLLM engine to start (model load, torch.compile, KV cache allocation)")
@@ -364,19 +363,8 @@ class VLLMEngine:
                        "vLLM's worker to watch this process")
         except BaseException as exc:
             self._stop_loop()
-            if not isinstance(exc, Exception):
-                raise
-            cause = start_failure.root_cause(start_failure.log_since(log_path, log_start))
-            if cause is not None:
-                from astuner.errors import EngineStartError
-
-                fix = start_failure.advice(cause, on_cuda, settings["max_model_len"], settings["max_num_seqs"],
-                                           settings["gpu_memory_utilization"])
-                raise EngineStartError(f"the vLLM engine for {self.model_path} did not start: {cause} {fix} (vLLM's output: "
-                                f"{log_path})") from exc
-            if log_path is not None:
-                raise RuntimeError(f"the vLLM engine did not start ({type(exc).__name__}: {exc}); its processes' "
-                                   f"output is in {log_path}") from exc
+            if isinstance(exc, Exception):
+                start_failure.explain(exc, self.model_path, log_path, log_start, settings, on_cuda)
             raise
 
     async def _start(self, **kwargs):

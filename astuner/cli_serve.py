@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Annotated
 
 import typer
@@ -135,7 +134,7 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
     from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
     from astuner.launch import run
     from astuner.serve import Server
-    from astuner.serve.remote_app import RemoteApp
+    from astuner.serve.remote_app import MAX_WAIT_S, RemoteApp
     from astuner.serve.remote_board import EpisodeBoard, install_board
 
     board = EpisodeBoard(episode_timeout_s=episode_timeout_s, take_timeout_s=take_timeout_s)
@@ -153,8 +152,8 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
     try:
         with sigterm_as_interrupt(grace_s=None):  # no deadline: a stop saves as the same command resumes
             run(conf, "debug", overrides, with_logview=with_logview)
-        board.run_over = True  # the run finished: waiting clients hear it before the server closes
-        time.sleep(0.5)
+        board.run_over = True  # the run finished: the clients hear it before the server closes
+        board.wait_told(recent_s=MAX_WAIT_S + 10, deadline_s=MAX_WAIT_S + 10)
     except (Terminated, KeyboardInterrupt):
         _say(f"{'terminated (SIGTERM)' if sys.exc_info()[0] is Terminated else 'interrupted'}; the clients keep "
              f"waiting (for up to their reconnect_s); the same command resumes from the last checkpoint")

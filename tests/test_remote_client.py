@@ -173,3 +173,24 @@ def test_only_a_finished_run_tells_the_clients_it_is_over(tmp_path, monkeypatch)
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
     serve_once()
     assert boards[-1].run_over is True
+
+
+def test_the_server_stays_up_until_every_recent_client_heard_the_run_is_over(board):
+    """A client between two takes when the run ends (running its last episode) asks again a moment later: the
+    server must still answer it `run_over`, or the client retries a closed address until its reconnect_s."""
+    asyncio.run_coroutine_threadsafe(board.wait_take("busy", 0.0), board.loop).result(5)  # it asked once, then works
+    board.run_over = True
+    waited = threading.Thread(target=board.wait_told, args=(30.0, 30.0))
+    waited.start()
+    time.sleep(0.5)
+    assert waited.is_alive()  # the busy client has not heard it yet
+    assert asyncio.run(board_next(board, "busy")) is None  # its next take: told
+    waited.join(timeout=5)
+    assert not waited.is_alive()
+    start = time.monotonic()
+    board.wait_told(30.0, 30.0)  # everyone told: no wait
+    assert time.monotonic() - start < 1.0
+
+
+async def board_next(board, client):
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(board.wait_take(client, 1.0), board.loop))

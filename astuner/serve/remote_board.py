@@ -70,6 +70,10 @@ class EpisodeBoard:
     finished: int = 0
     expired: int = 0
     run_over: bool = False  # the run finished: clients waiting for an episode are told to stop
+    # Client -> when it last asked for an episode, and the clients told the run is over: the server stays up until
+    # every client that asked lately has heard it (`wait_told`).
+    _asked: dict[str, float] = field(default_factory=dict)
+    _told: set[str] = field(default_factory=set)
 
     @property
     def take_wait_s(self) -> float:
@@ -116,10 +120,24 @@ class EpisodeBoard:
     async def wait_take(self, client: str, wait_s: float, token: str | None = None) -> dict | None:
         end = time.monotonic() + wait_s
         while True:
+            self._asked[client] = time.monotonic()
             got = self.take(client, token)
+            if got is None and self.run_over:
+                self._told.add(client)
             if got is not None or self.run_over or time.monotonic() >= end:
                 return got
             await asyncio.sleep(0.02)
+
+    def wait_told(self, recent_s: float, deadline_s: float) -> None:
+        """After `run_over`: wait until every client that asked for an episode within `recent_s` has been told the
+        run is over (one between two takes when the run ended asks again shortly), at most `deadline_s`. A server
+        that closed first would leave such a client retrying an address that no longer answers."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if all(c in self._told for c, at in list(self._asked.items()) if now - at < recent_s):
+                return
+            time.sleep(0.05)
 
     def holder(self, episode_id: str) -> str | None:
         with self._lock:

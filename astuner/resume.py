@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astuner.errors import UserError
+from astuner.run_lock import busy, live_holder
 
 RESUME_DIR = "astuner_resume"  # inside a checkpoint folder: what a resumed run needs beyond the HF weights
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
@@ -164,8 +165,6 @@ def has_results(experiment_dir: Path) -> bool:
 def holds_a_run(experiment_dir: Path) -> bool:
     """A run's results, its saved config (a run that has not finished a step yet, or was killed before one), or a
     live run's lock (astuner/run_lock.py)."""
-    from astuner.run_lock import live_holder
-
     return (has_results(experiment_dir) or (experiment_dir / "config.yaml").is_file()
             or live_holder(experiment_dir) is not None)
 
@@ -181,8 +180,6 @@ def fresh_folder(experiment_dir: Path) -> Path:
 
 def _refuse_live(out: Path) -> None:
     """A run's folder that a live run writes is neither resumed nor written into (astuner/run_lock.py)."""
-    from astuner.run_lock import busy, live_holder
-
     holder = live_holder(out)
     if holder is not None:
         raise busy(out, holder)
@@ -191,8 +188,6 @@ def _refuse_live(out: Path) -> None:
 def plan_start(loaded) -> RunStart:
     """Where this run writes and what it continues from. The run then takes its folder with
     astuner.run_lock.claim, which refuses a folder another run took in between."""
-    from astuner.run_lock import live_holder
-
     mode = loaded.typed.astuner.trainer_common.resume_mode
     out = loaded.experiment_dir
     if mode not in ("auto", "disable"):

@@ -81,8 +81,9 @@ class Stages:
         """Greedy episodes of every task; with `repeats` > 1 also pass@k over that many sampled episodes."""
         episodes = self.rollout(tasks, validation=True, step=step, progress=progress)
         sampled = self.rollout_sampled(tasks, step, repeats, progress) if repeats > 1 else []
-        return Validation(validation_metrics(episodes, sampled, repeats), "accuracy", episodes + sampled,
-                          void_note(episodes))
+        metrics = validation_metrics(episodes, sampled, repeats)
+        void = void_note(episodes) if metrics.get("val/void") else None  # the note's text only when there is one
+        return Validation(metrics, "accuracy", episodes + sampled, void)
 
     def load_checkpoint(self, path: Path) -> dict:
         raise NotImplementedError(f"{type(self).__name__} cannot resume from a checkpoint")

@@ -209,3 +209,8 @@ class SyncReport:
 
         return SyncReport(**{name: pick(name, min if name == "verified" else max)
                              for name in ("write_s", "load_s", "total_s", "verified", "verify_s", "engine_load_s")})
+
+
+def tool_calls_received(calls) -> int:
+    """Parsed tool calls handed to the agent over `calls` (LLMCall records; one response may hold several)."""
+    return sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode
+from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, Episode, tool_calls_received
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -105,15 +105,11 @@ def summarize(results: list[TaskResult], episodes: list[Episode], ks: list[int])
         "failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n_eps,
         "overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n_eps,
         # Tool use: parsed calls handed to the agent per episode, and the share of episodes with at least one.
-        "tool_calls_per_episode": sum(_tool_calls(e) for e in episodes) / n_eps,
-        "episodes_with_a_tool_call": sum(_tool_calls(e) > 0 for e in episodes) / n_eps,
+        "tool_calls_per_episode": sum(tool_calls_received(e.calls) for e in episodes) / n_eps,
+        "episodes_with_a_tool_call": sum(tool_calls_received(e.calls) > 0 for e in episodes) / n_eps,
     }
     if any(r.samples for r in results):
         out["sampled/reward_mean"] = sum(r.sampled_reward_mean for r in results) / n_tasks
         for k in ks:
             out[f"sampled/pass@{k}"] = sum(r.pass_at.get(k, 0.0) for r in results) / n_tasks
     return out
-
-
-def _tool_calls(episode: Episode) -> int:
-    return sum(len((c.reply or {}).get("tool_calls") or []) for c in episode.calls)

@@ -24,14 +24,10 @@ from astuner.types import (
     FLAG_WRONG_TOOLCALL,
     Episode,
     Sample,
+    tool_calls_received,
 )
 
 log = logging.getLogger(__name__)
-
-
-def tool_calls_received(calls) -> int:
-    """Parsed tool calls handed to the agent (one response may hold several)."""
-    return sum(len((c.reply or {}).get("tool_calls") or []) for c in calls)
 
 
 def parse_failure_rate(calls) -> float:

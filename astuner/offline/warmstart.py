@@ -153,11 +153,12 @@ def tools_from_dry_run(loaded, episodes: int) -> tuple[list[dict], list[str]]:
 
 def task_answers(loaded, limit: int = 64) -> list:
     """The answers the judge compares with, from the first training tasks' rows (answer, ground_truth, solution)."""
+    from astuner.task_judge.base_judge import GROUND_TRUTH_KEYS
     from astuner.task_reader import build_task_reader
 
     rows = [t.metadata for t in build_task_reader(loaded.typed, loaded.config_dir).training_tasks()[:limit]]
-    return [next(r[k] for k in ("answer", "ground_truth", "solution") if k in r) for r in rows
-            if isinstance(r, dict) and any(k in r for k in ("answer", "ground_truth", "solution"))]
+    return [r[next(k for k in GROUND_TRUTH_KEYS if k in r)] for r in rows
+            if isinstance(r, dict) and any(k in r for k in GROUND_TRUTH_KEYS)]
 
 
 def episode_kinds(settings: "WarmStartSettings", tools: list[dict], answers: list, results: list[str]):

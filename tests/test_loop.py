@@ -403,3 +403,16 @@ def test_a_void_validation_is_n_a_never_a_score_of_0(caplog):
     assert "validation void (n/a) at steps 0, 1" in summary.line("run")
     assert ("validation void at step 0: 2 of 2 timed out (episode timed out after 600s; "
             "astuner.rollout.episode_timeout); its accuracy is n/a") in caplog.text
+
+
+def test_the_progress_bar_shows_a_void_validation_as_n_a(tmp_path):
+    from astuner.monitor import Monitor
+
+    monitor = Monitor(tmp_path, total_steps=2, show_progress=False)
+    try:
+        monitor.log_metrics(0, {"val/accuracy": 0.5})
+        assert monitor._postfix["val_acc"] == "0.5"
+        monitor.log_metrics(1, {"val/void": 1.0, "val/failure_rate": 1.0})
+        assert monitor._postfix["val_acc"] == "n/a"  # not the last measured score, not 0
+    finally:
+        monitor.close()

@@ -62,6 +62,27 @@ def _module_file(spec: str, exc: BaseException) -> str:
     return frames[0].filename if frames else spec.split("->")[0]
 
 
+def judge_spec(typed) -> str:
+    """judge_protocol, or the environment's own judge (astuner/environments/) when it is left at its default."""
+    from astuner.config.schema import TaskJudgeSection
+    from astuner.environments import environment_of
+
+    env = environment_of(typed.astuner.task_reader.type)
+    spec = typed.astuner.task_judge.judge_protocol
+    if env is not None and spec == TaskJudgeSection.model_fields["judge_protocol"].default:
+        return env.judge
+    return spec
+
+
+def workflow_spec(typed) -> str | None:
+    """agentscope_workflow, or the environment's own workflow when it is null."""
+    from astuner.environments import environment_of
+
+    env = environment_of(typed.astuner.task_reader.type)
+    spec = typed.astuner.rollout.agentscope_workflow
+    return env.workflow if spec is None and env is not None else spec
+
+
 def build_judge(loaded):
     """The judge of `astuner.task_judge` (user classes resolve against the config's folder; a judge's
     constructor gets the composed config, as the seed's judges expect)."""
@@ -75,7 +96,7 @@ def build_judge(loaded):
             section.combine, cfg,
             lambda spec, where: load_user_class(spec, base_dir, "judge", where, BaseJudge))
     key = "astuner.task_judge.judge_protocol"
-    judge_cls = load_user_class(section.judge_protocol, base_dir, "judge", key, BaseJudge)
+    judge_cls = load_user_class(judge_spec(loaded.typed), base_dir, "judge", key, BaseJudge)
     if inspect.isfunction(judge_cls):
         from astuner.task_judge.base_judge import FunctionJudge
 
@@ -237,7 +258,7 @@ def load_workflow(loaded):
     """The workflow class named by astuner.rollout.agentscope_workflow (a function is wrapped into one)."""
     typed = loaded.typed
     workflow_cls = load_user_class(
-        typed.astuner.rollout.agentscope_workflow, loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
+        workflow_spec(typed), loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
         Workflow,
     )
     if inspect.isfunction(workflow_cls):

@@ -181,7 +181,16 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.trainer_common.algorithm.type=dpo", "astuner.offline_data.train_file=pairs.jsonl",
         "astuner.offline_data.val_file=val_pairs.jsonl"])
     assert {"astuner.trainer_common.algorithm.beta", "astuner.offline_data.train_file"} <= reads_d
-    assert leaves - reads_a - reads_b - reads_c - reads_d - READ_WHILE_LOADING == later
+    # Run E: reasoning-gym's generators and scorer, with the workflow and judge the environment brings.
+    reads_e, inactive_e = keys_read_by_a_run(write_run(tmp_path / "e", tiny_model_dir), one_step + [
+        "astuner.task_reader.type=reasoning_gym",
+        "astuner.task_reader.reasoning_gym.datasets=[{name: chain_sum, config: {max_digits: 1}}]",
+        "astuner.task_reader.reasoning_gym.size=4", "astuner.task_reader.reasoning_gym.validation_size=2",
+        "astuner.rollout.agentscope_workflow=null",  # the judge at its default: the environment's own
+        "astuner.task_judge.judge_protocol='astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge'",
+    ])
+    assert leaves - reads_e - inactive_e - READ_WHILE_LOADING == set()
+    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - READ_WHILE_LOADING == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

@@ -56,9 +56,34 @@ class EnvServiceReader(Section):
                        "(tutorial/env_service/README.md).", ge=0)
 
 
+class RgDatasetEntry(Section):
+    name: str = Field(description="A reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, leg_counting.")
+    weight: float = key(1.0, "Its share of the mix (reasoning-gym's composite weights; need not sum to 1).", gt=0)
+    config: dict[str, Any] = key({}, "Its config class's fields, e.g. {min_terms: 2, max_terms: 2} for chain_sum.")
+
+
+class ReasoningGymReader(Section):
+    datasets: list[RgDatasetEntry] = key(
+        [], "reasoning-gym datasets, mixed by weight: [{name: chain_sum, weight: 1.0, config: {max_digits: 1}}]. "
+        "Their own score_answer is the reward (astuner/environments/reasoning_gym.py).")
+    size: int = key(1000, "Training tasks (items 0..size-1 of the mix).", ge=1)
+    validation_size: int = key(64, "Validation tasks, drawn under another seed; 0: no validation.", ge=0)
+    seed: Optional[int] = key(None, "Seed of the generators; null: astuner.seed.")
+    system_prompt: str = key(
+        "default", "System prompt of the built-in workflow: a name from reasoning-gym's SYSTEM_PROMPTS (default | "
+        "DeepSeekZero | simple | direct | chain_of_draft) or the text itself; \"\": none.")
+    answer_from: Literal["tag", "last_number", "reply"] = key(
+        "tag", "What of the reply the dataset's scorer gets: tag (the text inside the last <answer_tag>...</answer_tag>, "
+        "reasoning-gym's convention; none: no answer) | last_number (the reply's last number, for models that do "
+        "not write tags) | reply (the whole reply, stripped).")
+    answer_tag: str = key("answer", "The tag of answer_from tag.")
+
+
 class TaskReaderSection(Section):
-    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service"] = key(
-        "jsonl_dataset_file", "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service"
+    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym"] = key(
+        "jsonl_dataset_file",
+        "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service | reasoning_gym "
+        "(its own workflow and judge unless you name yours: astuner/environments/)."
     )
     query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
     task_id_field: Optional[str] = key(None, 'Dataset field holding a stable task id; null: "<split>-<row index>".')
@@ -66,6 +91,10 @@ class TaskReaderSection(Section):
     huggingface_dat_repo: HfReader = section(HfReader)
     env_service: EnvServiceReader = section(
         EnvServiceReader, "An HTTP environment service: tasks, instances, steps and evaluation (astuner/env_service.py)."
+    )
+    reasoning_gym: ReasoningGymReader = section(
+        ReasoningGymReader, "reasoning-gym's procedural datasets, scored by their own score_answer "
+        "(pip install 'astuner[reasoning-gym]')."
     )
 
 

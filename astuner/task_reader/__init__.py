@@ -14,11 +14,13 @@ from astuner.task_reader.base import KEY, TaskReader
 from astuner.task_reader.env_service_reader import EnvServiceTaskReader
 from astuner.task_reader.hf_reader import HuggingFaceTaskReader
 from astuner.task_reader.jsonl_reader import JsonlTaskReader
+from astuner.task_reader.reasoning_gym_reader import ReasoningGymTaskReader
 
 TASK_READERS: dict[str, type[TaskReader]] = {
     "jsonl_dataset_file": JsonlTaskReader,
     "huggingface_dat_repo": HuggingFaceTaskReader,
     "env_service": EnvServiceTaskReader,
+    "reasoning_gym": ReasoningGymTaskReader,
 }
 
 __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]
@@ -32,4 +34,6 @@ def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
         close = difflib.get_close_matches(kind, TASK_READERS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UserError(f"{KEY}.type={kind!r} is not a task reader; use one of {', '.join(TASK_READERS)}.{hint}")
+    if kind == "reasoning_gym":  # its generators default to the run's seed
+        return ReasoningGymTaskReader(reader_cfg, Path(base_dir), seed=cfg.astuner.seed)
     return TASK_READERS[kind](reader_cfg, Path(base_dir))

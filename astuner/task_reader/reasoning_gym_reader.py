@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from astuner.errors import UserError

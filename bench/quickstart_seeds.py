@@ -1,12 +1,12 @@
 """The quick-start (or another tutorial) on several seeds and engines: does it learn on every seed, and how fast?
 
     python bench/quickstart_seeds.py [--seeds 0 1 2] [--engines vllm hf] [--test-freq 2] [--out bench_quickstart]
-                                     [--max-minutes 12] [--conf tutorial/.../x.yaml] [--gain 0.3] [KEY=VALUE ...]
+                                     [--max-minutes 12] [--conf tutorial/x/x.yaml] [--gain 0.3] [KEY=VALUE ...]
 
 Each (engine, seed) runs `astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug` (or `--conf`) in
-its own process with `astuner.seed`, `astuner.rollout.engine` and validation every `--test-freq` steps (extra KEY=VALUE overrides
-are passed on). The bench stamps each validation line of metrics.jsonl with the wall time since the process
-started (model loading included), so "minutes to +0.3" is what a newcomer waits. It prints each curve, the
+its own process with `astuner.seed`, `astuner.rollout.engine` and validation every `--test-freq` steps (extra
+KEY=VALUE overrides are passed on). The bench stamps each validation line of metrics.jsonl with the wall time
+since the process started (model loading included), so "minutes to +0.3" is what a newcomer waits. It prints each curve, the
 step and wall time at which validation accuracy first reaches step 0's + `--gain` (0.3), and the mean and spread
 of the final accuracy; `--max-minutes` stops a run that takes longer. Runs one at a time: two cores, no parallel runs.
 """

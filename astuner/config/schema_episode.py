@@ -73,9 +73,9 @@ class ReasoningGymReader(Section):
         "default", "System prompt of the built-in workflow: a name from reasoning-gym's SYSTEM_PROMPTS (default | "
         "DeepSeekZero | simple | direct | chain_of_draft) or the text itself; \"\": none.")
     answer_from: Literal["tag", "last_number", "reply"] = key(
-        "tag", "What of the reply the dataset's scorer gets: tag (the text inside the last <answer_tag>...</answer_tag>, "
-        "reasoning-gym's convention; none: no answer) | last_number (the reply's last number, for models that do "
-        "not write tags) | reply (the whole reply, stripped).")
+        "tag", "What of the reply the dataset's scorer gets: tag (the text inside the last "
+        "<answer_tag>...</answer_tag>, reasoning-gym's convention; none: no answer) | last_number (the reply's "
+        "last number, for models that do not write tags) | reply (the whole reply, stripped).")
     answer_tag: str = key("answer", "The tag of answer_from tag.")
 
 

@@ -77,8 +77,8 @@ def _composite(spec_json: str):
     try:
         return CompositeDataset(config)
     except (AssertionError, ValueError, TypeError) as exc:
-        raise UserError(f"{SECTION}: reasoning-gym refused the datasets: {exc or type(exc).__name__}. Check "
-                        "each dataset's config against its config class (reasoning_gym/<category>/<name>.py).") from None
+        raise UserError(f"{SECTION}: reasoning-gym refused the datasets: {exc or type(exc).__name__}. Check each "
+                        "dataset's config against its config class (reasoning_gym/<category>/<name>.py).") from None
 
 
 def _check_config(i: int, name: str, config: dict, config_cls) -> None:
@@ -95,7 +95,8 @@ def _check_config(i: int, name: str, config: dict, config_cls) -> None:
         if hasattr(made, "validate"):
             made.validate()
     except (AssertionError, ValueError, TypeError) as exc:
-        raise UserError(f"{where}: {config_cls.__name__} refused config {config}: {exc or type(exc).__name__}.") from None
+        why = exc or type(exc).__name__
+        raise UserError(f"{where}: {config_cls.__name__} refused config {config}: {why}.") from None
 
 
 def item_tasks(spec: dict[str, Any], split: str, system_prompt: str, answer_from: str, answer_tag: str) -> list:

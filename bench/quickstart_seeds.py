@@ -6,9 +6,10 @@
 Each (engine, seed) runs `astuner --conf tutorial/quickstart/quickstart.yaml --backbone debug` (or `--conf`) in
 its own process with `astuner.seed`, `astuner.rollout.engine` and validation every `--test-freq` steps (extra
 KEY=VALUE overrides are passed on). The bench stamps each validation line of metrics.jsonl with the wall time
-since the process started (model loading included), so "minutes to +0.3" is what a newcomer waits. It prints each curve, the
-step and wall time at which validation accuracy first reaches step 0's + `--gain` (0.3), and the mean and spread
-of the final accuracy; `--max-minutes` stops a run that takes longer. Runs one at a time: two cores, no parallel runs.
+since the process started (model loading included), so "minutes to +0.3" is what a newcomer waits. It prints
+each curve, the step and wall time at which validation accuracy first reaches step 0's + `--gain` (0.3), and the
+mean and spread of the final accuracy; `--max-minutes` stops a run that takes longer. Runs one at a time: two
+cores, no parallel runs.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 def test_registry_names_match_config_contract():
-    assert set(TASK_READERS) == {"jsonl_dataset_file", "huggingface_dat_repo", "env_service"}
+    assert set(TASK_READERS) == {"jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym"}
 
 
 def test_unknown_type_suggests_closest(tmp_path):

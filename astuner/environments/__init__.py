@@ -5,8 +5,8 @@ ENVIRONMENTS maps a `task_reader.type` to the workflow and judge that play it. A
 `rollout.agentscope_workflow` is null gets the environment's workflow; one whose `task_judge` is left at its
 default (`judge_protocol` unchanged, no `combine`) gets the environment's judge. Naming your own workflow (an agent
 with tools that answers the environment's questions) or judge works as for any task.
-Each environment's package is optional (`pip install 'astuner[reasoning-gym]'`); a missing one stops the run at
-start (exit 2) with that line.
+Each environment's package is an optional extra of pyproject.toml (`pip install 'astuner[reasoning-gym]'`); its
+reader stops a run that lacks it at start (exit 2) with that line.
 """
 
 from __future__ import annotations
@@ -18,16 +18,12 @@ from dataclasses import dataclass
 class Environment:
     workflow: str  # "module->Class" spec, as a user would write it
     judge: str
-    requirement: str  # what `pip install` needs
-    extra: str  # astuner's extra that installs it
 
 
 ENVIRONMENTS: dict[str, Environment] = {
     "reasoning_gym": Environment(
         workflow="astuner.environments.reasoning_gym->AnswerWorkflow",
         judge="astuner.environments.reasoning_gym->ReasoningGymJudge",
-        requirement="reasoning-gym==0.1.25",
-        extra="reasoning-gym",
     ),
 }
 

@@ -34,6 +34,8 @@ def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
         close = difflib.get_close_matches(kind, TASK_READERS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UserError(f"{KEY}.type={kind!r} is not a task reader; use one of {', '.join(TASK_READERS)}.{hint}")
-    if kind == "reasoning_gym":  # its generators default to the run's seed
-        return ReasoningGymTaskReader(reader_cfg, Path(base_dir), seed=cfg.astuner.seed)
-    return TASK_READERS[kind](reader_cfg, Path(base_dir))
+    reader = TASK_READERS[kind](reader_cfg, Path(base_dir))
+    seed = getattr(cfg.astuner, "seed", None)  # a bare reader config (tests, tune's preview) has none
+    if seed is not None:
+        reader.run_seed = int(seed)
+    return reader

@@ -19,7 +19,10 @@ KEY = "astuner.task_reader"
 
 
 class TaskReader:
-    """Reads the training and validation tasks of a run. `reader_cfg` is the `astuner.task_reader` node."""
+    """Reads the training and validation tasks of a run. `reader_cfg` is the `astuner.task_reader` node;
+    `run_seed` is `astuner.seed` (set by build_task_reader), for readers that generate their tasks."""
+
+    run_seed: int = 42
 
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         self.base_dir = Path(base_dir)

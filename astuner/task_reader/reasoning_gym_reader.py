@@ -91,7 +91,7 @@ def _check_config(i: int, name: str, config: dict, config_cls) -> None:
         raise UserError(f"{where}: config has {', '.join(unknown)}, which {config_cls.__name__} does not take; "
                         f"it takes {', '.join(sorted(fields - {'seed', 'size'}))}.")
     try:
-        made = config_cls(**{k: v for k, v in config.items()})
+        made = config_cls(**config)
         if hasattr(made, "validate"):
             made.validate()
     except (AssertionError, ValueError, TypeError) as exc:
@@ -142,11 +142,14 @@ def system_prompt_text(name_or_text: str) -> str:
 
 
 class ReasoningGymTaskReader(TaskReader):
-    def __init__(self, reader_cfg: Any, base_dir: Path, seed: int = 42) -> None:
+    def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
         import_reasoning_gym()  # a missing package stops the run here, before any model loads
         self.section = reader_cfg.reasoning_gym
-        self.seed = int(self.section.seed if self.section.seed is not None else seed)
+
+    @property
+    def seed(self) -> int:
+        return int(self.section.seed if self.section.seed is not None else self.run_seed)
 
     def _tasks(self, split: str, size: int, seed: int) -> list[Task]:
         datasets = [{"name": d.name, "weight": d.weight, "config": dict(d.config)} for d in self.section.datasets]

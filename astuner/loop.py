@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from astuner.algorithm.catalog import algorithm
 from astuner.errors import WorkerLost
 from astuner.selection import SelectionSettings, choose_selection
 from astuner.stages import Stages
@@ -303,6 +304,11 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
 
     monitor = None
     try:
+        if algorithm(loaded.typed.astuner.trainer_common.algorithm.type).selection == "distillation":
+            from astuner.distill import build_teacher
+            from astuner.runtime import build_engine
+
+            stages.teacher = build_teacher(loaded.typed, tokenizer, build_engine)
         resume = None
         if checkpoint is not None:
             resume = ResumeState(**stages.load_checkpoint(checkpoint))
@@ -316,6 +322,8 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
         if monitor is not None:
             monitor.close()
         stages.shutdown()
+        if stages.teacher is not None:
+            stages.teacher.shutdown()
     line = summary.line(loaded.typed.astuner.project_name)
     log.info(line)
     print(line, flush=True)

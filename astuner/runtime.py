@@ -318,6 +318,10 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     tokenizer = load_tokenizer(model_path)
     train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
+    if algorithm(typed.astuner.trainer_common.algorithm.type).selection == "distillation":
+        from astuner.distill import check_teacher
+
+        check_teacher(typed, tokenizer, typed.astuner.model.path)
     others = {}
     for name, path in other_model_paths(typed).items():  # before any weights load, on every backbone
         others[name] = preflight.read_model_facts(path, f"astuner.models.{name}.path")

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 from astuner.algorithm.catalog import algorithm
+from astuner.algorithm.distillation import carries_advantage
 from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.errors import TrainingStalled
@@ -32,6 +33,8 @@ FIX_ADVICE = {
     "remote": "Check that remote clients run against this server (astuner.remote.RemoteClient(url).run(agent), e.g. "
               "tutorial/remote_agent/agent_client.py) and read their output for the agent's error, or raise "
               "astuner.rollout.episode_timeout if the episodes are just slow.",
+    "teacher": "Check the teacher (astuner.teacher): its server is up and answers /v1/completions with echo and "
+               "logprobs, or its model folder loads; raise astuner.teacher.timeout_s if it is just slow.",
     "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
              "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
 }
@@ -67,6 +70,8 @@ class SelectionSettings:
     max_num_gen_batches: int = 0
     algorithm: str = "grpo"  # an algorithm.type (astuner/algorithm/catalog.py)
     rft_threshold: float = 1.0
+    distill_kl_coef: float = 1.0
+    distill_reward_weight: float = 0.0
 
     @classmethod
     def from_config(cls, typed) -> SelectionSettings:
@@ -89,6 +94,8 @@ class SelectionSettings:
             max_num_gen_batches=fg.max_num_gen_batches,
             algorithm=tc.algorithm.type,
             rft_threshold=tc.algorithm.rft_reward_threshold,
+            distill_kl_coef=tc.algorithm.distill_kl_coef,
+            distill_reward_weight=tc.algorithm.distill_reward_weight,
         )
 
 @dataclass
@@ -135,7 +142,7 @@ class Plain:
         """Never silently idle: `max_idle_steps` steps in a row without a sample that carries a gradient stop
         the run."""
         s = self.settings
-        if any(x.advantage != 0.0 for x in samples) or (s.grad_without_advantage and bool(samples)):
+        if any(carries_advantage(x) for x in samples) or (s.grad_without_advantage and bool(samples)):
             state.idle_steps = 0
             return
         state.idle_steps += 1
@@ -229,6 +236,36 @@ class DynamicRejectionSampling(RejectionSampling, DynamicSampling):
     """RFT over the episodes dynamic sampling rolled out."""
 
 
+class Distillation(Plain):
+    """On-policy distillation (algorithm/distillation.py): the step's episodes, scored by the teacher
+    (`stages.teacher`, distill/scoring.py) before their samples are made; every token's advantage is the teacher's
+    logprob minus the student's, plus the reward's group advantage times distill_reward_weight."""
+
+    def gather(self, stages, tasks: list[Task], batches, step: int, epoch: int, position: int,
+               progress=None) -> Chosen:
+        from astuner.distill.scoring import score_episodes
+
+        chosen = super().gather(stages, tasks, batches, step, epoch, position, progress)
+        if stages.teacher is None:  # the driver builds it for this algorithm type (loop.drive): a bug if not
+            raise RuntimeError("on-policy distillation without a teacher: the stages were handed none")
+        chosen.metrics.update(score_episodes(stages.teacher, chosen.kept))
+        return chosen
+
+    def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:
+        from astuner.algorithm.distillation import distill_samples
+
+        self._stop_if_all_failed(chosen.episodes, state, step)
+        samples = self._samples(chosen.kept)
+        return samples, distill_samples(samples, self.settings.distill_kl_coef, self.settings.distill_reward_weight)
+
+    def idle_reason(self, zero_adv_group_fraction: float) -> str:
+        return "the teacher scored no token (every episode failed, or none made a trainable call)"
+
+
+class DynamicDistillation(Distillation, DynamicSampling):
+    """Distillation over the groups dynamic sampling kept (groups whose rewards differ)."""
+
+
 class OfflineSFT:
     """algorithm.type sft: the batch's conversations, their assistant tokens trained by the SFT loss. The batch
     is the data itself: nothing is rolled out."""
@@ -271,6 +308,7 @@ class OfflinePreference(OfflineSFT):
 SELECTIONS = {
     "policy_gradient": (Plain, DynamicSampling),
     "rejection_sampling": (RejectionSampling, DynamicRejectionSampling),
+    "distillation": (Distillation, DynamicDistillation),
     "offline_sft": (OfflineSFT, OfflineSFT),
     "offline_pairs": (OfflinePreference, OfflinePreference),
 }

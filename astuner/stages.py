@@ -21,6 +21,8 @@ driver ever asks whether a method exists.
                score_name                           what validate scores: "accuracy" or "loss"
                load_checkpoint(path), resumed(step) resume: the trainer's state, then the engines' weights
                shutdown()                           release engines, actors and placement
+               teacher                              on-policy distillation's teacher (astuner/distill/), set by
+                                                    the driver (loop.drive) where the loop runs; else None
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Validation:
 
 class Stages:
     lookahead: int = 0  # batches after the current one that `prefetch` may be handed
+    teacher = None  # on-policy distillation's teacher (astuner/distill/teachers.py), set by loop.drive
     score_name = "accuracy"  # what `validate` scores: "accuracy" (higher is better) or "loss"
 
     def rollout(self, tasks: list[Task], validation: bool, step: int = 0, progress=None) -> list[Episode]:

@@ -24,6 +24,8 @@ FLAG_TIMEOUT = "timeout"  # workflow exceeded rollout.episode_timeout
 FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the episode also carries FLAG_FAILED)
 # A tool's sandbox could not start (astuner/tools/failures.py); the episode also carries FLAG_FAILED.
 FLAG_TOOL_INFRA_FAILED = "tool_infra_failed"
+# The teacher could not score the episode (on-policy distillation, astuner/distill/); it also carries FLAG_FAILED.
+FLAG_TEACHER_FAILED = "teacher_failed"
 
 
 @dataclass
@@ -92,6 +94,8 @@ class LLMCall:
     # and the assistant message handed back.
     messages: list[dict] | None = None
     reply: dict | None = None
+    # The teacher's logprob of each response token in this exact context (on-policy distillation, astuner/distill/).
+    teacher_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -151,6 +155,10 @@ class Sample:
     engine_logprobs: list[float] | None = None
     policy_version: int = 0  # its episode's (see Episode.policy_version)
     model: str = "policy"  # the model that trains on it (its call's)
+    # On-policy distillation (algorithm/distillation.py): the teacher's logprob of each response token (0 where
+    # loss_mask is 0), and the advantage of each token, which replaces `advantage` in the loss when set.
+    teacher_logprobs: list[float] | None = None
+    token_advantages: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -77,7 +77,7 @@ def test_optimizer_steps_per_type():
 
     # mini_batch_num 3, ppo_epochs 2: RL takes both, SFT-like types the mini-batches, preference pairs one step.
     got = {n: a.optimizer_steps(3, 2) for n, a in ALGORITHMS.items()}
-    assert got == {"grpo": 6, "rft": 3, "sft": 3, "dpo": 1, "orpo": 1}
+    assert got == {"grpo": 6, "rft": 3, "on_policy_distillation": 6, "sft": 3, "dpo": 1, "orpo": 1}
     assert [n for n, a in ALGORITHMS.items() if a.needs_reference] == ["dpo"]
     assert [n for n, a in ALGORITHMS.items() if a.offline] == ["sft", "dpo", "orpo"]
 

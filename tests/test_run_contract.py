@@ -190,7 +190,16 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.task_judge.judge_protocol='astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge'",
     ])
     assert leaves - reads_e - inactive_e - READ_WHILE_LOADING == set()
-    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - READ_WHILE_LOADING == later
+    # Run F: on-policy distillation from a model-folder teacher, its reward weighed in. A server teacher's keys
+    # are read in tests/test_distillation.py (a server of its own).
+    reads_f, inactive_f = keys_read_by_a_run(write_run(tmp_path / "f", tiny_model_dir), one_step + [
+        "astuner.trainer_common.algorithm.type=on_policy_distillation",
+        f"astuner.teacher.model={tiny_model_dir}", "astuner.teacher.engine=hf",
+        "astuner.trainer_common.algorithm.distill_reward_weight=0.5",
+    ])
+    assert leaves - reads_f - inactive_f - READ_WHILE_LOADING == set()
+    later |= {f"astuner.teacher.{k}" for k in ("served_model", "api_key_env", "batch_size")}
+    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - READ_WHILE_LOADING == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from astuner.algorithm.distillation import carries_advantage, token_advantages
 from astuner.step_plan import offsets
 from astuner.types import Sample
 
@@ -40,7 +41,8 @@ class TokenBatch:
         return cls(
             samples, logprobs_R, entropy_R,
             old_logprobs_R=torch.tensor([x for s in samples for x in s.old_logprobs], device=dev, dtype=torch.float32),
-            advantages_R=torch.tensor([s.advantage for s, n in zip(samples, lengths) for _ in range(n)], device=dev),
+            advantages_R=torch.tensor([a for s in samples for a in token_advantages(s)], device=dev,
+                                      dtype=torch.float32),
             weights_R=w_R * mask_R, mask_R=mask_R,
             seq_index_R=torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev),
             ref_logprobs_R=ref_logprobs_R,
@@ -77,7 +79,7 @@ class TokenObjective:
     def forwards(self, sample: Sample, weight: float) -> bool:
         """Whether a sample of the mini-batch is forwarded: zero-weight samples contribute nothing, zero-advantage
         ones nothing either unless the objective trains them."""
-        return weight > 0 and (self.trains_zero_advantage or sample.advantage != 0.0)
+        return weight > 0 and (self.trains_zero_advantage or carries_advantage(sample))
 
     def mean_over(self, key: str, tally) -> float:
         """What a reported stat's sum over a step is divided by (`tally`: the step's counts, trainer/step.py)."""

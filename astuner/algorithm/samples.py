@@ -130,6 +130,10 @@ def merge_samples(samples: list[Sample], agents: list[str]) -> list[Sample]:
             mask = last.loss_mask if last.loss_mask is not None else [1] * len(last.response_ids)
             last.response_ids = last.response_ids + gap + s.response_ids
             last.old_logprobs = last.old_logprobs + [0.0] * len(gap) + s.old_logprobs
+            if last.teacher_logprobs is not None and s.teacher_logprobs is not None:
+                last.teacher_logprobs = last.teacher_logprobs + [0.0] * len(gap) + s.teacher_logprobs
+            else:
+                last.teacher_logprobs = None
             last.loss_mask = mask + [0] * len(gap) + [1] * len(s.response_ids)
             last.call_indices = last.call_indices + s.call_indices
             continue
@@ -176,4 +180,5 @@ def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: in
         episode_uid=episode_uid,
         call_indices=[call_index] if call_index >= 0 else [],
         model=model,
+        teacher_logprobs=None if call.teacher_logprobs is None else list(call.teacher_logprobs),
     )

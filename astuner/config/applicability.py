@@ -105,6 +105,22 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
 }
 
 
+def _teacher(c, kind: str) -> bool:
+    """On-policy distillation's teacher is a model folder (kind "model") or a server ("base_url")."""
+    distills = c.astuner.trainer_common.algorithm.type in types_reading("astuner.teacher")
+    return distills and getattr(c.astuner.teacher, kind) is not None
+
+
+# Before the catalog's rule for the whole section (the first rule that matches a key is its rule).
+APPLIES_ONLY_WITH.update({
+    **{f"astuner.teacher.{k}": ("with algorithm.type on_policy_distillation and teacher.base_url",
+                                lambda c, b: _teacher(c, "base_url")) for k in ("served_model", "api_key_env",
+                                                                                "batch_size")},
+    "astuner.teacher.engine": ("with algorithm.type on_policy_distillation and teacher.model",
+                               lambda c, b: _teacher(c, "model")),
+})
+
+
 def _algorithm_rule(key: str) -> Rule:
     kinds = types_reading(key)
     return (f"with algorithm.type {spoken(kinds)}", lambda c, b: c.astuner.trainer_common.algorithm.type in kinds)

@@ -34,7 +34,7 @@ from astuner.config.schema_episode import (
     TaskReaderSection,
 )
 from astuner.config.schema_keys import Section, key, old_name, section
-from astuner.config.schema_models import AgentEntry, ModelEntry
+from astuner.config.schema_models import AgentEntry, ModelEntry, TeacherSection
 from astuner.config.schema_trainer import (
     LOSS_AGG_MODES,
     AlgorithmSection,
@@ -144,6 +144,9 @@ class AstunerSection(Section):
         "whether its calls train (trainable). An agent not listed is served by `policy`. A function workflow "
         "then gets {agent: its model} as `model`.",
     )
+    teacher: TeacherSection = section(
+        TeacherSection, "The teacher of algorithm.type on_policy_distillation: it scores every token the student "
+        "sampled, in the exact context the student saw (astuner/algorithm/distillation.py).")
     offline_data: OfflineDataSection = section(
         OfflineDataSection, "Demonstrations or preference pairs for algorithm.type sft, dpo, orpo (no rollouts)."
     )

@@ -7,7 +7,7 @@ A run with neither key trains one model, `policy` (`astuner.model`), as it alway
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Literal, Optional
 
 from astuner.config.schema_keys import Section, key
 
@@ -33,6 +33,42 @@ class ModelEntry(Section):
 class AgentEntry(Section):
     model: str = key(POLICY, "The model that serves this agent's calls: `policy` or a name of astuner.models.")
     trainable: bool = key(True, "False: the agent's calls are served and recorded, never trained on.")
+
+
+class TeacherSection(Section):
+    model: Optional[str] = key(None, "The teacher as a model folder (Hugging Face, a hub id in the local cache, or a "
+                               "checkpoint such as global_step_N): loaded in the process that runs the loop, never "
+                               "trained. Its tokenizer must be the student's.")
+    base_url: Optional[str] = key(None, "The teacher as an OpenAI-compatible server that returns prompt logprobs "
+                                  "(`vllm serve`: /v1/completions with echo and logprobs), e.g. "
+                                  "http://host:8000/v1. Set model or base_url, not both.")
+    served_model: Optional[str] = key(None, "base_url: the model name the server serves (the request's `model`); "
+                                      "null: the first of its /v1/models.")
+    api_key_env: str = key("TEACHER_API_KEY", "base_url: the environment variable that holds the server's key "
+                           "(sent as a bearer token); unset: no key is sent.")
+    engine: Optional[Literal["hf", "vllm"]] = key(None, "model: the engine that scores with it; null: "
+                                                  "astuner.rollout.engine's.")
+    timeout_s: float = key(120.0, "Deadline of one scoring request (base_url) or batch (model), in seconds; an "
+                           "episode its teacher could not score is flagged failed (not trained, not a zero).", gt=0)
+    batch_size: int = key(8, "Sequences the teacher scores per request.", ge=1)
+
+
+def teacher_problems(typed) -> list[tuple[str, str]]:
+    """(dotted key, message) when on-policy distillation has no teacher, or two, or nothing to train."""
+    from astuner.algorithm.catalog import algorithm
+
+    algo = typed.astuner.trainer_common.algorithm
+    if "astuner.teacher" not in algorithm(algo.type).reads:
+        return []
+    teacher = typed.astuner.teacher
+    if (teacher.model is None) == (teacher.base_url is None):
+        return [("astuner.teacher", "algorithm.type on_policy_distillation needs one teacher: set astuner.teacher.model "
+                 "(a model folder) or astuner.teacher.base_url (a server returning prompt logprobs), not "
+                 + ("both" if teacher.model else "neither"))]
+    if algo.distill_kl_coef == 0 and algo.distill_reward_weight == 0:
+        return [("astuner.trainer_common.algorithm.distill_kl_coef", "distill_kl_coef and distill_reward_weight are "
+                 "both 0: the step would train on nothing; set distill_kl_coef > 0 (the teacher's signal)")]
+    return []
 
 
 def roster_problems(models: dict, agents: dict) -> list[tuple[str, str]]:

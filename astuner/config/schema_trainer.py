@@ -38,14 +38,19 @@ class FilterGroups(Section):
 
 
 class AlgorithmSection(Section):
-    type: Literal["grpo", "rft", "sft", "dpo", "orpo"] = key(
+    type: Literal["grpo", "rft", "on_policy_distillation", "sft", "dpo", "orpo"] = key(
         "grpo",
         "grpo: RL on rollouts (adv_estimator picks the GRPO-family variant) | rft: rejection-sampling fine-tuning "
-        "on rollouts (keep episodes with reward >= rft_reward_threshold, SFT on their calls) | sft | dpo | orpo: "
-        "on astuner.offline_data (chat jsonl; no rollouts).",
+        "on rollouts (keep episodes with reward >= rft_reward_threshold, SFT on their calls) | "
+        "on_policy_distillation: the student samples, astuner.teacher scores every sampled token (per-token reverse "
+        "KL as the advantage) | sft | dpo | orpo: on astuner.offline_data (chat jsonl; no rollouts).",
     )
     beta: float = key(0.1, "dpo: the KL temperature beta | orpo: the weight (lambda) of the odds-ratio term.", gt=0)
     rft_reward_threshold: float = key(1.0, "rft: episodes whose reward is at least this are trained on.")
+    distill_kl_coef: float = key(1.0, "on_policy_distillation: the weight of the teacher's signal, A_t = kl_coef * "
+                                 "(teacher logprob - student logprob) of each sampled token.", ge=0)
+    distill_reward_weight: float = key(0.0, "on_policy_distillation: the weight of the task reward's group "
+                                       "advantage added to every token's (0: distillation alone).", ge=0)
     adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = key(
         "grpo",
         "Advantage estimator: grpo | dr_grpo (r - mean, pair with loss_agg_mode seq-mean-token-sum-norm) | rloo "

@@ -168,7 +168,7 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
     from pydantic import ValidationError
 
     from astuner.config.schema import RunConfig
-    from astuner.config.schema_models import roster_problems
+    from astuner.config.schema_models import roster_problems, teacher_problems
 
     problems: list[tuple[str, str]] = []
     _unknown_keys(tree, default_tree(), "", problems)
@@ -176,7 +176,7 @@ def validate_tree(tree: dict) -> tuple[Any, list[tuple[str, str]]]:
         # Unknown keys are reported above, with a suggestion; the rest is checked without them, so that one
         # message lists every problem.
         typed = RunConfig.model_validate(_known_only(tree, default_tree(), ""))
-        problems += roster_problems(typed.astuner.models, typed.astuner.agents)
+        problems += roster_problems(typed.astuner.models, typed.astuner.agents) + teacher_problems(typed)
         return (typed if not problems else None), problems
     except ValidationError as exc:
         seen = {path for path, _ in problems}

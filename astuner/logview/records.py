@@ -1,7 +1,7 @@
 """Episodes (+ the samples trained on them) -> the records the log viewer stores, token by token.
 
-For each call: its response token ids, each token decoded alone, the engine's sampling logprob, the trainer's
-logprob before the update (where the call was forwarded in the step's first mini-batch), the loss mask (1 where
+For each call: its response token ids, each token decoded alone, the engine's sampling logprob, the teacher's
+(on-policy distillation), the trainer's logprob before the update (where the call was forwarded in the step's first mini-batch), the loss mask (1 where
 the token was trained on: the call became, or joined, a sample with a non-zero weight) and the advantage. A
 merged sample (sample_mode merge) is split back into its calls along its loss mask.
 """
@@ -65,6 +65,9 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
                     "text": pieces(call.response_ids),
                     "logprob": [round(x, 5) for x in call.response_logprobs],
                     "trainer_logprob": None if trainer_lps is None else [round(x, 5) for x in trainer_lps],
+                    # On-policy distillation: the teacher's logprob of each token, in the same context.
+                    "teacher_logprob": (None if call.teacher_logprobs is None
+                                        else [round(x, 5) for x in call.teacher_logprobs]),
                     "mask": [1 if adv is not None else 0] * n,
                     "advantage": adv,
                 },

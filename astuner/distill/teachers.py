@@ -1,0 +1,173 @@
+"""Teachers: what scores the student's tokens for on-policy distillation (astuner/algorithm/distillation.py).
+
+A teacher has one method, `score(sequences) -> [values | exception]`: for each token-id sequence x, the list
+values[i] = log p_T(x_{i+1} | x_<=i) (len(x) - 1 of them), or the exception that stopped it (a failure of one
+sequence or request never takes down the others' results).
+
+    EngineTeacher     a model folder in this process, on an inference engine (`InferenceEngine.prompt_logprobs`)
+    EndpointTeacher   an OpenAI-compatible server: POST /completions with the ids as the prompt, echo, logprobs 0,
+                      one generated token (ignored); `choices[k].logprobs.token_logprobs` = [null, logprobs...]
+                      (vLLM's form; prompt logprobs are the raw model's, before any temperature)
+
+Both check at start that the teacher reads the student's tokens (`check_vocabulary`): a run whose teacher splits
+text differently would distil noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from astuner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class EngineTeacher:
+    """A model in this process; sequences scored one forward each, `timeout_s` a deadline for the whole call."""
+
+    def __init__(self, engine, timeout_s: float, name: str) -> None:
+        self.engine, self.timeout_s, self.name = engine, timeout_s, name
+
+    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+        deadline = time.monotonic() + self.timeout_s
+        out: list[list[float] | BaseException] = []
+        for seq in sequences:
+            if time.monotonic() > deadline:
+                out.append(TimeoutError(f"the teacher {self.name} did not score {len(sequences)} sequences within "
+                                        f"astuner.teacher.timeout_s = {self.timeout_s:g} s"))
+                continue
+            try:
+                values = self.engine.prompt_logprobs(list(seq)).values
+                if len(values) != len(seq) - 1:
+                    raise ValueError(f"the teacher returned {len(values)} logprobs for {len(seq)} tokens")
+                out.append(list(values))
+            except Exception as exc:  # noqa: BLE001 - one sequence's failure flags its episode only
+                out.append(exc)
+        return out
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class EndpointTeacher:
+    """An OpenAI-compatible completions server that echoes prompt logprobs (module docstring)."""
+
+    def __init__(self, base_url: str, model: str | None, api_key_env: str, timeout_s: float, batch_size: int,
+                 client=None) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        key = os.environ.get(api_key_env)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = client or httpx.Client(headers=headers, timeout=timeout_s)
+        self.timeout_s, self.batch_size = timeout_s, batch_size
+        self.model = model or self._first_model()
+        self.name = f"{self.model} at {self.base_url}"
+
+    def _first_model(self) -> str:
+        try:
+            response = self.client.get(f"{self.base_url}/models")
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+        except Exception as exc:  # noqa: BLE001 - any failure here is the user's server or URL
+            raise UserError(f"astuner.teacher.base_url: could not list the models of {self.base_url}/models ({exc}). "
+                            "Start the teacher's server (e.g. `vllm serve PATH`), check the URL (it ends in /v1), "
+                            "or name the model in astuner.teacher.served_model") from None
+
+    def _post(self, prompt) -> list[dict]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
+                "temperature": 1.0, "return_tokens_as_token_ids": True}
+        response = self.client.post(f"{self.base_url}/completions", json=body)
+        if response.status_code >= 400:
+            raise RuntimeError(f"the teacher {self.name} answered {response.status_code}: {response.text[:300]}")
+        choices = sorted(response.json()["choices"], key=lambda c: c.get("index", 0))
+        return [c["logprobs"] for c in choices]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+        batches = [sequences[i : i + self.batch_size] for i in range(0, len(sequences), self.batch_size)]
+        with ThreadPoolExecutor(max_workers=min(4, max(1, len(batches)))) as pool:
+            results = list(pool.map(self._score_batch, batches))
+        return [r for batch in results for r in batch]
+
+    def _score_batch(self, batch: list[list[int]]) -> list[list[float] | BaseException]:
+        try:
+            answers = self._post([list(seq) for seq in batch])
+            if len(answers) != len(batch):
+                raise RuntimeError(f"the teacher {self.name} returned {len(answers)} choices for {len(batch)} prompts")
+        except Exception as exc:  # noqa: BLE001 - the request failed: every sequence of it is flagged
+            return [exc] * len(batch)
+        out: list[list[float] | BaseException] = []
+        for seq, logprobs in zip(batch, answers):
+            values = (logprobs or {}).get("token_logprobs") or []
+            # [null, x_1 .. x_{n-1}, the generated token]: the prompt's are 1 .. n-1.
+            values = values[1 : len(seq)]
+            if len(values) != len(seq) - 1 or any(v is None for v in values):
+                out.append(RuntimeError(f"the teacher {self.name} echoed {len(values)} prompt logprobs for "
+                                        f"{len(seq)} tokens (does it support echo with logprobs?)"))
+            else:
+                out.append([float(v) for v in values])
+        return out
+
+    def server_ids(self, text: str) -> list[int] | list[str]:
+        """How the server tokenizes `text`: token ids where it names them ("token_id:N"), else token strings."""
+        tokens = (self._post(text)[0] or {}).get("tokens") or []
+        tokens = tokens[:-1]  # the generated token
+        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            return [int(t.split(":", 1)[1]) for t in tokens]
+        return list(tokens)
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+PROBE = [{"role": "system", "content": "You check tools."},
+         {"role": "user", "content": "What is 12 x 7? Reply in JSON: {\"answer\": 84}."},
+         {"role": "assistant", "content": "<tool_call>\n{\"name\": \"calc\"}\n</tool_call> 84 ünïcödé 🙂"}]
+
+
+def check_vocabulary(teacher: EndpointTeacher, tokenizer, student: str) -> None:
+    """UserError (exit 2) unless the server tokenizes a rendered chat as the student's tokenizer does."""
+    try:
+        text = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain text still tells
+        text = " ".join(m["content"] for m in PROBE)
+    ours = tokenizer.encode(text, add_special_tokens=False)
+    try:
+        theirs = teacher.server_ids(text)
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"astuner.teacher.base_url: the teacher {teacher.name} could not score a probe ({exc}); "
+                        "check that it serves /v1/completions with echo and logprobs (vLLM does)") from None
+    if theirs and isinstance(theirs[0], str):
+        ours_cmp: list = [tokenizer.decode([i]) for i in ours]
+    else:
+        ours_cmp = ours
+    if theirs == ours_cmp or theirs[1:] == ours_cmp:  # the server may put a BOS token first
+        return
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours_cmp)) if a != b), min(len(theirs), len(ours_cmp)))
+    raise UserError(
+        f"astuner.teacher: the teacher {teacher.name} does not read the student's tokens: a probe chat is "
+        f"{len(theirs)} tokens to its tokenizer and {len(ours_cmp)} to the student's ({student}), first differing at "
+        f"token {first} ({theirs[first:first + 3]!r} against {ours_cmp[first:first + 3]!r}). On-policy distillation "
+        "scores the student's exact token ids: serve a teacher of the student's family (same vocabulary)")
+
+
+def check_model_vocabulary(tokenizer, path: str, student: str) -> None:
+    """UserError (exit 2) unless the model at `path` has the student's vocabulary and special tokens."""
+    from astuner.tokenizer import load_tokenizer
+
+    other = load_tokenizer(path, "astuner.teacher.model")
+    ours, theirs = tokenizer.get_vocab(), other.get_vocab()
+    if ours == theirs and tokenizer.eos_token == other.eos_token:
+        return
+    only_ours = sorted(set(ours) - set(theirs))[:3]
+    only_theirs = sorted(set(theirs) - set(ours))[:3]
+    raise UserError(
+        f"astuner.teacher.model: {path} has another vocabulary than the student {student}: {len(theirs)} tokens "
+        f"against {len(ours)}" + (f", e.g. only the student's: {only_ours}" if only_ours else "")
+        + (f", only the teacher's: {only_theirs}" if only_theirs else "")
+        + (f"; end of sequence {other.eos_token!r} against {tokenizer.eos_token!r}"
+           if tokenizer.eos_token != other.eos_token else "")
+        + ". On-policy distillation scores the student's exact token ids: pick a teacher of the student's family")

@@ -1,0 +1,348 @@
+"""On-policy distillation (astuner/algorithm/distillation.py, astuner/distill/): per-token advantages and the loss
+against a by-hand computation, tool tokens masked; a teacher scores each call in the exact context the student saw
+(a merged chain once); a teacher that fails flags its episode (never a zero); a teacher with another vocabulary
+stops the run at start (exit 2, naming both); a run on the debug backbone with a model-folder teacher and one
+with a server teacher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from astuner.algorithm.distillation import (
+    distill_advantages, distill_samples, response_logprobs, teacher_chains, token_advantages)
+from astuner.algorithm.objective_base import TokenBatch
+from astuner.algorithm.objectives import PolicyGradient
+from astuner.algorithm.samples import episodes_to_samples
+from astuner.cli import main
+from astuner.distill.scoring import score_episodes
+from astuner.types import FLAG_FAILED, FLAG_TEACHER_FAILED, Episode, LLMCall, Sample, Task
+from tests.conftest import serve_in_thread
+
+
+def call(prompt, response, logprobs=None, agent="", trainable=True) -> LLMCall:
+    return LLMCall(list(prompt), list(response), logprobs or [-1.0] * len(response), "stop", 1.0, agent=agent,
+                   trainable=trainable)
+
+
+# --- the math, by hand -------------------------------------------------------------------------------------------
+
+def test_token_advantages_by_hand_with_the_tool_tokens_masked():
+    # A_t = m_t * (kl_coef * (q_t - s_t) + reward_weight * A_ep); kl_coef 2, A_ep 2, reward_weight 0.25.
+    student, teacher, mask = [-1.0, -2.0, -0.5, -3.0], [-0.5, -9.0, -0.5, -1.0], [1, 0, 1, 1]
+    got = distill_advantages(student, teacher, mask, 2.0, 2.0, 0.25)
+    assert got == pytest.approx([2 * 0.5 + 0.5, 0.0, 0.0 + 0.5, 2 * 2.0 + 0.5])
+    assert distill_advantages(student, teacher, None, 1.0, 5.0, 0.0) == pytest.approx([0.5, -7.0, 0.0, 2.0])
+
+
+def test_samples_take_token_advantages_and_the_step_reports_the_reverse_kl():
+    s = Sample([1, 2], [3, 4, 5], [-1.0, -0.2, -2.0], 1.5, 1.0, "e", loss_mask=[1, 0, 1],
+               teacher_logprobs=[-0.5, 0.0, -1.0])
+    metrics = distill_samples([s], kl_coef=1.0, reward_weight=0.1)
+    assert s.token_advantages == pytest.approx([0.5 + 0.15, 0.0, 1.0 + 0.15])
+    assert s.advantage == pytest.approx(0.15)
+    # Over the two trained tokens: s - q = -0.5, -1.0.
+    assert metrics["distill/reverse_kl"] == pytest.approx(-0.75)
+    assert metrics["distill/student_logprob"] == pytest.approx(-1.5)
+    assert metrics["distill/teacher_logprob"] == pytest.approx(-0.75)
+    with pytest.raises(ValueError, match="without teacher logprobs"):
+        distill_samples([Sample([1], [2], [-1.0], 0.0, 1.0, "x")], 1.0, 0.0)
+
+
+def test_the_policy_loss_takes_each_tokens_own_advantage():
+    # At ratio 1 (logprobs = old), the PPO-clip token loss is -A_t, so L = -sum_t w_t A_t and dL/dlogp_t = -w_t A_t.
+    s = Sample([7], [1, 2, 3], [-1.0, -2.0, -0.5], 0.0, 1.0, "e", loss_mask=[1, 0, 1],
+               token_advantages=[0.5, 0.0, -2.0])
+    logp = torch.tensor(s.old_logprobs, requires_grad=True)
+    batch = TokenBatch.of([s], [0.25], logp, None, None)
+    assert batch.advantages_R.tolist() == [0.5, 0.0, -2.0]
+    loss, _ = PolicyGradient(0.2, 0.28).loss(batch)
+    assert loss.item() == pytest.approx(-(0.25 * 0.5 + 0.25 * -2.0))
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-0.125, 0.0, 0.5])  # the masked tool token gets no gradient
+    assert token_advantages(Sample([1], [2, 3], [0.0, 0.0], 0.7, 1.0, "f")) == [0.7, 0.7]
+
+
+def test_one_step_moves_the_teachers_favourites_up_and_the_others_down(tiny_model_dir, demo_tokenizer):
+    from astuner.trainer import Trainer
+    from astuner.trainer.settings import TrainerSettings
+
+    trainer = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss_agg_mode="token-mean", device="cpu"))
+    p = demo_tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    r = demo_tokenizer(" Paris, a city", add_special_tokens=False)["input_ids"]
+    before = trainer.compute_logprobs(p, r, 1.0)
+    up = [i % 2 == 0 for i in range(len(r))]
+    teacher = [lp + (1.0 if u else -1.0) for lp, u in zip(before, up)]
+    s = Sample(p, r, list(before), 0.0, 1.0, "e", teacher_logprobs=teacher)
+    distill_samples([s], kl_coef=1.0, reward_weight=0.0)
+    trainer.train([s], PolicyGradient(0.2, 0.28))
+    after = trainer.compute_logprobs(p, r, 1.0)
+    moved = [a - b for a, b in zip(after, before)]
+    assert all((m > 0) == u for m, u in zip(moved, up)), moved
+
+
+# --- which tokens the teacher scores -----------------------------------------------------------------------------
+
+def test_chains_score_a_conversation_once_and_each_call_reads_its_own_tokens():
+    a1 = call([1, 2], [3, 4])
+    a2 = call([1, 2, 3, 4, 9, 9], [5])  # extends a1: tool result 9 9 between
+    b1 = call([1, 2], [6], agent="critic")  # another agent: its own chain
+    skipped = call([1], [2], trainable=False)
+    restart = call([8], [7])  # does not extend a2: a new chain
+    calls = [a1, b1, a2, skipped, restart]
+    assert teacher_chains(calls) == [[0, 2], [1], [4]]
+    values = [-0.1 * i for i in range(1, 7)]  # the sequence 1 2 3 4 9 9 5: values[i] = log p(x_{i+1} | x_<=i)
+    assert response_logprobs(values, a1) == pytest.approx([-0.2, -0.3])  # tokens at positions 2 and 3
+    assert response_logprobs(values, a2) == pytest.approx([-0.6])
+    with pytest.raises(ValueError, match="the call needs 7"):
+        response_logprobs(values[:3], a2)
+
+
+class FakeTeacher:
+    """log p = -0.01 * token id; fails on any sequence holding `poison`."""
+
+    name = "fake"
+
+    def __init__(self, poison: int | None = None) -> None:
+        self.poison, self.sent = poison, []
+
+    def score(self, sequences):
+        self.sent += sequences
+        return [RuntimeError("teacher server said 503") if self.poison in seq else [-0.01 * t for t in seq[1:]]
+                for seq in sequences]
+
+
+def episode(uid: str, task: str, calls: list[LLMCall], reward: float) -> Episode:
+    return Episode(Task(task, "q"), 0, uid, calls=calls, reward=reward)
+
+
+def test_a_failing_teacher_flags_its_episode_which_is_neither_trained_nor_a_zero():
+    good = episode("g", "t", [call([1, 2], [3, 4]), call([1, 2, 3, 4, 5], [6])], 1.0)
+    bad = episode("b", "t", [call([1, 2], [3, 666])], 0.0)
+    teacher = FakeTeacher(poison=666)
+    metrics = score_episodes(teacher, [good, bad])
+    assert teacher.sent == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 666]]  # the merged chain once
+    assert good.calls[0].teacher_logprobs == pytest.approx([-0.03, -0.04])
+    assert good.calls[1].teacher_logprobs == pytest.approx([-0.06])
+    assert FLAG_FAILED in bad.flags and FLAG_TEACHER_FAILED in bad.flags and not bad.trainable
+    assert bad.error_source == "teacher" and "503" in bad.error_summary
+    assert metrics["distill/teacher_failed_episodes"] == 1.0 and metrics["distill/teacher_sequences"] == 2.0
+    samples = episodes_to_samples([good, bad], adv_estimator="grpo", norm_by_std=True, epsilon=1e-6,
+                                  max_sample_per_task=8, sample_mode="merge")
+    assert {s.episode_uid for s in samples} == {"g"}  # the failed one: no sample, not a 0-reward group member
+    assert samples[0].advantage == 0.0  # alone in its group: the bad episode's 0 did not enter the baseline
+    distill_samples(samples, 1.0, 0.0)
+    s = samples[0]  # merged: 3 4 | 5 | 6, the tool token masked
+    assert s.loss_mask == [1, 1, 0, 1]
+    assert s.token_advantages == pytest.approx([-0.03 + 1, -0.04 + 1, 0.0, -0.06 + 1])
+
+
+def test_every_episode_failing_the_teacher_stops_the_run_with_the_teachers_advice():
+    from astuner.errors import TrainingStalled
+    from astuner.loop import ResumeState
+    from astuner.selection import SelectionSettings, choose_selection
+
+    policy = choose_selection(SelectionSettings(4, "grpo", True, 1e-6, 8, algorithm="on_policy_distillation"))
+
+    class Stages:
+        teacher = FakeTeacher(poison=3)
+
+        def rollout(self, tasks, validation, step, progress=None):
+            return [episode(f"e{i}", "t", [call([1, 2], [3])], float(i)) for i in range(2)]
+
+    chosen = policy.gather(Stages(), [Task("t", "q")], iter(()), 1, 0, 1)
+    with pytest.raises(TrainingStalled, match="the teacher .* could not score.*Check the teacher"):
+        policy.learn(chosen, ResumeState(), 1)
+
+
+# --- whole runs and start-up checks ------------------------------------------------------------------------------
+
+WORKFLOW = '''
+from astuner import Workflow, WorkflowOutput
+
+class TwoTurns(Workflow):
+    async def execute(self, workflow_task, model_tuner):
+        messages = [{"role": "user", "content": workflow_task.task.main_query}]
+        first = await model_tuner.chat(messages)
+        messages += [first, {"role": "user", "content": "Once more."}]
+        second = await model_tuner.chat(messages)
+        return WorkflowOutput(reward=float(len(second["content"]) % 2), metadata={"final_answer": second["content"]})
+'''
+
+
+def write_run(folder: Path, student: Path, teacher: str, steps: int = 2, extra: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "wf.py").write_text(WORKFLOW)
+    rows = [{"question": f"Say a word about {w}."} for w in ["cats", "rain", "maps", "tea"]]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml = folder / "distil.yaml"
+    yaml.write_text(f"""
+astuner:
+  project_name: distil
+  experiment_dir: {folder / "out"}
+  model: {{path: {student}}}
+  teacher: {teacher}
+  task_reader:
+    type: jsonl_dataset_file
+    jsonl_dataset_file: {{training: {{file_path: train.jsonl}}}}
+  data: {{train_batch_size: 2, max_response_length: 64}}
+  rollout: {{engine: hf, agentscope_workflow: wf.py->TwoTurns, num_repeat: 2, max_env_worker: 4,
+            max_response_length_in_one_turn: 8, max_model_len: 256, compute_madness_checklist: [],
+            multi_turn: {{sample_mode: merge}}}}
+  trainer_common: {{total_training_steps: {steps}, test_freq: 99999, save_freq: 99999, val_before_train: false,
+                   optim: {{lr: 1.0e-3}}, algorithm: {{type: on_policy_distillation{extra}}}}}
+""")
+    return yaml
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model's architecture with other random weights: a teacher that disagrees with the student."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("teacher")
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(tiny_model_dir).config)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_a_run_with_a_model_folder_teacher_trains_on_its_signal(tmp_path, tiny_model_dir, teacher_dir):
+    yaml = write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
+    got = rows(tmp_path / "out")
+    assert len(got) == 2
+    for r in got:
+        assert r["distill/teacher_sequences"] == 4.0  # 2 tasks x 2 repeats, each episode's two calls as one chain
+        assert r["distill/teacher_failed_episodes"] == 0.0
+        # At ratio 1 the loss is -mean_t A_t = mean_t (s_t - q_t): exactly the reverse KL estimate it lowers.
+        assert r["actor/policy_loss"] == pytest.approx(r["distill/reverse_kl"], rel=1e-3)
+        assert r["distill/reverse_kl"] != 0.0
+    # The log viewer holds the teacher's logprob of every token, and the step's reverse KL is their mean gap.
+    from astuner.logview import store
+
+    conn = store.connect(tmp_path / "out" / store.FILE_NAME, readonly=True)
+    gaps = []
+    for item in store.episodes(conn, "train", 1)["items"]:
+        for c in store.episode(conn, item["id"])["calls"]:
+            t = c["tokens"]
+            assert len(t["teacher_logprob"]) == len(t["ids"])
+            gaps += [s - q for s, q in zip(t["logprob"], t["teacher_logprob"])]
+    assert got[0]["distill/reverse_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-4)
+
+
+def test_a_teacher_with_another_vocabulary_stops_the_run_at_start(tmp_path, tiny_model_dir, capsys):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("config.json",):
+        (other / name).write_text((tiny_model_dir / name).read_text())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<|only_the_teacher|>"])
+    tok.save_pretrained(other)
+    yaml = write_run(tmp_path / "run", tiny_model_dir, f"{{model: {other}}}")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
+    err = capsys.readouterr().err
+    assert "another vocabulary than the student" in err and str(tiny_model_dir) in err and str(other) in err
+    assert "<|only_the_teacher|>" in err
+    assert not (tmp_path / "run" / "out" / "metrics.jsonl").exists()
+
+
+def test_no_teacher_or_two_is_a_config_error(tmp_path, tiny_model_dir, capsys):
+    yaml = write_run(tmp_path, tiny_model_dir, "{}")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
+    assert "needs one teacher" in capsys.readouterr().err
+    yaml = write_run(tmp_path, tiny_model_dir, "{model: a, base_url: 'http://x/v1'}")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def teacher_server(model_dir: Path, tokenizer, fail: bool = False, other_vocab: bool = False):
+    """An OpenAI-compatible completions server over the HF engine: prompt logprobs by echo, as vLLM returns them
+    (tokens as "token_id:N" when asked)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from astuner.engine.hf_engine import HFEngine
+
+    engine = HFEngine(str(model_dir), device="cpu")
+    seen = {"auth": set(), "prompts": 0}
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "the-teacher"}]})
+
+    async def completions(request):
+        body = await request.json()
+        seen["auth"].add(request.headers.get("authorization"))
+        if fail:
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        prompts = body["prompt"]
+        prompts = [prompts] if isinstance(prompts, str) or isinstance(prompts[0], int) else prompts
+        choices = []
+        for k, p in enumerate(prompts):
+            ids = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+            if other_vocab and isinstance(p, str):
+                ids = [i + 1 for i in ids]
+            seen["prompts"] += 1
+            values = engine.prompt_logprobs(list(ids)).values
+            choices.append({"index": k, "text": "x", "logprobs": {
+                "tokens": [f"token_id:{i}" for i in ids] + ["token_id:0"],
+                "token_logprobs": [None] + values + [-1.0]}})
+        return JSONResponse({"choices": choices})
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    url, stop = serve_in_thread(app)
+    return url + "/v1", stop, seen
+
+
+def test_a_server_teacher_scores_as_the_same_model_in_process(tmp_path, tiny_model_dir, teacher_dir,
+                                                              demo_tokenizer, monkeypatch):
+    from astuner.distill.teachers import EndpointTeacher, EngineTeacher
+    from astuner.engine.hf_engine import HFEngine
+
+    url, stop, seen = teacher_server(teacher_dir, demo_tokenizer)
+    try:
+        monkeypatch.setenv("MY_TEACHER_KEY", "sk-test")
+        remote = EndpointTeacher(url, None, "MY_TEACHER_KEY", 30, batch_size=2)
+        assert remote.model == "the-teacher"
+        local = EngineTeacher(HFEngine(str(teacher_dir), device="cpu"), 30, "local")
+        seqs = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+        for a, b in zip(remote.score(seqs), local.score(seqs)):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert seen["auth"] == {"Bearer sk-test"} and seen["prompts"] == 3
+        # A whole run against it.
+        yaml = write_run(tmp_path, tiny_model_dir, f"{{base_url: '{url}', api_key_env: MY_TEACHER_KEY}}", steps=1)
+        assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
+        assert rows(tmp_path / "out")[0]["distill/teacher_sequences"] == 4.0
+    finally:
+        stop()
+
+
+def test_a_server_teacher_that_fails_or_reads_other_tokens(tmp_path, tiny_model_dir, teacher_dir, demo_tokenizer,
+                                                          capsys):
+    from astuner.distill.teachers import EndpointTeacher
+
+    url, stop, _ = teacher_server(teacher_dir, demo_tokenizer, other_vocab=True)
+    try:
+        yaml = write_run(tmp_path / "a", tiny_model_dir, f"{{base_url: '{url}'}}", steps=1)
+        assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
+        err = capsys.readouterr().err
+        assert "does not read the student's tokens" in err and "the-teacher" in err and str(tiny_model_dir) in err
+    finally:
+        stop()
+    url, stop, _ = teacher_server(teacher_dir, demo_tokenizer, fail=True)
+    try:
+        results = EndpointTeacher(url, "the-teacher", "NO_SUCH_KEY", 30, 2).score([[1, 2, 3], [4, 5]])
+        assert all(isinstance(r, RuntimeError) and "503" in str(r) for r in results)
+    finally:
+        stop()

@@ -59,8 +59,8 @@ ALGORITHMS: dict[str, AlgorithmType] = {
                       "policy_gradient", epochs="ppo_epochs"),
         AlgorithmType("rft", "SFT on the rollouts whose reward reaches rft_reward_threshold", "rollouts", "sft",
                       "rejection_sampling", reads=(ALGO + "rft_reward_threshold",)),
-        AlgorithmType("on_policy_distillation", "policy gradient on rollouts with per-token advantages from a teacher's "
-                      "logprobs (reverse KL), optionally plus the reward's", "rollouts", "policy", "distillation",
+        AlgorithmType("on_policy_distillation", "policy gradient on rollouts with per-token advantages from a "
+                      "teacher's logprobs (reverse KL), optionally plus the reward's", "rollouts", "policy", "distillation",
                       epochs="ppo_epochs", reads=(ALGO + "distill_kl_coef", ALGO + "distill_reward_weight",
                                                   "astuner.teacher")),
         AlgorithmType("sft", "SFT on offline_data conversations", "conversations", "sft", "offline_sft",

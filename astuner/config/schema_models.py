@@ -62,8 +62,8 @@ def teacher_problems(typed) -> list[tuple[str, str]]:
         return []
     teacher = typed.astuner.teacher
     if (teacher.model is None) == (teacher.base_url is None):
-        return [("astuner.teacher", "algorithm.type on_policy_distillation needs one teacher: set astuner.teacher.model "
-                 "(a model folder) or astuner.teacher.base_url (a server returning prompt logprobs), not "
+        return [("astuner.teacher", "algorithm.type on_policy_distillation needs one teacher: set "
+                 "astuner.teacher.model (a model folder) or astuner.teacher.base_url (a server returning prompt logprobs), not "
                  + ("both" if teacher.model else "neither"))]
     if algo.distill_kl_coef == 0 and algo.distill_reward_weight == 0:
         return [("astuner.trainer_common.algorithm.distill_kl_coef", "distill_kl_coef and distill_reward_weight are "

@@ -1,9 +1,10 @@
 """Episodes (+ the samples trained on them) -> the records the log viewer stores, token by token.
 
 For each call: its response token ids, each token decoded alone, the engine's sampling logprob, the teacher's
-(on-policy distillation), the trainer's logprob before the update (where the call was forwarded in the step's first mini-batch), the loss mask (1 where
-the token was trained on: the call became, or joined, a sample with a non-zero weight) and the advantage. A
-merged sample (sample_mode merge) is split back into its calls along its loss mask.
+(on-policy distillation), the trainer's logprob before the update (where the call was forwarded in the step's
+first mini-batch), the loss mask (1 where the token was trained on: the call became, or joined, a sample with a
+non-zero weight) and the advantage. A merged sample (sample_mode merge) is split back into its calls along its
+loss mask.
 """
 
 from __future__ import annotations

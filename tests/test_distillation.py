@@ -346,3 +346,39 @@ def test_a_server_teacher_that_fails_or_reads_other_tokens(tmp_path, tiny_model_
         assert all(isinstance(r, RuntimeError) and "503" in str(r) for r in results)
     finally:
         stop()
+
+
+def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_process(tmp_path, tiny_model_dir,
+                                                                                  teacher_dir, monkeypatch):
+    """The Tinker API (`astuner serve`, through the tinker SDK): a sampler of the teacher's base model."""
+    from astuner.config import load_config
+    from astuner.distill.teachers import EngineTeacher, TinkerTeacher
+    from astuner.engine.hf_engine import HFEngine
+    from astuner.serve import build_service, tinker_server
+    from astuner.serve.keys import KeyStore
+    from astuner.serve.limits import ServeLimits
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    serve_yaml = tmp_path / "serve.yaml"
+    serve_yaml.write_text(f"""
+astuner:
+  project_name: serve
+  experiment_dir: {tmp_path / "served"}
+  model: {{path: {teacher_dir}}}
+  rollout: {{engine: hf, max_env_worker: 8}}
+""")
+    server = tinker_server(build_service(load_config(str(serve_yaml), []), ServeLimits()),
+                           KeyStore(tmp_path / "keys.json"), poll_wait_s=2.0)
+    url = server.start()
+    try:
+        remote = TinkerTeacher(url, str(teacher_dir), "NO_SUCH_KEY", 60)
+        local = EngineTeacher(HFEngine(str(teacher_dir), device="cpu"), 30, "local")
+        seqs = [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
+        for a, b in zip(remote.score(seqs), local.score(seqs)):
+            assert a == pytest.approx(b, abs=1e-5)
+        yaml = write_run(tmp_path / "run", tiny_model_dir,
+                         f"{{base_url: '{url}', api: tinker, served_model: '{teacher_dir}'}}", steps=1)
+        assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
+        assert rows(tmp_path / "run" / "out")[0]["distill/teacher_failed_episodes"] == 0.0
+    finally:
+        server.stop()

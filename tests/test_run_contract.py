@@ -191,14 +191,14 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
     ])
     assert leaves - reads_e - inactive_e - READ_WHILE_LOADING == set()
     # Run F: on-policy distillation from a model-folder teacher, its reward weighed in. A server teacher's keys
-    # are read in tests/test_distillation.py (a server of its own).
+    # are read in tests/test_distillation.py (an OpenAI-compatible server and `astuner serve`).
     reads_f, inactive_f = keys_read_by_a_run(write_run(tmp_path / "f", tiny_model_dir), one_step + [
         "astuner.trainer_common.algorithm.type=on_policy_distillation",
         f"astuner.teacher.model={tiny_model_dir}", "astuner.teacher.engine=hf",
         "astuner.trainer_common.algorithm.distill_reward_weight=0.5",
     ])
     assert leaves - reads_f - inactive_f - READ_WHILE_LOADING == set()
-    later |= {f"astuner.teacher.{k}" for k in ("served_model", "api_key_env", "batch_size")}
+    later |= {f"astuner.teacher.{k}" for k in ("api", "served_model", "api_key_env", "batch_size")}
     assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - READ_WHILE_LOADING == later
 
 

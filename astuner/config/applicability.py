@@ -114,8 +114,9 @@ def _teacher(c, kind: str) -> bool:
 # Before the catalog's rule for the whole section (the first rule that matches a key is its rule).
 APPLIES_ONLY_WITH.update({
     **{f"astuner.teacher.{k}": ("with algorithm.type on_policy_distillation and teacher.base_url",
-                                lambda c, b: _teacher(c, "base_url")) for k in ("served_model", "api_key_env",
-                                                                                "batch_size")},
+                                lambda c, b: _teacher(c, "base_url")) for k in ("api", "served_model", "api_key_env")},
+    "astuner.teacher.batch_size": ("with algorithm.type on_policy_distillation, teacher.base_url and api openai",
+                                   lambda c, b: _teacher(c, "base_url") and c.astuner.teacher.api == "openai"),
     "astuner.teacher.engine": ("with algorithm.type on_policy_distillation and teacher.model",
                                lambda c, b: _teacher(c, "model")),
 })

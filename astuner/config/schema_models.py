@@ -42,8 +42,12 @@ class TeacherSection(Section):
     base_url: Optional[str] = key(None, "The teacher as an OpenAI-compatible server that returns prompt logprobs "
                                   "(`vllm serve`: /v1/completions with echo and logprobs), e.g. "
                                   "http://host:8000/v1. Set model or base_url, not both.")
-    served_model: Optional[str] = key(None, "base_url: the model name the server serves (the request's `model`); "
-                                      "null: the first of its /v1/models.")
+    api: Literal["openai", "tinker"] = key("openai", "base_url: openai (/v1/completions with echo and logprobs, as "
+                                           "vLLM serves) | tinker (a Tinker API server, `astuner serve` or Tinker: "
+                                           "a sampler's compute_logprobs; pip install tinker).")
+    served_model: Optional[str] = key(None, "base_url: the model the server serves: openai: the request's `model` "
+                                      "(null: the first of its /v1/models) | tinker: a tinker:// path of sampler "
+                                      "weights or a base model's name (required).")
     api_key_env: str = key("TEACHER_API_KEY", "base_url: the environment variable that holds the server's key "
                            "(sent as a bearer token); unset: no key is sent.")
     engine: Optional[Literal["hf", "vllm"]] = key(None, "model: the engine that scores with it; null: "
@@ -63,8 +67,11 @@ def teacher_problems(typed) -> list[tuple[str, str]]:
     teacher = typed.astuner.teacher
     if (teacher.model is None) == (teacher.base_url is None):
         return [("astuner.teacher", "algorithm.type on_policy_distillation needs one teacher: set "
-                 "astuner.teacher.model (a model folder) or astuner.teacher.base_url (a server returning prompt logprobs), not "
-                 + ("both" if teacher.model else "neither"))]
+                 "astuner.teacher.model (a model folder) or astuner.teacher.base_url (a server returning prompt "
+                 "logprobs), not " + ("both" if teacher.model else "neither"))]
+    if teacher.api == "tinker" and teacher.base_url and not teacher.served_model:
+        return [("astuner.teacher.served_model", "astuner.teacher.api tinker needs served_model: a tinker:// path of "
+                 "sampler weights or a base model's name")]
     if algo.distill_kl_coef == 0 and algo.distill_reward_weight == 0:
         return [("astuner.trainer_common.algorithm.distill_kl_coef", "distill_kl_coef and distill_reward_weight are "
                  "both 0: the step would train on nothing; set distill_kl_coef > 0 (the teacher's signal)")]

@@ -17,9 +17,11 @@ def _model_path(typed) -> str:
 
 
 def _endpoint(typed):
-    from astuner.distill.teachers import EndpointTeacher
+    from astuner.distill.teachers import EndpointTeacher, TinkerTeacher
 
     t = typed.astuner.teacher
+    if t.api == "tinker":
+        return TinkerTeacher(t.base_url, t.served_model, t.api_key_env, t.timeout_s)
     return EndpointTeacher(t.base_url, t.served_model, t.api_key_env, t.timeout_s, t.batch_size)
 
 
@@ -32,7 +34,15 @@ def check_teacher(typed, tokenizer, student: str) -> None:
         return
     teacher = _endpoint(typed)
     try:
-        check_vocabulary(teacher, tokenizer, student)
+        if typed.astuner.teacher.api == "tinker":
+            try:
+                theirs = teacher.tokenizer()
+            except Exception as exc:  # noqa: BLE001
+                raise UserError(f"astuner.teacher: could not load the tokenizer of {teacher.name} to check that it "
+                                f"reads the student's tokens ({type(exc).__name__}: {exc})") from None
+            check_model_vocabulary(tokenizer, teacher.name, student, theirs, "astuner.teacher.served_model")
+        else:
+            check_vocabulary(teacher, tokenizer, student)
     finally:
         teacher.shutdown()
 

@@ -8,9 +8,11 @@ sequence or request never takes down the others' results).
     EndpointTeacher   an OpenAI-compatible server: POST /completions with the ids as the prompt, echo, logprobs 0,
                       one generated token (ignored); `choices[k].logprobs.token_logprobs` = [null, logprobs...]
                       (vLLM's form; prompt logprobs are the raw model's, before any temperature)
+    TinkerTeacher     a Tinker API server (`astuner serve`, or Tinker itself) through the `tinker` SDK: a sampler's
+                      `compute_logprobs` ([None, logprobs...]), one future per sequence
 
-Both check at start that the teacher reads the student's tokens (`check_vocabulary`): a run whose teacher splits
-text differently would distil noise.
+Each is checked at start to read the student's tokens (`check_vocabulary`, `check_model_vocabulary`): a run whose
+teacher splits text differently would distil noise.
 """
 
 from __future__ import annotations
@@ -123,6 +125,53 @@ class EndpointTeacher:
         self.client.close()
 
 
+class TinkerTeacher:
+    """A sampler of a Tinker API server (module docstring); `model`: a tinker:// path of saved sampler weights, or
+    a base model's name."""
+
+    def __init__(self, base_url: str, model: str, api_key_env: str, timeout_s: float) -> None:
+        try:
+            import tinker
+        except ImportError:
+            raise UserError("astuner.teacher.api: tinker needs the tinker SDK: pip install tinker") from None
+        key = os.environ.get(api_key_env) or "tml-local"
+        self.timeout_s, self.name = timeout_s, f"{model} at {base_url}"
+        try:
+            self.service = tinker.ServiceClient(base_url=base_url, api_key=key)
+            kind = "model_path" if model.startswith("tinker://") else "base_model"
+            self.sampler = self.service.create_sampling_client(**{kind: model}).result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure here is the user's server, key or model name
+            raise UserError(f"astuner.teacher: could not open a sampler of {self.name} ({type(exc).__name__}: {exc}). "
+                            "Start the server (e.g. `astuner serve`), check the URL and key, and name a tinker:// "
+                            "path or a base model in astuner.teacher.served_model") from None
+
+    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+        from tinker import types
+
+        deadline = time.monotonic() + self.timeout_s
+        futures = [self.sampler.compute_logprobs(types.ModelInput.from_ints(list(seq))) for seq in sequences]
+        out: list[list[float] | BaseException] = []
+        for seq, future in zip(sequences, futures):
+            try:
+                values = future.result(timeout=max(0.0, deadline - time.monotonic()))[1:]
+                if len(values) != len(seq) - 1 or any(v is None for v in values):
+                    raise RuntimeError(f"the teacher {self.name} returned {len(values)} prompt logprobs for "
+                                       f"{len(seq)} tokens")
+                out.append([float(v) for v in values])
+            except Exception as exc:  # noqa: BLE001 - one sequence's failure flags its episode only
+                out.append(exc)
+        return out
+
+    def tokenizer(self):
+        return self.sampler.get_tokenizer()
+
+    def shutdown(self) -> None:
+        try:  # ends the SDK's session on the server (a failure here loses nothing: the run is over)
+            self.service.close("success").result(timeout=10)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("closing the teacher's Tinker session: %s", exc)
+
+
 PROBE = [{"role": "system", "content": "You check tools."},
          {"role": "user", "content": "What is 12 x 7? Reply in JSON: {\"answer\": 84}."},
          {"role": "assistant", "content": "<tool_call>\n{\"name\": \"calc\"}\n</tool_call> 84 ünïcödé 🙂"}]
@@ -154,18 +203,20 @@ def check_vocabulary(teacher: EndpointTeacher, tokenizer, student: str) -> None:
         "scores the student's exact token ids: serve a teacher of the student's family (same vocabulary)")
 
 
-def check_model_vocabulary(tokenizer, path: str, student: str) -> None:
-    """UserError (exit 2) unless the model at `path` has the student's vocabulary and special tokens."""
+def check_model_vocabulary(tokenizer, path: str, student: str, other=None,
+                           key: str = "astuner.teacher.model") -> None:
+    """UserError (exit 2) unless the model at `path` (its tokenizer `other`, else loaded from `path`) has the
+    student's vocabulary and special tokens."""
     from astuner.tokenizer import load_tokenizer
 
-    other = load_tokenizer(path, "astuner.teacher.model")
+    other = other if other is not None else load_tokenizer(path, key)
     ours, theirs = tokenizer.get_vocab(), other.get_vocab()
     if ours == theirs and tokenizer.eos_token == other.eos_token:
         return
     only_ours = sorted(set(ours) - set(theirs))[:3]
     only_theirs = sorted(set(theirs) - set(ours))[:3]
     raise UserError(
-        f"astuner.teacher.model: {path} has another vocabulary than the student {student}: {len(theirs)} tokens "
+        f"{key}: {path} has another vocabulary than the student {student}: {len(theirs)} tokens "
         f"against {len(ours)}" + (f", e.g. only the student's: {only_ours}" if only_ours else "")
         + (f", only the teacher's: {only_theirs}" if only_theirs else "")
         + (f"; end of sequence {other.eos_token!r} against {tokenizer.eos_token!r}"

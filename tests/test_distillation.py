@@ -369,7 +369,7 @@ astuner:
 """)
     server = tinker_server(build_service(load_config(str(serve_yaml), []), ServeLimits()),
                            KeyStore(tmp_path / "keys.json"), poll_wait_s=2.0)
-    url = server.start()
+    url, remote = server.start(), None
     try:
         remote = TinkerTeacher(url, str(teacher_dir), "NO_SUCH_KEY", 60)
         local = EngineTeacher(HFEngine(str(teacher_dir), device="cpu"), 30, "local")
@@ -381,4 +381,6 @@ astuner:
         assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
         assert rows(tmp_path / "run" / "out")[0]["distill/teacher_failed_episodes"] == 0.0
     finally:
+        if remote is not None:
+            remote.shutdown()  # ends its SDK session before the server goes
         server.stop()

@@ -304,7 +304,7 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
 
     monitor = None
     try:
-        if algorithm(loaded.typed.astuner.trainer_common.algorithm.type).selection == "distillation":
+        if algorithm(loaded.typed.astuner.trainer_common.algorithm.type).has_teacher:
             from astuner.distill import build_teacher
             from astuner.runtime import build_engine
 

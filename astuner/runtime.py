@@ -318,7 +318,7 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     tokenizer = load_tokenizer(model_path)
     train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
-    if algorithm(typed.astuner.trainer_common.algorithm.type).selection == "distillation":
+    if algorithm(typed.astuner.trainer_common.algorithm.type).has_teacher:
         from astuner.distill import check_teacher
 
         check_teacher(typed, tokenizer, typed.astuner.model.path)

@@ -349,7 +349,7 @@ def test_a_server_teacher_that_fails_or_reads_other_tokens(tmp_path, tiny_model_
 
 
 def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_process(tmp_path, tiny_model_dir,
-                                                                                  teacher_dir, monkeypatch):
+                                                                                  teacher_dir):
     """The Tinker API (`astuner serve`, through the tinker SDK): a sampler of the teacher's base model."""
     from astuner.config import load_config
     from astuner.distill.teachers import EngineTeacher, TinkerTeacher
@@ -358,15 +358,9 @@ def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_proces
     from astuner.serve.keys import KeyStore
     from astuner.serve.limits import ServeLimits
 
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    serve_yaml = tmp_path / "serve.yaml"
-    serve_yaml.write_text(f"""
-astuner:
-  project_name: serve
-  experiment_dir: {tmp_path / "served"}
-  model: {{path: {teacher_dir}}}
-  rollout: {{engine: hf, max_env_worker: 8}}
-""")
+    from test_serve_tinker import write_yaml  # the served model's YAML (it also turns the SDK's telemetry off)
+
+    serve_yaml = write_yaml(tmp_path / "served", teacher_dir)
     server = tinker_server(build_service(load_config(str(serve_yaml), []), ServeLimits()),
                            KeyStore(tmp_path / "keys.json"), poll_wait_s=2.0)
     url, remote = server.start(), None

@@ -44,6 +44,11 @@ class AlgorithmType:
     reads: tuple[str, ...] = ()
 
     @property
+    def has_teacher(self) -> bool:
+        """Its tokens are scored by astuner.teacher (on-policy distillation: astuner/distill/)."""
+        return "astuner.teacher" in self.reads
+
+    @property
     def offline(self) -> bool:
         """Trained on astuner.offline_data: no rollouts, no engine, one process."""
         return self.data != "rollouts"

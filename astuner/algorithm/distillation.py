@@ -27,6 +27,7 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+from astuner.algorithm.samples import extends
 from astuner.types import LLMCall, Sample
 
 
@@ -48,10 +49,10 @@ def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float)
     for s in samples:
         if s.teacher_logprobs is None:
             raise ValueError(f"episode {s.episode_uid}: a sample without teacher logprobs reached distillation")
-        s.token_advantages = distill_advantages(s.old_logprobs, s.teacher_logprobs, s.loss_mask, kl_coef,
-                                                s.advantage, reward_weight)
-        s.advantage = reward_weight * s.advantage
         mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        s.token_advantages = distill_advantages(s.old_logprobs, s.teacher_logprobs, mask, kl_coef, s.advantage,
+                                                reward_weight)
+        s.advantage = reward_weight * s.advantage
         for lp, tq, m in zip(s.old_logprobs, s.teacher_logprobs, mask):
             if m:
                 kl += lp - tq
@@ -88,12 +89,9 @@ def teacher_chains(calls: list[LLMCall]) -> list[list[int]]:
         if not (c.response_ids and c.trainable):
             continue
         chain = open_chain.get(c.agent)
-        if chain is not None:
-            last = calls[chain[-1]]
-            prefix = last.prompt_ids + last.response_ids
-            if len(c.prompt_ids) > len(prefix) and c.prompt_ids[: len(prefix)] == prefix:
-                chain.append(i)
-                continue
+        if chain is not None and extends(calls[chain[-1]].prompt_ids + calls[chain[-1]].response_ids, c.prompt_ids):
+            chain.append(i)
+            continue
         chain = [i]
         chains.append(chain)
         open_chain[c.agent] = chain

@@ -107,8 +107,8 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
 
 def _teacher(c, kind: str) -> bool:
     """On-policy distillation's teacher is a model folder (kind "model") or a server ("base_url")."""
-    distills = c.astuner.trainer_common.algorithm.type in types_reading("astuner.teacher")
-    return distills and getattr(c.astuner.teacher, kind) is not None
+    teaches = algorithm(c.astuner.trainer_common.algorithm.type).has_teacher
+    return teaches and getattr(c.astuner.teacher, kind) is not None
 
 
 # Before the catalog's rule for the whole section (the first rule that matches a key is its rule).

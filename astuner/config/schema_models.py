@@ -62,7 +62,7 @@ def teacher_problems(typed) -> list[tuple[str, str]]:
     from astuner.algorithm.catalog import algorithm
 
     algo = typed.astuner.trainer_common.algorithm
-    if "astuner.teacher" not in algorithm(algo.type).reads:
+    if not algorithm(algo.type).has_teacher:
         return []
     teacher = typed.astuner.teacher
     if (teacher.model is None) == (teacher.base_url is None):

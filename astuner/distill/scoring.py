@@ -47,8 +47,10 @@ def score_episodes(teacher, episodes: list[Episode]) -> dict[str, float]:
 
 
 def _flag(episode: Episode, exc: BaseException, teacher) -> None:
+    from astuner.rollout_episode import describe_exception
+
     name = getattr(teacher, "name", type(teacher).__name__)
-    summary = f"{type(exc).__name__}: {exc} (the teacher {name} could not score this episode)"
+    summary = f"the teacher {name} could not score this episode: {describe_exception(exc)}"
     episode.flags += [f for f in (FLAG_FAILED, FLAG_TEACHER_FAILED) if f not in episode.flags]
     episode.error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) or summary
     episode.error_summary, episode.error_source = summary, "teacher"

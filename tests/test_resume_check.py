@@ -75,6 +75,8 @@ def test_length_logging_and_checkpoint_frequency_changes_are_allowed():
     ("astuner.logview.port", True),
     ("astuner.trainer_common.n_gpus_per_node", True),
     ("astuner.rollout.engine", True),
+    ("astuner.teacher.base_url", False),
+    ("astuner.teacher.timeout_s", True),
 ])
 def test_each_key_is_in_the_group_the_docs_promise(key, allowed):
     old: dict = {}

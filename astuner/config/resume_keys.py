@@ -48,6 +48,12 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.auxiliary_models", "the rollout shape"),
     ("astuner.models", "the models trained"),
     ("astuner.agents", "the rollout shape"),
+    # Who the student imitates is the objective; where and how fast the teacher answers is not.
+    ("astuner.teacher", "the teacher"),
+    ("astuner.teacher.engine", "placement"),
+    ("astuner.teacher.batch_size", "placement"),
+    ("astuner.teacher.api_key_env", "placement"),
+    ("astuner.teacher.timeout_s", "deadlines"),
     ("astuner.trainer_common", "the algorithm"),
     ("astuner.trainer_common.total_epochs", "the run's length"),
     ("astuner.trainer_common.total_training_steps", "the run's length"),
@@ -98,6 +104,7 @@ PATH_KEYS: dict[str, tuple[str, ...]] = {
     "astuner.task_judge.judge_protocol": ("yaml", "cwd"),
     "astuner.auxiliary_models.*.model_path": ("cwd",),
     "astuner.models.*.path": ("cwd",),
+    "astuner.teacher.model": ("cwd",),
 }
 
 

@@ -70,6 +70,7 @@ class RunPlan:
     available_bytes: int | None
     device: str
     sandbox: str = ""
+    cuts: str = ""  # the three limits and what training does with a cut (astuner/cuts.py)
     activation_bytes: int = 0
     kv_cache_bytes: int = 0  # the engine's KV cache (vLLM on CPU: what it is given; on GPU: inside engine_bytes)
     kv_sequences: float = 0.0  # full-length sequences the KV cache holds
@@ -109,6 +110,7 @@ class RunPlan:
              + "".join(f" ({r})" for r in self.resized if r.startswith("micro-batch"))),
             ("total steps", str(self.total_steps)),
             ("max_model_len", str(self.max_model_len)),
+            *([("limits (cuts)", self.cuts)] if self.cuts else []),
             ("python tool sandbox", self.sandbox),
             (
                 "memory estimate",
@@ -316,6 +318,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
         device=device,
         sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
+        cuts="" if offline else _cuts_line(typed, max_model_len),
         # trinity's explorers run their engines on GPUs of their own (ray_worker.ENGINE_ALONE_GPU_SHARE): a trainer
         # rank's card holds its trainer only
         engine_apart=backbone == "trinity" and device == "cuda" and not offline,
@@ -323,6 +326,16 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     if others:
         plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))
     return fit_memory(plan, facts.shape, typed, precision, processes)
+
+
+def _cuts_line(typed, max_model_len: int) -> str:
+    """The three limits an episode may be cut by, and what training does with a cut (rollout.on_cut)."""
+    a = typed.astuner
+    does = {"train": "cut calls train as sampled, an episode a limit ended trains with reward 0",
+            "mask": "cut calls leave the loss, an episode a limit ended is not trained",
+            "drop": "an episode with any cut is not trained"}[a.rollout.on_cut]
+    return (f"turn cap {a.rollout.max_response_length_in_one_turn}, episode budget {a.data.max_response_length}, "
+            f"window {max_model_len} tokens; rollout.on_cut {a.rollout.on_cut}: {does}")
 
 
 def _ray_placement(typed, backbone: str, device: str) -> tuple[int, int, dict[str, int]]:

@@ -3,7 +3,7 @@
 Per episode: a fresh Workflow instance and a fresh ModelTuner (which records every LLM call), a deadline, and
 never a crash of the run: an exception or timeout is logged with its traceback and the episode is flagged
 (failed / timeout) and left out of training. A context overflow ends the episode early (flag "overflow",
-reward 0.0, its calls are kept). When the workflow returns reward=None the judge scores it. If a madness check
+reward 0.0, its calls are kept); which limit cut it, and what training does with it, is astuner/cuts.py's. When the workflow returns reward=None the judge scores it. If a madness check
 listed in `rollout.compute_madness_checklist` fired on any call, the reward becomes `agent_madness_reward`.
 
 The deadline is enforced where astuner has control, because a workflow may not let a cancellation through
@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from astuner import daemon_threads, logs
+from astuner import cuts, daemon_threads, logs
 from astuner.engine.base import InferenceEngine
 from astuner.errors import TrainingStalled
 from astuner.model_tuner import ModelTuner, TunerLimits
@@ -98,6 +98,7 @@ class RolloutSettings:
     top_p: float = 1.0
     top_k: int = 0
     judge_timeout: float = 300.0
+    on_cut: str = "train"  # what training does with a cut episode (astuner/cuts.py)
 
     @classmethod
     def from_config(cls, typed, max_model_len: int) -> "RolloutSettings":
@@ -123,6 +124,7 @@ class RolloutSettings:
             top_p=r.top_p,
             top_k=r.top_k,
             judge_timeout=typed.astuner.task_judge.timeout,
+            on_cut=r.on_cut,
         )
 
 
@@ -254,6 +256,7 @@ class RolloutRunner:
             self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
             episode.abandoned_threads = len(self._executor.abandoned())
         episode.calls = list(tuner.calls)
+        episode.cut = tuner.overflow_limit
         episode.seconds = time.perf_counter() - start
         if self._flagged_by_records(episode, tuner, tools, timeout):
             output = None
@@ -267,6 +270,8 @@ class RolloutRunner:
         if aux_models:
             episode.metrics.update(self.auxiliary.metrics(aux_models, aux_usage))  # never trained, logged apart
         apply_madness(episode, self.settings.madness_checks, self.settings.agent_madness_reward)
+        if not validation:  # a validation trains nothing: its episodes are measured whole
+            cuts.apply_policy(episode, self.settings.on_cut)
         return episode
 
     def _tuner(self, episode_uid: str, temperature: float, step: int, timeout: float) -> ModelTuner:

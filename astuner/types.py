@@ -18,7 +18,7 @@ FinishReason = Literal["stop", "length"]
 # Flags an LLM call or an episode can carry. Madness checks produce the first two.
 FLAG_NONSENSE = "nonsense"
 FLAG_WRONG_TOOLCALL = "wrong_toolcall"
-FLAG_OVERFLOW = "overflow"  # context (max_model_len) or episode budget (max_response_length) exhausted
+FLAG_OVERFLOW = "overflow"  # a call refused for the episode's limits (which one: Episode.cut, astuner/cuts.py)
 FLAG_FAILED = "failed"  # workflow raised
 FLAG_TIMEOUT = "timeout"  # workflow exceeded rollout.episode_timeout
 FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the episode also carries FLAG_FAILED)
@@ -26,6 +26,8 @@ FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the
 FLAG_TOOL_INFRA_FAILED = "tool_infra_failed"
 # The teacher could not score the episode (on-policy distillation, astuner/distill/); it also carries FLAG_FAILED.
 FLAG_TEACHER_FAILED = "teacher_failed"
+# Not trained on for a cut (rollout.on_cut: mask or drop, astuner/cuts.py); not a failure.
+FLAG_CUT_DROPPED = "cut_dropped"
 
 
 @dataclass
@@ -96,6 +98,8 @@ class LLMCall:
     reply: dict | None = None
     # The teacher's logprob of each response token in this exact context (on-policy distillation, astuner/distill/).
     teacher_logprobs: list[float] | None = None
+    # The limit that cut the response short ("turn_cap", "budget", "window", "max_tokens"; astuner/cuts.py), or "".
+    cut: str = ""
 
 
 @dataclass
@@ -125,6 +129,8 @@ class Episode:
     # Threads of ended episodes still stuck in a blocking call in its rollout process when it ended, itself
     # included (daemon_threads); a step's rollout/abandoned_threads is the most of its episodes.
     abandoned_threads: int = 0
+    # The limit that refused a call and so ended the episode ("budget", "window", "prompt"; astuner/cuts.py), or "".
+    cut: str = ""
 
     @property
     def group_id(self) -> str:
@@ -132,8 +138,9 @@ class Episode:
 
     @property
     def trainable(self) -> bool:
-        """Failed or timed-out episodes have no trustworthy reward and are not trained on."""
-        return FLAG_FAILED not in self.flags and FLAG_TIMEOUT not in self.flags and bool(self.calls)
+        """Failed or timed-out episodes have no trustworthy reward and are not trained on; nor are those
+        rollout.on_cut leaves out."""
+        return not {FLAG_FAILED, FLAG_TIMEOUT, FLAG_CUT_DROPPED} & set(self.flags) and bool(self.calls)
 
 
 @dataclass

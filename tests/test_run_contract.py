@@ -365,6 +365,7 @@ def test_workflow_loguru_lines_land_in_the_run_log(tmp_path, tiny_model_dir):
     assert "workflow saw task" in log_text  # the user's loguru logger
     assert "astuner.rollout" in log_text or "astuner.loop" in log_text or "effective config" in log_text
     assert "effective config" in log_text and "python tool sandbox" in log_text
+    assert "limits (cuts)" in log_text and "rollout.on_cut train: cut calls train as sampled" in log_text
 
 
 def test_a_workflow_whose_execute_is_not_async(tmp_path, tiny_model_dir, capsys, no_model_load):

@@ -174,6 +174,13 @@ class RolloutSection(Section):
         'A prompt that leaves no room ends the episode ("overflow"). Checked against the model before it loads.',
         ge=1,
     )
+    on_cut: Literal["train", "mask", "drop"] = key(
+        "train",
+        "What training does with an episode a limit cut (the per-turn cap, the episode's token budget, the window; "
+        "each labelled and counted as rollout/cut/<limit>): train: as sampled, an episode a limit ended with "
+        "reward 0 | mask: the cut calls leave the loss, an episode a limit ended is not trained | drop: an episode "
+        "with any cut is not trained.",
+    )
     python_tool_unsandboxed: bool = key(
         False, "Only where bubblewrap cannot run: true runs model-written Python (execute_python_code) in a process "
         "sandbox that reaches the network, loopback services included, and, for a user other than root, runs as "

@@ -59,7 +59,7 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
                 "reply": call.reply,
                 "response_text": call.response_text,
                 "finish_reason": call.finish_reason,
-                "flags": call.flags,
+                "flags": call.flags + ([f"cut: {call.cut}"] if call.cut else []),  # shown as the call's badges
                 "prompt_tokens": len(call.prompt_ids),
                 "tokens": {
                     "ids": list(call.response_ids),
@@ -83,7 +83,7 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
             "query": ep.task.main_query,
             "reward": ep.reward,
             "success": ep.is_success,
-            "flags": list(ep.flags),
+            "flags": list(ep.flags) + ([f"cut: {ep.cut}"] if ep.cut else []),
             "error": ep.error,
             "seconds": round(ep.seconds, 3),
             "advantage": advantage_of.get(ep.episode_uid),

@@ -5,7 +5,8 @@ Before it generates, a call takes its new tokens from the budget (`EpisodeBudget
 capped by what the request asked for (never below 1). Its reservation goes back when it ends (`release`), and the
 tokens of a call the episode un-records leave the budget (`give_back`). A first prompt over max_prompt_length, a
 prompt that leaves no room or a budget already spent overflows the episode (`EpisodeOverflow`); a call that finds
-what is left reserved by calls still generating waits for them.
+what is left reserved by calls still generating waits for them. Each allowance and each refusal names the limit
+that set it (astuner/cuts.py: turn_cap, budget, window, prompt), so a cut is never put down to the wrong one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from astuner import cuts
 from astuner.model_tuner.turn import EpisodeOverflow
 
 
@@ -32,6 +34,7 @@ class EpisodeBudget:
         self.limits = limits
         self.overflowed = False
         self.overflow_reason: str | None = None
+        self.overflow_limit = ""  # the limit that refused (astuner/cuts.py)
         self._budget_overflow = False  # overflowed only because the episode's token budget was spent
         self.generated_tokens = 0
         # New tokens promised to calls still generating: parallel calls reserve their share of the episode's
@@ -39,40 +42,44 @@ class EpisodeBudget:
         self._reserved = 0
         self._budget_freed: asyncio.Event | None = None
 
-    def _overflow(self, reason: str, budget: bool = False) -> EpisodeOverflow:
+    def _overflow(self, reason: str, limit: str) -> EpisodeOverflow:
         self.overflowed = True
         self.overflow_reason = reason
-        self._budget_overflow = budget  # `discard` may hand the budget back, and with it the episode
+        self.overflow_limit = limit
+        self._budget_overflow = limit == cuts.BUDGET  # `discard` may hand the budget back, and with it the episode
         return EpisodeOverflow(reason)
 
-    def _max_tokens(self, prompt_len: int, first: bool) -> int:
+    def _max_tokens(self, prompt_len: int, first: bool) -> tuple[int, str]:
         lim = self.limits
         if self.overflowed:
             raise EpisodeOverflow(self.overflow_reason or "episode already overflowed")
         if first and prompt_len > lim.max_prompt_length:
-            raise self._overflow(f"first prompt has {prompt_len} tokens > max_prompt_length {lim.max_prompt_length}")
+            raise self._overflow(f"first prompt has {prompt_len} tokens > max_prompt_length {lim.max_prompt_length}",
+                                 cuts.PROMPT)
         budget_left = lim.max_response_tokens - self.generated_tokens
         if budget_left <= 0:
             raise self._overflow(f"episode generated {self.generated_tokens} tokens, budget {lim.max_response_tokens}",
-                                 budget=True)
+                                 cuts.BUDGET)
         room = lim.max_model_len - prompt_len
         if room <= 0:
-            raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}")
+            raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}", cuts.WINDOW)
         # 0: what is left is reserved by calls still generating; they may hand some back (`reserve` waits).
-        return max(0, min(lim.max_tokens_per_turn, room, budget_left - self._reserved))
+        free = budget_left - self._reserved
+        return max(0, min(lim.max_tokens_per_turn, room, free)), cuts.binding_limit(lim.max_tokens_per_turn, room, free)
 
     async def reserve(self, prompt_len: int, first: bool, requested: int | None,
-                      check_deadline: Callable[[], None]) -> int:
-        """This call's new tokens, taken from the episode's budget before it generates. The check and the
+                      check_deadline: Callable[[], None]) -> tuple[int, str]:
+        """This call's new tokens, taken from the episode's budget before it generates, and the limit that set
+        them (the request's own `max_tokens` when it asked for fewer: "max_tokens"). The check and the
         reservation run without an await between them, and every call of an episode runs on its loop, so
         parallel calls never promise more than the budget together. `check_deadline` runs after each wait."""
         while True:
-            max_tokens = self._max_tokens(prompt_len, first)
+            max_tokens, limit = self._max_tokens(prompt_len, first)
             if max_tokens > 0:
-                if requested is not None:
-                    max_tokens = max(1, min(max_tokens, int(requested)))
+                if requested is not None and int(requested) < max_tokens:
+                    max_tokens, limit = max(1, int(requested)), cuts.REQUEST
                 self._reserved += max_tokens
-                return max_tokens
+                return max_tokens, limit
             self._budget_freed = self._budget_freed or asyncio.Event()
             await self._budget_freed.wait()
             check_deadline()
@@ -90,4 +97,4 @@ class EpisodeBudget:
         if self._budget_overflow and self.generated_tokens < self.limits.max_response_tokens:
             # A call refused while this one held the budget: the record no longer spends it, so neither the
             # episode (flagged overflowed) nor the retry that comes next is cut short.
-            self.overflowed, self.overflow_reason, self._budget_overflow = False, None, False
+            self.overflowed, self.overflow_reason, self.overflow_limit, self._budget_overflow = False, None, "", False

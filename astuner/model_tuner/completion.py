@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+from astuner import cuts
 from astuner.alarms import missing_arguments
 from astuner.madness import CallView, run_checks
 from astuner.model_tuner.chat_format import (
@@ -52,8 +53,8 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
     # With a prefill the turn is already begun: the model continues the prefill's own tokens.
     prompt = tuner._prompt(messages, tools, options.prefill)
-    max_tokens = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
-                                             tuner._check_deadline)
+    max_tokens, limit = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
+                                                    tuner._check_deadline)
     index = tuner._started  # read after the reservation, which may wait for parallel calls
     own_temperature, own_top_p, own_top_k = tuner.roster.sampling_of(options.agent)  # its model's (astuner.models)
     requested = options.temperature if options.temperature and options.temperature > 0 else own_temperature
@@ -76,6 +77,7 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     tuner._budget.generated_tokens += len(sample.ids)
     reading = _read(tuner, sample.ids, tools, required_call, options.stop, index)
     call = _record(tuner, messages, prompt, options, tools, temperature, sample, reading)
+    call.cut = cuts.call_cut(sample.finish, len(sample.ids), max_tokens, limit)
     return _answer(tuner, call, prompt, options, sample, reading, seconds)
 
 

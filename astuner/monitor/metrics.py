@@ -16,6 +16,7 @@ import math
 from astuner.alarms import ToolUseAlarm
 from astuner.algorithm.samples import merge_ratio
 from astuner.algorithm.pass_at_k import ks_for, summarize, task_results
+from astuner.cuts import cut_metrics
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -55,6 +56,7 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
         f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
+        **cut_metrics(episodes, prefix),
         **_mean_episode_metrics(episodes, prefix),
     }
 

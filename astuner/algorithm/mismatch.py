@@ -16,12 +16,36 @@ ratio, a detached per-token weight on the policy-gradient term:
 
 so tokens the engine sampled more often than the trainer would are down-weighted, and no token weighs more
 than C. Off by default: on CPU in fp32 the two agree to ~1e-6 and w_t = 1. Pure torch, no state.
+
+By context depth: the same |d_t| binned by the token's position in its sequence (prompt tokens + its index in
+the response), bins 0-1k, 1k-4k, 4k-16k and 16k+ tokens:
+
+    logprob_abs_diff/depth_<bin> = sum_{t in bin} |d_t| / tokens in bin        (a bin with no token: absent)
+
+A numeric defect that grows with position (rounded RoPE buffers, a cache kept in a coarser dtype) leaves the
+shallow bin clean and the deep ones off. Rounding alone grows too, like a random walk over attention's sums: about
+sqrt(depth), so 2x per bin at most (the bins are 4x apart). A deep bin alarms (`depth_alarm`) when its gap is over
+both the dtype's bound, DEPTH_C * eps(dtype) (fp32 9.5e-7, bf16 0.0625), and DEPTH_DRIFT times the shallowest
+bin's gap.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from astuner.types import Sample
+
+DEPTH_EDGES = (1024, 4096, 16384)  # a token at position p falls in bin bisect_right(DEPTH_EDGES, p)
+DEPTH_BINS = ("0-1k", "1k-4k", "4k-16k", "16k+")
+DEPTH_C = 8.0
+DEPTH_DRIFT = 4.0
+EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
 
 
 def mismatch_sums(trainer_R: Tensor, engine_R: Tensor, mask_R: Tensor) -> dict[str, Tensor]:
@@ -38,3 +62,35 @@ def mismatch_sums(trainer_R: Tensor, engine_R: Tensor, mask_R: Tensor) -> dict[s
 def truncated_is_weights(trainer_R: Tensor, engine_R: Tensor, cap: float) -> Tensor:
     """w_t = min(exp(p_t - e_t), cap), detached."""
     return torch.exp((trainer_R.detach() - engine_R).clamp(-20.0, 20.0)).clamp(max=cap)
+
+
+def depth_sums(samples: Sequence[Sample], trainer_logprobs: Sequence[list[float] | None]) -> dict[str, float]:
+    """Per depth bin, the sum of |d_t| over trained tokens and their count ("depth_abs/<bin>", "depth_tokens/<bin>"),
+    for the samples whose trainer logprobs are given (None: not forwarded here). Engine logprobs: each sample's
+    `old_logprobs`, as the rollout recorded them."""
+    sums = {f"depth_{kind}/{name}": 0.0 for name in DEPTH_BINS for kind in ("abs", "tokens")}
+    for s, trainer in zip(samples, trainer_logprobs):
+        if trainer is None:
+            continue
+        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        start = len(s.prompt_ids)
+        for k, (p, e, m) in enumerate(zip(trainer, s.old_logprobs, mask)):
+            if m:
+                name = DEPTH_BINS[bisect_right(DEPTH_EDGES, start + k)]
+                sums[f"depth_abs/{name}"] += min(abs(p - e), 20.0)
+                sums[f"depth_tokens/{name}"] += 1.0
+    return sums
+
+
+def depth_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """`logprob_abs_diff/depth_<bin>` from `depth_sums` (summed over workers), for bins holding tokens."""
+    return {f"logprob_abs_diff/depth_{name}": sums[f"depth_abs/{name}"] / sums[f"depth_tokens/{name}"]
+            for name in DEPTH_BINS if sums.get(f"depth_tokens/{name}", 0.0) > 0}
+
+
+def depth_alarm(metrics: dict[str, float], precision: str) -> list[str]:
+    """The deep bins of `depth_metrics` whose gap passes both bounds (module docstring)."""
+    gaps = [(name, metrics[f"logprob_abs_diff/depth_{name}"]) for name in DEPTH_BINS
+            if f"logprob_abs_diff/depth_{name}" in metrics]
+    bound = DEPTH_C * EPS.get(precision, EPS["fp32"])
+    return [name for name, g in gaps[1:] if g > bound and g > DEPTH_DRIFT * gaps[0][1]]

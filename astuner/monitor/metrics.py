@@ -133,6 +133,8 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:
             out[f"rollout/{name}"] = train_metrics[name]
+    # The same gap by context depth, and how many deep bins drift (algorithm/mismatch.py).
+    out.update({f"rollout/{k}": v for k, v in train_metrics.items() if k.startswith("logprob_abs_diff/")})
     agents = sorted({c.agent for c in calls if c.agent})
     for agent in agents:
         mine = [c for c in calls if c.agent == agent]
@@ -168,6 +170,12 @@ def warn_pipeline(step: int, metrics: dict[str, float]) -> None:
             log.warning("step %d: %s = %.3g is above %.3g: the token pipeline may be broken (a tool-call parser "
                         "that does not match the model's format, or engine and trainer disagreeing); see the "
                         "preflight table at start and rollout.tool_call_parser", step, name, value, limit)
+    if metrics.get("rollout/logprob_abs_diff/depth_alarm", 0) > 0 and not metrics.get("rollout/staleness_max", 0):
+        gaps = ", ".join(f"{k.rsplit('_', 1)[-1]} {v:.3g}" for k, v in metrics.items()
+                         if k.startswith("rollout/logprob_abs_diff/depth_") and not k.endswith("alarm"))
+        log.warning("step %d: engine and trainer logprobs drift apart with context depth (mean |gap| by position: "
+                    "%s): a numeric defect that grows with position, such as RoPE buffers or a KV cache in a coarser "
+                    "dtype than the trainer's; rollout/logprob_abs_diff/depth_* hold the bins", step, gaps)
 
 
 def zero_adv_group_fraction(episodes: list[Episode]) -> float:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from astuner.algorithm.loss import token_weights
-from astuner.algorithm.mismatch import mismatch_sums
+from astuner.algorithm.mismatch import depth_alarm, depth_metrics, depth_sums, mismatch_sums
 from astuner.algorithm.objectives import TokenBatch, token_objective
 from astuner.step_plan import offsets, split_mini_batches
 from astuner.trainer import fsdp
@@ -88,10 +88,12 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
     metrics: dict[str, float] = {"num_samples": float(len(samples)), "lr": trainer.current_lr}
     seen: dict[int, list[float]] = {}  # id(sample) -> the trainer's logprobs before any update
     recompute = objective.recomputes_old_logprobs
+    depth = {}
     if recompute:
         samples_used, mismatch, recomputed = recompute_old_logprobs(trainer, samples)
         metrics.update(mismatch)
         seen.update((id(s), lp) for s, lp in zip(samples, recomputed) if lp is not None)
+        depth = depth_sums(samples, recomputed)
     else:
         samples_used = samples
     trainer.train_mode(adapter_dropout=True)  # trainer_common.lora.dropout acts in the update passes only
@@ -115,11 +117,25 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
             metrics["logprob_abs_diff_mean"] = sums["logprob_abs_diff"] / sums["response_tokens"]
             metrics["logprob_abs_diff_max"] = sums["logprob_abs_diff_max"]
             metrics["kl_engine_trainer_k3"] = sums["kl_engine_trainer_k3"] / sums["response_tokens"]
+            depth = depth_sums(mini_batch, logprobs_out)
         step = trainer.optim_step()
         metrics["lr"] = step["lr"]
         tally.add(sums, step)
+    if depth:
+        metrics.update(_depth_metrics(trainer, depth))
     tally.into(metrics, objective, epochs, time.perf_counter() - start)
     return TrainResult(metrics, [seen.get(id(s)) for s in samples])
+
+
+def _depth_metrics(trainer, sums: dict[str, float]) -> dict[str, float]:
+    """The engine-trainer gap by context depth over every worker's tokens, and how many deep bins alarm
+    (algorithm/mismatch.py)."""
+    if trainer.dp is not None:
+        sums = trainer.dp.reduce_sums(sums)
+    out = depth_metrics(sums)
+    if len(out) > 1:
+        out["logprob_abs_diff/depth_alarm"] = float(len(depth_alarm(out, trainer.precision)))
+    return out
 
 
 def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: list | None = None,

@@ -22,7 +22,9 @@ resource names the cut (raising the turn cap would not have helped).
          trained on (flag "cut_dropped": its reward 0 is the limit's, not the model's);
   drop   an episode with any cut (the agent's own max_tokens aside) is not trained on (flag "cut_dropped").
 Each step logs `rollout/cut/<limit>`: the episodes with a cut of that limit (counted once per episode), and
-`rollout/cut/dropped`.
+`rollout/cut/dropped`. What rollout.context_policy did instead of a cut (model_tuner/context.py) is logged beside:
+`rollout/context/compactions` and `rollout/context/resets` (per episode) and `rollout/context/summary_length` (mean
+tokens of a summary call, when there was one).
 """
 
 from __future__ import annotations
@@ -80,4 +82,16 @@ def cut_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     """Per limit, the episodes with a cut of it (each counted once), and the episodes not trained for a cut."""
     out = {f"{prefix}/cut/{label}": float(sum(label in episode_cuts(e) for e in episodes)) for label in LABELS}
     out[f"{prefix}/cut/dropped"] = float(sum(FLAG_CUT_DROPPED in e.flags for e in episodes))
+    return out
+
+
+def context_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """Compactions and contexts agents started anew, per episode; the mean length of summary calls."""
+    n = max(len(episodes), 1)
+    calls = [c for e in episodes for c in e.calls]
+    out = {f"{prefix}/context/compactions": sum(c.context == "compacted" for c in calls) / n,
+           f"{prefix}/context/resets": sum(c.context == "reset" for c in calls) / n}
+    summaries = [len(c.response_ids) for c in calls if c.context == "summary"]
+    if summaries:
+        out[f"{prefix}/context/summary_length"] = sum(summaries) / len(summaries)
     return out

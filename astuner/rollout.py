@@ -116,6 +116,8 @@ class RolloutSettings:
                 max_tokens_per_turn=r.max_response_length_in_one_turn,
                 max_response_tokens=d.max_response_length,
                 max_prompt_length=d.max_prompt_length,
+                context_policy=r.context_policy,
+                summary_max_tokens=r.summary_max_tokens,
             ),
             tool_prompt=r.tool_prompt,
             tool_call_parser=r.tool_call_parser,

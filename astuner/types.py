@@ -100,6 +100,11 @@ class LLMCall:
     teacher_logprobs: list[float] | None = None
     # The limit that cut the response short ("turn_cap", "budget", "window", "max_tokens"; astuner/cuts.py), or "".
     cut: str = ""
+    # The context it was made in (rollout.context_policy, model_tuner/context.py): its agent's segment (0, then +1
+    # at each compaction or context the agent started anew), and "summary" (a summary the policy asked for),
+    # "compacted" (the first call shown a compacted context) or "reset" (a context the agent started anew).
+    segment: int = 0
+    context: str = ""
 
 
 @dataclass

@@ -59,7 +59,9 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
                 "reply": call.reply,
                 "response_text": call.response_text,
                 "finish_reason": call.finish_reason,
-                "flags": call.flags + ([f"cut: {call.cut}"] if call.cut else []),  # shown as the call's badges
+                # shown as the call's badges: its flags, the limit that cut it, its context segment
+                "flags": call.flags + ([f"cut: {call.cut}"] if call.cut else [])
+                + ([f"segment {call.segment}"] if call.segment else []) + ([call.context] if call.context else []),
                 "prompt_tokens": len(call.prompt_ids),
                 "tokens": {
                     "ids": list(call.response_ids),

@@ -25,6 +25,8 @@ class TunerLimits:
     max_tokens_per_turn: int  # new tokens of one call (rollout.max_response_length_in_one_turn)
     max_response_tokens: int  # new tokens over the whole episode (data.max_response_length)
     max_prompt_length: int  # tokens of the episode's first prompt (data.max_prompt_length)
+    context_policy: str = "none"  # what a call that does not fit is shown (rollout.context_policy, context.py)
+    summary_max_tokens: int = 256  # new tokens of a summary call (context_policy: summarize)
 
 
 class EpisodeBudget:

@@ -23,6 +23,14 @@ from astuner.model_tuner.chat_format import (
     tool_choice_violation,
     tool_names_of,
 )
+from astuner.model_tuner.context import (
+    drop_tool_outputs,
+    original_index,
+    summarized_view,
+    summary_cut,
+    summary_options,
+    summary_request,
+)
 from astuner.model_tuner.conversations import Prompt
 from astuner.model_tuner.tool_parser import ParsedOutput, without_markers
 from astuner.model_tuner.turn import CallOptions, Turn, assistant_message
@@ -51,8 +59,10 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     """Render, reserve, generate, read and record one call of the tuner's episode."""
     tuner._check_deadline()
     tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
+    messages, compacted = await _in_context(tuner, messages, tools, options)
     # With a prefill the turn is already begun: the model continues the prefill's own tokens.
     prompt = tuner._prompt(messages, tools, options.prefill)
+    context = _segment(tuner, prompt, options.agent, compacted)
     max_tokens, limit = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
                                                     tuner._check_deadline)
     index = tuner._started  # read after the reservation, which may wait for parallel calls
@@ -78,7 +88,61 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     reading = _read(tuner, sample.ids, tools, required_call, options.stop, index)
     call = _record(tuner, messages, prompt, options, tools, temperature, sample, reading)
     call.cut = cuts.call_cut(sample.finish, len(sample.ids), max_tokens, limit)
+    call.segment, call.context = tuner._context.segments.get(options.agent, 0), context
     return _answer(tuner, call, prompt, options, sample, reading, seconds)
+
+
+async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
+                      options: CallOptions) -> tuple[list[dict], bool]:
+    """What the model is shown of the agent's messages (context.py): its agent's compaction applied, and, when a
+    whole turn does not fit, the context policy's new one (a summary is a call of this episode); True when this
+    call made a compaction."""
+    state, parser, agent = tuner._context, tuner.reasoning_parser, options.agent
+    if state.busy:  # the summary call itself
+        return messages, False
+    view = state.view(agent, messages, parser)
+    lim = tuner.limits
+
+    def fits(request: list[dict], request_tools=tools, room=lim.max_tokens_per_turn, prefill=options.prefill) -> bool:
+        return len(tuner._prompt(request, request_tools, prefill).ids) + room <= lim.max_model_len
+
+    if state.policy == "none" or fits(view):
+        return view, False
+    if state.policy == "drop_tool_outputs":
+        found = drop_tool_outputs(view, fits)
+        if found is None:
+            return view, False
+        shown, upto = found
+        covered = original_index(state, agent, messages, upto, parser)
+        state.compact(agent, messages, shown[:upto], covered, parser)
+        return shown, True
+    cut = summary_cut(view)
+    request = None if cut is None else summary_request(
+        view, cut, lambda m: fits(m, None, state.summary_max_tokens, ""))
+    if request is None:
+        return view, False
+    state.busy = True
+    try:
+        turn = await complete(tuner, request, None, summary_options(options, state.summary_max_tokens))
+    finally:
+        state.busy = False
+    turn.call.context = "summary"
+    shown, n_shown = summarized_view(view, cut, turn.content)
+    covered = original_index(state, agent, messages, cut, parser)
+    state.compact(agent, messages, shown[:n_shown], covered, parser)
+    return shown, True
+
+
+def _segment(tuner, prompt: Prompt, agent: str, compacted: bool) -> str:
+    """The call's context label; a call of an agent that made calls before and does not extend any of them
+    starts a new segment ("reset": a framework that compacted its own history, or a new conversation)."""
+    state = tuner._context
+    if compacted:
+        return "compacted"
+    if state.busy or prompt.extends or not any(c.agent == agent for c in tuner.calls):
+        return ""
+    state.segments[agent] = state.segments.get(agent, 0) + 1
+    return "reset"
 
 
 def call_temperature(temperature: float, requested: float | None) -> float:

@@ -35,6 +35,7 @@ from astuner.model_tuner.frontends.agentscope_adapter import to_chat_response
 from astuner.model_tuner.budget import EpisodeBudget, TunerLimits  # TunerLimits: importable from here too
 from astuner.model_tuner.chat_format import ChatRenderer, normalize_tools, read_tool_choice
 from astuner.model_tuner.completion import complete
+from astuner.model_tuner.context import state_of
 from astuner.model_tuner.conversations import Conversations, Prompt, stop_texts
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
@@ -90,6 +91,7 @@ class ModelTuner:
         self.auxiliary_models: dict[str, Any] = {}  # frozen models by name (astuner.auxiliary_models)
         self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
         self._conversations = Conversations(stop_texts(tokenizer, stop_token_ids))  # token-exact multi-turn
+        self._context = state_of(limits.context_policy, limits.summary_max_tokens)  # context.py
         self.expired_reason: str | None = None
         self._in_flight: dict[str, InferenceEngine] = {}  # request id of a call awaiting an engine -> that engine
         name = str(getattr(tokenizer, "name_or_path", "") or "model").rstrip("/").rsplit("/", 1)[-1]

@@ -16,7 +16,7 @@ import math
 from astuner.alarms import ToolUseAlarm
 from astuner.algorithm.samples import merge_ratio
 from astuner.algorithm.pass_at_k import ks_for, summarize, task_results
-from astuner.cuts import cut_metrics
+from astuner.cuts import context_metrics, cut_metrics
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -57,6 +57,7 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
         f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
         **cut_metrics(episodes, prefix),
+        **context_metrics(episodes, prefix),
         **_mean_episode_metrics(episodes, prefix),
     }
 

@@ -135,6 +135,8 @@ class Monitor:
                     "response_tokens": len(call.response_ids),
                     "finish_reason": call.finish_reason,
                     "cut": call.cut,
+                    "segment": call.segment,
+                    "context": call.context,
                     "flags": call.flags,
                     "tool_calls": [c["function"] for c in (call.reply or {}).get("tool_calls") or []],
                     "extends_previous": call.extends_previous,

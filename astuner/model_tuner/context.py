@@ -1,0 +1,169 @@
+"""Context policies: what the model is shown when an agent's conversation no longer fits its window.
+
+A call's prompt needs room for a whole turn: prompt + max_tokens_per_turn <= max_model_len. When it has not,
+`rollout.context_policy` acts on what the model sees (the agent's own message list is never changed):
+  none               the call runs in what room is left, or is refused: a cut labelled "window" (astuner/cuts.py);
+  drop_tool_outputs  the oldest tool results, the latest kept, become a one-line marker until the prompt fits;
+  summarize          the policy model, in the same episode, writes a summary of the conversation between the
+                     task (the leading system and user messages) and the latest assistant turn; the model then
+                     sees the task, the summary, and the conversation from that turn on. The summary call is
+                     recorded and trained like any other, with the episode's advantage: writing a summary that
+                     lets the episode succeed is learnt from the episode's reward.
+Each compaction starts a new segment: the calls after it carry `segment` + 1 (the summary call belongs to the
+segment it closes). The agent's later calls see the same compaction (their messages start with the ones it
+covered), so a segment's calls extend each other token-exactly and `merge` joins them as before. A request that
+does not extend the agent's previous context (an agent framework that compacted its own history) starts a new
+segment too, so a framework's compaction is a segment, never a broken prefix.
+
+When even the compacted prompt leaves no room, the call proceeds as under `none` (cut or refused, labelled).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from astuner.model_tuner.chat_format import canonical_messages, flatten_content
+
+if TYPE_CHECKING:
+    from astuner.model_tuner.turn import CallOptions
+
+POLICIES = ("none", "drop_tool_outputs", "summarize")
+DROPPED = "[tool output dropped to fit the context: {n} characters]"
+SUMMARY_REQUEST = (
+    "Your conversation is too long for your context. Summarize the conversation below for yourself: keep every "
+    "fact, tool result and decision needed to finish the task, and what is left to do. Write only the summary."
+)
+SUMMARY_HEADER = "Summary of your work so far (the earlier conversation no longer fits your context):\n"
+
+
+@dataclass
+class Compaction:
+    """The agent's first messages (`covers`, canonical) are shown to the model as `shown`."""
+
+    covers: list[str]
+    shown: list[dict]
+
+
+@dataclass
+class ContextState:
+    """One episode's compactions, per agent, and the segment each agent's calls are in."""
+
+    policy: str = "none"
+    summary_max_tokens: int = 256
+    compactions: dict[str, Compaction] = field(default_factory=dict)
+    segments: dict[str, int] = field(default_factory=dict)
+    summaries: list[int] = field(default_factory=list)  # each summary's length in tokens
+    busy: bool = False  # a summary call is running: it is not compacted itself
+
+    def view(self, agent: str, messages: list[dict], reasoning_parser) -> list[dict]:
+        """What the model is shown of `messages`: the agent's latest compaction applied where they start with
+        the messages it covered."""
+        c = self.compactions.get(agent)
+        if c is None or len(messages) < len(c.covers):
+            return messages
+        if canonical_messages(messages[: len(c.covers)], reasoning_parser) != c.covers:
+            return messages  # another conversation of the agent: shown as it is
+        return c.shown + messages[len(c.covers):]
+
+    def compact(self, agent: str, messages: list[dict], shown: list[dict], upto: int, reasoning_parser) -> None:
+        """Record that the first `upto` messages the agent sent (`messages`, before `view`) are shown as `shown`."""
+        self.compactions[agent] = Compaction(canonical_messages(messages[:upto], reasoning_parser), shown)
+        self.segments[agent] = self.segments.get(agent, 0) + 1
+
+
+def original_index(state: ContextState, agent: str, messages: list[dict], view_index: int,
+                   reasoning_parser) -> int:
+    """The index in the agent's `messages` of the message at `view_index` of its view (one shown as it was)."""
+    c = state.compactions.get(agent)
+    if c is None or state.view(agent, messages, reasoning_parser) is messages:
+        return view_index
+    return view_index - len(c.shown) + len(c.covers)
+
+
+def drop_tool_outputs(view: list[dict], fits) -> tuple[list[dict], int] | None:
+    """The view with its oldest tool results (the latest kept) replaced by a marker, oldest first, until `fits`;
+    and the index just past the last one replaced. None when it never fits."""
+    out = list(view)
+    tools = [i for i, m in enumerate(out) if m.get("role") == "tool" and not _dropped(m)]
+    for i in tools[:-1]:
+        n = len(flatten_content(out[i].get("content")))
+        out[i] = {**out[i], "content": DROPPED.format(n=n)}
+        if fits(out):
+            return out, i + 1
+    return None
+
+
+def _dropped(message: dict) -> bool:
+    text = flatten_content(message.get("content"))
+    return text.startswith(DROPPED.split("{", 1)[0])
+
+
+def task_head(view: list[dict]) -> int:
+    """Messages that state the task: the leading system messages and the first user message."""
+    i = 0
+    while i < len(view) and view[i].get("role") == "system":
+        i += 1
+    return i + 1 if i < len(view) and view[i].get("role") == "user" else i
+
+
+def summary_cut(view: list[dict]) -> int | None:
+    """Where the kept tail starts: the latest assistant message after the task. None: nothing to summarize."""
+    head = task_head(view)
+    for i in range(len(view) - 1, head, -1):
+        if view[i].get("role") == "assistant":
+            return i
+    return None
+
+
+def transcript(messages: list[dict], limit: int) -> str:
+    """The messages as text for the summary request, each at most `limit` characters (its start and end)."""
+    lines = []
+    for m in messages:
+        text = flatten_content(m.get("content"))
+        calls = [c.get("function", c) for c in m.get("tool_calls") or []]
+        if calls:
+            text += "\n" + json.dumps(calls, ensure_ascii=False)
+        if len(text) > limit:
+            text = text[: limit // 2] + " [...] " + text[-limit // 2:]
+        lines.append(f"{m.get('role')}: {text}")
+    return "\n\n".join(lines)
+
+
+def summary_request(view: list[dict], cut: int, fits) -> list[dict] | None:
+    """The messages of the summary call: the task's system messages, then one user message asking for a summary
+    of view[head:cut], its messages shortened until `fits`. None when even short ones do not fit."""
+    head = task_head(view)
+    system = [m for m in view[:head] if m.get("role") == "system"]
+    task = [flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"]
+    limit = max(len(flatten_content(m.get("content"))) for m in view[head:cut]) + 1
+    while limit >= 64:
+        body = f"{SUMMARY_REQUEST}\n\nThe task:\n{task[0] if task else ''}\n\nThe conversation:\n" + \
+            transcript(view[head:cut], limit)
+        request = system + [{"role": "user", "content": body}]
+        if fits(request):
+            return request
+        limit //= 2
+    return None
+
+
+def summarized_view(view: list[dict], cut: int, summary: str) -> tuple[list[dict], int]:
+    """The task, the summary as a user message, then the view from `cut`; and how many messages stand for
+    view[:cut] (the task and the summary)."""
+    head = task_head(view)
+    shown = view[:head] + [{"role": "user", "content": SUMMARY_HEADER + summary.strip()}]
+    return shown + view[cut:], len(shown)
+
+
+def state_of(policy: str, summary_max_tokens: int) -> ContextState:
+    if policy not in POLICIES:
+        raise ValueError(f"rollout.context_policy must be one of {POLICIES}, got {policy!r}")
+    return ContextState(policy=policy, summary_max_tokens=summary_max_tokens)
+
+
+def summary_options(options: CallOptions, max_tokens: int) -> CallOptions:
+    """The summary call's options: the agent's, without its tools, stops or prefill, at most `max_tokens`."""
+    import dataclasses
+
+    return dataclasses.replace(options, max_tokens=max_tokens, stop=(), tool_choice=None, prefill="")

@@ -1,0 +1,179 @@
+"""Context policies (model_tuner/context.py): a conversation longer than the window is compacted, the model sees
+exact recorded tokens, each compaction starts a segment, and a summary is a trained call with the episode's
+advantage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from astuner.algorithm.samples import episodes_to_samples
+from astuner.cuts import context_metrics
+from astuner.model_tuner import ChatRenderer, EpisodeOverflow, ModelTuner, TunerLimits, get_tool_parser
+from astuner.model_tuner.context import DROPPED, SUMMARY_HEADER, SUMMARY_REQUEST
+from astuner.types import Episode, GenerateResult, Task
+
+TOOLS = [{"type": "function", "function": {"name": "read_log", "description": "Read a page of the log.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "page": {"type": "integer"}}, "required": ["page"]}}}]
+SUMMARY = "Pages 1 and 2 read: no error yet. Next: page 3."
+
+
+class RuleEngine:
+    """Writes SUMMARY when asked for a summary, else a tool call; records each prompt."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.prompts = tokenizer, []
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        self.prompts.append(list(prompt_ids))
+        asked = SUMMARY_REQUEST[:40] in self.tokenizer.decode(prompt_ids)
+        text = SUMMARY if asked else '<tool_call>\n{"name": "read_log", "arguments": {"page": 3}}\n</tool_call>'
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
+        ids.append(self.tokenizer.eos_token_id)
+        return GenerateResult(ids, [-0.25] * len(ids), "stop")
+
+    def abort(self, request_id):
+        pass
+
+
+def tuner_for(tokenizer, policy: str, window: int, per_turn: int = 64):
+    engine = RuleEngine(tokenizer)
+    limits = TunerLimits(max_model_len=window, max_tokens_per_turn=per_turn, max_response_tokens=4000,
+                         max_prompt_length=4000, context_policy=policy, summary_max_tokens=48)
+    tuner = ModelTuner(engine=engine, tokenizer=tokenizer, renderer=ChatRenderer(tokenizer),
+                       tool_parser=get_tool_parser("hermes"), limits=limits, temperature=1.0,
+                       stop_token_ids=(tokenizer.eos_token_id,))
+    return tuner, engine
+
+
+def page(n: int) -> str:
+    return " ".join(f"line{n}-{i} ok" for i in range(60))  # a few hundred tokens
+
+
+def history(tuner, pages: int) -> list[dict]:
+    """The agent's own messages: the task, then per page a tool call answered by the model and its result."""
+    messages = [{"role": "system", "content": "You read logs."}, {"role": "user", "content": "Find the error."}]
+    for n in range(1, pages + 1):
+        reply = asyncio.run(tuner.chat(messages, TOOLS))
+        messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": page(n)}]
+    return messages
+
+
+def window_for(tokenizer, pages: int) -> int:
+    """A window that holds the task and `pages` pages, and not one more, with a turn of room."""
+    tuner, _ = tuner_for(tokenizer, "none", 100_000)
+    messages = history(tuner, pages)
+    return len(ChatRenderer(tokenizer).render(messages, TOOLS)) + 64 + 160
+
+
+def test_without_a_policy_the_window_refuses(demo_tokenizer):
+    tuner, _ = tuner_for(demo_tokenizer, "none", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 3)
+    with pytest.raises(EpisodeOverflow):
+        asyncio.run(tuner.chat(messages, TOOLS))
+    assert tuner.overflow_limit == "window" and all(c.segment == 0 for c in tuner.calls)
+
+
+def test_drop_tool_outputs_keeps_the_latest_and_starts_a_segment(demo_tokenizer):
+    tuner, engine = tuner_for(demo_tokenizer, "drop_tool_outputs", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 3)
+    asyncio.run(tuner.chat(messages, TOOLS))  # three pages do not fit: page 1 is dropped
+    compacted = tuner.calls[-1]
+    assert [c.context for c in tuner.calls] == ["", "", "", "compacted"]
+    assert [c.segment for c in tuner.calls] == [0, 0, 0, 1] and compacted.cut == ""
+    text = demo_tokenizer.decode(compacted.prompt_ids)
+    assert DROPPED.format(n=len(page(1))) in text and page(1) not in text and page(2) in text and page(3) in text
+    shown = messages[:3] + [{**messages[3], "content": DROPPED.format(n=len(page(1)))}] + messages[4:]
+    assert compacted.prompt_ids == ChatRenderer(demo_tokenizer).render(shown, TOOLS)  # exact recorded tokens
+
+    # The agent goes on with its own full history: the model keeps seeing the compaction, token-exactly.
+    reply = asyncio.run(tuner.chat(messages, TOOLS))
+    messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "short"}]
+    asyncio.run(tuner.chat(messages, TOOLS))
+    assert tuner.calls[-1].extends_previous and tuner.calls[-1].segment == 1 and tuner.calls[-1].context == ""
+    assert engine.prompts[-1] == tuner.calls[-1].prompt_ids
+
+
+def test_summarize_writes_a_trained_summary_and_shows_task_summary_and_latest_turn(demo_tokenizer):
+    tuner, engine = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 3)
+    asyncio.run(tuner.chat(messages, TOOLS))  # three pages do not fit: a summary of the first two
+    summary, compacted = tuner.calls[-2:]
+    assert [c.context for c in tuner.calls] == ["", "", "", "summary", "compacted"]
+    assert [c.segment for c in tuner.calls] == [0, 0, 0, 0, 1]
+    assert summary.trainable and summary.tools is None and SUMMARY in summary.response_text
+    asked = demo_tokenizer.decode(summary.prompt_ids)
+    assert SUMMARY_REQUEST in asked and "Find the error." in asked and page(1)[:40] in asked
+    # The model sees the task, the summary, then the conversation from the latest assistant turn on.
+    shown = messages[:2] + [{"role": "user", "content": SUMMARY_HEADER + SUMMARY}] + messages[-2:]
+    assert compacted.prompt_ids == ChatRenderer(demo_tokenizer).render(shown, TOOLS)
+    assert engine.prompts[-1] == compacted.prompt_ids
+
+    ep = Episode(Task("t", "q"), 0, "a", calls=list(tuner.calls), reward=1.0)
+    other = Episode(Task("t", "q"), 1, "b", calls=list(tuner.calls[:1]), reward=0.0)
+    samples = episodes_to_samples([ep, other], adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                                  max_sample_per_task=8)
+    mine = {s.call_indices[0]: s.advantage for s in samples if s.episode_uid == "a"}
+    assert sorted(mine) == [0, 1, 2, 3, 4] and set(mine.values()) == {0.5}  # the summary shares it
+    metrics = context_metrics([ep], "rollout")
+    assert metrics["rollout/context/compactions"] == 1.0
+    assert metrics["rollout/context/summary_length"] == len(summary.response_ids)
+
+
+def test_a_framework_that_compacts_its_own_history_starts_a_segment(demo_tokenizer):
+    tuner, _ = tuner_for(demo_tokenizer, "none", 100_000)
+    messages = history(tuner, 2)
+    own = messages[:2] + [{"role": "user", "content": "Earlier: two pages read."}]  # the framework's summary
+    asyncio.run(tuner.chat(own, TOOLS))
+    assert [(c.segment, c.context) for c in tuner.calls] == [(0, ""), (0, ""), (1, "reset")]
+    assert context_metrics([Episode(Task("t", "q"), 0, "a", calls=tuner.calls)], "r")["r/context/resets"] == 1.0
+
+
+def test_the_viewer_links_segments():
+    from astuner.logview.records import episode_records
+    from astuner.types import LLMCall
+
+    calls = [LLMCall([1], [2], [-0.1], "stop", 1.0, context="summary"),
+             LLMCall([1], [2], [-0.1], "stop", 1.0, segment=1, context="compacted")]
+    [record] = episode_records([Episode(Task("t", "q"), 0, "a", calls=calls)], None, None)
+    assert [c["flags"] for c in record["calls"]] == [["summary"], ["segment 1", "compacted"]]
+
+
+@pytest.mark.parametrize("policy", ["none", "drop_tool_outputs", "summarize"])
+def test_the_config_reaches_the_tuner(policy, tmp_path):
+    from astuner.config import load_config
+
+    yaml = tmp_path / "x.yaml"
+    yaml.write_text(json.dumps({"astuner": {"rollout": {"context_policy": policy, "summary_max_tokens": 32}}}))
+    from astuner.rollout import RolloutSettings
+
+    limits = RolloutSettings.from_config(load_config(str(yaml)).typed, 2048).limits
+    assert (limits.context_policy, limits.summary_max_tokens) == (policy, 32)
+
+
+def test_the_latest_tool_output_is_never_dropped(demo_tokenizer):
+    tuner, _ = tuner_for(demo_tokenizer, "drop_tool_outputs", 100_000)
+    messages = history(tuner, 3)
+    # A window the task and the latest page fit in, but not two dropped pages' markers beside it and a turn.
+    tuner, _ = tuner_for(demo_tokenizer, "drop_tool_outputs", len(ChatRenderer(demo_tokenizer).render(
+        messages[:2] + messages[-2:], TOOLS)) + 64 + 10)
+    with pytest.raises(EpisodeOverflow):
+        asyncio.run(tuner.chat(messages, TOOLS))
+    assert tuner.overflow_limit == "window" and tuner.calls == []
+
+
+def test_a_second_summary_rolls_up_the_first(demo_tokenizer):
+    tuner, engine = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 5)  # a summary after page 3 (call 4), another after page 5 (call 6)
+    asyncio.run(tuner.chat(messages, TOOLS))
+    assert [c.context for c in tuner.calls].count("summary") == 2
+    assert [c.segment for c in tuner.calls if c.context == "compacted"] == [1, 2]
+    second = [c for c in tuner.calls if c.context == "summary"][1]
+    assert SUMMARY_HEADER.split("(")[0] in demo_tokenizer.decode(second.prompt_ids)  # the first summary, summarized
+    reply = tuner.calls[-1].reply
+    messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "short"}]
+    asyncio.run(tuner.chat(messages, TOOLS))
+    assert tuner.calls[-1].extends_previous and (tuner.calls[-1].segment, tuner.calls[-1].context) == (2, "")

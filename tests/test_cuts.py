@@ -11,7 +11,7 @@ from astuner import cuts
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.model_tuner import ChatRenderer, EpisodeOverflow, ModelTuner, TunerLimits, get_tool_parser
 from astuner.model_tuner.turn import CallOptions
-from astuner.monitor.metrics import episode_metrics
+from astuner.monitor.metrics import episode_metrics, pipeline_metrics, validation_metrics
 from astuner.rollout import RolloutRunner
 from astuner.types import FLAG_CUT_DROPPED, Episode, GenerateResult, LLMCall, Task
 from astuner.workflow import Workflow, WorkflowOutput
@@ -136,10 +136,11 @@ def test_cuts_are_counted_per_limit_once_per_episode():
     episodes[0].calls.append(call("turn_cap"))  # a second turn-cap cut in the same episode counts once
     for e in episodes:
         cuts.apply_policy(e, "mask")
-    m = episode_metrics(episodes, "rollout")
+    m = {**pipeline_metrics(episodes, {}), **episode_metrics(episodes, "train")}
     assert {k: m[f"rollout/cut/{k}"] for k in ("turn_cap", "budget", "window", "prompt", "max_tokens", "dropped")} \
         == {"turn_cap": 1.0, "budget": 1.0, "window": 1.0, "prompt": 0.0, "max_tokens": 1.0, "dropped": 2.0}
-    assert m["rollout/overflow_rate"] == 0.5
+    assert m["train/overflow_rate"] == 0.5
+    assert validation_metrics(episodes, [], 1)["val/cut/window"] == 1.0  # validation episodes are counted apart
 
 
 class Chatty(Workflow):

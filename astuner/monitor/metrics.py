@@ -56,8 +56,6 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/failure_rate": sum(FLAG_FAILED in e.flags or FLAG_TIMEOUT in e.flags for e in episodes) / n,
         f"{prefix}/overflow_rate": sum(FLAG_OVERFLOW in e.flags for e in episodes) / n,
         f"{prefix}/generated_tokens": float(sum(len(c.response_ids) for c in calls)),
-        **cut_metrics(episodes, prefix),
-        **context_metrics(episodes, prefix),
         **_mean_episode_metrics(episodes, prefix),
     }
 
@@ -95,7 +93,7 @@ def validation_metrics(greedy: list[Episode], sampled: list[Episode], repeats: i
     """`val/*` of the greedy episodes; `val/accuracy` is their success rate. With `repeats` > 1, pass@k for
     k in ks_for(repeats) over the sampled episodes (unbiased estimator, algorithm/pass_at_k.py). A void validation
     (`void_note`: most episodes failed or timed out) has `val/void` 1 and no accuracy: it measured nothing."""
-    metrics = episode_metrics(greedy, "val")
+    metrics = {**episode_metrics(greedy, "val"), **cut_metrics(greedy, "val"), **context_metrics(greedy, "val")}
     if void_note(greedy):
         metrics["val/void"] = 1.0
         return metrics
@@ -134,6 +132,8 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
     for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
         if name in train_metrics:
             out[f"rollout/{name}"] = train_metrics[name]
+    # Every cut by its limit, and what the context policy did instead (astuner/cuts.py).
+    out.update({**cut_metrics(episodes, "rollout"), **context_metrics(episodes, "rollout")})
     # The same gap by context depth, and how many deep bins drift (algorithm/mismatch.py).
     out.update({f"rollout/{k}": v for k, v in train_metrics.items() if k.startswith("logprob_abs_diff/")})
     agents = sorted({c.agent for c in calls if c.agent})

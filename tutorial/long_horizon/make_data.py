@@ -1,0 +1,21 @@
+"""Writes data/train.jsonl (64 logs) and data/val.jsonl (16): each a seed, a page count (4 or 5) and the answer."""
+
+import json
+from pathlib import Path
+
+from log_task import QUESTION, make_log
+
+
+def rows(seeds):
+    for seed in seeds:
+        pages = 4 + seed % 2
+        _, failed = make_log(seed, pages)
+        yield {"id": f"log{seed}", "question": QUESTION.format(pages=pages), "seed": seed, "pages": pages,
+               "answer": failed}
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "data"
+    out.mkdir(exist_ok=True)
+    for name, seeds in (("train", range(64)), ("val", range(1000, 1016))):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(seeds)))

@@ -82,14 +82,15 @@ def test_each_model_is_served_under_its_own_adapter(tiny_model_dir, demo_tokeniz
         # the folder stays until that request ends (deleted under it, the engine died), then goes.
         import asyncio
 
-        longer = SamplingParams(temperature=1.0, max_tokens=96, stop_token_ids=())
+        # Long enough to outlast a train step and a sync on a busy machine (96 tokens once did not).
+        longer = SamplingParams(temperature=1.0, max_tokens=400, stop_token_ids=())
         running = asyncio.run_coroutine_threadsafe(views["critic"].generate(PROMPT, longer), engine._loop)
         time.sleep(0.5)
         old = engine._requests["critic"]
         critic.train_step(_batch(critic, demo_tokenizer))
         views["critic"].load_weights(adapter_tensors(critic.model))
         assert not running.done() and Path(old.lora_path).exists()  # still in use: kept
-        assert len(running.result(timeout=120).token_ids) == 96  # the request finished under its adapter
+        assert len(running.result(timeout=120).token_ids) == 400  # the request finished under its adapter
         deadline = time.monotonic() + 30
         while Path(old.lora_path).exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -6,8 +6,9 @@ Three limits are kept apart, each with its own label:
              or a later call refused because nothing was);
   window     prompt + response reached rollout.max_model_len (a call cut short by the room its prompt left, or a
              later call refused because its prompt left none).
-Two more name what ended an episode that is neither: `prompt` (its first prompt is over data.max_prompt_length),
-and a call the agent itself capped (`max_tokens` in its request) is labelled `max_tokens`, the agent's choice.
+Three more: `prompt` (an episode whose first prompt is over data.max_prompt_length), `summary_cap` (a summary the
+context policy asked for, cut at rollout.summary_max_tokens), and `max_tokens`: a call the agent itself capped (its
+request's max_tokens, when no larger than what the run allowed), the agent's choice.
 
 A call cut short carries its label (`LLMCall.cut`); an episode a refused call ended carries the refusing limit
 (`Episode.cut`, and the flag "overflow", as before). When a call's new-token allowance
@@ -16,11 +17,13 @@ is met by several limits at once, the label is the first of window, budget, turn
 resource names the cut (raising the turn cap would not have helped).
 
 `rollout.on_cut` decides what training does with a cut episode (`apply_policy`, in the rollout):
-  train  cut calls train as sampled; an episode a limit ended trains with reward 0 (verl's and TRL's default);
+  train  cut calls train as sampled (as verl and TRL do by default); an episode a limit ended trains with
+         reward 0 (astuner's rule for an episode that could not finish);
   mask   the cut calls' tokens leave the loss (TRL's mask_truncated_completions, DAPO's overlong filtering): the
          call stays recorded, shown and merged around, but is not trained; an episode a limit ended is not
          trained on (flag "cut_dropped": its reward 0 is the limit's, not the model's);
   drop   an episode with any cut (the agent's own max_tokens aside) is not trained on (flag "cut_dropped").
+A failed or timed-out episode is not trained whatever its cuts, and is not flagged again.
 Each step logs `rollout/cut/<limit>`: the episodes with a cut of that limit (counted once per episode), and
 `rollout/cut/dropped`. What rollout.context_policy did instead of a cut (model_tuner/context.py) is logged beside:
 `rollout/context/compactions` and `rollout/context/resets` (per episode) and `rollout/context/summary_length` (mean
@@ -29,16 +32,17 @@ tokens of a summary call, when there was one).
 
 from __future__ import annotations
 
-from astuner.types import FLAG_CUT_DROPPED, Episode
+from astuner.types import FLAG_CUT_DROPPED, FLAG_FAILED, FLAG_TIMEOUT, Episode
 
 TURN_CAP = "turn_cap"
 BUDGET = "budget"
 WINDOW = "window"
 PROMPT = "prompt"
+SUMMARY_CAP = "summary_cap"
 REQUEST = "max_tokens"
 # The limits the run sets (rollout.on_cut acts on these; the agent's own max_tokens is its design).
-RUN_LIMITS = (TURN_CAP, BUDGET, WINDOW, PROMPT)
-LABELS = (TURN_CAP, BUDGET, WINDOW, PROMPT, REQUEST)
+RUN_LIMITS = (TURN_CAP, BUDGET, WINDOW, PROMPT, SUMMARY_CAP)
+LABELS = (*RUN_LIMITS, REQUEST)
 POLICIES = ("train", "mask", "drop")
 
 
@@ -67,7 +71,7 @@ def apply_policy(episode: Episode, policy: str) -> None:
     """Apply rollout.on_cut to one ended episode (rules in the module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"rollout.on_cut must be one of {POLICIES}, got {policy!r}")
-    if policy == "train":
+    if policy == "train" or FLAG_FAILED in episode.flags or FLAG_TIMEOUT in episode.flags:
         return
     run_cuts = [c for c in episode.calls if c.cut in RUN_LIMITS]
     if episode.cut or (policy == "drop" and run_cuts):

@@ -236,6 +236,10 @@ def user_module_names(module: ModuleType | None) -> list[str]:
         other_path = getattr(other, "__file__", None)
         if not other_path:
             continue
+        if os.path.islink(other_path):  # a module file linked from elsewhere lives where its target does
+            if Path(other_path).resolve().parent == folder:
+                names.add(name)
+            continue
         raw = os.path.dirname(other_path)
         if raw not in resolved:
             resolved[raw] = Path(raw).resolve()

@@ -258,7 +258,7 @@ class RolloutRunner:
             self._executor.abandon(thread_owner)  # its blocking calls still running: counted and logged
             episode.abandoned_threads = len(self._executor.abandoned())
         episode.calls = list(tuner.calls)
-        episode.cut = tuner.overflow_limit
+        episode.cut = "" if tuner.expired else tuner.overflow_limit  # a timeout is its own record
         episode.seconds = time.perf_counter() - start
         if self._flagged_by_records(episode, tuner, tools, timeout):
             output = None

@@ -22,7 +22,7 @@ from astuner.algorithm.dynamic_sampling import informative_groups, keep_groups
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.errors import TrainingStalled
 from astuner.monitor.metrics import StepMetrics, zero_adv_group_fraction
-from astuner.types import Episode, Sample, Task
+from astuner.types import FLAG_CUT_DROPPED, Episode, Sample, Task
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,11 @@ class Plain:
         if state.first_error is None and (found := first_error(episodes)):
             state.first_error_source, state.first_error = found
         if not any(e.trainable for e in episodes):
+            cut = sum(FLAG_CUT_DROPPED in e.flags for e in episodes)
+            if cut:  # not a failure: rollout.on_cut left them out; the idle-step rule decides when to stop
+                log.warning("step %d: %d of %d episodes were cut (rollout/cut/*) and rollout.on_cut left them out; "
+                            "the others failed or timed out: nothing to train on this step", step, cut, len(episodes))
+                return
             raise TrainingStalled(
                 f"step {step}: all {len(episodes)} episodes failed or timed out, so there is nothing to train on. "
                 f"First error: {state.first_error or 'none recorded'}. "

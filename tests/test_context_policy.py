@@ -28,21 +28,23 @@ class RuleEngine:
         self.tokenizer, self.prompts = tokenizer, []
 
     async def generate(self, prompt_ids, sampling, request_id=None):
+        await asyncio.sleep(0)  # an engine answers later: other calls of the episode run meanwhile
         self.prompts.append(list(prompt_ids))
         asked = SUMMARY_REQUEST[:40] in self.tokenizer.decode(prompt_ids)
         text = SUMMARY if asked else '<tool_call>\n{"name": "read_log", "arguments": {"page": 3}}\n</tool_call>'
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
-        ids.append(self.tokenizer.eos_token_id)
-        return GenerateResult(ids, [-0.25] * len(ids), "stop")
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        finish = "length" if len(ids) > sampling.max_tokens else "stop"  # as vLLM: cut at max_tokens, no eos
+        ids = ids[: sampling.max_tokens]
+        return GenerateResult(ids, [-0.25] * len(ids), finish)
 
     def abort(self, request_id):
         pass
 
 
-def tuner_for(tokenizer, policy: str, window: int, per_turn: int = 64):
-    engine = RuleEngine(tokenizer)
+def tuner_for(tokenizer, policy: str, window: int, per_turn: int = 64, engine_cls=None, summary_tokens=48):
+    engine = (engine_cls or RuleEngine)(tokenizer)
     limits = TunerLimits(max_model_len=window, max_tokens_per_turn=per_turn, max_response_tokens=4000,
-                         max_prompt_length=4000, context_policy=policy, summary_max_tokens=48)
+                         max_prompt_length=4000, context_policy=policy, summary_max_tokens=summary_tokens)
     tuner = ModelTuner(engine=engine, tokenizer=tokenizer, renderer=ChatRenderer(tokenizer),
                        tool_parser=get_tool_parser("hermes"), limits=limits, temperature=1.0,
                        stop_token_ids=(tokenizer.eos_token_id,))
@@ -132,7 +134,7 @@ def test_a_framework_that_compacts_its_own_history_starts_a_segment(demo_tokeniz
     assert context_metrics([Episode(Task("t", "q"), 0, "a", calls=tuner.calls)], "r")["r/context/resets"] == 1.0
 
 
-def test_the_viewer_links_segments():
+def test_the_viewer_shows_each_calls_segment_and_context():
     from astuner.logview.records import episode_records
     from astuner.types import LLMCall
 
@@ -177,3 +179,47 @@ def test_a_second_summary_rolls_up_the_first(demo_tokenizer):
     messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "short"}]
     asyncio.run(tuner.chat(messages, TOOLS))
     assert tuner.calls[-1].extends_previous and (tuner.calls[-1].segment, tuner.calls[-1].context) == (2, "")
+
+
+def test_parallel_calls_of_one_agent_share_one_summary(demo_tokenizer):
+    tuner, engine = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 3)
+
+    async def both():
+        return await asyncio.gather(tuner.chat(messages, TOOLS), tuner.chat(messages, TOOLS))
+
+    asyncio.run(both())
+    assert [c.context for c in tuner.calls[3:]] == ["summary", "compacted", ""]  # the second waited, then saw it
+    assert tuner.calls[4].prompt_ids == tuner.calls[5].prompt_ids and tuner.calls[5].segment == 1
+
+
+def test_results_the_model_has_not_answered_are_never_dropped():
+    from astuner.model_tuner.context import drop_tool_outputs
+
+    view = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "", "tool_calls": []},
+            {"role": "tool", "content": "old"}, {"role": "assistant", "content": "", "tool_calls": []},
+            {"role": "tool", "content": "new a"}, {"role": "tool", "content": "new b"}]
+    shown, upto = drop_tool_outputs(view, lambda m: False)  # never fits: the most that may go, goes
+    assert [m["content"] for m in shown] == ["task", "", DROPPED.format(n=3), "", "new a", "new b"] and upto == 3
+
+
+class EmptySummaryEngine(RuleEngine):
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        if SUMMARY_REQUEST[:40] in self.tokenizer.decode(prompt_ids):
+            self.prompts.append(list(prompt_ids))
+            ids = self.tokenizer.encode(" " * 3, add_special_tokens=False)[:2] + [self.tokenizer.eos_token_id]
+            return GenerateResult(ids, [-0.25] * len(ids), "stop")
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+def test_an_empty_summary_changes_nothing_and_a_long_one_is_labelled_summary_cap(demo_tokenizer):
+    tuner, _ = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2), engine_cls=EmptySummaryEngine)
+    messages = history(tuner, 3)
+    with pytest.raises(EpisodeOverflow):  # shown as it was: the window refuses it
+        asyncio.run(tuner.chat(messages, TOOLS))
+    assert tuner.calls[-1].context == "summary" and not tuner._context.compactions
+
+    tuner, _ = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2), summary_tokens=5)  # < SUMMARY
+    messages = history(tuner, 3)
+    asyncio.run(tuner.chat(messages, TOOLS))
+    assert [(c.context, c.cut) for c in tuner.calls[-2:]] == [("summary", "summary_cap"), ("compacted", "")]

@@ -181,3 +181,21 @@ def test_a_masked_call_inside_a_merged_sample_is_masked_token_by_token():
                                  max_sample_per_task=4, sample_mode="merge")
     assert s.response_ids == [3, 4, 9, 5, 6, 7, 9, 8]
     assert s.loss_mask == [1, 1, 0, 0, 0, 0, 0, 1]
+
+
+def test_a_step_whose_episodes_were_all_cut_is_not_called_a_failure(caplog):
+    from types import SimpleNamespace
+
+    from astuner.errors import TrainingStalled
+    from astuner.selection import Plain
+
+    state = SimpleNamespace(first_error=None, first_error_source=None)
+    cut = [episode("a", [call("window")], 0.0, cut="window"), episode("b", [call("turn_cap")], 1.0)]
+    for e in cut:
+        cuts.apply_policy(e, "drop")
+    Plain._stop_if_all_failed(cut, state, 3)  # nothing to train, but the idle-step rule decides, not a stall
+    assert "2 of 2 episodes were cut" in caplog.text
+    failed = [episode("c", [call()], 0.0)]
+    failed[0].flags.append("failed")
+    with pytest.raises(TrainingStalled, match="failed or timed out"):
+        Plain._stop_if_all_failed(failed, state, 4)

@@ -27,6 +27,10 @@ def test_depth_bins_by_hand():
     assert depth_alarm(m, "bf16") == ["1k-4k"]  # 0.5 > 8 eps(bf16) = 0.0625
     assert depth_alarm({**m, "logprob_abs_diff/depth_1k-4k": 0.25}, "fp32") == []  # under 4x the shallow bin
     assert depth_alarm({"logprob_abs_diff/depth_0-1k": 1e-8, "logprob_abs_diff/depth_4k-16k": 5e-2}, "bf16") == []
+    # Two bins deeper, rounding alone may grow 4x: 8x is the alarm's.
+    two_deeper = {"logprob_abs_diff/depth_0-1k": 0.01, "logprob_abs_diff/depth_4k-16k": 0.07}
+    assert depth_alarm(two_deeper, "bf16") == []
+    assert depth_alarm({**two_deeper, "logprob_abs_diff/depth_4k-16k": 0.09}, "bf16") == ["4k-16k"]
 
 
 def _trainer(model_dir, **overrides) -> Trainer:

@@ -108,17 +108,22 @@ def test_only_user_code_counts_as_user_code(tmp_path):
     assert not is_user_file(json.__file__) and not is_user_file(None)
     # A library's modules never get DEBUG: their loggers would flood the log file.
     assert user_module_names(torch) == [] and user_module_names(astuner.logs) == []
-    (tmp_path / "agent_p.py").write_text("import agent_p_tools\n")
+    (tmp_path / "agent_p.py").write_text("import agent_p_tools\nimport agent_p_linked\n")
     (tmp_path / "agent_p_tools.py").write_text("")
+    # A sibling linked from elsewhere (runfiles, a shared checkout) counts where its file lies, not its link.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "agent_p_linked.py").write_text("")
+    (tmp_path / "agent_p_linked.py").symlink_to(elsewhere / "agent_p_linked.py")
     sys.path.insert(0, str(tmp_path))
     try:
-        import agent_p  # noqa: F401  (imports its sibling)
+        import agent_p  # noqa: F401  (imports its siblings)
 
         assert user_module_names(sys.modules["agent_p"]) == ["agent_p", "agent_p_tools"]
     finally:
         sys.path.remove(str(tmp_path))
-        sys.modules.pop("agent_p", None)
-        sys.modules.pop("agent_p_tools", None)
+        for name in ("agent_p", "agent_p_tools", "agent_p_linked"):
+            sys.modules.pop(name, None)
 
 
 def test_library_code_outside_the_python_prefix_is_not_user_code(tmp_path, monkeypatch):

@@ -24,9 +24,9 @@ the response), bins 0-1k, 1k-4k, 4k-16k and 16k+ tokens:
 
 A numeric defect that grows with position (rounded RoPE buffers, a cache kept in a coarser dtype) leaves the
 shallow bin clean and the deep ones off. Rounding alone grows too, like a random walk over attention's sums: about
-sqrt(depth), so 2x per bin at most (the bins are 4x apart). A deep bin alarms (`depth_alarm`) when its gap is over
-both the dtype's bound, DEPTH_C * eps(dtype) (fp32 9.5e-7, bf16 0.0625), and DEPTH_DRIFT times the shallowest
-bin's gap.
+sqrt(depth), so 2x per bin at most (the bins are 4x apart). A bin d bins deeper than the shallowest one with tokens
+alarms (`depth_alarm`) when its gap is over both the dtype's bound, DEPTH_C * eps(dtype) (fp32 9.5e-7, bf16
+0.0625), and DEPTH_DRIFT * 2^(d-1) times the shallowest bin's gap: twice what rounding alone could do.
 """
 
 from __future__ import annotations
@@ -93,4 +93,8 @@ def depth_alarm(metrics: dict[str, float], precision: str) -> list[str]:
     gaps = [(name, metrics[f"logprob_abs_diff/depth_{name}"]) for name in DEPTH_BINS
             if f"logprob_abs_diff/depth_{name}" in metrics]
     bound = DEPTH_C * EPS.get(precision, EPS["fp32"])
-    return [name for name, g in gaps[1:] if g > bound and g > DEPTH_DRIFT * gaps[0][1]]
+    if not gaps:
+        return []
+    first, shallow = DEPTH_BINS.index(gaps[0][0]), gaps[0][1]
+    return [name for name, g in gaps[1:]
+            if g > bound and g > DEPTH_DRIFT * 2 ** (DEPTH_BINS.index(name) - first - 1) * shallow]

@@ -48,7 +48,8 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.auxiliary_models", "the rollout shape"),
     ("astuner.models", "the models trained"),
     ("astuner.agents", "the rollout shape"),
-    # Who the student imitates is the objective; where and how fast the teacher answers is not.
+    # Who the student imitates (its folder, server or served name) is the objective; its engine, batch size, key
+    # variable and deadline are not.
     ("astuner.teacher", "the teacher"),
     ("astuner.teacher.engine", "placement"),
     ("astuner.teacher.batch_size", "placement"),

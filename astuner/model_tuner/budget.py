@@ -78,7 +78,7 @@ class EpisodeBudget:
         while True:
             max_tokens, limit = self._max_tokens(prompt_len, first)
             if max_tokens > 0:
-                if requested is not None and int(requested) < max_tokens:
+                if requested is not None and int(requested) <= max_tokens:  # its own cap binds, even on a tie
                     max_tokens, limit = max(1, int(requested)), cuts.REQUEST
                 self._reserved += max_tokens
                 return max_tokens, limit

@@ -24,6 +24,7 @@ from astuner.model_tuner.chat_format import (
     tool_names_of,
 )
 from astuner.model_tuner.context import (
+    SUMMARIZING,
     drop_tool_outputs,
     original_index,
     summarized_view,
@@ -59,10 +60,14 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     """Render, reserve, generate, read and record one call of the tuner's episode."""
     tuner._check_deadline()
     tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
+    raw_messages = messages
     messages, compacted = await _in_context(tuner, messages, tools, options)
     # With a prefill the turn is already begun: the model continues the prefill's own tokens.
     prompt = tuner._prompt(messages, tools, options.prefill)
-    context = _segment(tuner, prompt, options.agent, compacted)
+    seen = tuner._context.match(options.agent, raw_messages, tuner.reasoning_parser)  # the compaction it sees
+    context = _segment(tuner, prompt, options.agent, compacted, seen is not None)
+    # The context it was prompted in: its compaction's segment, else its agent's latest.
+    segment = seen.segment if seen is not None else tuner._context.segments.get(options.agent, 0)
     max_tokens, limit = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
                                                     tuner._check_deadline)
     index = tuner._started  # read after the reservation, which may wait for parallel calls
@@ -88,7 +93,9 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     reading = _read(tuner, sample.ids, tools, required_call, options.stop, index)
     call = _record(tuner, messages, prompt, options, tools, temperature, sample, reading)
     call.cut = cuts.call_cut(sample.finish, len(sample.ids), max_tokens, limit)
-    call.segment, call.context = tuner._context.segments.get(options.agent, 0), context
+    call.segment, call.context = segment, context
+    if SUMMARIZING.get() and call.cut == cuts.REQUEST:
+        call.cut = cuts.SUMMARY_CAP  # the run's summary_max_tokens, not an agent's own max_tokens
     return _answer(tuner, call, prompt, options, sample, reading, seconds)
 
 
@@ -96,23 +103,31 @@ async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
                       options: CallOptions) -> tuple[list[dict], bool]:
     """What the model is shown of the agent's messages (context.py): its agent's compaction applied, and, when a
     whole turn does not fit, the context policy's new one (a summary is a call of this episode); True when this
-    call made a compaction."""
+    call made a compaction. An agent's calls decide one at a time: a call that arrives while another of the
+    same agent is being summarized waits, then sees that summary."""
+    state, agent = tuner._context, options.agent
+    if SUMMARIZING.get() or state.policy == "none":  # the summary call itself, or no policy
+        return state.view(agent, messages, tuner.reasoning_parser), False
+    async with state.lock(agent):
+        return await _compact_if_needed(tuner, messages, tools, options)
+
+
+async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | None,
+                             options: CallOptions) -> tuple[list[dict], bool]:
     state, parser, agent = tuner._context, tuner.reasoning_parser, options.agent
-    if state.busy:  # the summary call itself
-        return messages, False
     view = state.view(agent, messages, parser)
     lim = tuner.limits
+    turn = min(lim.max_tokens_per_turn, options.max_tokens or lim.max_tokens_per_turn)
 
-    def fits(request: list[dict], request_tools=tools, room=lim.max_tokens_per_turn, prefill=options.prefill) -> bool:
+    def fits(request: list[dict], request_tools=tools, room=turn, prefill=options.prefill) -> bool:
         return len(tuner._prompt(request, request_tools, prefill).ids) + room <= lim.max_model_len
 
-    if state.policy == "none" or fits(view):
+    if fits(view):
         return view, False
     if state.policy == "drop_tool_outputs":
-        found = drop_tool_outputs(view, fits)
-        if found is None:
+        shown, upto = drop_tool_outputs(view, fits)
+        if not upto:
             return view, False
-        shown, upto = found
         covered = original_index(state, agent, messages, upto, parser)
         state.compact(agent, messages, shown[:upto], covered, parser)
         return shown, True
@@ -121,25 +136,28 @@ async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
         view, cut, lambda m: fits(m, None, state.summary_max_tokens, ""))
     if request is None:
         return view, False
-    state.busy = True
+    token = SUMMARIZING.set(True)
     try:
-        turn = await complete(tuner, request, None, summary_options(options, state.summary_max_tokens))
+        summary = await complete(tuner, request, None, summary_options(options, state.summary_max_tokens))
     finally:
-        state.busy = False
-    turn.call.context = "summary"
-    shown, n_shown = summarized_view(view, cut, turn.content)
+        SUMMARIZING.reset(token)
+    summary.call.context = "summary"
+    if not summary.content.strip():  # nothing to show in place of the conversation: the call goes on as it was
+        return view, False
+    shown, n_shown = summarized_view(view, cut, summary.content)
     covered = original_index(state, agent, messages, cut, parser)
     state.compact(agent, messages, shown[:n_shown], covered, parser)
     return shown, True
 
 
-def _segment(tuner, prompt: Prompt, agent: str, compacted: bool) -> str:
-    """The call's context label; a call of an agent that made calls before and does not extend any of them
-    starts a new segment ("reset": a framework that compacted its own history, or a new conversation)."""
+def _segment(tuner, prompt: Prompt, agent: str, compacted: bool, in_compaction: bool) -> str:
+    """The call's context label; a call of an agent that made calls before, sees none of its compactions and
+    does not extend any earlier call starts a new segment ("reset": a framework that compacted its own history,
+    or another conversation of the same agent, such as a parallel one)."""
     state = tuner._context
     if compacted:
         return "compacted"
-    if state.busy or prompt.extends or not any(c.agent == agent for c in tuner.calls):
+    if SUMMARIZING.get() or in_compaction or prompt.extends or not any(c.agent == agent for c in tuner.calls):
         return ""
     state.segments[agent] = state.segments.get(agent, 0) + 1
     return "reset"

@@ -3,7 +3,8 @@
 A call's prompt needs room for a whole turn: prompt + max_tokens_per_turn <= max_model_len. When it has not,
 `rollout.context_policy` acts on what the model sees (the agent's own message list is never changed):
   none               the call runs in what room is left, or is refused: a cut labelled "window" (astuner/cuts.py);
-  drop_tool_outputs  the oldest tool results, the latest kept, become a one-line marker until the prompt fits;
+  drop_tool_outputs  the oldest tool results become a one-line marker until the prompt fits (those after the
+                     last assistant message, which the model has not answered yet, stay);
   summarize          the policy model, in the same episode, writes a summary of the conversation between the
                      task (the leading system and user messages) and the latest assistant turn; the model then
                      sees the task, the summary, and the conversation from that turn on. The summary call is
@@ -15,16 +16,24 @@ covered), so a segment's calls extend each other token-exactly and `merge` joins
 does not extend the agent's previous context (an agent framework that compacted its own history) starts a new
 segment too, so a framework's compaction is a segment, never a broken prefix.
 
-When even the compacted prompt leaves no room, the call proceeds as under `none` (cut or refused, labelled).
+When even the compacted prompt leaves no room, the call proceeds as under `none` (cut or refused, labelled); a
+summary that came back empty changes nothing. An agent's calls decide one at a time (a lock per agent): a call
+that comes while its agent is being summarized waits and then sees the summary. A summary cut at
+summary_max_tokens is labelled `summary_cap` (astuner/cuts.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from astuner.model_tuner.chat_format import canonical_messages, flatten_content
+
+# Set while a summary call runs (in its task only): that call is neither compacted nor a new segment.
+SUMMARIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("astuner_summarizing", default=False)
 
 if TYPE_CHECKING:
     from astuner.model_tuner.turn import CallOptions
@@ -44,55 +53,67 @@ class Compaction:
 
     covers: list[str]
     shown: list[dict]
+    segment: int  # the segment it starts
 
 
 @dataclass
 class ContextState:
-    """One episode's compactions, per agent, and the segment each agent's calls are in."""
+    """One episode's compactions, per agent (several: an agent may hold several conversations), and the segment
+    each agent's calls are in."""
 
     policy: str = "none"
     summary_max_tokens: int = 256
-    compactions: dict[str, Compaction] = field(default_factory=dict)
+    compactions: dict[str, list[Compaction]] = field(default_factory=dict)
     segments: dict[str, int] = field(default_factory=dict)
-    summaries: list[int] = field(default_factory=list)  # each summary's length in tokens
-    busy: bool = False  # a summary call is running: it is not compacted itself
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, agent: str) -> asyncio.Lock:
+        """Held while a call of `agent` decides (and maybe writes) a compaction."""
+        return self._locks.setdefault(agent, asyncio.Lock())
+
+    def match(self, agent: str, messages: list[dict], reasoning_parser) -> Compaction | None:
+        """The agent's compaction covering the longest start of `messages`, if any."""
+        best = None
+        for c in self.compactions.get(agent, ()):
+            if len(messages) >= len(c.covers) and (best is None or len(c.covers) > len(best.covers)) and \
+                    canonical_messages(messages[: len(c.covers)], reasoning_parser) == c.covers:
+                best = c
+        return best
 
     def view(self, agent: str, messages: list[dict], reasoning_parser) -> list[dict]:
-        """What the model is shown of `messages`: the agent's latest compaction applied where they start with
-        the messages it covered."""
-        c = self.compactions.get(agent)
-        if c is None or len(messages) < len(c.covers):
-            return messages
-        if canonical_messages(messages[: len(c.covers)], reasoning_parser) != c.covers:
-            return messages  # another conversation of the agent: shown as it is
-        return c.shown + messages[len(c.covers):]
+        """What the model is shown of `messages`: the agent's compaction applied where they start with the
+        messages it covered (another conversation of the agent is shown as it is)."""
+        c = self.match(agent, messages, reasoning_parser)
+        return messages if c is None else c.shown + messages[len(c.covers):]
 
     def compact(self, agent: str, messages: list[dict], shown: list[dict], upto: int, reasoning_parser) -> None:
         """Record that the first `upto` messages the agent sent (`messages`, before `view`) are shown as `shown`."""
-        self.compactions[agent] = Compaction(canonical_messages(messages[:upto], reasoning_parser), shown)
         self.segments[agent] = self.segments.get(agent, 0) + 1
+        self.compactions.setdefault(agent, []).append(
+            Compaction(canonical_messages(messages[:upto], reasoning_parser), shown, self.segments[agent]))
 
 
 def original_index(state: ContextState, agent: str, messages: list[dict], view_index: int,
                    reasoning_parser) -> int:
     """The index in the agent's `messages` of the message at `view_index` of its view (one shown as it was)."""
-    c = state.compactions.get(agent)
-    if c is None or state.view(agent, messages, reasoning_parser) is messages:
-        return view_index
-    return view_index - len(c.shown) + len(c.covers)
+    c = state.match(agent, messages, reasoning_parser)
+    return view_index if c is None else view_index - len(c.shown) + len(c.covers)
 
 
-def drop_tool_outputs(view: list[dict], fits) -> tuple[list[dict], int] | None:
-    """The view with its oldest tool results (the latest kept) replaced by a marker, oldest first, until `fits`;
-    and the index just past the last one replaced. None when it never fits."""
+def drop_tool_outputs(view: list[dict], fits) -> tuple[list[dict], int]:
+    """The view with its oldest tool results replaced by a marker, oldest first, until `fits` (or all are, when it
+    never does: the most room there is); and the index just past the last one replaced (0: none was). Results the
+    model has not answered yet (after the last assistant message) are never dropped."""
     out = list(view)
-    tools = [i for i, m in enumerate(out) if m.get("role") == "tool" and not _dropped(m)]
-    for i in tools[:-1]:
+    last = max((i for i, m in enumerate(out) if m.get("role") == "assistant"), default=-1)
+    tools = [i for i, m in enumerate(out[:last]) if m.get("role") == "tool" and not _dropped(m)]
+    upto = 0
+    for i in tools:
         n = len(flatten_content(out[i].get("content")))
-        out[i] = {**out[i], "content": DROPPED.format(n=n)}
+        out[i], upto = {**out[i], "content": DROPPED.format(n=n)}, i + 1
         if fits(out):
-            return out, i + 1
-    return None
+            break
+    return out, upto
 
 
 def _dropped(message: dict) -> bool:
@@ -137,15 +158,16 @@ def summary_request(view: list[dict], cut: int, fits) -> list[dict] | None:
     head = task_head(view)
     system = [m for m in view[:head] if m.get("role") == "system"]
     task = [flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"]
-    limit = max(len(flatten_content(m.get("content"))) for m in view[head:cut]) + 1
-    while limit >= 64:
+    limit = len(transcript(view[head:cut], 10**9)) + 1  # the first try: every message whole
+    while True:
         body = f"{SUMMARY_REQUEST}\n\nThe task:\n{task[0] if task else ''}\n\nThe conversation:\n" + \
             transcript(view[head:cut], limit)
         request = system + [{"role": "user", "content": body}]
         if fits(request):
             return request
+        if limit < 128:
+            return None
         limit //= 2
-    return None
 
 
 def summarized_view(view: list[dict], cut: int, summary: str) -> tuple[list[dict], int]:

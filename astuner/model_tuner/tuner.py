@@ -247,9 +247,11 @@ class ModelTuner:
         return await complete(self, messages, tools, options or CallOptions())
 
     def prompt_length(self, messages: list[dict], tools: list[dict] | None, options: CallOptions) -> int:
-        """Tokens of the prompt a call with these arguments would get now (`/v1/messages/count_tokens`)."""
+        """Tokens of the prompt a call with these arguments would get now (`/v1/messages/count_tokens`): with the
+        agent's compaction applied (context.py), not a new one."""
         tools, _ = read_tool_choice(normalize_tools(tools), options.tool_choice)
-        return len(self._prompt(messages, tools, options.prefill).ids)
+        shown = self._context.view(options.agent, messages, self.reasoning_parser)
+        return len(self._prompt(shown, tools, options.prefill).ids)
 
     def discard(self, call: LLMCall) -> None:
         """Un-record a call whose answer never reached the agent (its client hung up first, e.g. a client-side

@@ -39,7 +39,8 @@ def parse_failure_rate(calls) -> float:
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
     n = max(len(episodes), 1)
-    rewards = [e.reward for e in episodes if e.trainable] or [0.0]
+    # Every episode with a reward of its own: cut ones left out of training (rollout.on_cut) count.
+    rewards = [e.reward for e in episodes if e.calls and not {FLAG_FAILED, FLAG_TIMEOUT} & set(e.flags)] or [0.0]
     mean = sum(rewards) / len(rewards)
     calls = [c for e in episodes for c in e.calls]
     return {

@@ -72,8 +72,7 @@ class ModelTuner:
         self.engine = engine  # the policy's; the roster says which serves each named agent (astuner.agents)
         self.roster = roster or Roster.single(engine)
         self.top_p, self.top_k = float(top_p), int(top_k)
-        self.tokenizer = tokenizer
-        self.renderer = renderer
+        self.tokenizer, self.renderer = tokenizer, renderer
         self.tool_parser = tool_parser
         self.limits = limits
         self.temperature = float(temperature)

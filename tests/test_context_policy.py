@@ -223,3 +223,25 @@ def test_an_empty_summary_changes_nothing_and_a_long_one_is_labelled_summary_cap
     messages = history(tuner, 3)
     asyncio.run(tuner.chat(messages, TOOLS))
     assert [(c.context, c.cut) for c in tuner.calls[-2:]] == [("summary", "summary_cap"), ("compacted", "")]
+
+
+def test_an_agent_on_the_openai_endpoint_is_compacted_the_same_way(demo_tokenizer):
+    from astuner.model_tuner.frontends.gateway import Gateway
+
+    tuner, _ = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2))
+    tuner.gateway = Gateway()
+
+    async def agent():
+        client = tuner.get_openai_client()
+        messages = [{"role": "system", "content": "You read logs."}, {"role": "user", "content": "Find the error."}]
+        for n in range(1, 5):
+            reply = (await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)).choices[0]
+            messages += [reply.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": reply.message.tool_calls[0].id, "content": page(n)}]
+
+    try:
+        asyncio.run(agent())
+    finally:
+        tuner.gateway.close()
+    assert [c.context for c in tuner.calls] == ["", "", "", "summary", "compacted"]
+    assert SUMMARY_HEADER.split("(")[0] in demo_tokenizer.decode(tuner.calls[-1].prompt_ids)

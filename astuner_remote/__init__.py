@@ -45,6 +45,7 @@ import httpx
 
 RESULT_FIELDS = ("reward", "is_success", "metadata", "metrics", "agent_rewards", "response")
 STOP_POST_S = 10.0  # a stopping client's error posts for what it still runs: at most this long
+TAKE_GRACE_S = 2.0  # a stopping client's take in flight: its answer, if the server already gave an episode
 log = logging.getLogger("astuner_remote")
 
 
@@ -160,8 +161,17 @@ class RemoteClient:
                 if episodes is not None and state["claims"] >= episodes:
                     return
                 state["claims"] += 1  # reserved before asking: never more than `episodes` taken
+                take = asyncio.ensure_future(self._next(min(20.0, idle_exit_s or 20.0)))
                 try:
-                    episode = await self._next(min(20.0, idle_exit_s or 20.0))
+                    episode = await asyncio.shield(take)
+                except asyncio.CancelledError:
+                    # Stopped while asking: an episode the server handed out that moment (its answer in flight) is
+                    # still this client's, reported below; a take still waiting for work is dropped.
+                    done, _ = await asyncio.wait({take}, timeout=TAKE_GRACE_S)
+                    if take in done and not take.cancelled() and take.exception() is None and take.result():
+                        running[take.result().episode_id] = take.result()
+                    take.cancel()
+                    raise
                 except (RemoteError, httpx.HTTPError, ValueError, KeyError) as exc:  # gone past reconnect_s, or
                     state["claims"] -= 1  # an answer this client cannot read: it stops, holding nothing
                     log.warning("astuner_remote: no episode taken: %s", exc)

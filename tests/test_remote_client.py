@@ -194,3 +194,29 @@ def test_the_server_stays_up_until_every_recent_client_heard_the_run_is_over(boa
 
 async def board_next(board, client):
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(board.wait_take(client, 1.0), board.loop))
+
+
+def test_a_client_stopped_while_its_take_is_answered_reports_that_episode_too(board, monkeypatch):
+    from astuner_remote import RemoteClient
+
+    offers = offer(board, {"i": 0})
+    real_next = RemoteClient._next
+
+    async def slow_answer(self, wait_s):  # the server gave the episode; its answer is still on the way
+        got = await real_next(self, wait_s)
+        await asyncio.sleep(0.5)
+        return got
+
+    monkeypatch.setattr(RemoteClient, "_next", slow_answer)
+
+    async def main():
+        task = asyncio.ensure_future(RemoteClient(board.public_url, name="c").run_async(lambda e: None))
+        while board.taken < 1:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    got = outcome(offers[0], timeout=5.0)
+    assert isinstance(got, RemoteAgentError) and "client stopped" in str(got)

@@ -43,7 +43,10 @@ REQUEST = "max_tokens"
 # The limits the run sets (rollout.on_cut acts on these; the agent's own max_tokens is its design).
 RUN_LIMITS = (TURN_CAP, BUDGET, WINDOW, PROMPT, SUMMARY_CAP)
 LABELS = (*RUN_LIMITS, REQUEST)
-POLICIES = ("train", "mask", "drop")
+# rollout.on_cut, in one line each (the start-up block says the chosen one).
+POLICIES = {"train": "cut calls train as sampled, an episode a limit ended trains with reward 0",
+            "mask": "cut calls leave the loss, an episode a limit ended is not trained",
+            "drop": "an episode with any cut is not trained"}
 
 
 def binding_limit(turn_cap: int, room: int, budget_left: int) -> str:
@@ -70,7 +73,7 @@ def episode_cuts(episode: Episode) -> list[str]:
 def apply_policy(episode: Episode, policy: str) -> None:
     """Apply rollout.on_cut to one ended episode (rules in the module docstring)."""
     if policy not in POLICIES:
-        raise ValueError(f"rollout.on_cut must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"rollout.on_cut must be one of {tuple(POLICIES)}, got {policy!r}")
     if policy == "train" or FLAG_FAILED in episode.flags or FLAG_TIMEOUT in episode.flags:
         return
     run_cuts = [c for c in episode.calls if c.cut in RUN_LIMITS]

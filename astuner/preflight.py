@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from astuner.cuts import POLICIES as ON_CUT
 from astuner.errors import UserError
 from astuner.memory import ModelShape, blocks_of
 
@@ -331,11 +332,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
 def _cuts_line(typed, max_model_len: int) -> str:
     """The three limits an episode may be cut by, and what training does with a cut (rollout.on_cut)."""
     a = typed.astuner
-    does = {"train": "cut calls train as sampled, an episode a limit ended trains with reward 0",
-            "mask": "cut calls leave the loss, an episode a limit ended is not trained",
-            "drop": "an episode with any cut is not trained"}[a.rollout.on_cut]
     return (f"turn cap {a.rollout.max_response_length_in_one_turn}, episode budget {a.data.max_response_length}, "
-            f"window {max_model_len} tokens; rollout.on_cut {a.rollout.on_cut}: {does}")
+            f"window {max_model_len} tokens; rollout.on_cut {a.rollout.on_cut}: {ON_CUT[a.rollout.on_cut]}")
 
 
 def _ray_placement(typed, backbone: str, device: str) -> tuple[int, int, dict[str, int]]:

@@ -3,7 +3,8 @@
 Per episode: a fresh Workflow instance and a fresh ModelTuner (which records every LLM call), a deadline, and
 never a crash of the run: an exception or timeout is logged with its traceback and the episode is flagged
 (failed / timeout) and left out of training. A context overflow ends the episode early (flag "overflow",
-reward 0.0, its calls are kept); which limit cut it, and what training does with it, is astuner/cuts.py's. When the workflow returns reward=None the judge scores it. If a madness check
+reward 0.0, its calls are kept); which limit cut it, and what training does with it, is astuner/cuts.py's.
+When the workflow returns reward=None the judge scores it. If a madness check
 listed in `rollout.compute_madness_checklist` fired on any call, the reward becomes `agent_madness_reward`.
 
 The deadline is enforced where astuner has control, because a workflow may not let a cancellation through

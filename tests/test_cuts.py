@@ -14,8 +14,7 @@ from astuner.model_tuner.turn import CallOptions
 from astuner.monitor.metrics import episode_metrics, pipeline_metrics, validation_metrics
 from astuner.rollout import RolloutRunner
 from astuner.types import FLAG_CUT_DROPPED, Episode, GenerateResult, LLMCall, Task
-from astuner.workflow import Workflow, WorkflowOutput
-from test_rollout import ContainsFourJudge, settings
+from test_rollout import Chatty, ContainsFourJudge, settings
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
 
@@ -141,14 +140,6 @@ def test_cuts_are_counted_per_limit_once_per_episode():
         == {"turn_cap": 1.0, "budget": 1.0, "window": 1.0, "prompt": 0.0, "max_tokens": 1.0, "dropped": 2.0}
     assert m["train/overflow_rate"] == 0.5
     assert validation_metrics(episodes, [], 1)["val/cut/window"] == 1.0  # validation episodes are counted apart
-
-
-class Chatty(Workflow):
-    async def execute(self, workflow_task, model_tuner):
-        messages = [{"role": "user", "content": "count"}]
-        while True:
-            reply = await model_tuner.chat(messages)
-            messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "more"}]
 
 
 @pytest.mark.parametrize("validation", [False, True])

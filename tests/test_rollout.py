@@ -129,14 +129,17 @@ def test_madness_sets_reward(demo_tokenizer):
     assert "nonsense" not in e.flags and e.reward == 1.0  # an unlisted check does not touch the reward
 
 
-def test_overflow_ends_episode_with_calls_kept(demo_tokenizer):
-    class Chatty(Workflow):
-        async def execute(self, workflow_task, model_tuner):
-            messages = [{"role": "user", "content": "count"}]
-            while True:
-                reply = await model_tuner.chat(messages)
-                messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "more"}]
+class Chatty(Workflow):
+    """Talks until its episode's limits stop it."""
 
+    async def execute(self, workflow_task, model_tuner):
+        messages = [{"role": "user", "content": "count"}]
+        while True:
+            reply = await model_tuner.chat(messages)
+            messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "more"}]
+
+
+def test_overflow_ends_episode_with_calls_kept(demo_tokenizer):
     limits = TunerLimits(max_model_len=120, max_tokens_per_turn=64, max_response_tokens=1000, max_prompt_length=512)
     r, _ = runner(demo_tokenizer, Chatty, limits=limits)
     e = r.run(TASKS[:1])[0]

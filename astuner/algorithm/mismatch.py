@@ -31,7 +31,6 @@ alarms (`depth_alarm`) when its gap is over both the dtype's bound, DEPTH_C * ep
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -41,7 +40,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from astuner.types import Sample
 
-DEPTH_EDGES = (1024, 4096, 16384)  # a token at position p falls in bin bisect_right(DEPTH_EDGES, p)
+DEPTH_EDGES = (1024, 4096, 16384)  # a token at position p falls in the bin after the edges <= p
 DEPTH_BINS = ("0-1k", "1k-4k", "4k-16k", "16k+")
 DEPTH_C = 8.0
 DEPTH_DRIFT = 4.0
@@ -68,18 +67,20 @@ def depth_sums(samples: Sequence[Sample], trainer_logprobs: Sequence[list[float]
     """Per depth bin, the sum of |d_t| over trained tokens and their count ("depth_abs/<bin>", "depth_tokens/<bin>"),
     for the samples whose trainer logprobs are given (None: not forwarded here). Engine logprobs: each sample's
     `old_logprobs`, as the rollout recorded them."""
-    sums = {f"depth_{kind}/{name}": 0.0 for name in DEPTH_BINS for kind in ("abs", "tokens")}
-    for s, trainer in zip(samples, trainer_logprobs):
-        if trainer is None:
-            continue
-        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
-        start = len(s.prompt_ids)
-        for k, (p, e, m) in enumerate(zip(trainer, s.old_logprobs, mask)):
-            if m:
-                name = DEPTH_BINS[bisect_right(DEPTH_EDGES, start + k)]
-                sums[f"depth_abs/{name}"] += min(abs(p - e), 20.0)
-                sums[f"depth_tokens/{name}"] += 1.0
-    return sums
+    pairs = [(s, t) for s, t in zip(samples, trainer_logprobs) if t is not None and s.response_ids]
+    n_bins = len(DEPTH_BINS)
+    abs_sum, tokens = torch.zeros(n_bins, dtype=torch.float64), torch.zeros(n_bins, dtype=torch.float64)
+    if pairs:  # one pass over the step's tokens in torch: a Python loop per token would be a step's hot spot
+        trainer_R = torch.tensor([x for _, t in pairs for x in t], dtype=torch.float64)
+        engine_R = torch.tensor([x for s, _ in pairs for x in s.old_logprobs], dtype=torch.float64)
+        mask_R = torch.tensor([m for s, _ in pairs for m in (s.loss_mask or [1] * len(s.response_ids))],
+                              dtype=torch.float64)
+        position_R = torch.cat([torch.arange(len(s.response_ids)) + len(s.prompt_ids) for s, _ in pairs])
+        bin_R = torch.bucketize(position_R, torch.tensor(DEPTH_EDGES), right=True)
+        abs_sum.index_add_(0, bin_R, (trainer_R - engine_R).abs().clamp(max=20.0) * mask_R)
+        tokens.index_add_(0, bin_R, mask_R)
+    return {**{f"depth_abs/{name}": abs_sum[i].item() for i, name in enumerate(DEPTH_BINS)},
+            **{f"depth_tokens/{name}": tokens[i].item() for i, name in enumerate(DEPTH_BINS)}}
 
 
 def depth_metrics(sums: dict[str, float]) -> dict[str, float]:

@@ -25,8 +25,9 @@ from astuner.model_tuner.chat_format import (
 )
 from astuner.model_tuner.context import (
     SUMMARIZING,
+    Compaction,
     drop_tool_outputs,
-    original_index,
+    shown_through,
     summarized_view,
     summary_cut,
     summary_options,
@@ -60,11 +61,9 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     """Render, reserve, generate, read and record one call of the tuner's episode."""
     tuner._check_deadline()
     tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
-    raw_messages = messages
-    messages, compacted = await _in_context(tuner, messages, tools, options)
+    messages, seen, compacted = await _in_context(tuner, messages, tools, options)
     # With a prefill the turn is already begun: the model continues the prefill's own tokens.
     prompt = tuner._prompt(messages, tools, options.prefill)
-    seen = tuner._context.match(options.agent, raw_messages, tuner.reasoning_parser)  # the compaction it sees
     context = _segment(tuner, prompt, options.agent, compacted, seen is not None)
     # The context it was prompted in: its compaction's segment, else its agent's latest.
     segment = seen.segment if seen is not None else tuner._context.segments.get(options.agent, 0)
@@ -100,22 +99,24 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
 
 
 async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
-                      options: CallOptions) -> tuple[list[dict], bool]:
-    """What the model is shown of the agent's messages (context.py): its agent's compaction applied, and, when a
-    whole turn does not fit, the context policy's new one (a summary is a call of this episode); True when this
-    call made a compaction. An agent's calls decide one at a time: a call that arrives while another of the
-    same agent is being summarized waits, then sees that summary."""
+                      options: CallOptions) -> tuple[list[dict], Compaction | None, bool]:
+    """What the model is shown of the agent's messages (context.py), the compaction it is shown through (None:
+    as they are), and whether this call made it: the agent's compaction applied, and, when a whole turn does not
+    fit, the context policy's new one (a summary is a call of this episode). An agent's calls decide one at a
+    time: a call that arrives while another of the same agent is being summarized waits, then sees that summary."""
     state, agent = tuner._context, options.agent
     if SUMMARIZING.get() or state.policy == "none":  # the summary call itself, or no policy
-        return state.view(agent, messages, tuner.reasoning_parser), False
-    async with state.lock(agent):
+        seen = state.match(agent, messages, tuner.reasoning_parser)
+        return shown_through(seen, messages), seen, False
+    async with state.lock(agent):  # matched inside: a summary this call waited for is seen
         return await _compact_if_needed(tuner, messages, tools, options)
 
 
 async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | None,
-                             options: CallOptions) -> tuple[list[dict], bool]:
+                             options: CallOptions) -> tuple[list[dict], Compaction | None, bool]:
     state, parser, agent = tuner._context, tuner.reasoning_parser, options.agent
-    view = state.view(agent, messages, parser)
+    seen = state.match(agent, messages, parser)
+    view = shown_through(seen, messages)
     lim = tuner.limits
     turn = min(lim.max_tokens_per_turn, options.max_tokens or lim.max_tokens_per_turn)
 
@@ -123,19 +124,17 @@ async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | No
         return len(tuner._prompt(request, request_tools, prefill).ids) + room <= lim.max_model_len
 
     if fits(view):
-        return view, False
+        return view, seen, False
     if state.policy == "drop_tool_outputs":
         shown, upto = drop_tool_outputs(view, fits)
         if not upto:
-            return view, False
-        covered = original_index(state, agent, messages, upto, parser)
-        state.compact(agent, messages, shown[:upto], covered, parser)
-        return shown, True
+            return view, seen, False
+        return shown, state.compact(agent, messages, seen, shown[:upto], upto, parser), True
     cut = summary_cut(view)
     request = None if cut is None else summary_request(
         view, cut, lambda m: fits(m, None, state.summary_max_tokens, ""))
     if request is None:
-        return view, False
+        return view, seen, False
     token = SUMMARIZING.set(True)
     try:
         summary = await complete(tuner, request, None, summary_options(options, state.summary_max_tokens))
@@ -143,11 +142,9 @@ async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | No
         SUMMARIZING.reset(token)
     summary.call.context = "summary"
     if not summary.content.strip():  # nothing to show in place of the conversation: the call goes on as it was
-        return view, False
+        return view, seen, False
     shown, n_shown = summarized_view(view, cut, summary.content)
-    covered = original_index(state, agent, messages, cut, parser)
-    state.compact(agent, messages, shown[:n_shown], covered, parser)
-    return shown, True
+    return shown, state.compact(agent, messages, seen, shown[:n_shown], cut, parser), True
 
 
 def _segment(tuner, prompt: Prompt, agent: str, compacted: bool, in_compaction: bool) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,21 +84,22 @@ class ContextState:
     def view(self, agent: str, messages: list[dict], reasoning_parser) -> list[dict]:
         """What the model is shown of `messages`: the agent's compaction applied where they start with the
         messages it covered (another conversation of the agent is shown as it is)."""
-        c = self.match(agent, messages, reasoning_parser)
-        return messages if c is None else c.shown + messages[len(c.covers):]
+        return shown_through(self.match(agent, messages, reasoning_parser), messages)
 
-    def compact(self, agent: str, messages: list[dict], shown: list[dict], upto: int, reasoning_parser) -> None:
-        """Record that the first `upto` messages the agent sent (`messages`, before `view`) are shown as `shown`."""
+    def compact(self, agent: str, messages: list[dict], seen: Compaction | None, shown: list[dict],
+                view_upto: int, reasoning_parser) -> Compaction:
+        """Record that the agent's messages up to `view_upto` of their view through `seen` (the compaction they
+        were shown through, if any) are shown as `shown`; the new compaction."""
+        upto = view_upto if seen is None else view_upto - len(seen.shown) + len(seen.covers)
         self.segments[agent] = self.segments.get(agent, 0) + 1
-        self.compactions.setdefault(agent, []).append(
-            Compaction(canonical_messages(messages[:upto], reasoning_parser), shown, self.segments[agent]))
+        made = Compaction(canonical_messages(messages[:upto], reasoning_parser), shown, self.segments[agent])
+        self.compactions.setdefault(agent, []).append(made)
+        return made
 
 
-def original_index(state: ContextState, agent: str, messages: list[dict], view_index: int,
-                   reasoning_parser) -> int:
-    """The index in the agent's `messages` of the message at `view_index` of its view (one shown as it was)."""
-    c = state.match(agent, messages, reasoning_parser)
-    return view_index if c is None else view_index - len(c.shown) + len(c.covers)
+def shown_through(c: Compaction | None, messages: list[dict]) -> list[dict]:
+    """`messages` as the model sees them through compaction `c` (None: as they are)."""
+    return messages if c is None else c.shown + messages[len(c.covers):]
 
 
 def drop_tool_outputs(view: list[dict], fits) -> tuple[list[dict], int]:
@@ -186,6 +188,4 @@ def state_of(policy: str, summary_max_tokens: int) -> ContextState:
 
 def summary_options(options: CallOptions, max_tokens: int) -> CallOptions:
     """The summary call's options: the agent's, without its tools, stops or prefill, at most `max_tokens`."""
-    import dataclasses
-
     return dataclasses.replace(options, max_tokens=max_tokens, stop=(), tool_choice=None, prefill="")

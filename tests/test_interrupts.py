@@ -18,8 +18,10 @@ HANGS_IN_CLEANUP = textwrap.dedent("""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         with sigterm_as_interrupt(grace_s=float(sys.argv[1])):
-            print(child.pid, flush=True)
             try:
+                # Inside the try: the SIGTERM the pid invites may land before print returns, and the cleanup
+                # must still run (else the sleeping child keeps the test's pipes open).
+                print(child.pid, flush=True)
                 time.sleep(300)
             finally:
                 time.sleep(300)  # an engine that never answers its shutdown

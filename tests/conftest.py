@@ -13,6 +13,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker gets its own Ray temp folder: Ray's
+# `address="auto"` joins whatever cluster its folder records, so a run with --with-ray and no RAY_ADDRESS in one
+# worker would join (and outlive) another worker's test cluster. Short, as Ray's socket paths must be.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+
 
 def _agentscope_major() -> int:
     from importlib.metadata import PackageNotFoundError, version
@@ -29,6 +36,27 @@ if _agentscope_major() >= 2:
     collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_agentscope2.py"]
 else:
     collect_ignore = ["test_agentscope2.py"]
+
+
+# The fast tier (`scripts/test.sh --fast`: -m "not slow") stays fast for the edit loop: a test outside it that
+# takes longer than this (setup, call and teardown together) is named at the end of a run, to be marked slow.
+FAST_TIER_LIMIT_S = 3.0
+_durations: dict[str, float] = {}
+_unmarked: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if "slow" not in report.keywords:
+        _unmarked.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted((d, n) for n, d in _durations.items() if n in _unmarked and d > FAST_TIER_LIMIT_S)
+    if over:
+        terminalreporter.write_sep("-", f"not marked slow, over {FAST_TIER_LIMIT_S:g} s (add @pytest.mark.slow)")
+        for d, n in reversed(over):
+            terminalreporter.write_line(f"{d:6.1f} s  {n}")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +166,10 @@ def llama_cpp_models() -> Path:
             for member in tar.getmembers():
                 base = member.name.rsplit("/", 1)[-1]
                 if "/models/" in member.name and base in _SDIST_FILES:
-                    (cache / base).write_bytes(tar.extractfile(member).read())
+                    # Renamed into place: another test worker may be reading the cache while this one fills it.
+                    part = cache / f".{base}.{os.getpid()}"
+                    part.write_bytes(tar.extractfile(member).read())
+                    os.replace(part, cache / base)
     return cache
 
 

@@ -46,6 +46,7 @@ def lookup_task(monkeypatch):
 
 
 @pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.slow
 def test_agent_style_trains_multi_turn_with_its_tools(tmp_path, tiny_model_dir, monkeypatch, lookup_task, style):
     from astuner.cli import main
 

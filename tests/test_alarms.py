@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from scripted_engine import hermes_call, install
 
 from astuner.alarms import ToolUseAlarm, ToolUseFacts, missing_arguments, unused_tools_warning
@@ -120,6 +122,7 @@ class UnitAgent(Workflow):
 '''
 
 
+@pytest.mark.slow
 def test_a_run_whose_tool_calls_all_lack_required_arguments_says_so_in_the_log_and_the_summary(
         tmp_path, tiny_model_dir, monkeypatch, capsys):
     """Through the real CLI, loop and monitor: every first call is scripted as `convert` with `value` only."""

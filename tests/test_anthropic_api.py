@@ -137,6 +137,7 @@ PREFILL_TURNS = {
 
 
 @pytest.mark.parametrize("family", list(PREFILL_TURNS))
+@pytest.mark.slow
 def test_a_prefill_continues_the_turn_as_each_family_template_writes_it_and_the_next_turn_extends_it(
         family, real_tokenizers):
     """The prefill follows what the template writes for a finished assistant turn (transformers'

@@ -69,6 +69,7 @@ def _assistant_text(tok, messages, index, tools, stops):
 
 
 @pytest.mark.parametrize("family", list(EXPECTED))
+@pytest.mark.slow
 def test_each_parser_reads_its_templates_own_tool_calls(family, tokenizers):
     """The template renders a past tool call; the family's parser must read it back exactly."""
     tok, (tool_parser, reasoning_parser), stops = tokenizers[family], _parsers(family), EXPECTED[family][2]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from astuner.engine.vllm_engine import _cpu_kv_cache_bytes
 from astuner.preflight import available_memory, node_available_memory
 
@@ -73,6 +75,7 @@ def test_the_root_cause_is_vllms_first_error_without_its_flag_names():
     assert root_cause("RuntimeError: Engine core initialization failed. See root cause above.") is None
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_is_one_error_paragraph_with_the_keys_that_fix_it(tmp_path, tiny_model_dir,
                                                                                         monkeypatch, capsys):
     """Real vLLM, asked for a KV cache no machine has: `astuner eval` exits 1 with vLLM's root cause and the astuner

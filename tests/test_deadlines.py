@@ -218,6 +218,7 @@ class SlowTerm(BaseJudge):
         return 1.0, True
 
 
+@pytest.mark.slow
 def test_the_judges_of_an_episode_share_one_deadline(demo_tokenizer):
     from astuner.task_judge.shaping import CombinedJudge
 

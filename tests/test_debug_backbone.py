@@ -65,6 +65,7 @@ def finished_run(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_load_and_weights_changed(finished_run, tiny_model_dir):
     assert sorted(p.name for p in finished_run.glob("global_step_*")) == ["global_step_1", "global_step_2"]
     trained = AutoModelForCausalLM.from_pretrained(finished_run / "global_step_2")

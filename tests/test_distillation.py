@@ -215,6 +215,7 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.slow
 def test_a_run_with_a_model_folder_teacher_trains_on_its_signal(tmp_path, tiny_model_dir, teacher_dir):
     yaml = write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
@@ -239,6 +240,7 @@ def test_a_run_with_a_model_folder_teacher_trains_on_its_signal(tmp_path, tiny_m
     assert got[0]["distill/reverse_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_teacher_with_another_vocabulary_stops_the_run_at_start(tmp_path, tiny_model_dir, capsys):
     from transformers import AutoTokenizer
 
@@ -305,6 +307,7 @@ def teacher_server(model_dir: Path, tokenizer, fail: bool = False, other_vocab: 
     return url + "/v1", stop, seen
 
 
+@pytest.mark.slow
 def test_a_server_teacher_scores_as_the_same_model_in_process(tmp_path, tiny_model_dir, teacher_dir,
                                                               demo_tokenizer, monkeypatch):
     from astuner.distill.teachers import EndpointTeacher, EngineTeacher
@@ -348,6 +351,7 @@ def test_a_server_teacher_that_fails_or_reads_other_tokens(tmp_path, tiny_model_
         stop()
 
 
+@pytest.mark.slow
 def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_process(tmp_path, tiny_model_dir,
                                                                                   teacher_dir):
     """The Tinker API (`astuner serve`, through the tinker SDK): a sampler of the teacher's base model."""

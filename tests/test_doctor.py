@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 QUICKSTART = REPO / "tutorial" / "quickstart" / "quickstart.yaml"
@@ -88,6 +90,7 @@ def test_overrides_without_a_config_are_refused(capsys):
     assert "need --conf" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_whole_checklist_on_cpu(tmp_path, tiny_model_dir):
     """The command as a user types it: every check passes or is skipped for a reason that holds on CPU. The model
     is the tiny one with the demo model's position limit (the 3000-token parity prompt needs it): every check runs

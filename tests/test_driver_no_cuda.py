@@ -5,6 +5,7 @@ worker a function, and every torch.cuda query the driver could make raises."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_run_contract import write_run
 
@@ -56,6 +57,7 @@ def test_a_cpu_only_cluster_plans_for_cpu_whatever_the_driver_has(tmp_path, tiny
     assert plan.device == "cpu" and plan.engine == "hf"
 
 
+@pytest.mark.slow
 def test_the_gpu_worker_probe_runs_in_a_ray_task_and_says_what_to_do_without_cuda():
     """A local cluster that claims a GPU on this CPU-only machine: the probe is scheduled on it (a GPU task) and
     its worker, which has no CUDA, stops the run with what to check. In a process of its own: a Ray session of

@@ -116,6 +116,7 @@ def _counting(app, seen: list):
     return wrapped
 
 
+@pytest.mark.slow
 def test_a_create_and_a_step_answered_after_the_deadline_are_applied_once():
     module = load_tutorial_module("tutorial/env_service/server.py", "tutorial_env_server")
 

@@ -61,6 +61,7 @@ def test_task_results_and_summary_by_hand():
     assert summary["failure_rate"] == 0.0
 
 
+@pytest.mark.slow
 def test_eval_command_compares_two_models(tmp_path, tiny_model_dir, capsys, monkeypatch):
     from tests.test_run_contract import write_run
     from astuner.cli import main

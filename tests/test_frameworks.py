@@ -19,6 +19,7 @@ FRAMEWORKS = {
 
 
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.slow
 def test_framework_agent_trains_unchanged(tmp_path, tiny_model_dir, monkeypatch, framework):
     train = train_framework_agent(REPO, tmp_path, tiny_model_dir, monkeypatch, FRAMEWORKS[framework], steps=3)
     assert all(m["rollout/tool_call_rate"] >= 1 and m["rollout/calls_per_episode"] >= 2 for m in train)

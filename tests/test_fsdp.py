@@ -99,6 +99,7 @@ def test_strategy_rule():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.slow
 def test_two_sharded_workers_take_the_one_process_steps(tmp_path, tiny_model_dir, precision):
     from transformers import AutoModelForCausalLM
 

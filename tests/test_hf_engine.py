@@ -83,6 +83,7 @@ def test_load_weights_changes_the_policy(engine, tiny_model_dir):
     engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())  # restore
 
 
+@pytest.mark.slow
 def test_sampling_frequencies_match_the_tempered_softmax(engine):
     # 4000 one-token draws from the same prompt at temperature 2: frequencies of the likeliest tokens against
     # softmax(logits / 2) of the model's own forward (binomial std at p=0.05 over 4000 draws is ~0.0035).

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 HANGS_IN_CLEANUP = textwrap.dedent("""
     import subprocess, sys, time
@@ -30,6 +31,7 @@ HANGS_IN_CLEANUP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_hanging_cleanup_at_its_deadline_once_and_kills_the_children():
     proc = subprocess.Popen([sys.executable, "-c", HANGS_IN_CLEANUP, "2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -103,6 +103,7 @@ def test_math_judge_in_threads(math_judge):
     assert sorted(results) == [(0.0, False)] * 3 + [(1.0, True)] * 6
 
 
+@pytest.mark.slow
 def test_math_judge_times_out_on_runaway_answer_and_recovers():
     # Verifying a power tower never finishes and holds the GIL; the judge must still return, then keep working.
     judge = MathAnswerAsJudge(None, timeout_s=1.5)

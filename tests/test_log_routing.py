@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from astuner.cli import main
 from astuner.logs import is_user_file, user_module_names
 
@@ -55,6 +57,7 @@ def _write(tmp_path: Path, model_dir: Path) -> Path:
     return yaml
 
 
+@pytest.mark.slow
 def test_workflow_debug_lines_land_in_the_run_log_not_on_the_console(tmp_path, tiny_model_dir, capfd,
                                                                       monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -70,6 +73,7 @@ def test_workflow_debug_lines_land_in_the_run_log_not_on_the_console(tmp_path, t
     assert "] print: wf-print " in log_text.split("[train:", 1)[1]  # labelled with its episode
 
 
+@pytest.mark.slow
 def test_eval_console_has_the_table_and_its_log_file_the_workflow_lines(tmp_path, tiny_model_dir, capfd,
                                                                         monkeypatch):
     monkeypatch.chdir(tmp_path)

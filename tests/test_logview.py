@@ -57,6 +57,7 @@ def client(recorded_run):
     return TestClient(build_app(recorded_run.parent))
 
 
+@pytest.mark.slow
 def test_the_store_holds_every_episode_with_token_data(recorded_run):
     conn = sqlite3.connect(recorded_run / FILE_NAME)
     counts = dict(conn.execute("SELECT split || step, COUNT(*) FROM episodes GROUP BY split, step").fetchall())
@@ -146,6 +147,7 @@ def test_astuner_logview_serves_a_finished_run_and_refuses_an_empty_folder(recor
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_with_logview_serves_the_run_while_it_trains(tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir)
     assert main(["--conf", str(yaml), "--with-logview", "astuner.trainer_common.total_training_steps=1"]) == 0
@@ -177,6 +179,7 @@ def _browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
+@pytest.mark.slow
 def test_pages_in_headless_chromium(recorded_run):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_run_contract import ROWS, write_run
 
 from astuner.config import load_config
@@ -70,6 +72,7 @@ def _driver(tmp_path: Path, yaml: Path, kill: tuple[str, int, float] | None) -> 
     return proc.returncode
 
 
+@pytest.mark.slow
 def test_sigkill_in_every_stage_of_an_async_run_loses_and_replays_nothing(cluster, tmp_path, tiny_model_dir):
     yaml = write_run(tmp_path, tiny_model_dir, trainer_extra=", cpus_per_worker: 0.5")
     out = tmp_path / "out"

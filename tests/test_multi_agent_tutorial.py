@@ -53,6 +53,7 @@ def rows(run) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/failure_rate" in r]
 
 
+@pytest.mark.slow
 def test_two_models_each_agent_trains_its_own(tmp_path, tiny_model_dir, monkeypatch, on_path):
     from astuner.cli import main
 
@@ -79,6 +80,7 @@ def test_two_models_each_agent_trains_its_own(tmp_path, tiny_model_dir, monkeypa
     assert any(not torch.equal(keeper[n], initial[n]) for n in initial)
 
 
+@pytest.mark.slow
 def test_two_adapters_on_one_base_run(tmp_path, tiny_model_dir, on_path):
     from astuner.cli import main
 

@@ -128,6 +128,7 @@ def test_preference_training_prefers_the_chosen_answer(tmp_path, tiny_model_dir,
         assert val[-1]["val/rewards/margin"] > 0
 
 
+@pytest.mark.slow
 def test_bad_offline_data_names_the_line(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from astuner.cli import main
 
@@ -145,6 +146,7 @@ def test_bad_offline_data_names_the_line(tmp_path, tiny_model_dir, monkeypatch, 
     assert "field 'rejected' must be a list of chat messages" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sft_resumes_at_the_exact_batch(tmp_path, tiny_model_dir, monkeypatch):
     from astuner.cli import main
 

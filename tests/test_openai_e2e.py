@@ -69,6 +69,7 @@ class Cached(Workflow):
 '''
 
 
+@pytest.mark.slow
 def test_clients_cached_across_steps_keep_working(tmp_path, tiny_model_dir):
     yaml = write_run(tmp_path, tiny_model_dir)
     (tmp_path / "cached.py").write_text(CACHED_CLIENTS_WORKFLOW)
@@ -81,6 +82,7 @@ def test_clients_cached_across_steps_keep_working(tmp_path, tiny_model_dir):
             step, [e.get("error") for e in episodes])
 
 
+@pytest.mark.slow
 def test_client_and_endpoint_through_the_debug_backbone(tmp_path, tiny_model_dir):
     yaml = write_run(tmp_path, tiny_model_dir)
     (tmp_path / "mixed.py").write_text(HTTP_WORKFLOW)
@@ -105,6 +107,7 @@ def test_client_and_endpoint_through_the_debug_backbone(tmp_path, tiny_model_dir
     "agentscope_openai_client.py->AgentScopeOpenAIClientWorkflow",
     "agentscope_openai_client.py->FunctionAgentWorkflow",
 ])
+@pytest.mark.slow
 def test_openai_tutorials_run_one_step(tmp_path, tiny_model_dir, workflow):
     code = main(["--conf", str(REPO / "tutorial/openai_agents/openai_agents.yaml"),
                  f"astuner.experiment_dir={tmp_path}", f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=hf",

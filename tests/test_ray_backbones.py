@@ -62,6 +62,7 @@ def debug_run(tmp_path_factory, tiny_model_dir):
     return folder
 
 
+@pytest.mark.slow
 def test_verl_two_data_parallel_workers_equal_debug(cluster, debug_run, tmp_path, tiny_model_dir):
     assert run(tmp_path, tiny_model_dir, "verl", "astuner.trainer_common.n_gpus_per_node=2") == 0
     ours, theirs = metrics(tmp_path), metrics(debug_run)
@@ -73,6 +74,7 @@ def test_verl_two_data_parallel_workers_equal_debug(cluster, debug_run, tmp_path
     assert all(m["rollout/staleness_max"] == 0 for m in ours + theirs)
 
 
+@pytest.mark.slow
 def test_verl_fsdp2_equals_debug_and_resumes_exactly(cluster, debug_run, tmp_path, tiny_model_dir):
     # Sharded: each worker holds half of every parameter, its gradient and its Adam moments (astuner/trainer/fsdp.py).
     workers = ("astuner.trainer_common.n_gpus_per_node=2", "astuner.trainer_common.strategy=fsdp2")
@@ -90,6 +92,7 @@ def test_verl_fsdp2_equals_debug_and_resumes_exactly(cluster, debug_run, tmp_pat
     assert_same_params(params(tmp_path, 4), params(debug_run, 4))
 
 
+@pytest.mark.slow
 def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model_dir):
     # Two sharded trainer workers: the weights the explorer gets are gathered from both (every rank takes part).
     assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=1",
@@ -102,6 +105,7 @@ def test_trinity_on_policy_equals_debug(cluster, debug_run, tmp_path, tiny_model
     assert all(m["rollout/staleness_max"] == 0 for m in ours)
 
 
+@pytest.mark.slow
 def test_trinity_sync_interval_2_versions_and_bound(cluster, tmp_path, tiny_model_dir):
     # Two explorers share each batch; one trainer (1.5 of the cluster's 2 CPUs).
     assert run(tmp_path, tiny_model_dir, "trinity", "trinity.synchronizer.sync_interval=2",
@@ -120,6 +124,7 @@ def test_trinity_sync_interval_2_versions_and_bound(cluster, tmp_path, tiny_mode
     assert any(m["perf/rollout_overlap_fraction"] > 0 for m in ours)
 
 
+@pytest.mark.slow
 def test_a_killed_explorer_stops_cleanly_and_the_run_resumes_exactly(cluster, debug_run, tmp_path, tiny_model_dir,
                                                                      capsys):
     yaml = write_run(tmp_path, tiny_model_dir, trainer_extra=SMALL)
@@ -176,6 +181,7 @@ def test_with_ray_joins_the_cluster_at_ray_address_or_says_nothing_answers(clust
     assert "RAY_ADDRESS=127.0.0.1:9: nothing answers there" in refused.stdout
 
 
+@pytest.mark.slow
 def test_a_stuck_actor_stops_the_run_at_its_deadline(cluster, tmp_path, tiny_model_dir, capsys):
     # 45 s: loading the model fits (it has the same deadline; on a busy 2-core CI machine it once took over 20 s);
     # the workflow does not.

@@ -190,6 +190,7 @@ def debug_run(tmp_path_factory, tiny_model_dir) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_trinity_places_explorer_and_trainer_on_different_nodes_and_syncs_across_them(two_nodes, start_run, debug_run,
                                                                                        tmp_path, tiny_model_dir):
     write(tmp_path, tiny_model_dir)
@@ -208,6 +209,7 @@ def test_trinity_places_explorer_and_trainer_on_different_nodes_and_syncs_across
     assert_weights_equal_debug(tmp_path, debug_run)
 
 
+@pytest.mark.slow
 def test_verl_on_two_nodes_a_node_lost_after_step_1_stops_the_run_naming_its_worker_and_the_run_resumes(
         two_nodes, start_run, debug_run, tmp_path, tiny_model_dir):
     write(tmp_path, tiny_model_dir, hold_at=4)

@@ -82,6 +82,7 @@ def debug_run(tmp_path_factory, tiny_model_dir):
     return folder / "out"
 
 
+@pytest.mark.slow
 def test_verl_two_workers_train_both_models_as_debug_does_and_resume_exactly(cluster, debug_run, tmp_path,
                                                                               tiny_model_dir):
     workers = (*RAY, "astuner.trainer_common.n_gpus_per_node=2")
@@ -101,6 +102,7 @@ def test_verl_two_workers_train_both_models_as_debug_does_and_resume_exactly(clu
     assert_resumes_exactly(tmp_path, tiny_model_dir, "verl", *workers)
 
 
+@pytest.mark.slow
 def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, tmp_path, tiny_model_dir):
     # The explorer holds both engines; the trainer worker both trainers; each sync sends both models' weights.
     assert run(tmp_path, tiny_model_dir, "trinity", *RAY, "trinity.synchronizer.sync_interval=1", steps=4) == 0
@@ -111,6 +113,7 @@ def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, 
     assert [r["trinity/num_syncs"] for r in ours] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_trinity_gives_each_model_a_sharded_trainer_group_and_resumes_exactly(cluster, debug_run, tmp_path,
                                                                              tiny_model_dir):
     """trainer_groups: per_model: the policy and the critic each train on two fsdp2 workers of their own, at the
@@ -131,6 +134,7 @@ def test_trinity_gives_each_model_a_sharded_trainer_group_and_resumes_exactly(cl
     assert_resumes_exactly(tmp_path, tiny_model_dir, "trinity", *groups)
 
 
+@pytest.mark.slow
 def test_adapters_on_one_base_on_trinity_equal_debugs(cluster, tmp_path, tiny_model_dir):
     """Policy and critic as LoRA adapters of one base: the explorer holds one engine with both adapters, the
     trainer worker one frozen base under both trainers, and each sync sends the two adapters alone; after 2 steps
@@ -199,6 +203,7 @@ def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, ti
              "astuner.trainer_common.n_gpus_per_node=2", "+astuner.models.critic.lora_rank=4")
 
 
+@pytest.mark.slow
 def test_a_trinity_trainer_card_is_planned_without_the_explorers_engine(tmp_path, tiny_model_dir):
     """trinity's explorers hold GPUs of their own: a 3B full fine-tuning (bf16, about 52 GiB of weights, gradients
     and AdamW) fits a trainer's 80 GB card even though the engine's share would not fit beside it; colocated

@@ -61,6 +61,7 @@ def write_own_agent(readme: str, folder: Path) -> list[str]:
     return commands[0]
 
 
+@pytest.mark.slow
 def test_readme_own_agent_trains_two_steps_as_written(tmp_path, tiny_model_dir, monkeypatch, capsys):
     command = write_own_agent((REPO / "README.md").read_text(), tmp_path)
     assert command[0] == "astuner"

@@ -67,6 +67,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_client_processes_serve_one_run(tmp_path, tiny_model_dir):
     # The clients start first and wait for the server (as they wait for one that restarts), so both are polling
     # when the first episodes are offered.
@@ -93,6 +94,7 @@ def test_two_client_processes_serve_one_run(tmp_path, tiny_model_dir):
     assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_model_dir):
     """One episode is taken and never answered: it times out at its deadline, is flagged and not trained, and its
     late result is refused; the other is run by the same client, with a model call, and trains."""
@@ -126,6 +128,7 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     assert row["train/failure_rate"] == 0.5 and row["actor/num_samples"] == 1
 
 
+@pytest.mark.slow
 def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     from astuner.remote import RemoteClient, RemoteError
 
@@ -153,6 +156,7 @@ def test_a_late_or_foreign_result_is_refused(tmp_path, tiny_model_dir):
     assert "Check that remote clients run against this server" in rest  # the clients to look at, not a workflow
 
 
+@pytest.mark.slow
 def test_a_killed_server_resumes_its_last_step_and_the_clients_come_back(tmp_path, tiny_model_dir):
     """SIGKILL mid-run (step 1 saved, step 2's episodes out): the same command resumes from step 1's checkpoint,
     the two client processes reconnect on their own, and every step is trained exactly once."""
@@ -205,6 +209,7 @@ print("slow_client:", RemoteClient(sys.argv[1], name="slow", reconnect_s=240).ru
 """
 
 
+@pytest.mark.slow
 def test_a_slow_client_loses_no_episode_and_a_stopped_server_keeps_it_waiting(tmp_path, tiny_model_dir):
     """Four episodes a step, one client that runs one at a time: none times out (each episode's deadline starts
     when the client takes it). SIGTERM after step 1's checkpoint is a stop, not the end of the run: the client keeps
@@ -242,6 +247,7 @@ def test_a_slow_client_loses_no_episode_and_a_stopped_server_keeps_it_waiting(tm
     assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_remote_multi_agent_system_calls_each_agents_model(tmp_path, tiny_model_dir):
     """An episode carries a key per agent of astuner.agents: a call under the critic's key is the critic's, served
     and trained on its own model; the main key stays the policy's."""

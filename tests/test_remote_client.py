@@ -94,6 +94,7 @@ def test_a_client_takes_no_more_than_asked_and_counts_only_what_the_run_took(boa
     assert board.taken == 2  # concurrency 4, episodes 2: two taken, not four
 
 
+@pytest.mark.slow
 def test_a_stopped_client_reports_what_it_was_running(board):
     from astuner_remote import RemoteClient
 
@@ -129,6 +130,7 @@ def test_a_take_sent_again_gets_the_same_episode(board):
     assert board.taken == 2
 
 
+@pytest.mark.slow
 def test_an_episodes_deadline_starts_when_it_is_taken(board):
     """Offers wait for a free client without losing time: the one taken 1.5 s after it was offered still has its
     whole episode_timeout, and the run's deadline for it moves to the take (the callback)."""

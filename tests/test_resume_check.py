@@ -168,6 +168,7 @@ def test_a_resumed_run_saves_its_config_without_overwriting_the_checkpoints(tmp_
     assert OmegaConf.load(out / "config.resumed_2.yaml").astuner.trainer_common.save_freq == 1
 
 
+@pytest.mark.slow
 def test_rerunning_with_another_model_or_num_repeat_exits_2_and_keeps_the_checkpoints_config(
         tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir)

@@ -270,6 +270,7 @@ class MaybeStuckSyncAgent(ChatWorkflow):
         return await super().execute(workflow_task, model_tuner)
 
 
+@pytest.mark.slow
 def test_synchronous_agents_stuck_past_their_deadline_do_not_starve_later_episodes(demo_tokenizer, caplog):
     """More stuck episodes than the old pool had threads (max_env_worker + 4): later synchronous episodes still
     start, and the abandoned threads are counted and named in a warning."""
@@ -369,6 +370,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_process_with_stuck_synchronous_agents_closes_its_loop_and_exits_promptly(demo_model_dir):
     """Nothing joins an abandoned agent's thread: not the loop's close, not interpreter exit after a stage
     timeout (each hung for ever before)."""

@@ -119,6 +119,7 @@ def leaf_keys() -> set[str]:
     return {k for k in valid_keys() if not isinstance(default_at(k)[1], dict)}
 
 
+@pytest.mark.slow
 def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, env_server):
     leaves = leaf_keys()
     one_step = ["astuner.trainer_common.total_training_steps=1"]
@@ -226,6 +227,7 @@ def stable_metrics(out: Path) -> dict[int, dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_four_steps_equal_two_steps_a_kill_and_two_resumed_steps(tmp_path, tiny_model_dir):
     straight = write_run(tmp_path / "straight", tiny_model_dir)
     assert main(["--conf", str(straight)]) == 0
@@ -358,6 +360,7 @@ def test_a_model_too_big_for_this_machine_is_refused(tmp_path, tiny_model_dir, c
     assert "needs about" in err and "is available" in err and "memory estimate" in err
 
 
+@pytest.mark.slow
 def test_workflow_loguru_lines_land_in_the_run_log(tmp_path, tiny_model_dir):
     yaml = write_run(tmp_path, tiny_model_dir)
     assert main(["--conf", str(yaml), "astuner.trainer_common.total_training_steps=1"]) == 0

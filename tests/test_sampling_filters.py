@@ -20,6 +20,7 @@ def _train_rows(out):
     return [r for r in rows if "rollout/logprob_abs_diff_mean" in r]
 
 
+@pytest.mark.slow
 def test_hf_run_with_top_p_and_top_k_trains_with_engine_equal_to_trainer(tmp_path, tiny_model_dir):
     from tests.test_debug_backbone import write_run
 

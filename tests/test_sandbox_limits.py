@@ -255,6 +255,7 @@ NEEDS_THREADS = ("import time, threading\ntime.sleep(1.0)\nts = [threading.Threa
                  "for _ in range(8)]\nfor t in ts: t.start()\nprint('8 threads ok')")
 
 
+@pytest.mark.slow
 def test_a_fork_bomb_in_one_episode_leaves_another_episodes_threads_alone(monkeypatch):
     force_level(monkeypatch, "bubblewrap")
 
@@ -327,6 +328,7 @@ def test_an_old_bubblewrap_is_told_to_upgrade():
 
 # --- infrastructure failures in the rollout: flagged, not trained, counted per batch ---------------------------
 
+@pytest.mark.slow
 def test_tool_infra_failures_flag_episodes_and_only_whole_failed_batches_in_a_row_stop_the_run(
         monkeypatch, demo_tokenizer):
     from astuner.errors import TrainingStalled

@@ -309,6 +309,7 @@ print(tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
 """
 
 
+@pytest.mark.slow
 def test_a_served_run_needs_a_key_once_keys_exist(tmp_path, tiny_model_dir, capsys):
     """Started as a user would (the command, in the background), with a key: a wrong key is a 401;
     Ctrl-C saves the open training client, and a restarted server trains on from it; SIGTERM saves too."""

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import serve_tenants  # noqa: E402
 
 
+@pytest.mark.slow
 def test_good_tenants_train_exactly_as_alone_while_a_bad_one_is_refused(tiny_model_dir):
     report = serve_tenants.run(str(tiny_model_dir), steps=2, tenants=2, session_timeout=15.0, floor=False)
     log = Path(report["server_log"]).read_text()

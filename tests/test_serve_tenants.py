@@ -102,6 +102,7 @@ def sdk(team, who: str):
     return tinker.ServiceClient(base_url=team["url"], api_key=team["tokens"][who])
 
 
+@pytest.mark.slow
 def test_keys_isolate_tenants(team, tiny_model_dir):
     """bob, with his own key, can neither read, load, step nor close anything of alice's: every such request is
     the API's 404, as for an id that never existed; alice trains on, unchanged. Ids are random."""
@@ -319,6 +320,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_silent_session_expires_saved_and_frees_its_slot(tmp_path, tiny_model_dir, caplog):
     """A script killed mid-run never closes its session: once it is silent for the timeout, the server saves its
     training client as at shutdown, logs the tinker:// path and frees the slot (here the only one), so the next

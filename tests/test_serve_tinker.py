@@ -207,6 +207,7 @@ def test_bad_requests_fail_with_what_to_do(served, client, tiny_model_dir):
     assert tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] > 0
 
 
+@pytest.mark.slow
 def test_http_errors_are_4xx_with_a_message(served):
     import httpx
 

@@ -84,6 +84,7 @@ def changed(a: dict, b: dict) -> list[str]:
     return [n for n in a if n in b and not torch.equal(a[n], b[n])]
 
 
+@pytest.mark.slow
 def test_a_call_of_one_agent_never_moves_another_models_weights(tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir, "CriticOnly")
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
@@ -118,6 +119,7 @@ def test_a_call_of_one_agent_never_moves_another_models_weights(tmp_path, tiny_m
     assert "holds no folder critic/" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_on_vllm_engines_too_a_call_of_one_agent_moves_only_its_model(tmp_path, tiny_model_dir):
     """The same with engine: vllm (an engine process per model): both engines verified after every sync, the
     policy's weights never moved."""
@@ -154,6 +156,7 @@ def test_a_log_store_written_before_the_model_column_gains_it(tmp_path):
     assert store.episode(conn, 1)["calls"][0]["model"] == "policy"
 
 
+@pytest.mark.slow
 def test_two_models_checkpoint_and_resume_exactly(tmp_path, tiny_model_dir):
     straight = write_run(tmp_path / "straight", tiny_model_dir, "WriterAndCritic", steps=4)
     assert main(["--conf", str(straight), "--backbone", "debug"]) == 0
@@ -182,6 +185,7 @@ def test_two_models_checkpoint_and_resume_exactly(tmp_path, tiny_model_dir):
     assert last["actor/lr"] == pytest.approx(1e-3) and last["model/critic/actor/lr"] == pytest.approx(2e-3)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_models_is_not_resumed(tmp_path, tiny_model_dir, capsys):
     first = write_run(tmp_path, tiny_model_dir, "CriticOnly", roster="")
     assert main(["--conf", str(first), "--backbone", "debug"]) == 0  # one model: no critic folder
@@ -281,6 +285,7 @@ def test_several_models_with_an_offline_algorithm_exit_2(tmp_path, tiny_model_di
            "one" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_model_of_another_tokenizer_exits_2(tmp_path, tiny_model_dir, capsys):
     other = tmp_path / "other_model"
     shutil.copytree(tiny_model_dir, other)
@@ -306,6 +311,7 @@ async def writer_and_critic(task, model, auxiliary_models):
     return WorkflowOutput(reward=len(draft["content"]) / 50.0, agent_rewards={"critic": len(review["content"]) / 50.0})
 
 
+@pytest.mark.slow
 def test_tune_trains_a_model_per_agent(tmp_path, tiny_model_dir, monkeypatch):
     import sys
 

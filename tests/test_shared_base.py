@@ -81,6 +81,7 @@ def test_the_engine_serves_each_adapter_over_one_base(tiny_model_dir, demo_token
         e.shutdown()
 
 
+@pytest.mark.slow
 def test_two_adapters_on_one_base_a_run_trains_only_the_caller(tmp_path, tiny_model_dir):
     roster = (f"models: {{critic: {{path: {tiny_model_dir}}}}}\n  agents: {{critic: {{model: critic}}}}")
     yaml = write_run(tmp_path, tiny_model_dir, "CriticOnly", roster=roster)

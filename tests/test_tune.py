@@ -43,6 +43,7 @@ def _metrics(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_agentscope_tuner_example_runs_one_step(tmp_path, tiny_model_dir):
     example = _import(TUNE_DIR / "react_tune.py", "react_tune")
     code = tune(
@@ -77,6 +78,7 @@ QUICK = ["astuner.rollout.engine=hf", "astuner.trainer_common.total_training_ste
          "astuner.rollout.num_repeat=2", "astuner.trainer_common.val_before_train=false"]
 
 
+@pytest.mark.slow
 def test_function_workflow_and_judge_through_yaml_and_tune_config_path(tmp_path, tiny_model_dir):
     overrides = QUICK + [f"astuner.model.path={tiny_model_dir}"]
     assert main(["--conf", str(TUNE_DIR / "quickstart_tune.yaml"), f"astuner.experiment_dir={tmp_path / 'a'}",
@@ -149,6 +151,7 @@ def test_combined_judge_weighted_sum_and_terms_as_metrics():
         CombinedJudge([("a", 1.0, LengthPenalty(), False), ("a", 1.0, StepBonus(), False)])
 
 
+@pytest.mark.slow
 def test_combine_from_the_yaml_logs_each_term(tmp_path, tiny_model_dir):
     combine = ("[{judge: 'quickstart_tune.py->boxed_sum', weight: 1.0, name: accuracy}, "
                "{judge: 'astuner.task_judge.shaping->LengthPenalty', weight: 1.0, args: {target: 4, alpha: 0.01}}]")
@@ -219,6 +222,7 @@ async def graded(task, response, auxiliary_models):
 SECRET = "sk-test-never-written-0123456789"
 
 
+@pytest.mark.slow
 def test_auxiliary_models_local_and_endpoint_and_the_key_never_saved(tmp_path, tiny_model_dir, monkeypatch):
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
@@ -303,6 +307,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_tune_from_a_script_on_the_verl_backbone_ships_its_functions(tmp_path, tiny_model_dir):
     """A script's functions live in its __main__, which a Ray worker does not have: tune() ships them by value."""
     import os

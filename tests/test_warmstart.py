@@ -177,6 +177,7 @@ def family_tokenizers(demo_model_dir, family_templates):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_demonstrations_parse_back_with_the_family_tool_parser(family, family_tokenizers):
     """Each demonstrated call, rendered as the SFT renders it (the family's template, or the builtin tool prompt),
     is read back by the parser the rollouts use for that family: the same tool, the same arguments."""
@@ -232,6 +233,7 @@ def test_dry_run_reads_the_tools_the_workflow_offers(tmp_path, tiny_model_dir, l
     assert tools == lookup_task.TOOL_SCHEMAS and all(isinstance(r, str) for r in results)
 
 
+@pytest.mark.slow
 def test_warmstart_with_a_tools_file_trains_and_prints_the_checkpoint(tmp_path, tiny_model_dir, lookup_task,
                                                                        capsys):
     from astuner.cli import main
@@ -310,6 +312,7 @@ def test_the_draw_check_says_what_the_model_did_and_when_it_measured_nothing():
                            "episodes with one)")
 
 
+@pytest.mark.slow
 def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_task, monkeypatch, capsys):
     from astuner.cli import main
     from astuner.offline import warmstart

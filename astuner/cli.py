@@ -298,8 +298,9 @@ doctor_app = _subcommand_app()
 
 @doctor_app.command()
 def doctor(
-    conf: Annotated[str | None, typer.Option("--conf", "-c", help="A run's config: its model is tried and its "
-                                             "memory plan shown.", show_default=False)] = None,
+    conf: Annotated[str | None, typer.Option("--conf", "-c", help="A run's config: its models are tried with its "
+                                             "sampling, trainer and engine settings, and its memory plan shown.",
+                                             show_default=False)] = None,
     overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides.",
                                                           show_default=False)] = None,
     model: Annotated[str | None, typer.Option(help="The model to try without a config (a folder or demo:NAME). "
@@ -337,8 +338,9 @@ def doctor(
     if conf:
         from astuner.config import load_config
 
-        loaded = load_config(conf, list(overrides or []))
-        model = model or loaded.typed.astuner.model.path
+        # --model with a config is the config's model, changed: every check then builds from one config.
+        loaded = load_config(conf, list(overrides or []) + ([f"astuner.model.path={model}"] if model else []))
+        model = loaded.typed.astuner.model.path
     elif overrides:
         raise UserError("doctor: KEY=VALUE overrides need --conf (they change a config)")
     folder = Path(out) if out else Path(tempfile.mkdtemp(prefix="astuner-doctor-"))

@@ -116,3 +116,30 @@ def test_whole_checklist_on_cpu(tmp_path, tiny_model_dir):
     assert "Loading weights" not in proc.stdout + proc.stderr  # library bars stay off the console
     assert "vLLM" not in proc.stderr.replace("vLLM engine", "")  # vLLM's own output went to doctor.log
     assert (tmp_path / "out" / "doctor.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_checklist_tries_the_configs_sampling_adapters_and_roster(tmp_path, tiny_model_dir, monkeypatch):
+    """The config's own settings are what the checks run: two models as LoRA adapters on one base (one vLLM
+    engine with multi-LoRA, sleeping at level 1), each trainer with the config's rank, each sampling with its own
+    top_p and top_k (the keeper's set on its entry) and the trainer recomputing under the same filters, and the
+    memory plan counting the second model."""
+    from astuner.cli import main
+
+    code = main(["doctor", "--conf", str(QUICKSTART), "--out", str(tmp_path), "--parity-tokens", "200",
+                 f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=vllm",
+                 "astuner.rollout.top_p=0.9", "astuner.rollout.top_k=20", "astuner.trainer_common.lora.rank=8",
+                 f"+astuner.models.keeper.path={tiny_model_dir}", "+astuner.models.keeper.top_k=5"])
+    results = {r["name"]: r for r in json.loads((tmp_path / "doctor.json").read_text())}
+    assert code == 0, {name: (r["status"], r["seen"], r["todo"]) for name, r in results.items()}
+    assert results["engine start"]["figures"]["engine"] == "vllm"
+    assert results["engine start"]["figures"]["models"] == ["policy", "keeper"]
+    assert "keeper as adapters on one base" in results["engine start"]["seen"].replace("policy, ", "")
+    assert results["trainer"]["figures"]["models"] == {"policy": {"lora_rank": 8}, "keeper": {"lora_rank": 8}}
+    for check in ("long-sequence parity", "sleep, train, wake"):
+        per = results[check]["figures"]["models"]
+        assert {name: (m["temperature"], m["top_p"], m["top_k"]) for name, m in per.items()} == {
+            "policy": (0.7, 0.9, 20), "keeper": (0.7, 0.9, 5)}, check
+    assert results["weight sync"]["figures"]["adapters"] == ["policy", "keeper"]
+    assert results["sleep, train, wake"]["figures"]["sleep_levels"] == [1]  # the base weights survive the sleep
+    assert "other models" in results["memory plan"]["seen"]

@@ -49,6 +49,24 @@ def owners(samples: list[Sample], mini_batch_num: int, world: int) -> dict[str, 
     return out
 
 
+BUCKET_BYTES = 32 * 2**20  # per gradient all-reduce; torch's DDP reducer uses 25 MiB
+
+
+def grad_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `grads` in buckets of consecutive tensors of one dtype and device, each at most `bucket_bytes`
+    (a tensor larger than that alone). Pure: every worker forms the same buckets, so the collectives pair up."""
+    buckets: list[list[int]] = []
+    size, kind = 0, None
+    for i, g in enumerate(grads):
+        nbytes = g.numel() * g.element_size()
+        if not buckets or (g.dtype, g.device) != kind or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, kind = 0, (g.dtype, g.device)
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
 class DataParallel:
     """This process's place in the trainer group, and the collectives the trainer needs."""
 
@@ -75,16 +93,26 @@ class DataParallel:
     def mine(self, sample: Sample) -> bool:
         return self._owner.get(sample.episode_uid, 0) == self.rank
 
-    def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
-        """Sum `.grad` over workers in one flat buffer (a parameter with no gradient here counts as zeros)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
+    def all_reduce_grads(self, params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Sum `.grad` over workers in place, bucket by bucket in the gradients' own dtype, as torch's DDP reducer
+        does: beyond the gradients, one bucket (at most `bucket_bytes`, or one larger gradient alone) is held at a
+        time, where one flat fp32 copy of every gradient cost up to 8 bytes a parameter. A parameter with no
+        gradient here counts as zeros. Summed in bf16, two workers' sum is rounded once, as the fp32 sum cast
+        back was."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in grad_buckets([p.grad for p in params], bucket_bytes):
+            grads = [params[i].grad for i in bucket]
+            if len(grads) == 1 and grads[0].is_contiguous():  # alone in its bucket: reduced where it lies
+                dist.all_reduce(grads[0])
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def max_int(self, n: int) -> int:
         """The largest `n` over workers (every worker gets it)."""

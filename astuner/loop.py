@@ -296,9 +296,10 @@ class _Run:
 
 
 def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val_tasks: list, total_steps: int,
-          tokenizer, checkpoint: Path | None = None) -> RunSummary:
+          tokenizer, checkpoint: Path | None = None, vllm_engines_here: int = 0) -> RunSummary:
     """What every backbone does around the loop: resume from `checkpoint` (the trainer's state, then the engines'
-    weights), open the monitor, run the loop, release the stages and print the summary line."""
+    weights), open the monitor, run the loop, release the stages and print the summary line. `vllm_engines_here`:
+    the vLLM engines running in this process, beside which a distillation teacher's takes its part of the GPU."""
     from astuner.logs import announce
     from astuner.monitor import Monitor
 
@@ -308,7 +309,7 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
             from astuner.distill import build_teacher
             from astuner.runtime import build_engine
 
-            stages.teacher = build_teacher(loaded.typed, tokenizer, build_engine)
+            stages.teacher = build_teacher(loaded.typed, tokenizer, build_engine, vllm_engines_here)
         resume = None
         if checkpoint is not None:
             resume = ResumeState(**stages.load_checkpoint(checkpoint))

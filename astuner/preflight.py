@@ -82,6 +82,7 @@ class RunPlan:
     others: tuple[str, ...] = ()
     other_engines: int = 0  # engines of other models (an adapter on the policy's base has none of its own)
     engine_apart: bool = False  # the engines hold GPUs of their own (trinity's explorers), not the trainer's card
+    teacher: tuple[int, str] = (0, "")  # a distillation teacher in the loop's process: its bytes, what it holds
 
     @property
     def engines(self) -> int:
@@ -93,7 +94,7 @@ class RunPlan:
         """Weights, gradients, optimizer states, the engine's and the reference model's weights (every model's),
         on the trainer's card or host (an engine apart, on cards of its own, is not on it)."""
         return self.trainer_bytes + (0 if self.engine_apart else self.engine_bytes) + self.ref_bytes + \
-            self.others_bytes
+            self.others_bytes + self.teacher[0]
 
     @property
     def total_bytes(self) -> int:
@@ -120,10 +121,12 @@ class RunPlan:
                 f", KV cache {self.kv_cache_bytes / GIB:.1f} ({self.kv_sequences:.1f} "
                 f"sequences of max_model_len){f' x {self.engines} engines' if self.engines > 1 else ''}, "
                 f"reference {self.ref_bytes / GIB:.1f}, activations {self.activation_bytes / GIB:.1f}"
-                f"{f', other models {self.others_bytes / GIB:.1f}' if self.others else ''}); available {available}",
+                f"{f', other models {self.others_bytes / GIB:.1f}' if self.others else ''}"
+                f"{f', teacher {self.teacher[0] / GIB:.1f}' if self.teacher[1] else ''}); available {available}",
             ),
         ]
-        rows[1:1] = [("other model", line) for line in self.others]
+        rows[1:1] = [("other model", line) for line in self.others] + [("teacher", self.teacher[1])] * bool(
+            self.teacher[1])
         rows += [("memory fit", note) for note in self.resized if not note.startswith("micro-batch")]
         width = max(len(k) for k, _ in rows)
         return "effective config:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -275,9 +278,11 @@ def _base_bytes(P: int, precision: str) -> int:
 
 
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int,
-              device_facts: DeviceFacts | None = None, others: dict[str, ModelFacts] | None = None) -> RunPlan:
+              device_facts: DeviceFacts | None = None, others: dict[str, ModelFacts] | None = None,
+              teacher: tuple[int, str] | None = None) -> RunPlan:
     """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`); `others`:
-    the facts of astuner.models by name, whose trainers and engines it counts too."""
+    the facts of astuner.models by name, whose trainers and engines it counts too; `teacher`: the bytes and line of
+    a distillation teacher loaded in the debug backbone's one process (distill.teacher_memory)."""
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.algorithm.catalog import algorithm
@@ -326,6 +331,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     )
     if others:
         plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))
+    if teacher is not None and backbone not in RAY_BACKBONES:
+        plan = replace(plan, teacher=teacher)
     return fit_memory(plan, facts.shape, typed, precision, processes)
 
 
@@ -365,7 +372,7 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
                   policy: ModelFacts, shards: dict[str, int] | None = None) -> dict:
     """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank; divided by `shards`
     where its own trainer group shards it) and engine (on CPU, or HF, its weights as the policy's; on vLLM on a
-    GPU none, since the run's engines split the policy's share: run_models.gpu_share_per_engine). A LoRA model on
+    GPU none, since the run's engines split the policy's share: config.derived.gpu_share_per_engine). A LoRA model on
     the policy's own LoRA base (run_models.adapter_models) adds its adapter only: the base is shared in the trainer
     and the engine."""
     from astuner.config.schema_models import POLICY, lora_rank_of, same_folder

@@ -48,6 +48,18 @@ class LocalModel:
         return self.engine.load_weights(self.sync_tensors()) or SyncReport()
 
 
+def distinct_engines(models: dict[str, LocalModel]) -> list:
+    """The engines of `models`, each once (adapters on one base share theirs)."""
+    from astuner.engine.adapters import AdapterView
+
+    out = []
+    for model in models.values():
+        engine = model.engine.engine if isinstance(model.engine, AdapterView) else model.engine
+        if engine is not None and all(engine is not e for e in out):
+            out.append(engine)
+    return out
+
+
 def adapter_models(typed, policy_path: str) -> list[str]:
     """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
     and the policy train LoRA adapters (`build_adapter_engine`: the HF engine's adapters or vLLM's multi-LoRA)."""
@@ -62,11 +74,12 @@ def adapter_models(typed, policy_path: str) -> list[str]:
 def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_steps: int, *,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None,
-                 only: tuple[str, ...] | None = None) -> dict[str, LocalModel]:
+                 only: tuple[str, ...] | None = None, extra_engines: int = 0) -> dict[str, LocalModel]:
     """Every model of the run by name (`only`: these), the policy first, with an engine if `roles` holds "engine"
     (built from `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group of `world`
     workers). Each model's trainer takes its own LoRA rank and learning rate (`runtime.trainer_settings`); the
-    tokenizers were checked to be one at `runtime.prepare`."""
+    tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process will
+    run beside them (a distillation teacher's), which take their part of the GPU share too."""
     from astuner.runtime import build_engine, build_trainer, other_model_paths
     from astuner.trainer.lora import share_frozen_weights
 
@@ -81,7 +94,9 @@ def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_st
     if "engine" in roles:  # adapters on the shared base are one engine; every other model one of its own
         import torch
 
-        engines = 1 + len([name for name in paths if name != POLICY and name not in on_base])
+        engines = 1 + len([name for name in paths if name != POLICY and name not in on_base]) + extra_engines
+        from astuner.config.derived import gpu_share_per_engine
+
         engine_typed = gpu_share_per_engine(engine_typed, engines, torch.cuda.is_available())
     if "engine" in roles and adapters:
         shared = build_adapter_engine(engine_typed, model_path, tokenizer, max_model_len, kv_cache_bytes, adapters)
@@ -101,21 +116,6 @@ def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_st
                          freed / 2**30)
         out[name] = LocalModel(engine, trainer, adapter=name in on_base)
     return out
-
-
-def gpu_share_per_engine(typed, engines: int, on_cuda: bool):
-    """The typed config each of `engines` vLLM engines in one process is built from: on CUDA they split
-    astuner.rollout.gpu_memory_utilization, since vLLM reads it per engine (two at 0.6 would ask for 1.2 cards);
-    the start-up estimate counts the run's engines as that one share (preflight.py)."""
-    from astuner.config.derived import resolve_engine_name
-
-    if engines <= 1 or not on_cuda or resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
-        return typed
-    share = typed.astuner.rollout.gpu_memory_utilization / engines
-    log.info("%d vLLM engines in this process: each takes %.3g of the GPU (astuner.rollout.gpu_memory_utilization "
-             "split)", engines, share)
-    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": share})
-    return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
 
 
 def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
@@ -157,9 +157,12 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     typed = loaded.typed
     runtime.seed_everything(typed.astuner.seed)
     prep = runtime.prepare(loaded, backbone, total_steps_of)
+    from astuner.config.derived import teacher_engine
+
     models = build_models(typed, prep.tokenizer, prep.model_path, prep.max_model_len, prep.total_steps,
                           kv_cache_bytes=prep.plan.kv_cache_bytes,
-                          micro_batch_tokens=prep.plan.micro_batch_token_budget)
+                          micro_batch_tokens=prep.plan.micro_batch_token_budget,
+                          extra_engines=int(teacher_engine(typed) == "vllm"))
     engine, trainer = models[POLICY].engine, models[POLICY].trainer
     runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
                                   prep.max_model_len, roster_of_models(typed, models))

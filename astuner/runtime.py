@@ -318,16 +318,21 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     tokenizer = load_tokenizer(model_path)
     train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
+    device_facts = device_of() if device_of else None
+    teacher = None
     if algorithm(typed.astuner.trainer_common.algorithm.type).has_teacher:
-        from astuner.distill import check_teacher
+        from astuner.config.derived import teacher_engine
+        from astuner.distill import check_teacher, teacher_memory, teacher_path
 
         check_teacher(typed, tokenizer, typed.astuner.model.path)
+        if teacher_engine(typed) is not None:
+            teacher = teacher_memory(typed, preflight.read_model_facts(teacher_path(typed), "astuner.teacher.model"),
+                                     (device_facts or preflight.local_device()).type, max_model_len)
     others = {}
     for name, path in other_model_paths(typed).items():  # before any weights load, on every backbone
         others[name] = preflight.read_model_facts(path, f"astuner.models.{name}.path")
         check_same_tokenizer(tokenizer, path, f"astuner.models.{name}.path")
-    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps,
-                               device_of() if device_of else None, others)
+    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps, device_facts, others, teacher)
     announce(source.describe() + plan.block(facts))
     preflight.check_fits(plan, facts)
     return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,

@@ -382,3 +382,43 @@ def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_proces
         if remote is not None:
             remote.shutdown()  # ends its SDK session before the server goes
         server.stop()
+
+
+@pytest.mark.slow
+def test_the_start_up_plan_counts_a_model_folder_teacher(tmp_path, tiny_model_dir, teacher_dir):
+    """A teacher loaded in the debug backbone's one process holds memory beside the student's engine and trainer:
+    the plan counts it (the HF engine's fp32 weights; vLLM on CPU its runtime and KV cache too) and names it."""
+    from astuner import preflight
+    from astuner.config import load_config
+    from astuner.runtime import prepare
+
+    yaml = write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")
+    params = preflight.read_model_facts(str(teacher_dir)).num_params
+    plan = prepare(load_config(str(yaml), [])).plan
+    assert plan.teacher[0] == 4 * params and "on hf: " in plan.teacher[1]
+    assert f", teacher {4 * params / 2**30:.1f}" in plan.block(preflight.read_model_facts(str(tiny_model_dir)))
+    vllm = prepare(load_config(str(yaml), ["astuner.teacher.engine=vllm"])).plan
+    assert vllm.teacher[0] > 4 * params + preflight.VLLM_CPU_RUNTIME and "KV cache" in vllm.teacher[1]
+    assert vllm.total_bytes - plan.total_bytes == vllm.teacher[0] - plan.teacher[0]
+
+
+def test_on_cuda_a_vllm_teacher_and_the_runs_engines_split_the_gpu_share(tmp_path, tiny_model_dir, teacher_dir,
+                                                                         monkeypatch):
+    """Each vLLM engine reads gpu_memory_utilization as its own: the student's at 0.6 and a teacher's at 0.6 beside
+    it would ask for 1.2 cards, and the teacher could not start. Both take their part (checked with the engines'
+    builders faked: the shares are what matter)."""
+    from astuner import runtime
+    from astuner.config import load_config
+    from astuner.distill import build_teacher
+    from astuner.run_models import build_models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = []
+    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, *a, **k: built.append(
+        (path, typed.astuner.rollout.gpu_memory_utilization)) or object())
+    typed = load_config(str(write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")),
+                        ["astuner.rollout.engine=vllm"]).typed
+    build_models(typed, None, str(tiny_model_dir), 256, 1, roles=("engine",), extra_engines=1)
+    teacher = build_teacher(typed, None, runtime.build_engine, vllm_engines_here=1)
+    assert [share for _, share in built] == [pytest.approx(0.3), pytest.approx(0.3)]
+    assert built[1][0] == str(teacher_dir) and teacher.engine is not None

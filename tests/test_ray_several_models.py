@@ -175,7 +175,7 @@ def test_auto_picks_ddp_for_several_models():
 
 
 def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, tiny_model_dir):
-    """vLLM on a card: the run's engines split one share (run_models.gpu_share_per_engine), so another model adds
+    """vLLM on a card: the run's engines split one share (config.derived.gpu_share_per_engine), so another model adds
     no engine bytes; a model with a sharded trainer group of its own counts its share of the trainer; fsdp2 on a
     LoRA model's own group exits 2 before any worker starts, naming the model."""
     from astuner import preflight

@@ -210,7 +210,7 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
     hf = SimpleNamespace(typed=RunConfig.model_validate({"astuner": {"rollout": {"engine": "hf"}}}), user_keys=set())
     assert share(engine_config(hf, ("engine",), on_cuda=True)) == 0.6
     # Several models' engines in one process split the share they are given (two at 0.6 would ask for 1.2 cards).
-    from astuner.run_models import gpu_share_per_engine
+    from astuner.config.derived import gpu_share_per_engine
 
     explorer = engine_config(loaded(), ("engine",), on_cuda=True)
     assert share(gpu_share_per_engine(explorer, 2, on_cuda=True)) == ENGINE_ALONE_GPU_SHARE / 2

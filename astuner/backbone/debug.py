@@ -85,11 +85,14 @@ class InProcessStages(LocalTrainerStages):
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     """The whole run in this process; `checkpoint`: a complete checkpoint to continue from (see astuner.resume)."""
     from astuner.logs import setup_logging
-    from astuner.run_models import build_runtime
+    from astuner.config.derived import resolve_engine_name
+    from astuner.run_models import build_runtime, distinct_engines
 
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(loaded.typed)
     rt = build_runtime(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
     stages = InProcessStages(rt.runner, rt.trainer, rt.engine, loaded.experiment_dir, rt.tokenizer, rt.models)
+    vllm_here = len(distinct_engines(rt.models)) \
+        if resolve_engine_name(loaded.typed.astuner.rollout.engine) == "vllm" else 0
     return drive(loaded, settings, stages, rt.train_tasks, rt.val_tasks, count_steps(len(rt.train_tasks), settings),
-                 rt.tokenizer, checkpoint)
+                 rt.tokenizer, checkpoint, vllm_here)

@@ -33,7 +33,7 @@ def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool):
     explorer: its bundle's GPUs hold no trainer) take vLLM's own default share, ENGINE_ALONE_GPU_SHARE, unless the
     user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone it would
     leave 40% of the explorer's GPU idle, KV cache it could have used. Several models' engines split the share
-    (run_models.gpu_share_per_engine)."""
+    (config.derived.gpu_share_per_engine)."""
     from astuner.config.derived import resolve_engine_name
 
     typed = loaded.typed

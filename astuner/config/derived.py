@@ -1,10 +1,12 @@
-"""What some config values mean once resolved, as pure functions: which engine `auto` picks, and the
-trinity backbone's staleness bound. They live with the config because both the config's own rules
-(applicability.py) and the stages that act on the values need them; nothing here imports torch or vLLM."""
+"""What some config values mean once resolved, as pure functions: which engine `auto` picks (a distillation
+teacher's too), the share of the GPU each vLLM engine of a process takes, and the trinity backbone's staleness
+bound. They live with the config because both the config's own rules (applicability.py) and the stages that act
+on the values need them; nothing here imports torch or vLLM."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 
 def vllm_available() -> bool:
@@ -24,3 +26,27 @@ def staleness_bound(sync_interval: int, sync_offset: int, max_staleness: int | N
     if max_staleness is not None:
         return max_staleness
     return sync_interval - 1 + sync_offset
+
+
+def teacher_engine(typed) -> str | None:
+    """The engine a model-folder teacher (astuner.teacher.model) scores on, in the process that runs the loop;
+    None when the run has no such teacher (no distillation, or a teacher server)."""
+    from astuner.algorithm.catalog import algorithm
+
+    t = typed.astuner.teacher
+    if t.model is None or not algorithm(typed.astuner.trainer_common.algorithm.type).has_teacher:
+        return None
+    return resolve_engine_name(t.engine or typed.astuner.rollout.engine)
+
+
+def gpu_share_per_engine(typed, engines: int, on_cuda: bool):
+    """The typed config each of `engines` vLLM engines in one process is built from: on CUDA they split
+    astuner.rollout.gpu_memory_utilization, since vLLM reads it per engine (two at 0.6 would ask for 1.2 cards);
+    the start-up estimate counts the run's engines as that one share (preflight.py)."""
+    if engines <= 1 or not on_cuda or resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
+        return typed
+    share = typed.astuner.rollout.gpu_memory_utilization / engines
+    logging.getLogger(__name__).info("%d vLLM engines in this process: each takes %.3g of the GPU "
+                                     "(astuner.rollout.gpu_memory_utilization split)", engines, share)
+    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": share})
+    return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})

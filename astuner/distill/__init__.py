@@ -7,7 +7,7 @@ from __future__ import annotations
 from astuner.errors import UserError
 
 
-def _model_path(typed) -> str:
+def teacher_path(typed) -> str:
     from astuner.model_cache import ModelPathError, resolve_model_path
 
     try:
@@ -30,7 +30,7 @@ def check_teacher(typed, tokenizer, student: str) -> None:
     from astuner.distill.teachers import check_model_vocabulary, check_vocabulary
 
     if typed.astuner.teacher.model is not None:
-        check_model_vocabulary(tokenizer, _model_path(typed), student)
+        check_model_vocabulary(tokenizer, teacher_path(typed), student)
         return
     teacher = _endpoint(typed)
     try:
@@ -47,20 +47,54 @@ def check_teacher(typed, tokenizer, student: str) -> None:
         teacher.shutdown()
 
 
-def build_teacher(typed, tokenizer, build_engine):
+def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
     """The run's teacher (teachers.py): a model folder on an engine in this process (`build_engine(typed, path,
-    tokenizer, max_model_len)`, runtime's), or a server."""
+    tokenizer, max_model_len)`, runtime's), or a server. `vllm_engines_here`: the vLLM engines this process already
+    runs (the debug backbone's); on CUDA a vLLM teacher takes an equal part of astuner.rollout.gpu_memory_utilization
+    beside them, as they took theirs (run_models.build_models counted it), where a whole share of its own would not
+    fit beside theirs."""
+    import torch
+
     from astuner import preflight
+    from astuner.config.derived import gpu_share_per_engine, teacher_engine
     from astuner.distill.teachers import EngineTeacher
 
     t = typed.astuner.teacher
     if t.base_url is not None:
         return _endpoint(typed)
-    path = _model_path(typed)
+    path = teacher_path(typed)
     max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len,
                                                     preflight.read_model_facts(path, "astuner.teacher.model"), None)
     engine_typed = typed
     if t.engine is not None:
         rollout = typed.astuner.rollout.model_copy(update={"engine": t.engine})
         engine_typed = typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
+    if teacher_engine(typed) == "vllm":
+        engine_typed = gpu_share_per_engine(engine_typed, vllm_engines_here + 1, torch.cuda.is_available())
     return EngineTeacher(build_engine(engine_typed, path, tokenizer, max_model_len), t.timeout_s, path)
+
+
+def teacher_memory(typed, teacher, device: str, max_model_len: int) -> tuple[int, str]:
+    """(bytes, a line saying what it holds) of a model-folder teacher (`teacher`: its preflight.ModelFacts) in the
+    start-up plan (preflight.make_plan): the HF engine's fp32 weights (it loads fp32 everywhere); vLLM on
+    CPU its fp32 weights, runtime and its own KV cache (`max_num_seqs` full-length sequences, as an engine started
+    outside the memory fit takes: vllm_engine._cpu_kv_cache_bytes); vLLM on a GPU nothing more, since it takes its
+    part of the run's share (distill.build_teacher)."""
+    from astuner.config.derived import teacher_engine
+    from astuner.preflight import GIB, VLLM_CPU_RUNTIME
+
+    engine = teacher_engine(typed)
+    held = 4 * teacher.num_params
+    if engine == "vllm" and device == "cuda":
+        held, where = 0, "its part of astuner.rollout.gpu_memory_utilization, split with the run's engines"
+    elif engine == "vllm":
+        from astuner.engine.vllm_engine import _cpu_kv_cache_bytes
+
+        kv = _cpu_kv_cache_bytes(teacher.path, max_model_len, typed.astuner.rollout.max_num_seqs, "float32")
+        held += VLLM_CPU_RUNTIME + kv
+        where = f"fp32 weights, vLLM's runtime and a KV cache of {kv / GIB:.1f} GiB"
+    else:
+        where = "fp32 weights"
+    return held, (f"{teacher.path} ({teacher.architecture}, {teacher.num_params / 1e6:.1f}M parameters) on {engine}: "
+                  f"{held / GIB:.2f} GiB ({where})")
+

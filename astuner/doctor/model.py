@@ -290,18 +290,6 @@ def check_sync(ctx: Context) -> Check:
     return Check(name, "pass", seen, figures={**last, "adapters": adapters})
 
 
-def _engines(models: dict) -> list:
-    """The distinct engines of the roster (adapters on one base share theirs)."""
-    from astuner.engine.adapters import AdapterView
-
-    out = []
-    for model in models.values():
-        engine = model.engine.engine if isinstance(model.engine, AdapterView) else model.engine
-        if engine is not None and all(engine is not e for e in out):
-            out.append(engine)
-    return out
-
-
 def check_cycle(ctx: Context) -> Check:
     """sleep -> one train step per model -> release the trainer's cached memory -> wake by syncing -> parity
     again. An engine serving adapters sleeps at level 1 (its base weights kept), a plain one at level 2."""
@@ -310,10 +298,11 @@ def check_cycle(ctx: Context) -> Check:
         return missing
     import torch
 
+    from astuner.run_models import distinct_engines
     from astuner.types import Sample
 
     models, sampled, prompt = ctx.built["models"], ctx.built["sampled"], ctx.built["prompt"]
-    engines = _engines(models)
+    engines = distinct_engines(models)
     levels = sorted({getattr(e, "SLEEP_LEVEL", None) for e in engines} - {None})
     freed = None
     before = torch.cuda.mem_get_info()[0] if ctx.device == "cuda" else None
@@ -359,6 +348,8 @@ MODEL_CHECKS = {  # the engine before the trainer: vLLM's start claims its share
 
 
 def close(ctx: Context) -> None:
+    from astuner.run_models import distinct_engines
+
     models = ctx.built.pop("models", {})
-    for engine in _engines(models):
+    for engine in distinct_engines(models):
         engine.shutdown()

@@ -57,7 +57,7 @@ def build_service(loaded, limits=None):
 
     from astuner import runtime
     from astuner.config.derived import resolve_engine_name
-    from astuner.run_models import gpu_share_per_engine
+    from astuner.config.derived import gpu_share_per_engine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
 

@@ -199,8 +199,16 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.trainer_common.algorithm.distill_reward_weight=0.5",
     ])
     assert leaves - reads_f - inactive_f - READ_WHILE_LOADING == set()
+    # Run G: a TextArena game with the workflow and judge the environment brings, one model move a game.
+    reads_g, inactive_g = keys_read_by_a_run(write_run(tmp_path / "g", tiny_model_dir), one_step + [
+        "astuner.task_reader.type=textarena", "astuner.task_reader.textarena.size=2",
+        "astuner.task_reader.textarena.validation_size=1", "astuner.task_reader.textarena.max_turns=1",
+        "astuner.rollout.agentscope_workflow=null",
+        "astuner.task_judge.judge_protocol='astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge'",
+    ])
+    assert leaves - reads_g - inactive_g - READ_WHILE_LOADING == set()
     later |= {f"astuner.teacher.{k}" for k in ("api", "served_model", "api_key_env", "batch_size")}
-    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - READ_WHILE_LOADING == later
+    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - reads_g - READ_WHILE_LOADING == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

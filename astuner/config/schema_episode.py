@@ -79,11 +79,26 @@ class ReasoningGymReader(Section):
     answer_tag: str = key("answer", "The tag of answer_from tag.")
 
 
+class TextArenaReader(Section):
+    env_id: str = key("GuessTheNumber-v0", "A TextArena game id, e.g. GuessTheNumber-v0, TowerOfHanoi-v0, "
+                      "TicTacToe-v0 (its raw variant is played: astuner/environments/textarena.py).")
+    env_kwargs: dict[str, Any] = key({}, "The game's constructor arguments, e.g. {min_number: 1, max_number: 50}.")
+    opponent: Optional[str] = key(None, "The other seat of a two-player game: policy (the model itself, its calls "
+                                  "never trained) | 'module->function' (observation text -> move); null: a "
+                                  "one-player game.")
+    size: int = key(256, "Training games (seeds seed .. seed + size - 1).", ge=1)
+    validation_size: int = key(32, "Validation games, under other seeds; 0: no validation.", ge=0)
+    seed: Optional[int] = key(None, "Seed of the first game; null: astuner.seed.")
+    max_turns: int = key(30, "The model's moves after which a game still running stops unfinished (reward 0).",
+                         ge=1)
+    system_prompt: str = key("", "A system message before the game's own prompt; \"\": none.")
+
+
 class TaskReaderSection(Section):
-    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym"] = key(
+    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena"] = key(
         "jsonl_dataset_file",
-        "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service | reasoning_gym "
-        "(its own workflow and judge unless you name yours: astuner/environments/)."
+        "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service | reasoning_gym | "
+        "textarena (those two with their own workflow and judge unless you name yours: astuner/environments/)."
     )
     query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
     task_id_field: Optional[str] = key(None, 'Dataset field holding a stable task id; null: "<split>-<row index>".')
@@ -95,6 +110,10 @@ class TaskReaderSection(Section):
     reasoning_gym: ReasoningGymReader = section(
         ReasoningGymReader, "reasoning-gym's procedural datasets, scored by their own score_answer "
         "(pip install 'astuner[reasoning-gym]')."
+    )
+    textarena: TextArenaReader = section(
+        TextArenaReader, "TextArena's games, played turn by turn and scored by their own outcome "
+        "(pip install 'astuner[textarena]')."
     )
 
 

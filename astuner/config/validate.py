@@ -88,8 +88,9 @@ def unknown_key_message(key: str) -> str:
     return f"unknown key '{key}'{tail}"
 
 
-# Keys whose entries are named by the user (checked entry by entry by pydantic, not here).
-OPEN_MAPS = ("astuner.auxiliary_models", "astuner.models", "astuner.agents")
+# Keys whose entries are named by the user (checked entry by entry by pydantic, or, for a game's arguments, by
+# the game itself at start), not here.
+OPEN_MAPS = ("astuner.auxiliary_models", "astuner.models", "astuner.agents", "astuner.task_reader.textarena.env_kwargs")
 
 
 def _unknown_keys(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:

@@ -5,8 +5,8 @@ ENVIRONMENTS maps a `task_reader.type` to the workflow and judge that play it. A
 `rollout.agentscope_workflow` is null gets the environment's workflow; one whose `task_judge` is left at its
 default (`judge_protocol` unchanged, no `combine`) gets the environment's judge. Naming your own workflow (an agent
 with tools that answers the environment's questions) or judge works as for any task.
-Each environment's package is an optional extra of pyproject.toml (`pip install 'astuner[reasoning-gym]'`); its
-reader stops a run that lacks it at start (exit 2) with that line.
+Each environment's package is an optional extra of pyproject.toml (`pip install 'astuner[reasoning-gym]'`,
+`'astuner[textarena]'`); its reader stops a run that lacks it at start (exit 2) with that line.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ ENVIRONMENTS: dict[str, Environment] = {
     "reasoning_gym": Environment(
         workflow="astuner.environments.reasoning_gym->AnswerWorkflow",
         judge="astuner.environments.reasoning_gym->ReasoningGymJudge",
+    ),
+    "textarena": Environment(
+        workflow="astuner.environments.textarena->GameWorkflow",
+        judge="astuner.environments.textarena->GameJudge",
     ),
 }
 

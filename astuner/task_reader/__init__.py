@@ -15,12 +15,14 @@ from astuner.task_reader.env_service_reader import EnvServiceTaskReader
 from astuner.task_reader.hf_reader import HuggingFaceTaskReader
 from astuner.task_reader.jsonl_reader import JsonlTaskReader
 from astuner.task_reader.reasoning_gym_reader import ReasoningGymTaskReader
+from astuner.task_reader.textarena_reader import TextArenaTaskReader
 
 TASK_READERS: dict[str, type[TaskReader]] = {
     "jsonl_dataset_file": JsonlTaskReader,
     "huggingface_dat_repo": HuggingFaceTaskReader,
     "env_service": EnvServiceTaskReader,
     "reasoning_gym": ReasoningGymTaskReader,
+    "textarena": TextArenaTaskReader,
 }
 
 __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]

@@ -14,10 +14,12 @@ from conftest import REPO
 
 @pytest.mark.parametrize("workflow", ["agentscope2_agent.py->AgentScope2CodeAgent",
                                       "agentscope2_agent.py->run_agent"])
+@pytest.mark.slow
 def test_agentscope2_agent_trains_unchanged(tmp_path, tiny_model_dir, monkeypatch, workflow):
     train_framework_agent(REPO, tmp_path, tiny_model_dir, monkeypatch, workflow, steps=3)
 
 
+@pytest.mark.slow
 def test_a_function_workflow_gets_each_named_agents_model(tmp_path, tiny_model_dir, monkeypatch):
     import json
 

@@ -241,6 +241,7 @@ def family_served(real_tokenizers):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_malformed_bodies_get_400_under_each_real_familys_template_never_a_500(family_served, family):
     served = family_served[family]
     cases = [("/v1/chat/completions", case, body) for case, body in OPENAI_MALFORMED.items()]
@@ -395,6 +396,7 @@ def _check(served, path: str, body: dict, anthropic_shape: bool) -> None:
 
 @FUZZ
 @given(body=OPENAI_BODY)
+@pytest.mark.slow
 def test_fuzzed_openai_bodies_are_answered_or_refused_in_shape_never_a_500(served, body):
     _check(served, "/v1/chat/completions", body, anthropic_shape=False)
 

@@ -220,6 +220,7 @@ def lookup_task(monkeypatch):
     sys.modules.pop("lookup_task", None)
 
 
+@pytest.mark.slow
 def test_dry_run_reads_the_tools_the_workflow_offers(tmp_path, tiny_model_dir, lookup_task):
     """The agent quick-start's OpenAI-SDK agent, two greedy episodes on the tiny model: the tools its requests
     offered are recorded on each call and come back exactly as the agent declared them."""

@@ -15,8 +15,6 @@ from astuner.task_reader.textarena_reader import RECIPE_KEY
 from astuner.types import Task
 from astuner.workflow import WorkflowTask
 
-pytest.importorskip("textarena")  # the [textarena] extra, installed by scripts/setup_env.sh
-
 
 def recipe(env_id="GuessTheNumber-v0", seed=3, opponent=None, max_turns=10, **env_kwargs):
     """`max_turns`: ours (the model's moves); the game's own arguments go in env_kwargs (`game_turns` for its

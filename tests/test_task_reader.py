@@ -57,7 +57,13 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 def test_registry_names_match_config_contract():
-    assert set(TASK_READERS) == {"jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym"}
+    import typing
+
+    from astuner.config.schema_episode import TaskReaderSection
+
+    declared = set(typing.get_args(TaskReaderSection.model_fields["type"].annotation))
+    assert set(TASK_READERS) == declared
+    assert {"jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena"} <= declared
 
 
 def test_unknown_type_suggests_closest(tmp_path):

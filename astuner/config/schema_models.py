@@ -106,6 +106,15 @@ def lora_rank_of(typed, name: str) -> int:
     return typed.astuner.trainer_common.lora.rank if own is None else own
 
 
+def sampling_of(typed, name: str) -> tuple:
+    """(temperature, top_p, top_k) model `name` samples its training rollouts with: its astuner.models entry's
+    where set, else the rollout's."""
+    r = typed.astuner.rollout
+    entry = None if name == POLICY else typed.astuner.models[name]
+    return tuple(getattr(r, k) if entry is None or getattr(entry, k) is None else getattr(entry, k)
+                 for k in ("temperature", "top_p", "top_k"))
+
+
 def same_folder(a: str, b: str) -> bool:
     """Whether two model paths name one folder (however spelled: relative, through a symlink): models on one base."""
     from pathlib import Path

@@ -72,16 +72,12 @@ def sync_bytes(ctx: Context) -> int:
 
 
 def sampling_of(typed, name: str):
-    """Model `name`'s sampling as its rollout calls use it: its astuner.models entry's temperature, top_p and
-    top_k where set, else the rollout's."""
-    from astuner.config.schema_models import POLICY
+    """Model `name`'s sampling as its rollout calls use it (config.schema_models.sampling_of)."""
+    from astuner.config.schema_models import sampling_of as model_sampling
     from astuner.types import SamplingParams
 
-    r = typed.astuner.rollout
-    entry = None if name == POLICY else typed.astuner.models[name]
-    pick = {k: getattr(r, k) if entry is None or getattr(entry, k) is None else getattr(entry, k)
-            for k in ("temperature", "top_p", "top_k")}
-    return SamplingParams(max_tokens=RESPONSE_TOKENS, **pick)
+    temperature, top_p, top_k = model_sampling(typed, name)
+    return SamplingParams(max_tokens=RESPONSE_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k)
 
 
 def _max_model_len(ctx: Context) -> int:

@@ -124,3 +124,32 @@ def resolve_path(value: Any, base_dir: Path, key: str) -> Path:
             return candidate.resolve()
     looked = ", ".join(str(c) for c in candidates)
     raise UserError(f"{key}={str(value)!r}: file not found (looked at {looked}).")
+
+
+# A generated task set's validation tasks come from the same generators under another seed: never the training
+# tasks again.
+VALIDATION_SEED_OFFSET = 1_000_003
+
+
+class SeededTaskReader(TaskReader):
+    """A reader that generates its tasks from a seed (`section`: its config section, with `size`,
+    `validation_size` and `seed`): training tasks from `seed` (null: astuner.seed), validation tasks from `seed +
+    VALIDATION_SEED_OFFSET`; `_tasks(split, size, seed)` makes them."""
+
+    section: Any
+
+    @property
+    def seed(self) -> int:
+        return int(self.section.seed if self.section.seed is not None else self.run_seed)
+
+    def _tasks(self, split: str, size: int, seed: int) -> list[Task]:
+        raise NotImplementedError
+
+    def training_tasks(self) -> list[Task]:
+        return self._cached("train", lambda: self._tasks("train", self.section.size, self.seed))
+
+    def validation_tasks(self) -> list[Task]:
+        if not self.section.validation_size:
+            return []
+        return self._cached("validation", lambda: self._tasks(
+            "validation", self.section.validation_size, self.seed + VALIDATION_SEED_OFFSET))

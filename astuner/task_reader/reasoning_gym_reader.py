@@ -16,15 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_reader.base import TaskReader
+from astuner.task_reader.base import VALIDATION_SEED_OFFSET, SeededTaskReader  # noqa: F401 (tests read it here)
 from astuner.types import Task
 
 SECTION = "astuner.task_reader.reasoning_gym"
 # Task.metadata[RECIPE_KEY] = {"spec": {...}, "index": i, "system_prompt", "answer_from", "answer_tag"}
 RECIPE_KEY = "reasoning_gym"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-# Validation draws from the same datasets under another seed: its items are not the training items' generation.
-VALIDATION_SEED_OFFSET = 1_000_003
 
 
 def import_reasoning_gym():
@@ -141,27 +139,14 @@ def system_prompt_text(name_or_text: str) -> str:
     return SYSTEM_PROMPTS.get(name_or_text, name_or_text)
 
 
-class ReasoningGymTaskReader(TaskReader):
+class ReasoningGymTaskReader(SeededTaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
         import_reasoning_gym()  # a missing package stops the run here, before any model loads
         self.section = reader_cfg.reasoning_gym
-
-    @property
-    def seed(self) -> int:
-        return int(self.section.seed if self.section.seed is not None else self.run_seed)
 
     def _tasks(self, split: str, size: int, seed: int) -> list[Task]:
         datasets = [{"name": d.name, "weight": d.weight, "config": dict(d.config)} for d in self.section.datasets]
         spec = composite_spec(datasets, size, seed)
         return item_tasks(spec, split, self.section.system_prompt, self.section.answer_from,
                           self.section.answer_tag)
-
-    def training_tasks(self) -> list[Task]:
-        return self._cached("train", lambda: self._tasks("train", self.section.size, self.seed))
-
-    def validation_tasks(self) -> list[Task]:
-        if not self.section.validation_size:
-            return []
-        return self._cached("validation", lambda: self._tasks(
-            "validation", self.section.validation_size, self.seed + VALIDATION_SEED_OFFSET))

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_reader.base import TaskReader
+from astuner.task_reader.base import SeededTaskReader
 from astuner.types import Task
 
 SECTION = "astuner.task_reader.textarena"
 RECIPE_KEY = "textarena"  # Task.metadata[RECIPE_KEY]: {"env_id", "env_kwargs", "seed", "opponent", "max_turns", ...}
 POLICY_OPPONENT = "policy"  # the other seat played by the model itself, its calls never trained
-VALIDATION_SEED_OFFSET = 1_000_003  # validation games are not training games replayed
 
 
 def import_textarena():
@@ -66,36 +65,22 @@ def check_game(recipe: dict[str, Any]) -> None:
                         f"for {players(recipe)} player(s): {type(exc).__name__}: {exc}.{need}") from None
 
 
-class TextArenaTaskReader(TaskReader):
+class TextArenaTaskReader(SeededTaskReader):
     def __init__(self, reader_cfg: Any, base_dir: Path) -> None:
         super().__init__(reader_cfg, base_dir)
         self.section = reader_cfg.textarena
+        opponent = self.section.opponent  # resolved once, not per game
+        self.opponent = opponent if opponent in (None, POLICY_OPPONENT) else _absolute(opponent, self.base_dir)
         check_game(self._recipe(self.seed))  # a missing package or a game it refuses: stopped here, before weights
 
-    @property
-    def seed(self) -> int:
-        return int(self.section.seed if self.section.seed is not None else self.run_seed)
-
     def _recipe(self, seed: int) -> dict[str, Any]:
-        opponent = self.section.opponent
-        if opponent not in (None, POLICY_OPPONENT):
-            opponent = _absolute(opponent, self.base_dir)
         return {"env_id": self.section.env_id, "env_kwargs": dict(self.section.env_kwargs), "seed": seed,
-                "opponent": opponent, "max_turns": self.section.max_turns,
+                "opponent": self.opponent, "max_turns": self.section.max_turns,
                 "system_prompt": self.section.system_prompt}
 
     def _tasks(self, split: str, size: int, first_seed: int) -> list[Task]:
         return [Task(task_id=f"{split}-{i}", main_query=f"{self.section.env_id} (seed {first_seed + i})",
                      metadata={RECIPE_KEY: self._recipe(first_seed + i)}) for i in range(size)]
-
-    def training_tasks(self) -> list[Task]:
-        return self._cached("train", lambda: self._tasks("train", self.section.size, self.seed))
-
-    def validation_tasks(self) -> list[Task]:
-        if not self.section.validation_size:
-            return []
-        return self._cached("validation", lambda: self._tasks(
-            "validation", self.section.validation_size, self.seed + VALIDATION_SEED_OFFSET))
 
 
 def _absolute(spec: str, base_dir: Path) -> str:

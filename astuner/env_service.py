@@ -29,7 +29,8 @@ a service that has said it honours idempotency keys (any earlier response of tha
 carried the header). Otherwise the POST is not retried and raises `EnvServiceError` saying that the service may
 have applied it: the episode fails (and is not trained on) rather than training on a trajectory the environment
 did not see. A 4xx is never retried and raises `EnvServiceError` with the service's message. A service that
-cannot be reached raises `EnvServiceError` saying so and what to check.
+cannot be reached raises `EnvServiceError` saying so and what to check. Those two (`EnvServiceUnavailable`) are the
+environment's failures: the rollout runs the episode again with a fresh instance (astuner/environments/failures.py).
 `tutorial/env_service/` holds a small service, which honours idempotency keys, and a workflow that plays it.
 """
 
@@ -40,6 +41,7 @@ import time
 import uuid
 from typing import Any
 
+from astuner.environments import failures as env_failures
 from astuner.watchdog import watch
 
 RETRYABLE_STATUS = (500, 502, 503, 504)
@@ -51,6 +53,11 @@ _HONOURS_KEYS: set[str] = set()
 
 class EnvServiceError(RuntimeError):
     pass
+
+
+class EnvServiceUnavailable(EnvServiceError, env_failures.EnvironmentFailure):
+    """The service did not answer, or failed after a POST was sent: the environment's failure, not the model's (the
+    episode is flagged and run again: astuner/environments/failures.py)."""
 
 
 def _never_sent(exc: Exception) -> bool:
@@ -111,11 +118,11 @@ class EnvServiceClient:
                                   f"{response.text[:200]!r}") from None
 
     def _give_up(self, method: str, path: str, last: str) -> EnvServiceError:
-        return EnvServiceError(
-            f"{self._describe(method, path)}: the environment service did not answer ({last}) after "
-            f"{self.retries + 1} attempts of at most {self.request_timeout:g}s each. Check that the service is "
-            "running and that astuner.task_reader.env_service.env_url points at it."
-        )
+        return env_failures.record(EnvServiceUnavailable(
+            self.env_type, self._describe(method, path),
+            f"the environment service did not answer ({last}) after {self.retries + 1} attempts of at most "
+            f"{self.request_timeout:g}s each. Check that the service is running and that "
+            "astuner.task_reader.env_service.env_url points at it."))
 
     @property
     def honours_keys(self) -> bool:
@@ -133,11 +140,11 @@ class EnvServiceClient:
             return None
         last = f"HTTP {response.status_code}" if exc is None else f"{type(exc).__name__}: {exc}"
         if method == "POST" and not (exc is not None and _never_sent(exc)) and not self.honours_keys:
-            raise EnvServiceError(
-                f"{self._describe(method, path)} failed after it was sent ({last}); not retried, because the "
-                "service may have applied it and it does not say it honours Idempotency-Key (response header "
-                f"{HONOURED_HEADER}: true), so a retry could apply it twice. See astuner/env_service.py."
-            )
+            raise env_failures.record(EnvServiceUnavailable(
+                self.env_type, self._describe(method, path),
+                f"failed after it was sent ({last}); not retried, because the service may have applied it and it "
+                f"does not say it honours Idempotency-Key (response header {HONOURED_HEADER}: true), so a retry "
+                "could apply it twice (the episode is run again from a fresh instance). See astuner/env_service.py."))
         return last
 
     def _request_sync(self, method: str, path: str, **kwargs: Any) -> dict:

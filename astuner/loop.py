@@ -98,7 +98,7 @@ class ResumeState:
     idle_steps: int = 0
     val_scores: dict[str, float] = field(default_factory=dict)
     first_error: str | None = None
-    first_error_source: str = "workflow"  # the part that failed: "workflow", "remote" or "judge" (selection.FIX_ADVICE)
+    first_error_source: str = "workflow"  # the part that failed: a key of selection.FIX_ADVICE
 
 
 @dataclass

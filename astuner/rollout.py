@@ -57,6 +57,7 @@ from typing import Any, Callable
 
 from astuner import cuts, daemon_threads, logs
 from astuner.engine.base import InferenceEngine
+from astuner.environments import failures as env_failures
 from astuner.errors import TrainingStalled
 from astuner.model_tuner import ModelTuner, TunerLimits
 from astuner.model_tuner.chat_format import ChatRenderer
@@ -67,7 +68,8 @@ from astuner.model_tuner.tool_parser import TOOL_PARSERS
 from astuner.rollout_episode import WorkflowJob, apply_madness, episode_seed, judge_output, workflow_output
 from astuner.task_judge.base_judge import BaseJudge
 from astuner.tools import failures as tool_failures
-from astuner.types import FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, FLAG_TOOL_INFRA_FAILED, Episode, Task
+from astuner.types import FLAG_ENV_FAILED, FLAG_FAILED, FLAG_OVERFLOW, FLAG_TIMEOUT, FLAG_TOOL_INFRA_FAILED
+from astuner.types import Episode, Task
 from astuner.watchdog import watch
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
@@ -100,6 +102,8 @@ class RolloutSettings:
     top_k: int = 0
     judge_timeout: float = 300.0
     on_cut: str = "train"  # what training does with a cut episode (astuner/cuts.py)
+    env_timeout: float = 60.0  # one environment call (astuner/environments/failures.py)
+    env_retries: int = 2  # runs again of an episode whose environment failed
 
     @classmethod
     def from_config(cls, typed, max_model_len: int) -> "RolloutSettings":
@@ -128,6 +132,8 @@ class RolloutSettings:
             top_k=r.top_k,
             judge_timeout=typed.astuner.task_judge.timeout,
             on_cut=r.on_cut,
+            env_timeout=r.env_timeout,
+            env_retries=r.env_retries,
         )
 
 
@@ -220,6 +226,13 @@ class RolloutRunner:
             async with gate:
                 with watch("episode", f"{'val' if validation else 'train'}:{task.task_id}#{index}"):
                     episode = await self._episode(task, index, temperature, validation, step)
+                    retries = 0
+                    while FLAG_ENV_FAILED in episode.flags and retries < self.settings.env_retries:
+                        retries += 1  # a fresh workflow, so a fresh environment (env_failures' docstring)
+                        log.info("episode %s: its environment failed (%s); running it again (%d of %d)",
+                                 episode.episode_uid, episode.error_summary, retries, self.settings.env_retries)
+                        episode = await self._episode(task, index, temperature, validation, step)
+                    episode.env_retries = retries
             if on_episode_done is not None:
                 on_episode_done(episode)
             return episode
@@ -229,6 +242,9 @@ class RolloutRunner:
         with tool_failures.for_batch(healths):
             episodes = list(await asyncio.gather(*jobs))
         self._check_tool_infra(healths)
+        stop = env_failures.dominating_failure(episodes)
+        if stop is not None:
+            raise TrainingStalled(stop)
         return episodes
 
     async def _episode(
@@ -247,11 +263,12 @@ class RolloutRunner:
         tuner.auxiliary_models = aux_models
         workflow_task = WorkflowTask(task, repeat_index, episode.episode_uid, validation, aux_models)
         start = time.perf_counter()
-        with tool_failures.for_episode() as tools:  # the workflow's task reports its tools' start failures here
+        # The workflow's task reports its tools' start failures and its environment's failures here.
+        with tool_failures.for_episode() as tools, env_failures.for_episode(self.settings.env_timeout) as env:
             job = WorkflowJob(self._execute(workflow_task, tuner), loop=asyncio.get_running_loop())
         await _await_deadline(job, tuner, episode.episode_uid, timeout)
         output, problem = workflow_output(episode, job, tuner)
-        if problem is not None:
+        if problem is not None and not env.failures:  # an environment's failure is logged as such below
             self._log_error(episode, problem)
         tuner.close()  # revoke the episode's API keys: a late request gets 401 and records nothing
         logs.end_episode_prints(episode.episode_uid)
@@ -261,7 +278,7 @@ class RolloutRunner:
         episode.calls = list(tuner.calls)
         episode.cut = "" if tuner.expired else tuner.overflow_limit  # a timeout is its own record
         episode.seconds = time.perf_counter() - start
-        if self._flagged_by_records(episode, tuner, tools, timeout):
+        if self._flagged_by_records(episode, tuner, tools, env, timeout):
             output = None
         if episode.error_source == "workflow":  # e.g. "remote": the advice then points at the remote clients
             episode.error_source = getattr(self.workflow_cls, "error_source", "workflow")
@@ -301,10 +318,13 @@ class RolloutRunner:
         )
 
     def _flagged_by_records(self, episode: Episode, tuner: ModelTuner, tools: tool_failures.ToolHealth,
-                            timeout: float) -> bool:
-        """Flag the episode from the tuner's record (a timeout, an overflow) and its tools' (one that could not
-        start); True when flagged, and its output is then not judged. The tuner's record wins over what the
-        workflow returned: it may have caught our exception and gone on."""
+                            env: env_failures.EnvHealth, timeout: float) -> bool:
+        """Flag the episode from the tuner's record (a timeout, an overflow), its tools' (one that could not
+        start) and its environment's (a call that failed); True when flagged, and its output is then not judged.
+        These records win over what the workflow returned: it may have caught our exception and gone on."""
+        if env_failures.flag(episode, env):  # first: a timeout or an overflow it caused is not the model's
+            self._log_error(episode, "lost its environment")
+            return True
         flagged = False
         if tuner.expired:
             flagged = True

@@ -14,10 +14,11 @@ import traceback
 from typing import Any
 
 from astuner.auxiliary import judging_deadline
+from astuner.environments.failures import EnvironmentFailure
 from astuner.errors import UserError
 from astuner.model_tuner import EpisodeOverflow, EpisodeTimeout, ModelTuner
 from astuner.task_judge.base_judge import BaseJudge, call_judge
-from astuner.types import FLAG_FAILED, FLAG_JUDGE_TIMEOUT, Episode
+from astuner.types import FLAG_ENV_FAILED, FLAG_FAILED, FLAG_JUDGE_TIMEOUT, Episode
 from astuner.watchdog import watch
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
@@ -131,6 +132,11 @@ async def judge_output(judge: BaseJudge, timeout: float, episode: Episode, workf
         episode.error = episode.error_summary = str(exc)
         episode.error_source = "judge"
         return "was not judged in time"
+    except EnvironmentFailure as exc:  # the environment's scorer failed: retried as any failed environment
+        episode.flags += [FLAG_FAILED, FLAG_ENV_FAILED]
+        episode.error = traceback.format_exc()
+        episode.error_summary, episode.error_source = str(exc), "environment"
+        return "lost its environment"
     except Exception as exc:
         episode.flags.append(FLAG_FAILED)
         episode.error = traceback.format_exc()

@@ -35,6 +35,9 @@ FIX_ADVICE = {
               "astuner.rollout.episode_timeout if the episodes are just slow.",
     "teacher": "Check the teacher (astuner.teacher): its server is up and answers /v1/completions with echo and "
                "logprobs, or its model folder loads; raise astuner.teacher.timeout_s if it is just slow.",
+    "environment": "Check the environment (its package, its server or its data: the error quotes its own "
+                   "message); raise astuner.rollout.env_timeout if its calls are just slow, or "
+                   "astuner.rollout.env_retries if it fails now and then.",
     "judge": "Fix the judge (astuner.task_judge.judge_protocol; run with --backbone debug and a breakpoint in "
              "compute_reward), or raise astuner.task_judge.timeout if it is just slow.",
 }

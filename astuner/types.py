@@ -26,6 +26,9 @@ FLAG_JUDGE_TIMEOUT = "judge_timeout"  # judging exceeded task_judge.timeout (the
 FLAG_TOOL_INFRA_FAILED = "tool_infra_failed"
 # The teacher could not score the episode (on-policy distillation, astuner/distill/); it also carries FLAG_FAILED.
 FLAG_TEACHER_FAILED = "teacher_failed"
+# The environment failed (a call raised or timed out: astuner/environments/failures.py), after its retries; the
+# episode also carries FLAG_FAILED.
+FLAG_ENV_FAILED = "env_failed"
 # Not trained on for a cut (rollout.on_cut: mask or drop, astuner/cuts.py); not a failure.
 FLAG_CUT_DROPPED = "cut_dropped"
 
@@ -136,6 +139,8 @@ class Episode:
     abandoned_threads: int = 0
     # The limit that refused a call and so ended the episode ("budget", "window", "prompt"; astuner/cuts.py), or "".
     cut: str = ""
+    # Attempts of this episode run again because their environment failed (rollout.env_retries) before this one.
+    env_retries: int = 0
 
     @property
     def group_id(self) -> str:

@@ -188,7 +188,9 @@ def test_a_scorer_that_raises_flags_its_episodes_and_they_are_not_counted_as_zer
     episodes = runner.run(tasks)
     good, bad = episodes[:2], episodes[2:]
     assert all(e.reward == 1.0 and e.trainable for e in good)
-    assert all("failed" in e.flags and not e.trainable and e.error_source == "judge" for e in bad)
+    # the environment's failure: retried (rollout.env_retries, 2) with a fresh environment, then left out
+    assert all({"failed", "env_failed"} <= set(e.flags) and not e.trainable and e.error_source == "environment"
+               and e.env_retries == 2 for e in bad)
     assert "ConnectionError: the scorer's backend went away" in bad[0].error_summary
     metrics = episode_metrics(episodes, "train")
     # The failed half is out of the reward statistics (counted as zeros, the mean would be 0.5), and counted.

@@ -42,6 +42,8 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.rollout.max_num_seqs", "placement"),
     ("astuner.rollout.gpu_memory_utilization", "placement"),
     ("astuner.rollout.episode_timeout", "deadlines"),
+    ("astuner.rollout.env_timeout", "deadlines"),
+    ("astuner.rollout.env_retries", "deadlines"),
     ("astuner.rollout.preflight", "checks"),
     ("astuner.task_judge", "the reward"),
     ("astuner.task_judge.timeout", "deadlines"),

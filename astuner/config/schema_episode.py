@@ -179,6 +179,20 @@ class RolloutSection(Section):
         "after: its pending LLM requests are aborted and its later LLM calls fail at once.",
         gt=0,
     )
+    env_timeout: float = key(
+        60.0,
+        "Seconds one call of an environment others wrote (a game's step, a scorer, an environment service's "
+        "request) may take; past it, as when the call raises, the episode's environment has failed: flagged "
+        "env_failed, not trained on, not counted in its group, and run again (env_retries).",
+        gt=0,
+    )
+    env_retries: int = key(
+        2,
+        "Times an episode whose environment failed is run again with a fresh environment (same task, same seed), "
+        "counted as env/failed and env/retried. A batch in which more than half the episodes still fail stops the "
+        "run with the environment's error.",
+        ge=0,
+    )
     agent_madness_reward: float = key(
         0.0, "Reward given to an episode in which a check from compute_madness_checklist fired."
     )

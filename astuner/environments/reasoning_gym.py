@@ -20,13 +20,16 @@ The workflow (`AnswerWorkflow`) is one model call: reasoning-gym's system prompt
 `SYSTEM_PROMPTS` by name, or your text) and the question. The judge (`ReasoningGymJudge`) takes the answer inside
 the last `<answer_tag>...</answer_tag>` of the reply (reasoning-gym's `extract_answer`; no tag: no answer, which
 its scorers give 0; `answer_from: last_number` takes the reply's last number instead, for small models that
-never write tags) and logs each dataset's score as `metrics/score/<dataset>`. Either may be replaced by your
+never write tags) and logs each dataset's score as `metrics/score/<dataset>`. A scorer that raises is the
+environment's failure (astuner/environments/failures.py): the episode is flagged, kept out of its group and run
+again, never scored 0. Either may be replaced by your
 own (an agent with tools answering the same questions, say): the judge needs only the reply text in
 `WorkflowOutput.metadata["final_answer"]` (or `response`).
 """
 
 from __future__ import annotations
 
+from astuner.environments import failures as env_failures
 from astuner.errors import UserError
 from astuner.model_tuner import ModelTuner
 from astuner.task_judge.base_judge import FINAL_ANSWER_KEY, BaseJudge
@@ -67,7 +70,11 @@ class ReasoningGymJudge(BaseJudge):
         composite = build_composite(recipe["spec"])
         entry = composite[recipe["index"]]
         answer = extract(text, recipe.get("answer_from", "tag"), recipe["answer_tag"])
-        score = float(composite.score_answer(answer, entry))
+        try:
+            score = float(composite.score_answer(answer, entry))
+        except Exception as exc:  # noqa: BLE001 - the dataset's scorer failed, not the model: retried, not a zero
+            source = entry["metadata"].get("source_dataset", "reasoning_gym")
+            raise env_failures.failure(source, "score_answer", exc) from exc
         workflow_output.metrics[f"score/{entry['metadata'].get('source_dataset', 'unknown')}"] = score
         workflow_output.metrics["answered"] = float(answer is not None)
         return score, score >= 1.0

@@ -20,14 +20,17 @@ The other seat of a two-player game (`opponent`): `policy`, the same model in a 
 calls are recorded but never trained (agent `opponent`), or a function of yours, `observation -> move` (sync or
 async), such as a scripted or random player. The reward is the game's own for seat 0, from `env.close()` (TextArena:
 1 a win, -1 or 0 a loss, some games a score between); success is a full reward of 1. A game still running after
-`max_turns` of the model's moves is stopped unfinished: reward 0, counted as `metrics/unfinished`. A game that
-raises is a failed episode (flagged, never trained), not a loss.
+`max_turns` of the model's moves is stopped unfinished: reward 0, counted as `metrics/unfinished`. A game whose
+own call (set-up, observation, step, close) raises or runs past `rollout.env_timeout` is a failed environment, not a
+loss: the episode is flagged, left out of training and its group, and played again with a fresh game
+(astuner/environments/failures.py). A scripted opponent's error is the game's too.
 """
 
 from __future__ import annotations
 
 import inspect
 
+from astuner.environments import failures as env_failures
 from astuner.errors import UserError
 from astuner.model_tuner import ModelTuner
 from astuner.task_judge.base_judge import BaseJudge
@@ -71,7 +74,12 @@ class GameWorkflow(Workflow):
 
     async def execute(self, workflow_task: WorkflowTask, model_tuner: ModelTuner) -> WorkflowOutput:
         recipe = workflow_task.task.metadata[RECIPE_KEY]
-        env = make_game(recipe)
+        game = recipe["env_id"]
+
+        def env_call(operation: str, fn, *args, **kwargs):
+            return env_failures.call(game, operation, fn, *args, **kwargs)
+
+        env = await env_call("set-up", make_game, recipe)
         seats = {LEARNER: Seat(model_tuner, recipe.get("system_prompt") or "")}
         scripted = None
         if recipe.get("opponent") == POLICY_OPPONENT:
@@ -80,24 +88,31 @@ class GameWorkflow(Workflow):
             scripted = load_class(recipe["opponent"])
         moves, done, last = 0, False, ""
         while not done and moves < recipe["max_turns"]:
-            seat, observation = env.get_observation()
+            seat, observation = await env_call("get_observation", env.get_observation)
             text = observation_text(observation, seat)
             if seat in seats:
                 action = await seats[seat].move(text)
                 if seat == LEARNER:
                     moves, last = moves + 1, action
             else:
-                action = scripted(text)
-                if inspect.isawaitable(action):
-                    action = await action
-            done, _info = env.step(action=str(action))
+                action = await self._scripted(game, scripted, text)
+            done, _info = await env_call("step", env.step, action=str(action))
         outcome = {"finished": done, "moves": moves, "reward": 0.0, "invalid_move": False, "reason": ""}
         if done:
-            rewards, info = env.close()
+            rewards, info = await env_call("close", env.close)
             seat_info = (info or {}).get(LEARNER, {})
             outcome.update(reward=float(rewards[LEARNER]), invalid_move=bool(seat_info.get("invalid_move")),
                            reason=str(seat_info.get("reason", "")))
         return WorkflowOutput(reward=None, metadata={OUTCOME_KEY: outcome, "final_answer": last}, response=last)
+
+    @staticmethod
+    async def _scripted(game: str, opponent, text: str) -> str:
+        """The scripted opponent's move; its error is the environment's (the model did nothing wrong)."""
+        try:
+            action = opponent(text)
+            return await action if inspect.isawaitable(action) else action
+        except Exception as exc:  # noqa: BLE001 - quoted in the episode's error
+            raise env_failures.failure(game, "opponent's move", exc) from exc
 
 
 class GameJudge(BaseJudge):

@@ -4,6 +4,7 @@
     actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...); another model's (astuner.models)
                  as model/<name>/actor/*
     rollout/*    token-pipeline health and staleness (parse failures, prefix reuse, merge ratio, logprob gap)
+    env/*        environments that failed (an attempt raised or timed out) and attempts run again
     time/*, perf/*  stage durations and rates
     val/*        validation: greedy accuracy, and pass@k when val_num_repeat > 1
 """
@@ -17,6 +18,7 @@ from astuner.alarms import ToolUseAlarm
 from astuner.algorithm.samples import merge_ratio
 from astuner.algorithm.pass_at_k import ks_for, summarize, task_results
 from astuner.cuts import context_metrics, cut_metrics
+from astuner.environments.failures import env_metrics
 from astuner.types import (
     FLAG_FAILED,
     FLAG_NONSENSE,
@@ -94,7 +96,8 @@ def validation_metrics(greedy: list[Episode], sampled: list[Episode], repeats: i
     """`val/*` of the greedy episodes; `val/accuracy` is their success rate. With `repeats` > 1, pass@k for
     k in ks_for(repeats) over the sampled episodes (unbiased estimator, algorithm/pass_at_k.py). A void validation
     (`void_note`: most episodes failed or timed out) has `val/void` 1 and no accuracy: it measured nothing."""
-    metrics = {**episode_metrics(greedy, "val"), **cut_metrics(greedy, "val"), **context_metrics(greedy, "val")}
+    metrics = {**episode_metrics(greedy, "val"), **cut_metrics(greedy, "val"), **context_metrics(greedy, "val"),
+               **env_metrics(greedy, "val/env")}
     if void_note(greedy):
         metrics["val/void"] = 1.0
         return metrics
@@ -135,6 +138,7 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
             out[f"rollout/{name}"] = train_metrics[name]
     # Every cut by its limit, and what the context policy did instead (astuner/cuts.py).
     out.update({**cut_metrics(episodes, "rollout"), **context_metrics(episodes, "rollout")})
+    out.update(env_metrics(episodes))  # env/failed, env/retried (astuner/environments/failures.py)
     # The same gap by context depth, and how many deep bins drift (algorithm/mismatch.py).
     out.update({f"rollout/{k}": v for k, v in train_metrics.items() if k.startswith("logprob_abs_diff/")})
     agents = sorted({c.agent for c in calls if c.agent})

@@ -2,7 +2,7 @@
 
 Public API (imported lazily so that `astuner --help` and the config module stay light):
     from astuner import ModelTuner, Workflow, WorkflowTask, WorkflowOutput
-    from astuner import tune, JudgeOutput, DatasetConfig, TunerModelConfig, AlgorithmConfig   (the tune() API)
+    from astuner import tune, JudgeOutput, DatasetConfig, TunerModelConfig, AlgorithmConfig, EnvConfig   (tune())
 """
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ _EXPORTS = {
     "TunerModelConfig": "astuner.tune_api",
     "AlgorithmConfig": "astuner.tune_api",
     "AuxiliaryModelConfig": "astuner.tune_api",
+    "EnvConfig": "astuner.tune_api",
 }
 
 __all__ = list(_EXPORTS)

@@ -5,6 +5,11 @@
          train_dataset=DatasetConfig(path="my_dataset", split="train"),
          algorithm=AlgorithmConfig(group_size=8, batch_size=32, learning_rate=1e-6))
     tune(workflow_func=run_agent, judge_func=judge, config_path="config.yaml")
+    tune(env=EnvConfig("textarena", {"env_id": "GuessTheNumber-v0"}), algorithm=AlgorithmConfig(...))
+
+An environment others wrote (`env`, astuner/environments/) brings its own tasks, workflow and judge: its kind is
+the task reader's type and its arguments that reader's section, as in a YAML; `workflow_func` or `judge_func`, when
+given too, replace the environment's own (an agent of yours answering its tasks).
 
 The config objects become a YAML (written as `<project_name>.yaml` in the run folder), which goes through the
 same compose, validation, start-up checks and backbone as `astuner --conf`: no second loop. The functions are
@@ -66,6 +71,15 @@ class DatasetConfig:
 
 
 @dataclass
+class EnvConfig:
+    """An environment others wrote: `kind` one of astuner.environments.ENVIRONMENTS (reasoning_gym, textarena),
+    `args` the keys of that task reader's section (e.g. {"env_id": "GuessTheNumber-v0", "size": 256})."""
+
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TunerModelConfig:
     model_path: str = "demo:smollm2-135m-instruct"
     max_model_len: int | None = None
@@ -106,13 +120,20 @@ class AuxiliaryModelConfig:
     max_tokens: int = 512
 
 
-def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelConfig | dict | None,
+def build_yaml(*, workflow_spec: str | None, judge_spec: str | None, model: TunerModelConfig | dict | None,
                train_dataset: DatasetConfig | None, eval_dataset: DatasetConfig | None,
                algorithm: AlgorithmConfig | None, project_name: str, experiment_dir: str | None,
-               auxiliary_models: dict | None = None) -> dict:
+               auxiliary_models: dict | None = None, env: EnvConfig | None = None) -> dict:
     """The astuner YAML (as a dict) for tune()'s config objects."""
-    if train_dataset is None:
-        raise UserError("tune(): give train_dataset=DatasetConfig(path=...) or config_path=...")
+    if env is not None:
+        if train_dataset is not None or eval_dataset is not None:
+            raise UserError("tune(): env= brings its own training and validation tasks; leave train_dataset and "
+                            "eval_dataset out")
+        reader = _env_section(env)
+    elif train_dataset is None:
+        raise UserError("tune(): give train_dataset=DatasetConfig(path=...), env=EnvConfig(...) or config_path=...")
+    else:
+        reader = _reader_section(train_dataset, eval_dataset)
     roster: dict[str, Any] = {}
     if isinstance(model, dict):
         model, roster = _per_agent_models(model)
@@ -124,14 +145,14 @@ def build_yaml(*, workflow_spec: str, judge_spec: str | None, model: TunerModelC
     astuner: dict[str, Any] = {
         "project_name": project_name,
         "model": {"path": model.model_path},
-        "task_reader": _reader_section(train_dataset, eval_dataset),
+        "task_reader": reader,
         "data": {"train_batch_size": algorithm.batch_size},
         "rollout": {"agentscope_workflow": workflow_spec, "num_repeat": algorithm.group_size,
                     "temperature": model.temperature, "max_model_len": model.max_model_len, "engine": model.engine,
                     **({} if model.max_tokens is None else {"max_response_length_in_one_turn": model.max_tokens})},
         "trainer_common": {"optim": {"lr": algorithm.learning_rate}, "total_epochs": algorithm.epochs,
                            "total_training_steps": algorithm.total_steps,
-                           "val_before_train": eval_dataset is not None},
+                           "val_before_train": eval_dataset is not None or env is not None},
     }
     if judge_spec is not None:
         astuner["task_judge"] = {"judge_protocol": judge_spec}
@@ -182,6 +203,19 @@ def _per_agent_models(models: dict) -> tuple[TunerModelConfig, dict[str, Any]]:
     }
 
 
+def _env_section(env: EnvConfig) -> dict:
+    """The task reader section of an environment: its kind checked here (the registry's names), its arguments by
+    the config's schema, as a YAML's are."""
+    from astuner.environments import ENVIRONMENTS
+
+    if not isinstance(env, EnvConfig):
+        raise UserError(f"tune(): env must be an EnvConfig(kind, args), got {type(env).__name__}")
+    if env.kind not in ENVIRONMENTS:
+        raise UserError(f"tune(): EnvConfig.kind={env.kind!r} is not an environment astuner plays; the kinds are "
+                        f"{', '.join(sorted(ENVIRONMENTS))}")
+    return {"type": env.kind, env.kind: dict(env.args)}
+
+
 def _reader_section(train: DatasetConfig, val: DatasetConfig | None) -> dict:
     if train.is_file():
         section: dict[str, Any] = {"type": "jsonl_dataset_file", "jsonl_dataset_file": {
@@ -225,13 +259,15 @@ def ship_functions(functions: dict[str, Callable], path: Path) -> Path:
     return path.resolve()
 
 
-def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
+def tune(*, workflow_func: Callable | None = None, judge_func: Callable | None = None,
          model: TunerModelConfig | dict[str, TunerModelConfig] | None = None,
          train_dataset: DatasetConfig | None = None, eval_dataset: DatasetConfig | None = None,
          algorithm: AlgorithmConfig | None = None, config_path: str | None = None, project_name: str | None = None,
          experiment_dir: str | None = None, overrides: list[str] | None = None, backbone: str = "debug",
-         auxiliary_models: dict[str, AuxiliaryModelConfig | dict] | None = None, with_ray: bool = False) -> int:
-    """Train `workflow_func` (judged by `judge_func`) and return the exit code astuner would (0 = trained).
+         auxiliary_models: dict[str, AuxiliaryModelConfig | dict] | None = None, with_ray: bool = False,
+         env: EnvConfig | None = None) -> int:
+    """Train `workflow_func` (judged by `judge_func`), or the environment `env` plays, and return the exit code
+    astuner would (0 = trained).
     `with_ray` is the CLI's --with-ray: with backbone verl or trinity, start a local Ray cluster if none answers.
     `model` as {agent: TunerModelConfig}: one trained model per agent (the first is the policy), and
     `workflow_func` gets {agent: its model} as its `model` argument.
@@ -241,9 +277,12 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
 
     from astuner.launch import run
 
-    workflow_spec = function_spec(workflow_func, "workflow_func")
+    if workflow_func is None and env is None and config_path is None:
+        raise UserError("tune(): give workflow_func=your agent, or env=EnvConfig(...) for an environment others wrote")
+    workflow_spec = None if workflow_func is None else function_spec(workflow_func, "workflow_func")
     judge_spec = None if judge_func is None else function_spec(judge_func, "judge_func")
-    project_name = project_name or getattr(workflow_func, "__name__", "tune")
+    project_name = project_name or (env.kind if workflow_func is None and env is not None else
+                                    getattr(workflow_func, "__name__", "tune"))
     folder = Path(experiment_dir) if experiment_dir else Path.cwd() / "launcher_record" / project_name
     # The YAML sits beside the run's other files; the launcher's resume logic decides the final folder.
     spec_dir = folder.parent / ".tune"
@@ -255,7 +294,7 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
                 workflow_spec = f"{target}->{workflow_func.__qualname__}"
             if judge_func in local:
                 judge_spec = f"{target}->{judge_func.__qualname__}"
-    extra = [f"astuner.rollout.agentscope_workflow='{workflow_spec}'"]
+    extra = [] if workflow_spec is None else [f"astuner.rollout.agentscope_workflow='{workflow_spec}'"]
     if judge_spec is not None:
         extra.append(f"astuner.task_judge.judge_protocol='{judge_spec}'")
     if config_path is not None:
@@ -266,7 +305,7 @@ def tune(*, workflow_func: Callable, judge_func: Callable | None = None,
         return 0
     tree = build_yaml(workflow_spec=workflow_spec, judge_spec=judge_spec, model=model, train_dataset=train_dataset,
                       eval_dataset=eval_dataset, algorithm=algorithm, project_name=project_name,
-                      experiment_dir=experiment_dir, auxiliary_models=auxiliary_models)
+                      experiment_dir=experiment_dir, auxiliary_models=auxiliary_models, env=env)
     spec_dir.mkdir(parents=True, exist_ok=True)
     path = spec_dir / f"{project_name}.yaml"
     if experiment_dir is None:

@@ -11,7 +11,16 @@ import sys
 import pytest
 import yaml
 
-from astuner import AlgorithmConfig, AuxiliaryModelConfig, DatasetConfig, JudgeOutput, TunerModelConfig, WorkflowOutput, tune
+from astuner import (
+    AlgorithmConfig,
+    AuxiliaryModelConfig,
+    DatasetConfig,
+    EnvConfig,
+    JudgeOutput,
+    TunerModelConfig,
+    WorkflowOutput,
+    tune,
+)
 from astuner.cli import main
 from astuner.errors import UserError
 from astuner.task_judge.shaping import (
@@ -110,6 +119,46 @@ def test_bad_tune_arguments_are_clear_errors(tmp_path):
         tune(workflow_func=quick.add_numbers, train_dataset=data, algorithm=AlgorithmConfig(algorithm_type="ppo"))
     with pytest.raises(UserError, match="train_dataset"):
         tune(workflow_func=quick.add_numbers)
+
+
+GAME = EnvConfig("textarena", {"env_id": "GuessTheNumber-v0", "size": 4, "validation_size": 2,
+                               "env_kwargs": {"min_number": 1, "max_number": 5, "max_turns": 2}, "max_turns": 2})
+
+
+def test_an_environment_others_wrote_is_named_not_coded(tmp_path):
+    from astuner.config import load_config
+    from astuner.runtime import judge_spec, workflow_spec
+    from astuner.tune_api import build_yaml
+
+    tree = build_yaml(workflow_spec=None, judge_spec=None, model=None, train_dataset=None, eval_dataset=None,
+                      algorithm=AlgorithmConfig(group_size=2, batch_size=2), project_name="g", experiment_dir=None,
+                      env=GAME)
+    assert tree["astuner"]["task_reader"] == {"type": "textarena", "textarena": GAME.args}
+    assert tree["astuner"]["trainer_common"]["val_before_train"]  # an environment has its validation tasks
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    typed = load_config(path).typed  # the schema checks the arguments, as a YAML's
+    assert workflow_spec(typed) == "astuner.environments.textarena->GameWorkflow"
+    assert judge_spec(typed) == "astuner.environments.textarena->GameJudge"
+    with pytest.raises(UserError, match=r"kind='textarna' .* reasoning_gym, textarena"):
+        tune(env=EnvConfig("textarna"))
+    with pytest.raises(UserError, match="leave train_dataset and eval_dataset out"):
+        tune(env=GAME, train_dataset=DatasetConfig(path=str(TUNE_DIR / "my_dataset")))
+    with pytest.raises(UserError, match=r"workflow_func=your agent, or env=EnvConfig"):
+        tune()
+
+
+@pytest.mark.slow
+def test_tune_trains_an_environment_with_no_code_of_its_own(tmp_path, tiny_model_dir):
+    assert tune(env=GAME, model=TunerModelConfig(model_path=str(tiny_model_dir), max_model_len=1024, max_tokens=8,
+                                                 engine="hf"),
+                algorithm=AlgorithmConfig(group_size=2, batch_size=2, total_steps=1),
+                experiment_dir=str(tmp_path / "run")) == 0
+    rows = _metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 1] and "val/metrics/unfinished" in rows[0]  # the game's metrics
+    assert rows[1]["env/failed"] == 0.0 and rows[1]["train/failure_rate"] == 0.0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["astuner"]
+    assert saved["task_reader"]["type"] == "textarena" and saved["rollout"]["agentscope_workflow"] is None
 
 
 # --- reward shaping ---------------------------------------------------------------------------------------------

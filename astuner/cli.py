@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from astuner.cli_serve import key_app, serve_app
+from astuner.cli_serve import key_app, serve_app, serve_model_app
 from astuner.errors import EngineStartError, StageTimeout, TrainingStalled, UserError, WorkerLost
 from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
 from astuner.launch import run
@@ -360,7 +360,7 @@ def doctor(
 
 
 SUBCOMMANDS = {"logview": logview_app, "eval": eval_app, "export": export_app, "warmstart": warmstart_app,
-               "doctor": doctor_app, "serve": serve_app, "serve-key": key_app}
+               "doctor": doctor_app, "serve": serve_app, "serve-key": key_app, "serve-model": serve_model_app}
 
 
 def _fail(message: str) -> int:

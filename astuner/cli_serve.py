@@ -1,4 +1,5 @@
-"""`astuner serve` and `astuner serve-key`: the commands (light imports only; the server loads torch when it starts)."""
+"""`astuner serve`, `astuner serve-key` and `astuner serve-model`: the commands (light imports only; the servers load
+torch when they start)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def _app() -> typer.Typer:
 
 serve_app = _app()
 key_app = _app()
+serve_model_app = _app()
 
 
 def _say(line: str) -> None:
@@ -205,3 +207,66 @@ def _keys(conf: str):
     if not os.path.exists(conf):
         raise UserError(f"serve-key: no config at {conf}")
     return KeyStore(serve_dir(load_config(conf, [])) / "keys.json")
+
+
+@serve_model_app.command()
+def serve_model(
+    conf: Annotated[str, typer.Option("--conf", "-c", help="The run's YAML config: its chat template, parsers, "
+                                      "limits and sampling are served.", show_default=False)],
+    overrides: Annotated[list[str] | None, typer.Argument(metavar="KEY=VALUE", help="Config overrides.",
+                                                          show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="A checkpoint (launcher_record/<run>/"
+                                              "global_step_N) or model folder. Default: the config's model.",
+                                              show_default=False)] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; another than loopback only with --key-env.")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port; 0: any free port.")] = 8000,
+    key_env: Annotated[str | None, typer.Option("--key-env", help="An environment variable holding the key every "
+                                                "request must carry (Bearer or x-api-key).", show_default=False)]
+    = None,
+) -> None:
+    """Serve a checkpoint over the OpenAI (Chat Completions, Responses) and Anthropic (Messages) APIs exactly as
+    its training rollouts sampled it, for any evaluation harness.
+
+    Example: astuner serve-model --conf tutorial/reasoning_gym/reasoning_gym.yaml
+    --model launcher_record/reasoning_gym_chain_sum/global_step_20, then point a client at
+    http://127.0.0.1:8000/v1 (temperature 0: greedy, as `astuner eval` measures).
+    """
+    from pathlib import Path
+
+    from astuner.config import load_config
+    from astuner.interrupts import TERMINATED_EXIT, Terminated, sigterm_as_interrupt
+    from astuner.logs import setup_logging
+    from astuner.serve import LOOPBACK
+    from astuner.serve import model_server
+
+    key = None
+    if key_env is not None:
+        key = os.environ.get(key_env)
+        if not key:
+            raise UserError(f"serve-model --key-env {key_env}: that environment variable is empty or unset; export "
+                            "the key there first (any long random string, e.g. from 'openssl rand -hex 24')")
+    elif host not in (LOOPBACK, "localhost", "::1"):
+        raise UserError(f"serve-model --host {host}: listening beyond this machine needs a key (--key-env VAR), "
+                        f"or serve on {LOOPBACK}")
+    loaded = load_config(conf, list(overrides or []))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    log_file = setup_logging(Path(loaded.experiment_dir) / "serve_model", "serve-model.log")
+    _say(f"loading {model or loaded.typed.astuner.model.path}; the server's log goes to {log_file}")
+    app, path, engine = model_server.build(loaded, model)
+    app.key = key
+
+    def ready(base_url: str) -> None:
+        _say(f"serving {path} at {base_url} (OpenAI Chat Completions and Responses; Anthropic Messages at "
+             f"{base_url.removesuffix('/v1')}); model name {app.model_name!r}; "
+             "Ctrl-C stops")
+
+    try:
+        with sigterm_as_interrupt(grace_s=None):
+            model_server.serve(app, host, port, on_ready=ready)
+    except Terminated:
+        _say("terminated (SIGTERM)")
+        raise typer.Exit(TERMINATED_EXIT) from None
+    finally:
+        app.runner.close(auxiliary=False)
+        engine.shutdown()

@@ -257,7 +257,7 @@ class RolloutRunner:
         thread_owner = f"{episode.episode_uid} (step {step})"
         daemon_threads.owner.set(thread_owner)
         logs.EPISODE.set(episode.episode_uid)  # what the episode's code prints goes to the run's log (logs.py)
-        tuner = self._tuner(episode.episode_uid, temperature, step, timeout)
+        tuner = self.new_tuner(episode.episode_uid, temperature, step, timeout)
         aux_models, aux_usage = ({}, {}) if self.auxiliary is None else self.auxiliary.for_episode(
             episode.episode_uid, tuner.deadline)
         tuner.auxiliary_models = aux_models
@@ -294,8 +294,9 @@ class RolloutRunner:
             cuts.apply_policy(episode, self.settings.on_cut)
         return episode
 
-    def _tuner(self, episode_uid: str, temperature: float, step: int, timeout: float) -> ModelTuner:
-        """The episode's ModelTuner, which records its LLM calls and expires `timeout` seconds from now."""
+    def new_tuner(self, episode_uid: str, temperature: float, step: int, timeout: float) -> ModelTuner:
+        """An episode's ModelTuner, which records its LLM calls and expires `timeout` seconds from now (also each
+        request's of `astuner serve-model`)."""
         return ModelTuner(
             self.engine,
             self.tokenizer,

@@ -129,24 +129,12 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     """One model: its engine, the greedy and sampled episodes (kept for the log viewer in
     `out_dir/episodes/<label>/`), its report."""
     from astuner import preflight
-    from astuner.model_cache import ModelPathError, resolve_model_path
     from astuner.rollout import RolloutRunner, RolloutSettings
     from astuner.runtime import build_engine, load_tokenizer, roster_of, stop_token_ids
 
     typed = loaded.typed
     label = model_label(spec, {r.label for r in reports})
-    try:
-        path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
-    except ModelPathError as exc:
-        raise UserError(f"eval --model {spec}: {exc}") from None
-    from astuner.trainer.lora import is_adapter_checkpoint
-
-    if spec is not None and is_adapter_checkpoint(Path(path)):
-        raise UserError(f"eval --model {spec}: a LoRA adapter checkpoint; merge it first with 'astuner export {spec} "
-                        "--out DIR' and evaluate DIR")
-    if spec is not None and not (Path(path) / "config.json").is_file():
-        raise UserError(f"eval --model {spec}: not a model folder (no config.json); give a checkpoint "
-                        "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
+    path = checked_model_path(typed, spec, "eval")
     facts = preflight.read_model_facts(path)
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
                                               typed.astuner.rollout.max_response_length_in_one_turn)
@@ -183,6 +171,25 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
         announce(f"eval {label}: void: {void}; its accuracy is n/a (no measurement). Fix what stopped the episodes "
                  "(the log names each), then evaluate again.")
     return ModelReport(label, str(path), results, summary, void)
+
+
+def checked_model_path(typed, spec: str | None, command: str) -> str:
+    """The folder of `spec` (a checkpoint or model folder; None: the config's model), or a UserError of `command`
+    saying what it is instead (a LoRA adapter to merge first, a folder with no model)."""
+    from astuner.model_cache import ModelPathError, resolve_model_path
+    from astuner.trainer.lora import is_adapter_checkpoint
+
+    try:
+        path = resolve_model_path(spec if spec is not None else typed.astuner.model.path)
+    except ModelPathError as exc:
+        raise UserError(f"{command} --model {spec}: {exc}") from None
+    if spec is not None and is_adapter_checkpoint(Path(path)):
+        raise UserError(f"{command} --model {spec}: a LoRA adapter checkpoint; merge it first with 'astuner export "
+                        f"{spec} --out DIR' and give DIR")
+    if spec is not None and not (Path(path) / "config.json").is_file():
+        raise UserError(f"{command} --model {spec}: not a model folder (no config.json); give a checkpoint "
+                        "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
+    return path
 
 
 def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:

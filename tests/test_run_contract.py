@@ -207,8 +207,18 @@ def test_every_config_key_is_read_or_named_inactive(tmp_path, tiny_model_dir, en
         "astuner.task_judge.judge_protocol='astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge'",
     ])
     assert leaves - reads_g - inactive_g - READ_WHILE_LOADING == set()
+    # Run H: an OpenEnv environment (the tutorial's package, served here) with its own workflow and judge.
+    reads_h, inactive_h = keys_read_by_a_run(write_run(tmp_path / "h", tiny_model_dir), one_step + [
+        "astuner.task_reader.type=openenv", f"astuner.task_reader.openenv.app_dir={REPO / 'tutorial/openenv/calc_env'}",
+        "astuner.task_reader.openenv.size=2", "astuner.task_reader.openenv.validation_size=1",
+        "astuner.task_reader.openenv.max_turns=1", "astuner.rollout.agentscope_workflow=null",
+        "astuner.rollout.max_model_len=1024", "astuner.data.max_prompt_length=900",  # the tools' prompt
+        "astuner.task_judge.judge_protocol='astuner.task_judge.math_answer_as_judge->MathAnswerAsJudge'",
+    ])
+    assert leaves - reads_h - inactive_h - READ_WHILE_LOADING == set()
     later |= {f"astuner.teacher.{k}" for k in ("api", "served_model", "api_key_env", "batch_size")}
-    assert leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - reads_g - READ_WHILE_LOADING == later
+    assert (leaves - reads_a - reads_b - reads_c - reads_d - reads_e - reads_f - reads_g - reads_h
+            - READ_WHILE_LOADING) == later
 
 
 def test_the_recorder_notices_an_unread_key(tmp_path, tiny_model_dir):

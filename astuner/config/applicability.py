@@ -72,6 +72,9 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.task_reader.textarena": (
         "with task_reader.type textarena", lambda c, b: c.astuner.task_reader.type == "textarena"
     ),
+    "astuner.task_reader.openenv": (
+        "with task_reader.type openenv", lambda c, b: c.astuner.task_reader.type == "openenv"
+    ),
     "astuner.task_reader.huggingface_dat_repo": (
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",

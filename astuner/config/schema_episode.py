@@ -94,11 +94,31 @@ class TextArenaReader(Section):
     system_prompt: str = key("", "A system message before the game's own prompt; \"\": none.")
 
 
+class OpenEnvReader(Section):
+    app_dir: str = key(".", "The environment's package (relative: to the YAML's folder, then the working directory); "
+                       "its app is imported from there.")
+    app: Optional[str] = key(None, "The environment server's app, 'module:attribute' as uvicorn imports it (e.g. "
+                             "server.app:app); null: the 'app:' line of app_dir/openenv.yaml.")
+    reset_kwargs: dict[str, Any] = key({}, "Arguments of every reset besides the task's seed.")
+    size: int = key(256, "Training episodes (reset seeds seed .. seed + size - 1).", ge=1)
+    validation_size: int = key(32, "Validation episodes, under other seeds; 0: no validation.", ge=0)
+    seed: Optional[int] = key(None, "Seed of the first episode; null: astuner.seed.")
+    max_turns: int = key(16, "The model's turns after which an episode still running stops unfinished.", ge=1)
+    action_field: Optional[str] = key(None, "null: the environment's MCP tools are the agent's tools (each tool call a "
+                                      "step); a name: the model's whole reply is the action {name: reply}.")
+    system_prompt: str = key("", "A system message before the environment's first observation; \"\": none.")
+    servers: int = key(1, "Environment servers started per rollout process (subprocesses of 127.0.0.1).", ge=1)
+    sessions_per_server: int = key(1, "Episodes one server holds at once: its app's max_concurrent_envs (1 unless "
+                                   "its environment declares SUPPORTS_CONCURRENT_SESSIONS).", ge=1)
+
+
 class TaskReaderSection(Section):
-    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena"] = key(
+    type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena",
+                  "openenv"] = key(
         "jsonl_dataset_file",
         "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service | reasoning_gym | "
-        "textarena (those two with their own workflow and judge unless you name yours: astuner/environments/)."
+        "textarena | openenv (the last three with their own workflow and judge unless you name yours: "
+        "astuner/environments/)."
     )
     query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
     task_id_field: Optional[str] = key(None, 'Dataset field holding a stable task id; null: "<split>-<row index>".')
@@ -114,6 +134,10 @@ class TaskReaderSection(Section):
     textarena: TextArenaReader = section(
         TextArenaReader, "TextArena's games, played turn by turn and scored by their own outcome "
         "(pip install 'astuner[textarena]')."
+    )
+    openenv: OpenEnvReader = section(
+        OpenEnvReader, "An OpenEnv environment served from your package on this machine, its MCP tools the agent's, "
+        "its rewards the episode's (pip install 'astuner[openenv]')."
     )
 
 

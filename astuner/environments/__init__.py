@@ -6,7 +6,7 @@ ENVIRONMENTS maps a `task_reader.type` to the workflow and judge that play it. A
 default (`judge_protocol` unchanged, no `combine`) gets the environment's judge. Naming your own workflow (an agent
 with tools that answers the environment's questions) or judge works as for any task.
 Each environment's package is an optional extra of pyproject.toml (`pip install 'astuner[reasoning-gym]'`,
-`'astuner[textarena]'`); its reader stops a run that lacks it at start (exit 2) with that line.
+`'astuner[textarena]'`, `'astuner[openenv]'`); its reader stops a run that lacks it at start (exit 2) with that line.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ ENVIRONMENTS: dict[str, Environment] = {
     "textarena": Environment(
         workflow="astuner.environments.textarena->GameWorkflow",
         judge="astuner.environments.textarena->GameJudge",
+    ),
+    "openenv": Environment(
+        workflow="astuner.environments.openenv->EpisodeWorkflow",
+        judge="astuner.environments.openenv->EpisodeJudge",
     ),
 }
 

@@ -84,12 +84,17 @@ def failure(environment: str, operation: str, cause: BaseException | str) -> Env
     return record(EnvironmentFailure(environment, operation, text))
 
 
+def current_timeout() -> float:
+    """The running episode's rollout.env_timeout (DEFAULT_TIMEOUT_S outside an episode)."""
+    health = _health.get()
+    return health.timeout if health is not None else DEFAULT_TIMEOUT_S
+
+
 async def call(environment: str, operation: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` (a sync call of the environment) in a thread, within the episode's
     rollout.env_timeout; whatever it raises, or its running past the deadline (the thread is then abandoned, as a
     stuck agent's is: astuner/daemon_threads.py), is an EnvironmentFailure."""
-    health = _health.get()
-    timeout = health.timeout if health is not None else DEFAULT_TIMEOUT_S
+    timeout = current_timeout()
     job = asyncio.ensure_future(asyncio.to_thread(functools.partial(fn, *args, **kwargs)))
     done, _ = await asyncio.wait({job}, timeout=timeout)
     if not done:

@@ -14,6 +14,7 @@ from astuner.task_reader.base import KEY, TaskReader
 from astuner.task_reader.env_service_reader import EnvServiceTaskReader
 from astuner.task_reader.hf_reader import HuggingFaceTaskReader
 from astuner.task_reader.jsonl_reader import JsonlTaskReader
+from astuner.task_reader.openenv_reader import OpenEnvTaskReader
 from astuner.task_reader.reasoning_gym_reader import ReasoningGymTaskReader
 from astuner.task_reader.textarena_reader import TextArenaTaskReader
 
@@ -23,6 +24,7 @@ TASK_READERS: dict[str, type[TaskReader]] = {
     "env_service": EnvServiceTaskReader,
     "reasoning_gym": ReasoningGymTaskReader,
     "textarena": TextArenaTaskReader,
+    "openenv": OpenEnvTaskReader,
 }
 
 __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]

@@ -17,7 +17,10 @@ episode even when the workflow caught the exception, and so does a tool that cou
 astuner/tools/failures.py): flagged `tool_infra_failed` and `failed`, not trained on, even when the agent's framework
 handed the error to the model as a tool result. The run stops after `TOOL_INFRA_BATCHES_TO_STOP` batches in a row
 (a `run`: a step's rollout, or a validation) in which some tool could not start and none did: counted per batch, not
-per episode, since one brief hiccup hits every episode running at that moment.
+per episode, since one brief hiccup hits every episode running at that moment. An environment that failed (a
+call of a game, a scorer or a server that raised or timed out: astuner/environments/failures.py) flags its episode
+`env_failed`, which is run again with a fresh workflow up to `rollout.env_retries` times; a batch that environments
+still fail in more than half of stops the run.
 A workflow cancelled by anything but that deadline (its own code, its framework, an AgentScope `interrupt()` the
 agent swallowed) is flagged `failed`: its reward 0 is not the model's. Who sent a cancellation the workflow
 swallowed is known from its task (`rollout_episode.WorkflowJob`): asyncio's and anyio's primitives (timeouts, task

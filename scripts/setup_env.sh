@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with astuner, its test tools, AgentScope 1.x and the agent frameworks of
 # tutorial/frameworks/, and caches the demo model.
-# --test also installs what only the tests need: Chromium for the log viewer's browser test, and .venv-as2 with
-# AgentScope 2.x.
+# --test also installs what only the tests need: Chromium for the log viewer's browser test, .venv-as2 with
+# AgentScope 2.x and .venv-vf with verifiers.
 # Safe to run again: it only installs what is missing. Set PYTHON to choose the interpreter (3.10+).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,4 +76,12 @@ if [ "${1:-}" = "--test" ] && [ ! -x .venv-as2/bin/python ]; then
   .venv-as2/bin/python -m pip install -q --upgrade pip
   .venv-as2/bin/python -c "import torch" 2>/dev/null || .venv-as2/bin/python -m pip install -q "torch==2.13.0"
   .venv-as2/bin/python -m pip install -q -e . "pytest>=8" "agentscope==2.0.11"
+fi
+# Tests only: verifiers in its own environment (.venv-vf): it pins mcp==2.0.0, which AgentScope 1.x refuses, and
+# needs Python 3.11+. No vLLM there either: its tests use the HF engine.
+if [ "${1:-}" = "--test" ] && [ ! -x .venv-vf/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv-vf
+  .venv-vf/bin/python -m pip install -q --upgrade pip
+  .venv-vf/bin/python -c "import torch" 2>/dev/null || .venv-vf/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vf/bin/python -m pip install -q -e ".[verifiers]" "pytest>=8"
 fi

@@ -28,3 +28,5 @@ ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile tes
   -k "not sigterm and not debug_backbone_two_steps and not later_engine"  # vLLM's process handling: no arithmetic
 echo "AgentScope 2.x, in its own environment (.venv-as2):"
 .venv-as2/bin/python -m pytest -q tests/test_agentscope2.py
+echo "verifiers, in its own environment (.venv-vf):"
+.venv-vf/bin/python -m pytest -q tests/test_verifiers.py

@@ -30,12 +30,21 @@ def _agentscope_major() -> int:
         return 0
 
 
-# AgentScope 1.x needs mcp<2 and 2.x needs mcp>=2, so the two lines live in two environments (scripts/test.sh
-# runs both): the main one (1.x, vLLM) collects every test but AgentScope 2.x's, .venv-as2 only those.
-if _agentscope_major() >= 2:
-    collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_agentscope2.py"]
+def _has_verifiers() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("verifiers") is not None
+
+
+# AgentScope 1.x needs mcp<2, AgentScope 2.x needs mcp>=2 and verifiers pins mcp==2.0.0, so they live in three
+# environments (scripts/test.sh runs each): the main one (1.x, vLLM) collects every test but those of the other
+# two, .venv-as2 only AgentScope 2.x's and .venv-vf only verifiers'.
+OWN_ENVIRONMENT = ("test_agentscope2.py", "test_verifiers.py")
+_only = "test_verifiers.py" if _has_verifiers() else "test_agentscope2.py" if _agentscope_major() >= 2 else None
+if _only is not None:
+    collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != _only]
 else:
-    collect_ignore = ["test_agentscope2.py"]
+    collect_ignore = list(OWN_ENVIRONMENT)
 
 
 # The fast tier (`scripts/test.sh --fast`: -m "not slow") stays fast for the edit loop: a test outside it that

@@ -64,7 +64,7 @@ def test_registry_names_match_config_contract():
     declared = set(typing.get_args(TaskReaderSection.model_fields["type"].annotation))
     assert set(TASK_READERS) == declared
     assert {"jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena",
-            "openenv"} <= declared
+            "openenv", "verifiers"} <= declared
 
 
 def test_unknown_type_suggests_closest(tmp_path):

@@ -75,6 +75,9 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.task_reader.openenv": (
         "with task_reader.type openenv", lambda c, b: c.astuner.task_reader.type == "openenv"
     ),
+    "astuner.task_reader.verifiers": (
+        "with task_reader.type verifiers", lambda c, b: c.astuner.task_reader.type == "verifiers"
+    ),
     "astuner.task_reader.huggingface_dat_repo": (
         "with task_reader.type huggingface_dat_repo",
         lambda c, b: c.astuner.task_reader.type == "huggingface_dat_repo",

@@ -112,12 +112,25 @@ class OpenEnvReader(Section):
                                    "its environment declares SUPPORTS_CONCURRENT_SESSIONS).", ge=1)
 
 
+class VerifiersReader(Section):
+    env_id: str = key("", "The taskset id verifiers loads: an importable module exporting one Taskset (verifiers' "
+                      "own tasksets by name, or yours, with env_dir).")
+    env_dir: Optional[str] = key(None, "A folder put on the import path first (relative: to the YAML's folder, then "
+                                 "the working directory): where your taskset's module lives.")
+    env_args: dict[str, Any] = key({}, "The taskset's config keys (verifiers' TasksetConfig of that taskset).")
+    agent: dict[str, Any] = key({}, "The agent's config keys (verifiers' AgentConfig: harness, max_turns, token caps, "
+                                "runtime; runtime is subprocess, on this machine, unless set).")
+    size: Optional[int] = key(None, "Training tasks: the taskset's first `size`; null: all but the validation ones.",
+                              ge=1)
+    validation_size: int = key(16, "Validation tasks: the `validation_size` after the training ones; 0: none.", ge=0)
+
+
 class TaskReaderSection(Section):
     type: Literal["jsonl_dataset_file", "huggingface_dat_repo", "env_service", "reasoning_gym", "textarena",
-                  "openenv"] = key(
+                  "openenv", "verifiers"] = key(
         "jsonl_dataset_file",
         "Which reader builds the tasks: jsonl_dataset_file | huggingface_dat_repo | env_service | reasoning_gym | "
-        "textarena | openenv (the last three with their own workflow and judge unless you name yours: "
+        "textarena | openenv | verifiers (the last four with their own workflow and judge unless you name yours: "
         "astuner/environments/)."
     )
     query_field: str = key("question", "Dataset field holding the question (becomes Task.main_query).")
@@ -138,6 +151,10 @@ class TaskReaderSection(Section):
     openenv: OpenEnvReader = section(
         OpenEnvReader, "An OpenEnv environment served from your package on this machine, its MCP tools the agent's, "
         "its rewards the episode's (pip install 'astuner[openenv]')."
+    )
+    verifiers: VerifiersReader = section(
+        VerifiersReader, "A verifiers (v1) environment, its rollout run by verifiers against astuner's endpoint, its "
+        "rewards the episode's (pip install 'astuner[verifiers]', in an environment without AgentScope 1.x)."
     )
 
 

@@ -91,7 +91,8 @@ def unknown_key_message(key: str) -> str:
 # Keys whose entries are named by the user (checked entry by entry by pydantic, or, for a game's arguments, by
 # the game itself at start), not here.
 OPEN_MAPS = ("astuner.auxiliary_models", "astuner.models", "astuner.agents", "astuner.task_reader.textarena.env_kwargs",
-             "astuner.task_reader.openenv.reset_kwargs")
+             "astuner.task_reader.openenv.reset_kwargs", "astuner.task_reader.verifiers.env_args",
+             "astuner.task_reader.verifiers.agent")
 
 
 def _unknown_keys(value: Any, default: Any, path: str, problems: list[tuple[str, str]]) -> None:

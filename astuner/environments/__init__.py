@@ -6,7 +6,7 @@ ENVIRONMENTS maps a `task_reader.type` to the workflow and judge that play it. A
 default (`judge_protocol` unchanged, no `combine`) gets the environment's judge. Naming your own workflow (an agent
 with tools that answers the environment's questions) or judge works as for any task.
 Each environment's package is an optional extra of pyproject.toml (`pip install 'astuner[reasoning-gym]'`,
-`'astuner[textarena]'`, `'astuner[openenv]'`); its reader stops a run that lacks it at start (exit 2) with that line.
+`'astuner[textarena]'`, `'astuner[openenv]'`, `'astuner[verifiers]'`: an environment of its own); its reader stops a run that lacks it at start (exit 2) with that line.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ ENVIRONMENTS: dict[str, Environment] = {
     "openenv": Environment(
         workflow="astuner.environments.openenv->EpisodeWorkflow",
         judge="astuner.environments.openenv->EpisodeJudge",
+    ),
+    "verifiers": Environment(
+        workflow="astuner.environments.verifiers_env->EpisodeWorkflow",
+        judge="astuner.environments.verifiers_env->EpisodeJudge",
     ),
 }
 

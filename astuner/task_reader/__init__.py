@@ -17,6 +17,7 @@ from astuner.task_reader.jsonl_reader import JsonlTaskReader
 from astuner.task_reader.openenv_reader import OpenEnvTaskReader
 from astuner.task_reader.reasoning_gym_reader import ReasoningGymTaskReader
 from astuner.task_reader.textarena_reader import TextArenaTaskReader
+from astuner.task_reader.verifiers_reader import VerifiersTaskReader
 
 TASK_READERS: dict[str, type[TaskReader]] = {
     "jsonl_dataset_file": JsonlTaskReader,
@@ -25,6 +26,7 @@ TASK_READERS: dict[str, type[TaskReader]] = {
     "reasoning_gym": ReasoningGymTaskReader,
     "textarena": TextArenaTaskReader,
     "openenv": OpenEnvTaskReader,
+    "verifiers": VerifiersTaskReader,
 }
 
 __all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]

@@ -71,6 +71,8 @@ def test_a_wrong_or_missing_key_is_refused_in_each_apis_shape():
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, body = asyncio.run(ask("/v1/messages", []))
     assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    status, _ = asyncio.run(ask("/v1/models", [(b"x-api-key", "clé".encode("latin-1"))]))  # not ASCII: still a 401
+    assert status == 401
 
 
 def test_serve_model_refuses_an_open_port_without_a_key(capsys):

@@ -65,7 +65,8 @@ class ServedModel:
         if scope["type"] != "http":
             return
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and not secrets.compare_digest(_presented(headers), self.key):
+        # bytes: compare_digest refuses a str that is not ASCII, which a client may send
+        if self.key is not None and not secrets.compare_digest(_presented(headers).encode(), self.key.encode()):
             anthropic = scope["path"].startswith("/v1/messages")
             response = (anthropic_error(401, "invalid API key", "authentication_error") if anthropic else
                         openai_error(401, "invalid API key", "invalid_api_key", "authentication_error"))

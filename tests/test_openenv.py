@@ -31,6 +31,17 @@ from conftest import REPO
 YAML = REPO / "tutorial" / "openenv" / "calc.yaml"
 
 
+@pytest.fixture(autouse=True)
+def fresh_servers():
+    """Each test starts and ends with no environment server of this process (another module's run may have left
+    some: a process keeps its servers until it exits)."""
+    from astuner.environments import openenv_servers
+
+    openenv_servers.stop_all()
+    yield
+    openenv_servers.stop_all()
+
+
 def test_what_the_model_reads_of_observations_and_tool_results():
     assert observation_text({"done": False, "reward": 0.0, "metadata": {}}, {"question": "What is 2 + 3?"}) == \
         "What is 2 + 3?"
@@ -151,7 +162,6 @@ def test_a_server_killed_mid_run_is_restarted_and_its_episode_played_again(demo_
         assert killed and pool.restarts == 1 and pool.servers[0].proc.pid != killed[0]
     finally:
         runner.close()
-        openenv_servers.stop_all()
     assert [(e.flags, e.reward, e.env_retries) for e in episodes] == [([], 1.0, 1)] + [([], 1.0, 0)] * 3
     metrics = pipeline_metrics(episodes, {})
     assert (metrics["env/failed"], metrics["env/retried"]) == (1.0, 1.0)

@@ -1,8 +1,9 @@
-"""One checkpoint, several harnesses, one number: `astuner eval`, reasoning-gym's own scorer loop and inspect-ai,
-the last two pointed at `astuner serve-model`.
+"""One checkpoint, several harnesses, one number: `astuner eval`, reasoning-gym's own scorer loop, verifiers' own
+rollout and scoring, and inspect-ai, the last three pointed at `astuner serve-model`.
 
     python bench/cross_harness.py [--conf tutorial/reasoning_gym/reasoning_gym.yaml] [--model DIR] [--n 64]
         [--inspect-python /path/to/venv/bin/python]  # a Python with inspect-ai installed (its own venv)
+        [--verifiers-python .venv-vf/bin/python]     # verifiers' own rollout and scoring of the same questions
 
 Prints one row per harness: greedy accuracy over the config's validation tasks, and how many replies are the same
 text as `astuner eval`'s (reasoning-gym loop, inspect-ai). The harnesses send their requests one at a time, as
@@ -110,6 +111,84 @@ def inspect_ai(python: str, base_url: str, model: str, rows: list[dict], max_tok
     return result["accuracy"], result["replies"]
 
 
+VERIFIERS_TASKSET = textwrap.dedent('''
+    """The same questions as a verifiers (v1) environment: a one-call harness and an exact-answer reward."""
+    import json, re
+    from openai import AsyncOpenAI
+    import verifiers.v1 as vf
+
+    class AskHarness(vf.Harness[vf.HarnessConfig]):
+        NEEDS_CONTAINER = False
+
+        async def setup(self, runtime):
+            return None
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+            client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": data.prompt}])
+            finally:
+                await client.close()
+            return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+    class Row(vf.TaskData):
+        answer: str
+        row_id: str
+
+    class AskTask(vf.Task[Row]):
+        @vf.reward(weight=1.0)
+        async def correct(self, trace: vf.Trace) -> float:
+            numbers = re.findall(r"-?\\d+(?:\\.\\d+)?", trace.last_reply or "")
+            return float(bool(numbers) and float(numbers[-1]) == float(self.data.answer))
+
+    class AskConfig(vf.TasksetConfig):
+        rows: str = ""
+
+    class AskTaskset(vf.Taskset[AskTask, AskConfig]):
+        def load(self):
+            for r in json.load(open(self.config.rows)):
+                yield AskTask(Row(prompt=r["question"], answer=r["answer"], row_id=r["id"]), self.config.task)
+
+    __all__ = ["AskTaskset", "AskHarness"]
+''')
+
+VERIFIERS_RUN = textwrap.dedent('''
+    import asyncio, json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import verifiers.v1 as vf
+
+    async def main():
+        env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": "ask_env", "rows": sys.argv[2]},
+                                                         "agent": {"runtime": {"type": "subprocess"}}}))
+        ctx = vf.ModelContext(model=sys.argv[3], client=vf.EvalClientConfig(base_url=os.environ["ASTUNER_BASE_URL"],
+                              api_key_var="ASTUNER_API_KEY"), sampling=vf.SamplingConfig(temperature=0,
+                              max_tokens=int(sys.argv[4])))
+        replies, rewards = {}, {}
+        for task in env.taskset:
+            episode = await env.run_episode(task, ctx)
+            trace = episode.traces[0]
+            replies[task.data.row_id], rewards[task.data.row_id] = trace.last_reply, trace.reward
+        print("VERIFIERS " + json.dumps({"replies": replies, "rewards": rewards}))
+
+    asyncio.run(main())
+''')
+
+
+def verifiers_eval(python: str, base_url: str, model: str, rows: list[dict], max_tokens: int, work: Path):
+    """verifiers' own rollout and scoring (`Env.run_episode`) of the same questions, in verifiers' environment."""
+    (work / "rows.json").write_text(json.dumps(rows))
+    (work / "ask_env.py").write_text(VERIFIERS_TASKSET)
+    (work / "run_vf.py").write_text(VERIFIERS_RUN)
+    env = {**os.environ, "ASTUNER_BASE_URL": base_url, "ASTUNER_API_KEY": "bench-key"}
+    done = subprocess.run([python, str(work / "run_vf.py"), str(work), str(work / "rows.json"), model,
+                           str(max_tokens)], env=env, capture_output=True, text=True, timeout=1800)
+    line = [x for x in done.stdout.splitlines() if x.startswith("VERIFIERS ")]
+    if not line:
+        raise RuntimeError(f"verifiers failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads(line[0][len("VERIFIERS "):])
+    return sum(r >= 1.0 for r in result["rewards"].values()) / len(rows), result["replies"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--conf", default=str(REPO / "tutorial" / "reasoning_gym" / "reasoning_gym.yaml"))
@@ -117,6 +196,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--engine", default="vllm")
     parser.add_argument("--inspect-python", default=None)
+    parser.add_argument("--verifiers-python", default=None, help="a Python with verifiers installed (.venv-vf)")
     args = parser.parse_args()
 
     from astuner.config import load_config
@@ -142,15 +222,20 @@ def main() -> None:
         acc_rg, _, rg_replies = reasoning_gym_loop(base_url, spec, args.n, max_tokens, section.answer_from)
         same = sum(rg_replies[k] == eval_replies.get(k) for k in rg_replies)
         table.append(("reasoning-gym loop", acc_rg, same, time.perf_counter() - start))
+        from astuner.task_reader.reasoning_gym_reader import build_composite
+
+        data = build_composite(spec)
+        rows = [{"id": f"validation-{i}", "question": data[i]["question"], "answer": str(data[i]["answer"])}
+                for i in range(args.n)]
+        import openai
+
+        model = openai.OpenAI(base_url=base_url, api_key="bench-key").models.list().data[0].id
+        if args.verifiers_python:
+            start = time.perf_counter()
+            acc_vf, vf_replies = verifiers_eval(args.verifiers_python, base_url, model, rows, max_tokens, work)
+            same = sum(vf_replies[k] == eval_replies.get(k) for k in vf_replies)
+            table.append(("verifiers run_episode", acc_vf, same, time.perf_counter() - start))
         if args.inspect_python:
-            from astuner.task_reader.reasoning_gym_reader import build_composite
-
-            data = build_composite(spec)
-            rows = [{"id": f"validation-{i}", "question": data[i]["question"], "answer": str(data[i]["answer"])}
-                    for i in range(args.n)]
-            import openai
-
-            model = openai.OpenAI(base_url=base_url, api_key="bench-key").models.list().data[0].id
             start = time.perf_counter()
             acc_in, in_replies = inspect_ai(args.inspect_python, base_url, model, rows, max_tokens, work)
             same = sum(in_replies[k] == eval_replies.get(k) for k in in_replies)

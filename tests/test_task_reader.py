@@ -279,3 +279,17 @@ def test_importing_task_reader_does_not_import_datasets():
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_verifiers_outside_its_own_environment_says_how_to_install_it(monkeypatch):
+    """The main environment has no verifiers (it pins mcp==2.0.0, which AgentScope 1.x refuses): a run of one
+    stops at start naming the install line and the environment to use (.venv-vf)."""
+    import sys
+
+    from astuner.config import load_config
+    from conftest import REPO
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # as where it is not installed
+    yaml = REPO / "tutorial" / "verifiers" / "verifiers.yaml"
+    with pytest.raises(UserError, match=r"pip install 'astuner\[verifiers\]'.*\.venv-vf"):
+        build_task_reader(load_config(yaml).typed, yaml.parent)

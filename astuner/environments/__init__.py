@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from astuner.errors import UserError
+
 
 @dataclass(frozen=True)
 class Environment:
@@ -42,3 +44,13 @@ ENVIRONMENTS: dict[str, Environment] = {
 
 def environment_of(task_reader_type: str) -> Environment | None:
     return ENVIRONMENTS.get(str(task_reader_type))
+
+
+def outcome_of(workflow_output, key: str, kind: str) -> dict:
+    """What an environment's own workflow left its judge under `key`; a UserError when another workflow ran."""
+    outcome = workflow_output.metadata.get(key)
+    if outcome is None:
+        raise UserError(f"the judge of task_reader.type {kind} scores the episodes of its own workflow "
+                        f"({ENVIRONMENTS[kind].workflow}); this episode's output has no {key!r}. With a workflow "
+                        "of your own, return the environment's reward yourself.")
+    return outcome

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from astuner.environments import failures as env_failures
+from astuner.environments import outcome_of
 from astuner.environments.openenv_servers import AppSpec, pool_for
-from astuner.errors import UserError
 from astuner.model_tuner import ModelTuner
 from astuner.task_judge.base_judge import BaseJudge
 from astuner.task_reader.openenv_reader import RECIPE_KEY, log_dir
@@ -181,10 +181,6 @@ class EpisodeJudge(BaseJudge):
     """The environment's own reward, summed over the episode's steps; a reward of 1 or more is a success."""
 
     def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput) -> tuple[float, bool]:
-        outcome = workflow_output.metadata.get(OUTCOME_KEY)
-        if outcome is None:
-            raise UserError("EpisodeJudge scores the episodes of task_reader.type openenv's own workflow "
-                            "(astuner.environments.openenv->EpisodeWorkflow); this episode's output has no "
-                            f"{OUTCOME_KEY!r}. With a workflow of your own, return the environment's reward yourself.")
+        outcome = outcome_of(workflow_output, OUTCOME_KEY, "openenv")
         workflow_output.metrics.update({"unfinished": float(not outcome["finished"]), "turns": float(outcome["turns"])})
         return outcome["reward"], outcome["reward"] >= 1.0

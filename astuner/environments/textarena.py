@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 
 from astuner.environments import failures as env_failures
-from astuner.errors import UserError
+from astuner.environments import outcome_of
 from astuner.model_tuner import ModelTuner
 from astuner.task_judge.base_judge import BaseJudge
 from astuner.task_reader.textarena_reader import POLICY_OPPONENT, RECIPE_KEY, make_game
@@ -119,11 +119,7 @@ class GameJudge(BaseJudge):
     """The game's own reward for seat 0; a win (reward 1) is a success."""
 
     def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput) -> tuple[float, bool]:
-        outcome = workflow_output.metadata.get(OUTCOME_KEY)
-        if outcome is None:
-            raise UserError("GameJudge scores the games of task_reader.type textarena's own workflow "
-                            "(astuner.environments.textarena->GameWorkflow); this episode's output has no "
-                            f"{OUTCOME_KEY!r}. With a workflow of your own, return the game's reward yourself.")
+        outcome = outcome_of(workflow_output, OUTCOME_KEY, "textarena")
         workflow_output.metrics.update({"unfinished": float(not outcome["finished"]),
                                         "invalid_move": float(outcome["invalid_move"]),
                                         "moves": float(outcome["moves"])})

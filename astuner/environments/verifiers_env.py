@@ -32,7 +32,7 @@ import os
 import secrets
 
 from astuner.environments import failures as env_failures
-from astuner.errors import UserError
+from astuner.environments import outcome_of
 from astuner.model_tuner import ModelTuner
 from astuner.task_judge.base_judge import BaseJudge
 from astuner.task_reader.verifiers_reader import RECIPE_KEY, import_verifiers, load
@@ -87,11 +87,7 @@ class EpisodeJudge(BaseJudge):
     """The trace's own reward; a reward of 1 or more is a success. Its rewards and metrics are logged."""
 
     def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput) -> tuple[float, bool]:
-        outcome = workflow_output.metadata.get(OUTCOME_KEY)
-        if outcome is None:
-            raise UserError("verifiers' EpisodeJudge scores the episodes of task_reader.type verifiers' own workflow "
-                            "(astuner.environments.verifiers_env->EpisodeWorkflow); this episode's output has no "
-                            f"{OUTCOME_KEY!r}. With a workflow of your own, return the environment's reward yourself.")
+        outcome = outcome_of(workflow_output, OUTCOME_KEY, "verifiers")
         workflow_output.metrics.update({f"reward/{k}": v for k, v in outcome["rewards"].items()})
         workflow_output.metrics.update(outcome["metrics"])
         workflow_output.metrics["turns"] = float(outcome["turns"])

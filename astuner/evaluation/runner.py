@@ -128,18 +128,12 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
                     progress, out_dir: Path | None = None) -> ModelReport:
     """One model: its engine, the greedy and sampled episodes (kept for the log viewer in
     `out_dir/episodes/<label>/`), its report."""
-    from astuner import preflight
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import build_engine, load_tokenizer, roster_of, stop_token_ids
+    from astuner.runtime import build_engine, roster_of, stop_token_ids
 
     typed = loaded.typed
     label = model_label(spec, {r.label for r in reports})
-    path = checked_model_path(typed, spec, "eval")
-    facts = preflight.read_model_facts(path)
-    max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
-                                              typed.astuner.rollout.max_response_length_in_one_turn)
-    tokenizer = load_tokenizer(path)
-    engine = build_engine(typed, path, tokenizer, max_len)
+    path, max_len, tokenizer, engine = load_model(typed, spec, "eval")
     others = {name: build_engine(typed, other, tokenizer, max_len)
               for name, other in _other_model_paths(typed, spec, path).items()}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
@@ -190,6 +184,18 @@ def checked_model_path(typed, spec: str | None, command: str) -> str:
         raise UserError(f"{command} --model {spec}: not a model folder (no config.json); give a checkpoint "
                         "(launcher_record/<run>/global_step_N) or a local Hugging Face model folder")
     return path
+
+
+def load_model(typed, spec: str | None, command: str):
+    """(folder, max_model_len, tokenizer, engine) of `spec` (None: the config's model), as a run samples it."""
+    from astuner import preflight
+    from astuner.runtime import build_engine, load_tokenizer
+
+    path = checked_model_path(typed, spec, command)
+    max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, preflight.read_model_facts(path),
+                                              typed.astuner.rollout.max_response_length_in_one_turn)
+    tokenizer = load_tokenizer(path)
+    return path, max_len, tokenizer, build_engine(typed, path, tokenizer, max_len)
 
 
 def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:

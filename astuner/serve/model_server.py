@@ -118,18 +118,12 @@ async def _read_body(receive) -> bytes:
 def build(loaded, spec: str | None):
     """The served model of `loaded`'s config (or the checkpoint `spec`): its engine and the rollout's parts, as
     `astuner eval` builds them for the same model. Returns (ServedModel, path, the engine to shut down)."""
-    from astuner import preflight
-    from astuner.evaluation.runner import checked_model_path
+    from astuner.evaluation.runner import load_model
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import build_engine, load_tokenizer, stop_token_ids
+    from astuner.runtime import stop_token_ids
 
     typed = loaded.typed
-    path = checked_model_path(typed, spec, "serve-model")
-    facts = preflight.read_model_facts(path)
-    max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
-                                              typed.astuner.rollout.max_response_length_in_one_turn)
-    tokenizer = load_tokenizer(path)
-    engine = build_engine(typed, path, tokenizer, max_len)
+    path, max_len, tokenizer, engine = load_model(typed, spec, "serve-model")
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, None, None,
                            stop_token_ids(path, tokenizer), config=loaded.cfg)
     return ServedModel(runner, typed.astuner.rollout.temperature), path, engine

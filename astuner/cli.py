@@ -252,6 +252,10 @@ def warmstart(
     count: Annotated[int, typer.Option(help="Demonstrations to write.", min=1)] = 32,
     epochs: Annotated[int, typer.Option(help="SFT passes over them.", min=1)] = 2,
     episodes: Annotated[int, typer.Option("--dry-run-episodes", help="Episodes of the dry run.", min=1)] = 4,
+    fresh_dry_run: Annotated[bool, typer.Option(
+        "--fresh-dry-run", help="Run the dry run even when an earlier warm start of this config (its folder or a "
+        "numbered one beside it) read the tools of the same agent code and rollout settings; by default a rerun "
+        "reuses that dry run's tools.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the demonstrations.")] = 0,
     draws: Annotated[int, typer.Option(
         help="Warm starts to try at most: after each SFT a few episodes are sampled on the training tasks and scored "
@@ -281,7 +285,8 @@ def warmstart(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     settings = WarmStartSettings(count=count, epochs=epochs, dry_run_episodes=episodes, seed=seed,
-                                 draws=draws, chain_share=chain_share, gather_share=gather_share)
+                                 fresh_dry_run=fresh_dry_run, draws=draws, chain_share=chain_share,
+                                 gather_share=gather_share)
     result = _until_sigterm(lambda: run_warmstart(
         conf, list(overrides or []), tools, out, settings,
         say=lambda line: print(f"astuner: {line}", file=sys.stderr, flush=True)))

@@ -38,27 +38,82 @@ def kill_children_and_exit(grace_s: float) -> None:
 def sigterm_as_interrupt(grace_s: float | None = GRACE_S):
     """SIGTERM raises Terminated in the main thread. `grace_s`: the unwinding's deadline from the first SIGTERM,
     after which the process and its children are killed; None: no deadline (`astuner serve`, which saves its
-    clients' states on the way out)."""
+    clients' states on the way out).
+
+    Python runs a signal's handler only when the main thread is back in the interpreter, which a long C call (a
+    backward pass, a kernel) may delay past the deadline itself; so the deadline starts from a thread that the
+    signal wakes at once (`signal.set_wakeup_fd`), whatever the main thread is doing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = threading.Event()
+    raised = threading.Event()
+    deadline = _Deadline(grace_s)
 
     def handler(signum, frame):
-        if received.is_set():
+        if raised.is_set():
             return  # already unwinding
-        received.set()
-        if grace_s is not None:
-            # A daemon timer: the process ending first leaves it unfired. It is not cancelled when this block
-            # ends, since the interpreter's own exit (joining threads, atexit) may be what hangs.
-            timer = threading.Timer(grace_s, kill_children_and_exit, args=(grace_s,))
-            timer.daemon = True
-            timer.start()
+        raised.set()
+        deadline.start()
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, handler)
+    woken = _wake_on_sigterm(deadline.start) if grace_s is not None else None
     try:
         yield
     finally:
         # Past the block, a late SIGTERM (a process group's second signal) must not raise in the exit path.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if received.is_set() else previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if raised.is_set() else previous)
+        if woken is not None:
+            woken()
+
+
+class _Deadline:
+    """Kills the process and its children `grace_s` after the first start(); later starts change nothing."""
+
+    def __init__(self, grace_s: float | None) -> None:
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._started = False
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started or self.grace_s is None:
+                return
+            self._started = True
+        # A daemon timer: the process ending first leaves it unfired. It is not cancelled when the block ends,
+        # since the interpreter's own exit (joining threads, atexit) may be what hangs.
+        timer = threading.Timer(self.grace_s, kill_children_and_exit, args=(self.grace_s,))
+        timer.daemon = True
+        timer.start()
+
+
+def _wake_on_sigterm(on_sigterm):
+    """Calls `on_sigterm` from a daemon thread as soon as SIGTERM arrives (the C-level handler writes the signal's
+    number to a pipe); returns what restores the previous wakeup fd and ends the thread."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter: the handler's own deadline only
+        os.close(read_fd)
+        os.close(write_fd)
+        return None
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                on_sigterm()
+
+    threading.Thread(target=watch, name="astuner-sigterm-deadline", daemon=True).start()
+
+    def restore() -> None:
+        signal.set_wakeup_fd(previous)
+        os.close(write_fd)  # the thread reads the end of the pipe and returns
+
+    return restore

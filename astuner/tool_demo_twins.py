@@ -111,6 +111,36 @@ class Twin:
     noun: str  # what it gives, as a question says it
     args: Slot  # an object slot: its parameters
     schema: dict = field(default_factory=dict)  # the OpenAI function schema offered to the model
+    like: dict = field(default_factory=dict)  # the user's tool it twins: its schema's key order is the twin's
+
+    def offered(self) -> dict:
+        """The schema as the model sees it, its keys in the order of the user's (ordered_like)."""
+        return ordered_like(self.schema, self.like) if self.like else self.schema
+
+
+def ordered_like(schema: Any, user: Any) -> Any:
+    """`schema` with the keys of each object in the order the user's schema writes them (keys the user's lacks
+    last), recursively: a function's name, description and parameters; an argument's type and description; the
+    arguments themselves matched by position, as the twins' are. A tool's JSON is read token by token: a model
+    warm-started on `{"type": ..., "description": ...}` arguments went on copying the schema (`"description":
+    ...`) into its calls when the user's tools wrote `{"description": ..., "type": ...}` (measured on
+    tutorial/shop)."""
+    if not isinstance(schema, dict) or not isinstance(user, dict):
+        return schema
+    order = {k: i for i, k in enumerate(user)}
+    out = {}
+    for key in sorted(schema, key=lambda k: (order.get(k, len(order)), list(schema).index(k))):
+        value = schema[key]
+        if key == "properties" and isinstance(value, dict) and isinstance(user.get(key), dict):
+            theirs = list(user[key].values())
+            value = {name: ordered_like(sub, theirs[i] if i < len(theirs) else {})
+                     for i, (name, sub) in enumerate(value.items())}
+        elif isinstance(value, dict):
+            value = ordered_like(value, user.get(key))
+        elif isinstance(value, list) and isinstance(user.get(key), list):
+            value = [ordered_like(v, u) for v, u in zip(value, user[key])] + value[len(user[key]):]
+        out[key] = value
+    return out
 
 
 def words_of(text: Any) -> set[str]:
@@ -293,7 +323,8 @@ def make_twin(tool: dict, rng: random.Random, banned: frozenset[str], taken_name
     args = _twin_object(plain_parameters(tool)[0], rng, banned, taken_names)
     unsaid = [n for n in NOUNS if not (words_of(n[0]) | words_of(n[1])) & banned] or NOUNS
     free = [n for n in unsaid if f"noun:{n[0]}" not in taken_names] or unsaid  # two tools never give one thing
-    return _named(args, rng.choice(free), rng, banned, taken_names)
+    twin = _named(args, rng.choice(free), rng, banned, taken_names)
+    return replace(twin, like=tool if "function" in tool else {"type": "function", "function": tool})
 
 
 def _named(args: Slot, noun: tuple[str, str], rng: random.Random, banned: frozenset[str],
@@ -325,13 +356,19 @@ def with_identifier(twin: Twin, slot: Slot, rng: random.Random, banned: frozense
         pool = tuple(f"{rng.choice(LETTERS)}{rng.choice(LETTERS)}{rng.randint(100, 999)}" for _ in range(12))
     ident = Slot(name, words, {**slot.schema, "description": f"The {words}."}, "string",
                  _fitting(pool, slot.schema, rng))
-    fields = tuple(ident if f is slot else f for f in twin.args.fields)
+    return with_slot(twin, slot, ident), ident
+
+
+def with_slot(twin: Twin, old: Slot, new: Slot) -> Twin:
+    """`twin` with its top-level argument `old` replaced by `new` (name, schema, values), in place and in order;
+    required when `old` was."""
+    fields = tuple(new if f is old else f for f in twin.args.fields)
     schema = {**twin.args.schema, "properties": {f.name: f.schema for f in fields},
-              "required": [name if r == slot.name else r for r in twin.args.schema.get("required", [])]}
+              "required": [new.name if r == old.name else r for r in twin.args.schema.get("required", [])]}
     args = replace(twin.args, schema=schema, fields=fields,
-                   required=frozenset(name if r == slot.name else r for r in twin.args.required))
+                   required=frozenset(new.name if r == old.name else r for r in twin.args.required))
     function = {**twin.schema["function"], "description": _description(twin.noun, fields), "parameters": schema}
-    return Twin(twin.name, twin.noun, args, {**twin.schema, "function": function}), ident
+    return Twin(twin.name, twin.noun, args, {**twin.schema, "function": function}, twin.like)
 
 
 def _description(noun: str, fields: tuple[Slot, ...]) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 from astuner.tool_demo_twins import (
@@ -41,7 +42,9 @@ from astuner.tool_demo_twins import (
     make_twin,
     user_vocabulary,
     with_identifier,
+    with_slot,
 )
+from astuner.tool_schema import kind_of, plain_parameters
 
 SYSTEMS_SINGLE = [
     "You answer questions with tools. Call {tool} with the values the question gives, then give the {noun} "
@@ -55,6 +58,9 @@ SYSTEM_CHAIN = ("You answer questions with tools. First call {first} with the va
 ANSWER = "The answer is \\boxed{{{}}}."
 SYSTEM_GATHER = ("You answer questions with tools. Call {first} and {second} with the values the question gives, then "
                  "compute the answer from their results and give it inside \\boxed{{}}.")
+# How a gathered number comes back: tools word their results every way ("8 in stock", "price: 9"), and a model
+# that saw one wording only took any other for no result and called again (measured on tutorial/shop).
+GATHER_RESULTS = ("The {noun} is {value}.", "{value}", "{noun}: {value}", "{value} ({noun})")
 # What a gathered result is: a count (an integer) or an amount (one decimal), and how two combine.
 GATHER_OPS = {"product": ("times", "*", lambda a, b: a * b), "sum": ("plus", "+", lambda a, b: a + b)}
 
@@ -124,6 +130,18 @@ def asked(groups: list[tuple[tuple[Slot, ...], dict]], rng: random.Random, bare_
     return " and ".join(say_all(fields, values) for fields, values in groups if any(f.name in values for f in fields))
 
 
+def bare(groups: list[tuple[tuple[Slot, ...], dict]], rng: random.Random, share: float = 0.5) -> str | None:
+    """In `share` of the episodes whose values are all scalars, the values alone ("kimono and east"), each to be
+    matched to its argument by the schema, as "the scarves in stock, in GBP" leaves the model to do; else None."""
+    given = [(f, values[f.name]) for fields, values in groups for f in fields if f.name in values]
+    if not given or any(f.kind not in ("string", "number", "integer", "enum") for f, _ in given):
+        return None
+    if rng.random() >= share:
+        return None
+    said = [_text(v) for _, v in given]
+    return " and ".join([", ".join(said[:-1]), said[-1]]) if len(said) > 1 else said[0]
+
+
 def _text(value: Any) -> str:
     return "null" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
 
@@ -162,7 +180,7 @@ def _episode(system: str, question: str, steps: list[tuple[Twin, dict, str]], an
         messages.append({"role": "assistant", "content": "", "tool_calls": [_call(i, twin, arguments)]})
         messages.append({"role": "tool", "tool_call_id": _call_id(i), "content": result})
     messages.append({"role": "assistant", "content": answer_format.format(_text(answer))})
-    return {"tools": [t.schema for t in offered], "messages": messages}
+    return {"tools": [t.offered() for t in offered], "messages": messages}
 
 
 def _passable(twin: Twin) -> list[Slot]:
@@ -241,7 +259,7 @@ def _chain(offered: list[Twin], tools: list[dict], rng: random.Random, banned: f
         offered = [*offered, others[0]]
     first = rng.choice(others)
     # The first tool gives what the second one takes: its name and description say so.
-    renamed = _named(first.args, (carried.name, carried.words), rng, banned, names)
+    renamed = replace(_named(first.args, (carried.name, carried.words), rng, banned, names), like=first.like)
     offered = [renamed if t is first else t for t in offered]
     first = renamed
     first_args = draw_value(first.args, rng)
@@ -272,24 +290,62 @@ def _gather(offered: list[Twin], tools: list[dict], rng: random.Random, banned: 
             answer_format: str) -> dict:
     """A two-call episode whose answer is computed: both twins are called with values the question gives, each
     returns a number, and the answer combines them (GATHER_OPS), the arithmetic written out before the box. One
-    tool: a second twin of the same shape is the other look-up."""
+    tool: a second twin of the same shape is the other look-up. When the user's two tools share an argument name
+    (a shop's `stock(item)` and `price(item, currency)`), the twins share that argument too, and the question gives
+    its value once for both calls."""
     if len(offered) < 2:
         offered = [*offered, make_twin(tools[0], rng, banned, names)]
-    first, second = rng.sample(offered, 2)
+    i, j = rng.sample(range(len(offered)), 2)
+    shared = shared_arguments(tools[i], tools[j]) if i < len(tools) and j < len(tools) else []
+    if shared and len(offered[i].args.fields) > len(offered[j].args.fields):
+        # The tool that takes fewer arguments first, so the second call adds to the first's: called the other way,
+        # the model carried the extra argument into the smaller call, which the framework refused ("stock() got an
+        # unexpected keyword argument 'currency'", measured on tutorial/shop), and had one number left.
+        i, j = j, i
+        shared = [(b, a) for a, b in shared]
+    first, second = offered[i], offered[j]
+    for a, b in shared:
+        second = with_slot(second, second.args.fields[b], first.args.fields[a])
+    offered = [second if k == j else t for k, t in enumerate(offered)]
     first_args, second_args = draw_value(first.args, rng), draw_value(second.args, rng)
+    for a, _ in shared:
+        name = first.args.fields[a].name
+        if name in first_args:
+            second_args[name] = first_args[name]
+        else:
+            second_args.pop(name, None)
     a, b = _gathered(first, first_args, True), _gathered(second, second_args, rng.random() < 0.5)
     op = rng.choice(sorted(GATHER_OPS))
     word, sign, combine = GATHER_OPS[op]
     answer = _number(combine(a, b))
-    question = (f"What is the {first.noun} for {asked([(first.args.fields, first_args)], rng) or 'this'} {word} the "
-                f"{second.noun} for {asked([(second.args.fields, second_args)], rng) or 'this'}?")
+    if shared:
+        said = {first.args.fields[k].name for k, _ in shared}
+        rest = tuple(f for f in second.args.fields if f.name not in said)
+        groups = [(first.args.fields, first_args), (rest, second_args)]
+        given = bare(groups, rng) or asked(groups, rng)
+        question = f"What is the {first.noun} {word} the {second.noun} for {given or 'this'}?"
+    else:
+        question = (f"What is the {first.noun} for {asked([(first.args.fields, first_args)], rng) or 'this'} {word} "
+                    f"the {second.noun} for {asked([(second.args.fields, second_args)], rng) or 'this'}?")
     system = SYSTEM_GATHER.format(first=first.name, second=second.name)
-    steps = [(first, first_args, f"The {first.noun} is {_number(a)}."),
-             (second, second_args, f"The {second.noun} is {_number(b)}.")]
+    steps = [(first, first_args, rng.choice(GATHER_RESULTS).format(noun=first.noun, value=_number(a))),
+             (second, second_args, rng.choice(GATHER_RESULTS).format(noun=second.noun, value=_number(b)))]
     row = _episode(system, question, steps, answer, offered, answer_format)
     last = row["messages"][-1]
     last["content"] = f"{_number(a)} {sign} {_number(b)} = {answer}. {last['content']}"
     return row
+
+
+SCALARS = ("string", "integer", "number", "enum", "boolean")
+
+
+def shared_arguments(one: dict, other: dict) -> list[tuple[int, int]]:
+    """(position in `one`, position in `other`) of the top-level arguments the two tools name alike and type
+    alike: the twins' fields are the tools' properties in order, so the positions carry over."""
+    ours, theirs = plain_parameters(one)[0].get("properties") or {}, plain_parameters(other)[0].get("properties") or {}
+    names = list(theirs)
+    return [(k, names.index(n)) for k, (n, sub) in enumerate(ours.items())
+            if n in theirs and kind_of(sub) in SCALARS and kind_of(sub) == kind_of(theirs[n])]
 
 
 def answers_are_computed(answers: list, tool_results: list[str], tools: list[dict]) -> bool:

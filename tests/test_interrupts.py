@@ -56,3 +56,30 @@ def test_a_prompt_cleanup_ends_normally_before_the_deadline():
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == "unwound" and "ran past" not in err
+
+
+BUSY_IN_C = textwrap.dedent("""
+    import hashlib, sys
+    from astuner.interrupts import sigterm_as_interrupt
+
+    with sigterm_as_interrupt(grace_s=float(sys.argv[1])):
+        print("ready", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2_000_000_000)  # minutes in one C call, as a long backward pass
+""")
+
+
+def test_the_deadline_holds_while_the_main_thread_is_in_a_long_c_call():
+    """Python runs the handler only when the main thread returns to the interpreter: the deadline must not wait
+    for that."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_IN_C, "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # into the C call (a signal before it would be handled at once)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and time.monotonic() - start < 10
+    assert err.count("terminated (SIGTERM)") == 1 and "ran past 1 s" in err, err

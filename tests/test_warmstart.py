@@ -341,6 +341,62 @@ def test_a_draw_whose_episodes_score_is_kept(tmp_path, tiny_model_dir, lookup_ta
     assert (warm / "model").resolve() == (warm / "draw_2" / "global_step_2").resolve()
 
 
+@pytest.mark.slow
+def test_a_rerun_reuses_the_dry_run_of_the_same_agent_and_reads_again_when_it_changed(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch, capsys):
+    """The dry run's tools are saved with the agent's fingerprint (its workflow's folder of .py files and the
+    rollout settings); a rerun beside it reuses them, and runs the dry run again when the code or the rollout
+    changed, or when asked to."""
+    import shutil
+
+    from astuner.cli import main
+    from astuner.offline import warmstart
+
+    agent = tmp_path / "agent"
+    shutil.copytree(TUTORIAL, agent)
+    dry_runs = []
+
+    def dry_run(loaded, episodes):
+        dry_runs.append(episodes)
+        return USER_TOOLS, ["The badge is 4411."]
+
+    def sft(conf, keys, folder):
+        (folder / "global_step_1").mkdir(parents=True)
+        return folder / "global_step_1"
+
+    monkeypatch.setattr(warmstart, "tools_from_dry_run", dry_run)
+    monkeypatch.setattr(warmstart, "_sft", sft)
+    monkeypatch.setattr(warmstart, "check_warm_start", lambda loaded, checkpoint, settings:
+                        warmstart.DrawCheck(32, 5, 3, 8))
+
+    def rerun(*extra: str) -> str:
+        code = main(["warmstart", "--conf", str(agent / "agent_quickstart.yaml"), "--count", "4",
+                     f"astuner.experiment_dir={tmp_path / 'run'}", f"astuner.model.path={tiny_model_dir}", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return err
+
+    first = rerun()
+    assert len(dry_runs) == 1 and "dry run of 4 episode(s)" in first
+    saved = json.loads((tmp_path / "run_warmstart" / "dry_run.json").read_text())
+    assert saved["tools"] == USER_TOOLS and saved["results"] == ["The badge is 4411."]
+    again = rerun()
+    assert len(dry_runs) == 1, again
+    assert f"the tools of the dry run in {tmp_path / 'run_warmstart'} (the agent's code" in again
+    assert json.loads((tmp_path / "run_warmstart_1" / "dry_run.json").read_text()) == saved
+    assert json.loads((tmp_path / "run_warmstart_1" / "draw_1" / "tools.json").read_text()) == USER_TOOLS
+    rerun("--fresh-dry-run")
+    assert len(dry_runs) == 2
+    rerun("astuner.rollout.max_env_worker=3")  # another rollout setting: read again
+    assert len(dry_runs) == 3
+    rerun("astuner.rollout.max_env_worker=3")
+    assert len(dry_runs) == 3
+    with (agent / "lookup_task.py").open("a") as f:  # a module beside the workflow changed: read again
+        f.write("\n# the tools may have changed\n")
+    rerun("astuner.rollout.max_env_worker=3")
+    assert len(dry_runs) == 4
+
+
 def _tool(name: str, parameters, description: str = "d") -> dict:
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
 
@@ -509,13 +565,16 @@ def test_gather_episodes_call_two_tools_and_compute_the_answer_from_their_number
     from astuner.tool_demos import demonstrations
 
     rows = demonstrations(SHOP_TOOLS, count=40, seed=3, chain_share=0.0, gather_share=1.0)
-    ops = set()
+    ops, wordings = set(), set()
     for row in rows:
         messages = row["messages"]
         calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")]
         offered = [t["function"]["name"] for t in row["tools"]]
         assert len(calls) == 2 and calls[0] != calls[1] and set(calls) <= set(offered)
-        a, b = (float(re.search(r"is (-?[\d.]+)\.$", m["content"]).group(1)) for m in messages if m["role"] == "tool")
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        a, b = (float(re.search(r"-?\d+(?:\.\d+)?", text).group(0)) for text in results)
+        wordings.update("bare" if re.fullmatch(r"-?\d+(?:\.\d+)?", text) else "is" if " is " in text else
+                        "colon" if ": " in text else "brackets" for text in results)
         final = messages[-1]["content"]
         left, sign, right, result, boxed = re.match(
             r"(-?[\d.]+) ([*+]) (-?[\d.]+) = (-?[\d.]+)\. The answer is \\boxed\{(-?[\d.]+)\}\.$", final).groups()
@@ -526,6 +585,7 @@ def test_gather_episodes_call_two_tools_and_compute_the_answer_from_their_number
         text = json.dumps(row).lower()
         assert not re.search(r"\b(stock|price|item|currency|eur|usd|gbp)\b", text), text  # none of the user's words
     assert ops == {"*", "+"}
+    assert wordings == {"bare", "is", "colon", "brackets"}  # results worded every way a tool may
     # The shares add up: 8 chains, 16 gathers, 8 singles of 32.
     mixed = demonstrations(SHOP_TOOLS, count=32, seed=0, chain_share=0.25, gather_share=0.5)
     kinds = [sum(bool(m.get("tool_calls")) for m in r["messages"]) if "=" not in r["messages"][-1]["content"]
@@ -533,6 +593,68 @@ def test_gather_episodes_call_two_tools_and_compute_the_answer_from_their_number
     assert (kinds.count("gather"), kinds.count(2), kinds.count(1)) == (16, 8, 8)
     with pytest.raises(ValueError, match="add up to more"):
         demonstrations(SHOP_TOOLS, chain_share=0.6, gather_share=0.5)
+
+
+def test_gather_twins_share_the_argument_the_users_tools_share():
+    """stock(item) and price(item, currency) look up the same item: the twins share that argument, both calls
+    pass the question's one value, and the question says it once. Tools that name nothing alike share nothing."""
+    import copy
+
+    from astuner.tool_demos import demonstrations, shared_arguments
+
+    assert shared_arguments(SHOP_TOOLS[0]["function"], SHOP_TOOLS[1]["function"]) == [(0, 0)]
+    questions = []
+    for row in demonstrations(SHOP_TOOLS, count=24, seed=5, chain_share=0.0, gather_share=1.0):
+        calls = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in row["messages"]
+                 if m.get("tool_calls")]
+        common = set(calls[0]) & set(calls[1])
+        assert len(common) == 1 and set(calls[0]) < set(calls[1]), calls  # the smaller call first, then it grows
+        (name,) = common
+        assert calls[0][name] == calls[1][name]
+        assert row["messages"][1]["content"].count(str(calls[0][name])) == 1  # given once
+        schemas = [t["function"]["parameters"]["properties"] for t in row["tools"]]
+        assert schemas[0][name] == schemas[1][name]
+        values = [str(v) for v in {**calls[0], **calls[1]}.values()]
+        questions.append(row["messages"][1]["content"])
+        if " for the " not in questions[-1]:  # the values alone, as a shop's question gives them
+            assert questions[-1].endswith(f" for {values[0]} and {values[1]}?"), questions[-1]
+    bare = sum(" for the " not in q for q in questions)
+    assert 4 <= bare <= 20, questions  # both forms, about half each
+    apart = copy.deepcopy(SHOP_TOOLS)
+    apart[1]["function"]["parameters"]["properties"]["product"] = apart[1]["function"]["parameters"][
+        "properties"].pop("item")
+    apart[1]["function"]["parameters"]["required"] = ["product", "currency"]
+    assert shared_arguments(apart[0]["function"], apart[1]["function"]) == []
+    for row in demonstrations(apart, count=12, seed=5, chain_share=0.0, gather_share=1.0):
+        calls = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in row["messages"]
+                 if m.get("tool_calls")]
+        assert not set(calls[0]) & set(calls[1])
+
+
+def test_twins_write_their_schemas_in_the_users_key_order():
+    """AgentScope writes {"name", "parameters", "description"} and arguments as {"description", "type"}; the twins
+    are written the same way at every level (a small model read the other order as a cue to copy the schema)."""
+    from astuner.tool_demos import demonstrations
+
+    def agentscope(tool):
+        f = tool["function"]
+        parameters = {"properties": {n: {"description": "d", **{k: v for k, v in sub.items()}}
+                                     for n, sub in f["parameters"]["properties"].items()},
+                      "required": f["parameters"]["required"], "type": "object"}
+        return {"type": "function", "function": {"name": f["name"], "parameters": parameters, "description": "d"}}
+
+    def keys(tool):
+        f = tool["function"]
+        return (list(tool), list(f), list(f["parameters"]), [list(sub) for sub in f["parameters"]["properties"].values()])
+
+    users = [agentscope(t) for t in SHOP_TOOLS]
+    assert keys(users[1])[3] == [["description", "type"], ["description", "type", "enum"]]
+    for row in demonstrations(users, count=16, seed=2):
+        for tool in row["tools"]:
+            like = users[1] if len(tool["function"]["parameters"]["properties"]) == 2 else users[0]
+            assert keys(tool) == keys(like), tool
+    for row in demonstrations(SHOP_TOOLS, count=8, seed=2):  # the OpenAI order stays the OpenAI order
+        assert [list(t["function"]) for t in row["tools"]][0] == ["name", "description", "parameters"]
 
 
 def test_gather_episodes_are_chosen_when_the_answers_look_computed():
@@ -545,8 +667,10 @@ def test_gather_episodes_are_chosen_when_the_answers_look_computed():
     assert not answers_are_computed(["2500", "120"], [], SHOP_TOOLS[:1])  # one tool's number is read, not computed
     assert not answers_are_computed(["AB-1234", "CD-5678", "7"], [], SHOP_TOOLS)  # codes
     chosen, line = episode_kinds(WarmStartSettings(), SHOP_TOOLS, ["42", "17.5"], [])
-    assert (chosen.gather_share, chosen.chain_share) == (0.5, 0.25)
-    assert line.startswith("most of the judge's answers are numbers, and the dry run saw no tool result: half")
+    assert (chosen.gather_share, chosen.chain_share) == (1.0, 0.0)  # no demonstration boxes a result as it reads
+    assert line.startswith("most of the judge's answers are numbers, and the dry run saw no tool result: 100% of")
+    chained, _ = episode_kinds(WarmStartSettings(chain_share=0.25), SHOP_TOOLS, ["42", "17.5"], [])
+    assert (chained.gather_share, chained.chain_share) == (0.75, 0.25)
     kept, line = episode_kinds(WarmStartSettings(), SHOP_TOOLS, ["AB-1234"], [])
     assert (kept.gather_share, kept.chain_share, line) == (0.0, None, None)
     given, _ = episode_kinds(WarmStartSettings(gather_share=0.1), SHOP_TOOLS, ["42"], [])

@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 DEMONSTRATIONS = "demonstrations.jsonl"
 TOOLS = "tools.json"
-DRY_RUN = "dry_run.json"  # what the dry run read ({"fingerprint", "tools", "results"}): a rerun reuses it
 
 
 @dataclass(frozen=True)
@@ -151,74 +150,6 @@ def tools_from_dry_run(loaded, episodes: int) -> tuple[list[dict], list[str]]:
     results = [str(m.get("content")) for e in done for c in e.calls for m in (c.messages or [])
                if isinstance(m, dict) and m.get("role") == "tool"]
     return tools, results
-
-
-@dataclass(frozen=True)
-class DryRun:
-    """What a dry run read, and of which agent (agent_fingerprint)."""
-
-    folder: Path
-    fingerprint: str
-    tools: list
-    results: list
-
-
-def agent_fingerprint(loaded) -> str:
-    """What the tools an agent offers follow from: its workflow's name, the Python files beside its workflow's
-    file (the agent and the modules it keeps there), and the config's rollout section. A dry run of an agent
-    with the same fingerprint reads the same tools."""
-    import hashlib
-    import inspect
-
-    from omegaconf import OmegaConf
-
-    from astuner.runtime import load_user_class, workflow_spec
-
-    digest = hashlib.sha256(str(workflow_spec(loaded.typed)).encode())
-    digest.update(json.dumps(OmegaConf.to_container(loaded.cfg.astuner.rollout, resolve=True), sort_keys=True,
-                             default=str).encode())
-    try:
-        agent = load_user_class(workflow_spec(loaded.typed), loaded.config_dir, "workflow",
-                                "astuner.rollout.agentscope_workflow")
-        source = Path(inspect.getsourcefile(agent) or "")
-    except (TypeError, OSError):  # a workflow with no file of its own: its name and the rollout section only
-        source = None
-    if source is not None and source.is_file():
-        for file in sorted(source.parent.glob("*.py")):
-            digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()
-
-
-def earlier_dry_run(folder: Path, fingerprint: str) -> DryRun | None:
-    """The newest dry run saved in `folder` or a sibling `folder_N` (earlier warm starts of this config) whose
-    agent had `fingerprint`; None when there is none."""
-    base = folder.with_name(folder.name.rsplit("_", 1)[0]) if _numbered(folder) else folder
-    found = []
-    siblings = [p for p in base.parent.iterdir() if p.name.startswith(base.name + "_")
-                and p.name[len(base.name) + 1:].isdigit()] if base.parent.is_dir() else []
-    for candidate in [base, *siblings]:
-        path = candidate / DRY_RUN
-        if not path.is_file():
-            continue
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint and saved.get("tools"):
-            found.append((path.stat().st_mtime, DryRun(candidate, fingerprint, saved["tools"],
-                                                       list(saved.get("results") or []))))
-    return max(found, key=lambda f: f[0])[1] if found else None
-
-
-def _numbered(folder: Path) -> bool:
-    head, _, tail = folder.name.rpartition("_")
-    return bool(head) and tail.isdigit()
-
-
-def save_dry_run(folder: Path, dry: DryRun) -> None:
-    (folder / DRY_RUN).write_text(json.dumps({"fingerprint": dry.fingerprint, "tools": dry.tools,
-                                              "results": dry.results}, indent=2, ensure_ascii=False) + "\n",
-                                  encoding="utf-8")
 
 
 def task_answers(loaded, limit: int = 64) -> list:
@@ -383,6 +314,29 @@ def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSet
     return len(rows)
 
 
+def read_tools(loaded, folder: Path, tools_file: str | None, settings: WarmStartSettings, say):
+    """(tools, tool results seen, where they came from): --tools FILE, else the dry run of an earlier warm start of
+    the same agent (offline/dry_run.py), else a dry run now, saved in `folder` for the next."""
+    from astuner.logs import setup_logging
+    from astuner.offline.dry_run import DryRun, agent_fingerprint, earlier_dry_run, save_dry_run
+
+    if tools_file:
+        return read_tools_file(Path(tools_file).expanduser()), [], tools_file
+    earlier = None if settings.fresh_dry_run else earlier_dry_run(folder, agent_fingerprint(loaded))
+    if earlier is not None:
+        say(f"warmstart: the tools of the dry run in {earlier.folder} (the agent's code and rollout settings are "
+            "unchanged since; --fresh-dry-run to read them again)")
+        save_dry_run(folder, earlier)
+        return earlier.tools, earlier.results, f"the dry run in {earlier.folder}"
+    # vLLM's output and the workflow's lines go to a log file, as in a run: the console keeps to progress.
+    log_file = setup_logging(folder, "dry_run.log")
+    say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
+        f"(or give them with --tools FILE); its log: {log_file}")
+    tools, results = tools_from_dry_run(loaded, settings.dry_run_episodes)
+    save_dry_run(folder, DryRun(folder, agent_fingerprint(loaded), tools, results))
+    return tools, results, "the dry run"
+
+
 def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: str | None,
                   settings: WarmStartSettings, say) -> WarmStartResult:
     """The command's work (module docstring); `say(line)` reports progress and the notes on the tools."""
@@ -394,24 +348,7 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
     project = loaded.typed.astuner.project_name
     sft_overrides(folder, settings, project, overrides)  # keys it refuses stop the command now
     folder.mkdir(parents=True, exist_ok=True)
-    earlier = None if tools_file or settings.fresh_dry_run else earlier_dry_run(folder, agent_fingerprint(loaded))
-    if tools_file:
-        tools, results = read_tools_file(Path(tools_file).expanduser()), []
-        source = tools_file
-    elif earlier is not None:
-        tools, results = earlier.tools, earlier.results
-        source = f"the dry run in {earlier.folder}"
-        say(f"warmstart: the tools of the dry run in {earlier.folder} (the agent's code and rollout settings are "
-            "unchanged since; --fresh-dry-run to read them again)")
-        save_dry_run(folder, earlier)
-    else:
-        # vLLM's output and the workflow's lines go to a log file, as in a run: the console keeps to progress.
-        log_file = setup_logging(folder, "dry_run.log")
-        say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
-            f"(or give them with --tools FILE); its log: {log_file}")
-        tools, results = tools_from_dry_run(loaded, settings.dry_run_episodes)
-        save_dry_run(folder, DryRun(folder, agent_fingerprint(loaded), tools, results))
-        source = "the dry run"
+    tools, results, source = read_tools(loaded, folder, tools_file, settings, say)
     notes = checked(tools, f"warmstart: the tools of {source}")
     names = [t.get("function", t)["name"] for t in tools]
     for note in dict.fromkeys(notes):

@@ -129,7 +129,7 @@ def ordered_like(schema: Any, user: Any) -> Any:
         return schema
     order = {k: i for i, k in enumerate(user)}
     out = {}
-    for key in sorted(schema, key=lambda k: (order.get(k, len(order)), list(schema).index(k))):
+    for key in sorted(schema, key=lambda k: order.get(k, len(order))):  # stable: the user's lacking keys keep theirs
         value = schema[key]
         if key == "properties" and isinstance(value, dict) and isinstance(user.get(key), dict):
             theirs = list(user[key].values())
@@ -141,6 +141,11 @@ def ordered_like(schema: Any, user: Any) -> Any:
             value = [ordered_like(v, u) for v, u in zip(value, user[key])] + value[len(user[key]):]
         out[key] = value
     return out
+
+
+def listed(parts: list[str], empty: str = "") -> str:
+    """"a", "a and b", "a, b and c"; `empty` for none."""
+    return " and ".join([", ".join(parts[:-1]), parts[-1]]) if len(parts) > 1 else parts[0] if parts else empty
 
 
 def words_of(text: Any) -> set[str]:
@@ -374,5 +379,5 @@ def with_slot(twin: Twin, old: Slot, new: Slot) -> Twin:
 def _description(noun: str, fields: tuple[Slot, ...]) -> str:
     """A twin's description: "The tide level, from the city, quantity and size." (what it gives, from what)."""
     said = [f.words for f in fields]
-    described = " and ".join([", ".join(said[:-1]), said[-1]]) if len(said) > 1 else "".join(said)
+    described = listed(said)
     return f"The {noun}" + (f", from the {described}." if described else ".")

@@ -39,6 +39,7 @@ from astuner.tool_demo_twins import (
     Slot,
     Twin,
     _named,
+    listed,
     make_twin,
     user_vocabulary,
     with_identifier,
@@ -100,8 +101,7 @@ def say(slot: Slot, value: Any) -> str:
         return f"the {slot.words} ({say_all(slot.fields, value)})"
     if slot.kind == "array":
         parts = [say_item(slot.items, v) for v in value]
-        return f"the {slot.words} " + (" and ".join([", ".join(parts[:-1]), parts[-1]]) if len(parts) > 1 else
-                                       parts[0] if parts else "(none)")
+        return f"the {slot.words} " + listed(parts, "(none)")
     return f"the {slot.words} {_text(value)}"
 
 
@@ -115,7 +115,7 @@ def say_item(slot: Slot, value: Any) -> str:
 
 def say_all(fields: tuple[Slot, ...], values: dict) -> str:
     parts = [say(f, values[f.name]) for f in fields if f.name in values]
-    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else (parts[0] if parts else "nothing")
+    return listed(parts, "nothing")
 
 
 def asked(groups: list[tuple[tuple[Slot, ...], dict]], rng: random.Random, bare_share: float = 0.5) -> str:
@@ -138,8 +138,7 @@ def bare(groups: list[tuple[tuple[Slot, ...], dict]], rng: random.Random, share:
         return None
     if rng.random() >= share:
         return None
-    said = [_text(v) for _, v in given]
-    return " and ".join([", ".join(said[:-1]), said[-1]]) if len(said) > 1 else said[0]
+    return listed([_text(v) for _, v in given])
 
 
 def _text(value: Any) -> str:

@@ -46,13 +46,12 @@ def agent_fingerprint(loaded) -> str:
     return digest.hexdigest()
 
 
-def earlier_dry_run(folder: Path, fingerprint: str) -> DryRun | None:
-    """The newest dry run saved in `folder` or a sibling `folder_N` (earlier warm starts of this config) whose
-    agent had `fingerprint`; None when there is none."""
-    base = folder.with_name(folder.name.rsplit("_", 1)[0]) if _numbered(folder) else folder
-    found = []
+def earlier_dry_run(base: Path, fingerprint: str) -> DryRun | None:
+    """The newest dry run saved in the warm start folder `base` or a numbered `base_N` beside it (earlier warm
+    starts of this config) whose agent had `fingerprint`; None when there is none."""
     siblings = [p for p in base.parent.iterdir() if p.name.startswith(base.name + "_")
                 and p.name[len(base.name) + 1:].isdigit()] if base.parent.is_dir() else []
+    found = []
     for candidate in [base, *siblings]:
         path = candidate / DRY_RUN
         if not path.is_file():
@@ -65,11 +64,6 @@ def earlier_dry_run(folder: Path, fingerprint: str) -> DryRun | None:
             found.append((path.stat().st_mtime, DryRun(candidate, fingerprint, saved["tools"],
                                                        list(saved.get("results") or []))))
     return max(found, key=lambda f: f[0])[1] if found else None
-
-
-def _numbered(folder: Path) -> bool:
-    head, _, tail = folder.name.rpartition("_")
-    return bool(head) and tail.isdigit()
 
 
 def save_dry_run(folder: Path, dry: DryRun) -> None:

@@ -254,11 +254,15 @@ def check_warm_start(loaded, checkpoint: Path, settings: WarmStartSettings) -> D
 KEPT = "model"  # the link, in the warm start's folder, to the checkpoint kept
 
 
-def warmstart_folder(loaded, out: str | None) -> Path:
-    """Where the warm start writes: --out, else `<experiment_dir>_warmstart`; a fresh `_N` when it is not empty."""
-    folder = Path(out).expanduser().absolute() if out else loaded.experiment_dir.with_name(
+def warmstart_base(loaded, out: str | None) -> Path:
+    """The warm start's folder before numbering: --out, else `<experiment_dir>_warmstart`."""
+    return Path(out).expanduser().absolute() if out else loaded.experiment_dir.with_name(
         loaded.experiment_dir.name + "_warmstart")
-    n, base = 1, folder
+
+
+def warmstart_folder(base: Path) -> Path:
+    """Where the warm start writes: `base`, or a fresh `base_N` when it is not empty."""
+    folder, n = base, 1
     while folder.is_file() or folder.is_dir() and any(folder.iterdir()):
         folder, n = base.with_name(f"{base.name}_{n}"), n + 1
     return folder
@@ -314,15 +318,17 @@ def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSet
     return len(rows)
 
 
-def read_tools(loaded, folder: Path, tools_file: str | None, settings: WarmStartSettings, say):
+def read_tools(loaded, base: Path, folder: Path, tools_file: str | None, settings: WarmStartSettings, say):
     """(tools, tool results seen, where they came from): --tools FILE, else the dry run of an earlier warm start of
-    the same agent (offline/dry_run.py), else a dry run now, saved in `folder` for the next."""
+    the same agent in `base` or a `base_N` (offline/dry_run.py), else a dry run now, saved in `folder` for the
+    next."""
     from astuner.logs import setup_logging
     from astuner.offline.dry_run import DryRun, agent_fingerprint, earlier_dry_run, save_dry_run
 
     if tools_file:
         return read_tools_file(Path(tools_file).expanduser()), [], tools_file
-    earlier = None if settings.fresh_dry_run else earlier_dry_run(folder, agent_fingerprint(loaded))
+    fingerprint = agent_fingerprint(loaded)
+    earlier = None if settings.fresh_dry_run else earlier_dry_run(base, fingerprint)
     if earlier is not None:
         say(f"warmstart: the tools of the dry run in {earlier.folder} (the agent's code and rollout settings are "
             "unchanged since; --fresh-dry-run to read them again)")
@@ -333,7 +339,7 @@ def read_tools(loaded, folder: Path, tools_file: str | None, settings: WarmStart
     say(f"warmstart: dry run of {settings.dry_run_episodes} episode(s) to read the tools the agent offers "
         f"(or give them with --tools FILE); its log: {log_file}")
     tools, results = tools_from_dry_run(loaded, settings.dry_run_episodes)
-    save_dry_run(folder, DryRun(folder, agent_fingerprint(loaded), tools, results))
+    save_dry_run(folder, DryRun(folder, fingerprint, tools, results))
     return tools, results, "the dry run"
 
 
@@ -344,11 +350,12 @@ def run_warmstart(conf: str, overrides: list[str], tools_file: str | None, out: 
     from astuner.logs import setup_logging
 
     loaded = load_config(conf, overrides)
-    folder = warmstart_folder(loaded, out)
+    base = warmstart_base(loaded, out)
+    folder = warmstart_folder(base)
     project = loaded.typed.astuner.project_name
     sft_overrides(folder, settings, project, overrides)  # keys it refuses stop the command now
     folder.mkdir(parents=True, exist_ok=True)
-    tools, results, source = read_tools(loaded, folder, tools_file, settings, say)
+    tools, results, source = read_tools(loaded, base, folder, tools_file, settings, say)
     notes = checked(tools, f"warmstart: the tools of {source}")
     names = [t.get("function", t)["name"] for t in tools]
     for note in dict.fromkeys(notes):

@@ -18,6 +18,7 @@ ITEMS = {"umbrella": "umbrellas", "scarf": "scarves", "kettle": "kettles", "lamp
          "clock": "clocks", "vase": "vases", "towel": "towels", "basket": "baskets", "mirror": "mirrors",
          "pillow": "pillows", "bowl": "bowls", "spoon": "spoons", "belt": "belts", "torch": "torches",
          "brush": "brushes", "jar": "jars", "rug": "rugs", "sock": "socks", "tray": "trays", "apron": "aprons"}
+SINGULAR = {plural: item for item, plural in ITEMS.items()}
 CURRENCIES = ("EUR", "USD", "GBP")
 SYSTEM = ("You are a shop assistant. Use the tools to find how many of the item are in stock and what one costs in "
           "the currency asked, then multiply and give the total inside \\boxed{}.")
@@ -38,8 +39,7 @@ def price_of(item: str, currency: str) -> int:
 def _item(name) -> str | None:
     """The catalogue's item for what the agent passed: any case, singular or plural."""
     text = " ".join(str(name).split()).lower()
-    plurals = {p: s for s, p in ITEMS.items()}
-    return text if text in ITEMS else plurals.get(text)
+    return text if text in ITEMS else SINGULAR.get(text)
 
 
 def stock(item: str) -> str:

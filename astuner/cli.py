@@ -333,10 +333,9 @@ def doctor(
     from astuner.logs import setup_logging
     from astuner.model_cache import DEMO_PREFIX
 
-    from astuner.backbone import BACKBONES
+    from astuner.config.backbones import backbone as backbone_record
 
-    if backbone not in BACKBONES:
-        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)}.")
+    backbone_record(backbone)  # a UserError naming the backbones for another name
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     loaded = None

@@ -9,13 +9,13 @@ from astuner.errors import UserError
 
 def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
     """The command's work, without argument parsing. Raises UserError for bad input."""
-    from astuner.backbone import BACKBONES  # the registry; light (no torch, no Hydra)
+    from astuner.config.backbones import backbone as backbone_record, names_where  # light: no torch, no Hydra
 
-    if backbone not in BACKBONES:
-        raise UserError(f"unknown backbone '{backbone}'; choose one of {', '.join(BACKBONES)} (--backbone debug).")
-    if with_ray and backbone == "debug":
-        raise UserError("--with-ray places the verl or trinity backbone on a Ray cluster; the debug backbone runs in "
-                        "this one process. Drop --with-ray, or add --backbone verl (or trinity).")
+    record = backbone_record(backbone)  # a UserError naming the backbones for an unknown one
+    if with_ray and not record.on_ray:
+        on_ray = names_where("on_ray")
+        raise UserError(f"--with-ray places the {' or '.join(on_ray)} backbone on a Ray cluster; the {backbone} "
+                        f"backbone runs in this one process. Drop --with-ray, or add --backbone {on_ray[0]}.")
 
     from astuner import run_lock
     from astuner.config import config_warnings, load_config, save_config

@@ -286,7 +286,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.algorithm.catalog import algorithm
-    from astuner.config.applicability import RAY_BACKBONES
+    from astuner.config.backbones import backbone as backbone_record
     from astuner.config.derived import resolve_engine_name
     from astuner.trainer.precision import resolve_precision
 
@@ -297,8 +297,8 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     engine = resolve_engine_name(a.rollout.engine)
     # processes of this run that may share one host's memory; fsdp2 shards weights, gradients and AdamW state (and
     # the reference model) over the trainer workers, the policy's and other models' with groups of their own
-    processes, shards, other_shards = _ray_placement(typed, backbone, device) if backbone in RAY_BACKBONES \
-        else (1, 1, {})
+    record = backbone_record(backbone)
+    processes, shards, other_shards = _ray_placement(typed, record, device) if record.on_ray else (1, 1, {})
     engine_bytes = 4 * P
     kind = algorithm(tc.algorithm.type)
     offline = kind.offline
@@ -327,11 +327,11 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         cuts="" if offline else _cuts_line(typed, max_model_len),
         # trinity's explorers run their engines on GPUs of their own (ray_worker.ENGINE_ALONE_GPU_SHARE): a trainer
         # rank's card holds its trainer only
-        engine_apart=backbone == "trinity" and device == "cuda" and not offline,
+        engine_apart=record.explorers and device == "cuda" and not offline,
     )
     if others:
         plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))
-    if teacher is not None and backbone not in RAY_BACKBONES:
+    if teacher is not None and not record.on_ray:
         plan = replace(plan, teacher=teacher)
     return fit_memory(plan, facts.shape, typed, precision, processes)
 
@@ -343,24 +343,25 @@ def _cuts_line(typed, max_model_len: int) -> str:
             f"window {max_model_len} tokens; rollout.on_cut {a.rollout.on_cut}: {ON_CUT[a.rollout.on_cut]}")
 
 
-def _ray_placement(typed, backbone: str, device: str) -> tuple[int, int, dict[str, int]]:
+def _ray_placement(typed, backbone, device: str) -> tuple[int, int, dict[str, int]]:
     """(processes, the policy's shards, {model: shards} of models with trainer groups of their own) of a Ray
-    backbone; UserError for a strategy a group cannot take (fsdp2 with LoRA), naming the model."""
-    from astuner.config.schema_models import lora_rank_of, shared_trainer_group, strategy_of
+    backbone (its record); UserError for a strategy a group cannot take (fsdp2 with LoRA), naming the model."""
+    from astuner.config.model_set import model_set
+    from astuner.config.schema_models import shared_trainer_group, strategy_of
     from astuner.trainer.fsdp import resolve_strategy
 
     a, tc = typed.astuner, typed.astuner.trainer_common
     world = tc.nnodes * tc.n_gpus_per_node
-    shared = shared_trainer_group(typed, backbone)
+    shared = shared_trainer_group(typed, backbone.name)
     groups = 1 if shared or not a.models else 1 + len(a.models)  # trinity's trainer_groups: per_model
-    processes = world * groups + (tc.n_explorers if backbone == "trinity" else 0)
+    processes = world * groups + (tc.n_explorers if backbone.explorers else 0)
     who, other_shards = None, {}
     try:
         in_group = 1 + len(a.models) if shared else 1
         shards = world if resolve_strategy(strategy_of(typed, in_group), world, device,
                                            tc.lora.rank > 0) == "fsdp2" else 1
         for who in a.models if not shared else ():  # a group each: its own strategy, with its own LoRA rank
-            own = resolve_strategy(strategy_of(typed, 1), world, device, lora_rank_of(typed, who) > 0)
+            own = resolve_strategy(strategy_of(typed, 1), world, device, model_set(typed)[who].lora_rank > 0)
             other_shards[who] = world if own == "fsdp2" else 1
     except ValueError as exc:
         where = f" (model {who}, a trainer group of its own)" if who else ""
@@ -372,15 +373,14 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
                   policy: ModelFacts, shards: dict[str, int] | None = None) -> dict:
     """RunPlan's `others_bytes` and `others` lines: each model's trainer (its own LoRA rank; divided by `shards`
     where its own trainer group shards it) and engine (on CPU, or HF, its weights as the policy's; on vLLM on a
-    GPU none, since the run's engines split the policy's share: config.derived.gpu_share_per_engine). A LoRA model on
-    the policy's own LoRA base (run_models.adapter_models) adds its adapter only: the base is shared in the trainer
-    and the engine."""
-    from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
+    GPU none, since the run's engines split the policy's share: config.derived.gpu_share_per_engine). An adapter
+    on the first model's LoRA base (ModelSpec.adapter) adds its adapter only: trainer and engine share the base."""
+    from astuner.config.model_set import model_set
 
+    models = model_set(typed).resolved(lambda spec: others[spec.name].path if spec.name in others else policy.path)
     total, lines, engines = 0, [], 0
     for name, f in others.items():
-        lora = lora_rank_of(typed, name) > 0
-        shared = lora and lora_rank_of(typed, POLICY) > 0 and same_folder(f.path, policy.path)
+        lora, shared = models[name].lora_rank > 0, models[name].adapter
         trainer = _trainer_bytes(f.num_params, precision, lora) // (shards or {}).get(name, 1)
         if shared:  # the frozen base is held once, in the policy's trainer and engine
             trainer, engine = trainer - _base_bytes(f.num_params, precision), 0

@@ -6,7 +6,7 @@ roles that process holds.
     trinity         an explorer: every model's engine (an episode may call any agent); a trainer worker: every
                     model's trainer, trained one after another in the worker's data-parallel group
 
-Models that are LoRA adapters on the policy's own LoRA base (`adapter_models`) share one engine over that base
+Models that are LoRA adapters on the first model's own LoRA base (`ModelSpec.adapter`) share one engine over that base
 (the HF engine's adapters or vLLM's multi-LoRA) and, among the trainers of one process, one copy of the frozen
 base weights; their syncs hand over the adapter alone.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from astuner.config.schema_models import POLICY, lora_rank_of, same_folder
 from astuner.errors import UserError
 from astuner.types import SyncReport
 
@@ -60,73 +59,59 @@ def distinct_engines(models: dict[str, LocalModel]) -> list:
     return out
 
 
-def adapter_models(typed, policy_path: str) -> list[str]:
-    """The astuner.models served as LoRA adapters on the policy's base: those naming the policy's folder, when they
-    and the policy train LoRA adapters (`build_adapter_engine`: the HF engine's adapters or vLLM's multi-LoRA)."""
-    from astuner.runtime import other_model_paths
-
-    if lora_rank_of(typed, POLICY) == 0:
-        return []
-    return [name for name, path in other_model_paths(typed).items()
-            if same_folder(path, policy_path) and lora_rank_of(typed, name) > 0]
-
-
-def build_models(typed, tokenizer, model_path: str, max_model_len: int, total_steps: int, *,
+def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int, *,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None,
                  only: tuple[str, ...] | None = None, extra_engines: int = 0) -> dict[str, LocalModel]:
-    """Every model of the run by name (`only`: these), the policy first, with an engine if `roles` holds "engine"
-    (built from `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group of `world`
-    workers). Each model's trainer takes its own LoRA rank and learning rate (`runtime.trainer_settings`); the
-    tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process will
-    run beside them (a distillation teacher's), which take their part of the GPU share too."""
-    from astuner.runtime import build_engine, build_trainer, other_model_paths
+    """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles`
+    holds "engine" (built from `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group
+    of `world` workers). Each model's trainer takes its own LoRA rank, learning rate and filter (its `ModelSpec`);
+    the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process
+    will run beside them (a distillation teacher's), which take their part of the GPU share too."""
+    from astuner.runtime import build_engine, build_trainer
     from astuner.trainer.lora import share_frozen_weights
 
     engine_typed = engine_typed or typed
-    paths = {name: path for name, path in {POLICY: model_path, **other_model_paths(typed)}.items()
-             if only is None or name in only}
-    adapters = adapter_models(typed, model_path)
-    # On the shared base, run-wide: the policy and its adapter models. Their syncs hand over adapters whichever
-    # process trains them (a trainer group of one model holds its own copy of the base).
-    on_base = set(adapters) | ({POLICY} if adapters else set())
+    mine = models.only(only)
     shared = None
     if "engine" in roles:  # adapters on the shared base are one engine; every other model one of its own
         import torch
 
-        engines = 1 + len([name for name in paths if name != POLICY and name not in on_base]) + extra_engines
         from astuner.config.derived import gpu_share_per_engine
 
-        engine_typed = gpu_share_per_engine(engine_typed, engines, torch.cuda.is_available())
-    if "engine" in roles and adapters:
-        shared = build_adapter_engine(engine_typed, model_path, tokenizer, max_model_len, kv_cache_bytes, adapters)
+        engine_typed = gpu_share_per_engine(engine_typed, models.engines + extra_engines, torch.cuda.is_available())
+        if models.adapters:
+            shared = build_adapter_engine(engine_typed, models, tokenizer, max_model_len, kv_cache_bytes)
     out: dict[str, LocalModel] = {}
-    for name, path in paths.items():
+    base = None  # the first trainer in this process over the shared base: the others take its frozen weights
+    for spec in mine:
         engine = trainer = None
         if "engine" in roles:
-            engine = shared.view(name) if name in on_base else build_engine(engine_typed, path, tokenizer,
-                                                                            max_model_len, kv_cache_bytes)
+            engine = shared.view(spec.name) if spec.adapter else build_engine(engine_typed, spec.folder, tokenizer,
+                                                                              max_model_len, kv_cache_bytes)
         if "trainer" in roles:
-            trainer = build_trainer(typed, path, total_steps, micro_batch_tokens, world,
-                                    entry=None if name == POLICY else typed.astuner.models[name],
-                                    models_in_group=len(paths))
-            if name in on_base and name != POLICY and POLICY in out:
-                freed = share_frozen_weights(trainer.model, out[POLICY].trainer.model)
-                log.info("model %s: a LoRA adapter on the policy's base (%.2f GiB of base weights shared)", name,
-                         freed / 2**30)
-        out[name] = LocalModel(engine, trainer, adapter=name in on_base)
+            trainer = build_trainer(typed, spec.folder, total_steps, micro_batch_tokens, world, spec=spec,
+                                    models_in_group=len(mine))
+            if spec.adapter and base is not None:
+                freed = share_frozen_weights(trainer.model, base.model)
+                log.info("model %s: a LoRA adapter on the %s's base (%.2f GiB of base weights shared)", spec.name,
+                         models.first.name, freed / 2**30)
+            elif spec.adapter:
+                base = trainer
+        out[spec.name] = LocalModel(engine, trainer, adapter=spec.adapter)
     return out
 
 
-def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
-                         names: list[str]):
-    """One engine over the policy's base with an adapter for the policy and for each model of `names`: the HF
-    engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
+def build_adapter_engine(typed, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None):
+    """One engine over the shared base of `models` (a `ModelSet`) with an adapter for each of its adapters: the
+    HF engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
     from astuner.config.derived import resolve_engine_name
     from astuner.runtime import lora_settings, vllm_engine_settings
 
     tc = typed.astuner.trainer_common
-    lora = {name: lora_settings(tc.lora, lora_rank_of(typed, name)) for name in [POLICY, *names]}
+    adapters = [models[name] for name in models.adapters]
+    lora = {spec.name: lora_settings(tc.lora, spec.lora_rank) for spec in adapters}
+    base = adapters[0].folder
     if resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
         import torch
 
@@ -136,15 +121,15 @@ def build_adapter_engine(typed, model_path: str, tokenizer, max_model_len: int, 
         settings = vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type)
         if device_type == "cuda" and settings["dtype"] == "float32":  # before the engine fails at its start
             raise UserError(
-                f"models {', '.join([POLICY, *names])} are LoRA adapters on one base, served by vLLM's LoRA kernels, "
+                f"models {', '.join(lora)} are LoRA adapters on one base, served by vLLM's LoRA kernels, "
                 "which compute in bf16 or fp16 only; this run's trainer is fp32 (astuner.trainer_common.precision), "
                 "and its engine computes as it does. Set astuner.trainer_common.precision: bf16 (auto is bf16 on "
                 "CUDA), or astuner.rollout.engine: hf")
-        return AdapterVLLMEngine(model_path, lora, **settings)
+        return AdapterVLLMEngine(base, lora, **settings)
     from astuner.engine.adapters import AdapterHFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return AdapterHFEngine(model_path, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
+    return AdapterHFEngine(base, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
                            seed=typed.astuner.seed, pad_token_id=pad)
 
 
@@ -159,21 +144,21 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     prep = runtime.prepare(loaded, backbone, total_steps_of)
     from astuner.config.derived import teacher_engine
 
-    models = build_models(typed, prep.tokenizer, prep.model_path, prep.max_model_len, prep.total_steps,
+    models = build_models(typed, prep.tokenizer, prep.models, prep.max_model_len, prep.total_steps,
                           kv_cache_bytes=prep.plan.kv_cache_bytes,
                           micro_batch_tokens=prep.plan.micro_batch_token_budget,
                           extra_engines=int(teacher_engine(typed) == "vllm"))
-    engine, trainer = models[POLICY].engine, models[POLICY].trainer
+    engine, trainer = models[prep.models.first.name].engine, models[prep.models.first.name].trainer
     runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
-                                  prep.max_model_len, roster_of_models(typed, models))
+                                  prep.max_model_len, roster_of_models(typed, prep.models, models))
     runtime.check_token_pipeline(typed, runner, engine_trainer_logprob_check(
         engine, trainer, runner.renderer, runner.stop_token_ids, runtime.check_sampling(typed)))
     return runtime.Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan,
                            models)
 
 
-def roster_of_models(typed, models: dict[str, LocalModel]):
+def roster_of_models(typed, model_set, models: dict[str, LocalModel]):
     """`runtime.roster_of` over the engines of `models` (None for a one-model run without named agents)."""
     from astuner.runtime import roster_of
 
-    return roster_of(typed, models[POLICY].engine, {n: m.engine for n, m in models.items() if n != POLICY})
+    return roster_of(typed, model_set, {name: m.engine for name, m in models.items()})

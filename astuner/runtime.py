@@ -7,13 +7,12 @@ import inspect
 import logging
 import random
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from astuner.algorithm.catalog import algorithm
 from astuner.config.schema_models import strategy_of
 from astuner.errors import UserError, user_code_error
-from astuner.model_tuner.roster import POLICY
 from astuner.logs import debug_from_user_modules
 from astuner.tokenizer import load_tokenizer, stop_token_ids
 from astuner.types import Task
@@ -109,38 +108,53 @@ def build_judge(loaded):
         raise user_code_error(f"{key}: {judge_cls.__qualname__}.__init__ in", inspect.getfile(judge_cls), exc) from None
 
 
-def build_policy_model_path(typed) -> str:
+def model_set(typed, first_folder: str | None = None):
+    """The run's models (config/model_set.py) with their folders resolved; UserError naming the key of a path
+    that resolves to none. `first_folder`: the first model's folder, in place of its configured path's."""
+    from astuner.config.model_set import model_set as configured
     from astuner.model_cache import ModelPathError, resolve_model_path
 
-    try:
-        return resolve_model_path(typed.astuner.model.path)
-    except ModelPathError as exc:
-        raise UserError(f"astuner.model.path: {exc}") from None
+    models = configured(typed)
+
+    def folder(spec) -> str:
+        if first_folder is not None and spec is models.first:
+            return first_folder
+        try:
+            return resolve_model_path(spec.path)
+        except ModelPathError as exc:
+            raise UserError(f"{spec.key}.path: {exc}") from None
+
+    return models.resolved(folder)
 
 
 def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
-                  world: int = 1, entry=None, models_in_group: int = 1):
+                  world: int = 1, spec=None, models_in_group: int = 1):
     """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
     the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
-    `entry`: an astuner.models entry, whose LoRA rank and learning rate replace the run's; `models_in_group`: the
-    models whose trainers each worker of the group holds (config/schema_models.strategy_of)."""
+    `spec`: the model's `ModelSpec` (its LoRA rank, learning rate and sampling filter; None: the run's first
+    model's); `models_in_group`: the models whose trainers each worker of the group holds
+    (config/schema_models.strategy_of)."""
     from astuner.trainer import Trainer
 
-    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, entry,
+    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, spec,
                                                 models_in_group))
 
 
-def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, entry=None,
+def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, spec=None,
                      models_in_group: int = 1):
     """The TrainerSettings of `build_trainer`."""
+    from astuner.config.model_set import model_set as configured
+
     from astuner import preflight
     from astuner.config.effective import effective
     from astuner.trainer.settings import TrainerSettings
 
     typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
     tc = typed.astuner.trainer_common
+    # The model's settings read through `effective` too (a filter that does nothing here is off).
+    spec = configured(typed).first if spec is None else configured(typed)[spec.name]
     settings = TrainerSettings(
-        lr=tc.optim.lr,
+        lr=spec.lr,
         weight_decay=tc.optim.weight_decay,
         lr_warmup_steps=tc.optim.lr_warmup_steps,
         lr_scheduler_type=tc.optim.lr_scheduler_type,
@@ -151,10 +165,10 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
         precision=tc.precision,
-        lora=lora_settings(tc.lora),
+        lora=lora_settings(tc.lora, spec.lora_rank),
         # The sampling filter shapes the distribution rollouts were drawn from (offline data: no filter).
-        top_k=typed.astuner.rollout.top_k,
-        top_p=typed.astuner.rollout.top_p,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
         loss_mode=tc.policy_loss.loss_mode,
@@ -175,11 +189,6 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         strategy=strategy_of(typed, models_in_group),
         group_size=world,
     )
-    if entry is not None:
-        settings = replace(settings, lr=settings.lr if entry.lr is None else entry.lr,
-                           lora=settings.lora if entry.lora_rank is None else lora_settings(tc.lora, entry.lora_rank),
-                           top_p=settings.top_p if entry.top_p is None else entry.top_p,
-                           top_k=settings.top_k if entry.top_k is None else entry.top_k)
     return settings
 
 
@@ -287,11 +296,16 @@ class Prepared:
     judge: object
     train_tasks: list  # Tasks, or offline Examples / Pairs
     val_tasks: list
-    model_path: str
+    models: object  # config.model_set.ModelSet, folders resolved
     max_model_len: int
     tokenizer: object
     total_steps: int
     plan: object  # preflight.RunPlan
+
+    @property
+    def model_path(self) -> str:
+        """The first model's folder (astuner.model): the run's tokenizer and chat template are its."""
+        return self.models.first.folder
 
 
 def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None) -> Prepared:
@@ -312,7 +326,8 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     workflow_cls, judge = (load_workflow(loaded), build_judge(loaded)) if source.runs_workflow else (None, None)
     source.read()
 
-    model_path = build_policy_model_path(typed)
+    models = model_set(typed)
+    model_path = models.first.folder
     facts = preflight.read_model_facts(model_path)
     max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts, source.turn_cap)
     tokenizer = load_tokenizer(model_path)
@@ -329,14 +344,13 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
             teacher = teacher_memory(typed, preflight.read_model_facts(teacher_path(typed), "astuner.teacher.model"),
                                      (device_facts or preflight.local_device()).type, max_model_len)
     others = {}
-    for name, path in other_model_paths(typed).items():  # before any weights load, on every backbone
-        others[name] = preflight.read_model_facts(path, f"astuner.models.{name}.path")
-        check_same_tokenizer(tokenizer, path, f"astuner.models.{name}.path")
+    for spec in models.models[1:]:  # before any weights load, on every backbone
+        others[spec.name] = preflight.read_model_facts(spec.folder, f"{spec.key}.path")
+        check_same_tokenizer(tokenizer, spec.folder, f"{spec.key}.path")
     plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps, device_facts, others, teacher)
     announce(source.describe() + plan.block(facts))
     preflight.check_fits(plan, facts)
-    return Prepared(workflow_cls, judge, train_tasks, val_tasks, model_path, max_model_len, tokenizer,
-                    total_steps, plan)
+    return Prepared(workflow_cls, judge, train_tasks, val_tasks, models, max_model_len, tokenizer, total_steps, plan)
 
 
 def _chat_text(typed, model_path: str, tokenizer):
@@ -399,19 +413,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def other_model_paths(typed) -> dict[str, str]:
-    """astuner.models' folders, by name, resolved as astuner.model.path is."""
-    from astuner.model_cache import ModelPathError, resolve_model_path
-
-    out = {}
-    for name, entry in typed.astuner.models.items():
-        try:
-            out[name] = resolve_model_path(entry.path)
-        except ModelPathError as exc:
-            raise UserError(f"astuner.models.{name}.path: {exc}") from None
-    return out
-
-
 def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
     """The model at `path` reads and writes the policy's tokens, under the same chat template; else UserError."""
     other = load_tokenizer(path, key)
@@ -424,16 +425,16 @@ def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
                         "the models of a run share one tokenizer and chat template: pick models of one family")
 
 
-def roster_of(typed, engine, others: dict):
-    """Which engine serves each named agent (astuner.agents); `others`: {model name: its engine}. None for a
-    one-model run."""
-    if not others and not typed.astuner.agents:
+def roster_of(typed, models, engines: dict):
+    """Which engine serves each named agent (astuner.agents); `engines`: {model name: its engine} over the
+    `ModelSet` `models`, the first model's first. None for a one-model run without named agents."""
+    if len(engines) == 1 and not typed.astuner.agents:
         return None
     from astuner.model_tuner.roster import Roster
 
-    return Roster({POLICY: engine, **others},
+    return Roster(dict(engines),
                   {agent: (entry.model, entry.trainable) for agent, entry in typed.astuner.agents.items()},
-                  {name: (entry.temperature, entry.top_p, entry.top_k) for name, entry in typed.astuner.models.items()})
+                  {spec.name: spec.own_sampling for spec in models if spec.name in engines})
 
 
 def _auxiliary_pool(typed):

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from astuner.config.applicability import RAY_BACKBONES
+from astuner.config.backbones import backbone as backbone_record
 from astuner.errors import UserError
 
 ALGORITHMS = ("multi_step_grpo", "grpo")
@@ -286,7 +286,7 @@ def tune(*, workflow_func: Callable | None = None, judge_func: Callable | None =
     folder = Path(experiment_dir) if experiment_dir else Path.cwd() / "launcher_record" / project_name
     # The YAML sits beside the run's other files; the launcher's resume logic decides the final folder.
     spec_dir = folder.parent / ".tune"
-    if backbone in RAY_BACKBONES:
+    if backbone_record(backbone).on_ray:
         local = [fn for fn in (workflow_func, judge_func) if fn is not None and fn.__module__ == "__main__"]
         if local:
             target = ship_functions({fn.__qualname__: fn for fn in local}, spec_dir / f"{project_name}.functions.pkl")

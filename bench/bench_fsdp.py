@@ -50,9 +50,9 @@ def held_bytes(trainer) -> int:
     for state in trainer.optimizer.state.values():
         total += sum(local(v).numel() * local(v).element_size() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
-    if trainer._master.separate:
-        total += sum(m.numel() * m.element_size() for m in trainer._master.masters)
-    return total + sum(local(p).numel() * 4 for p in trainer._params)  # fp32 gradients (held during the step)
+    if trainer.master.separate:
+        total += sum(m.numel() * m.element_size() for m in trainer.master.masters)
+    return total + sum(local(p).numel() * 4 for p in trainer.params)  # fp32 gradients (held during the step)
 
 
 def worker(rank: int, world: int, port: int, model: str, strategy: str, episodes: int, out: str) -> None:

@@ -114,7 +114,7 @@ def main() -> None:
             row["logprob_pass_tokens_per_s"] = round(fed / (time.perf_counter() - t0))
             out[f"gradient_checkpointing={gc}"] = row
             if args.lora_rank:
-                row["trainable_params"] = sum(p.numel() for p in t._master.masters)
+                row["trainable_params"] = sum(p.numel() for p in t.master.masters)
                 row["note"] = "model_tflops counts the base model's 6N per token; LoRA skips weight gradients of W"
             if not gc and not args.lora_rank:
                 shared = SharedWeightFile("bfloat16")

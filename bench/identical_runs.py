@@ -8,7 +8,8 @@ its metrics, to compare between two checkouts (before and after a change that mu
 Each run is `astuner --conf ... --backbone debug` in its own process on the same tiny random-weight model (the
 demo tokenizer, 2 layers, seeded), the HF engine and fixed seeds: grpo (plain, with the KL loss and a cosine
 schedule, with RLOO and GSPO) and rft on the quick-start's additions, judged by the answer's length, sft and
-dpo/orpo on tutorial/algorithms' data. Metrics that measure time or speed are left out of the fingerprint;
+dpo/orpo on tutorial/algorithms' data, and tutorial/multi_agent's two models and two adapters on one base
+(every model's weights in the digest). Metrics that measure time or speed are left out of the fingerprint;
 everything else (losses, rewards, grad norms, logprob gaps) must match exactly.
 """
 
@@ -39,7 +40,11 @@ RUNS = {
     # Validation on the training pairs: the pair losses' no-gradient path too.
     "dpo": ("dpo", ["astuner.offline_data.val_file=data/dpo_train.jsonl"]),
     "orpo": ("orpo", ["astuner.offline_data.val_file=data/dpo_train.jsonl"]),
+    # Several models (tutorial/multi_agent): two models, and two LoRA adapters on one base.
+    "two_models": ("grpo", []),
+    "two_adapters": ("grpo", []),
 }
+SEVERAL = {"two_models": "two_agents.yaml", "two_adapters": "two_adapters.yaml"}
 # A random model never boxes the right sum: the reward is the answer's length, so that groups differ.
 JUDGE = """
 from astuner.task_judge.base_judge import BaseJudge
@@ -74,7 +79,13 @@ def config(name: str, model: Path, out: Path, repo: Path) -> list[str]:
     common = [f"astuner.model.path={model}", f"astuner.experiment_dir={out}", "astuner.seed=1",
               "astuner.trainer_common.total_training_steps=3", "astuner.trainer_common.save_freq=3",
               "astuner.trainer_common.test_freq=99999"]
-    if kind in ("grpo", "rft"):
+    if name in SEVERAL:
+        conf = repo / "tutorial" / "multi_agent" / SEVERAL[name]
+        extra = ["astuner.rollout.engine=hf", "astuner.rollout.num_repeat=4", "astuner.data.train_batch_size=2",
+                 "astuner.rollout.max_response_length_in_one_turn=16", f"astuner.models.keeper.path={model}",
+                 "astuner.trainer_common.val_before_train=false",
+                 f"astuner.task_judge.judge_protocol={model.parent / 'length_judge.py'}->LengthJudge"]
+    elif kind in ("grpo", "rft"):
         conf = repo / "tutorial" / "quickstart" / "quickstart.yaml"
         # The tutorial's sampling and judge may change; the bench pins its own, so checkouts stay comparable.
         extra = ["astuner.rollout.engine=hf", "astuner.rollout.temperature=1.0", "astuner.rollout.num_repeat=4",
@@ -93,7 +104,7 @@ def weights_digest(folder: Path) -> str:
     from safetensors.torch import load_file
 
     digest = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(folder.rglob("*.safetensors")):  # other models' folders too
         for name, tensor in sorted(load_file(str(f)).items()):
             digest.update(name.encode())
             digest.update(tensor.float().numpy().tobytes())

@@ -96,7 +96,7 @@ def main() -> None:
                         target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
     peak, resident, seconds, trainer = measured(lambda: Trainer(str(folder), lr=1e-5, lora=lora, precision="bf16",
                                                                 device="cuda"))
-    adapters = sum(p.numel() for p in trainer._params)
+    adapters = sum(p.numel() for p in trainer.params)
     print(f"  trainer (LoRA rank {args.rank}, {adapters / 1e6:.1f}M adapter parameters): peak {peak:.1f} GiB, "
           f"resident {resident:.1f} GiB ({seconds:.0f} s); bf16 weights alone: {2 * params / GIB:.1f} GiB")
 

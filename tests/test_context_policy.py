@@ -217,7 +217,7 @@ def test_an_empty_summary_changes_nothing_and_a_long_one_is_labelled_summary_cap
     messages = history(tuner, 3)
     with pytest.raises(EpisodeOverflow):  # shown as it was: the window refuses it
         asyncio.run(tuner.chat(messages, TOOLS))
-    assert tuner.calls[-1].context == "summary" and not tuner._context.compactions
+    assert tuner.calls[-1].context == "summary" and not tuner.context.compactions
 
     tuner, _ = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2), summary_tokens=5)  # < SUMMARY
     messages = history(tuner, 3)

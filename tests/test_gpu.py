@@ -53,7 +53,7 @@ def test_bf16_trainer_on_cuda(qwen_dir):
     metrics = t.train_step(samples)
     # Old logprobs are the trainer's own: the first ratio is 1 up to bf16 noise, and the update is finite.
     assert metrics["logprob_abs_diff_mean"] < 0.05 and metrics["grad_norm"] > 0
-    for m, p in zip(t._master.masters, t.model.parameters()):
+    for m, p in zip(t.master.masters, t.model.parameters()):
         assert torch.equal(m.to(torch.bfloat16), p.detach())
 
 

@@ -119,6 +119,6 @@ def test_a_bf16_lora_trainer_never_puts_an_fp32_base_on_its_device(tiny_model_di
     assert {p.dtype for n, p in t.model.named_parameters() if ".base_layer." in n} == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for g in t.optimizer.param_groups for p in g["params"])
     samples = [_sample(t, demo_tokenizer, "Hi there", " general kenobi", 1.0, "a")]
-    before = [m.clone() for m in t._master.masters]
+    before = [m.clone() for m in t.master.masters]
     t.train_step(samples)
-    assert any(not torch.equal(a, b) for a, b in zip(before, t._master.masters))
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.master.masters))

@@ -22,16 +22,16 @@ def test_bf16_weights_fp32_masters_and_small_updates_accumulate(tiny_model_dir, 
     t = _trainer(tiny_model_dir, precision="bf16", lr=1e-6)
     assert all(p.dtype == torch.bfloat16 for p in t.model.parameters())
     assert all(p.dtype == torch.float32 for g in t.optimizer.param_groups for p in g["params"])
-    before = [m.clone() for m in t._master.masters]
+    before = [m.clone() for m in t.master.masters]
     bf16_before = [p.detach().clone() for p in t.model.parameters()]
     samples = [_sample(t, demo_tokenizer, "Hi there", " general kenobi", 1.0, "a"),
                _sample(t, demo_tokenizer, "Hi there", " hello", -1.0, "b")]
     for _ in range(3):
         t.train_step(samples)
-    moved = sum(int((m != b).sum()) for m, b in zip(t._master.masters, before))
+    moved = sum(int((m != b).sum()) for m, b in zip(t.master.masters, before))
     assert moved > 0.5 * sum(m.numel() for m in before)  # Adam moves (almost) every weight
     # The model's weights are exactly the masters rounded to bf16 ...
-    for m, p in zip(t._master.masters, t.model.parameters()):
+    for m, p in zip(t.master.masters, t.model.parameters()):
         assert torch.equal(m.to(torch.bfloat16), p.detach())
     # ... and most of them did not change at all in bf16: only the masters hold these updates.
     unchanged = sum(int((p.detach() == b).sum()) for p, b in zip(t.model.parameters(), bf16_before))
@@ -42,7 +42,7 @@ def test_bf16_weights_fp32_masters_and_small_updates_accumulate(tiny_model_dir, 
     t.save_checkpoint(tmp_path / "ckpt", tokenizer=demo_tokenizer, run_state={"step": 3})
     resumed = _trainer(tiny_model_dir, precision="bf16", lr=1e-6)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    for a, b in zip(resumed._master.masters, t._master.masters):
+    for a, b in zip(resumed.master.masters, t.master.masters):
         assert torch.equal(a, b)
     loss_a = t.train_step(samples)["policy_loss"]
     loss_b = resumed.train_step(samples)["policy_loss"]

@@ -66,10 +66,19 @@ def test_engines():
 
 
 def test_backbones():
-    from astuner.backbone import BACKBONES
-    from astuner.config.applicability import RAY_BACKBONES
+    """Each backbone's record names entry points that exist and packaged defaults that exist."""
+    import importlib
 
-    assert tuple(BACKBONES) == ("debug", *RAY_BACKBONES)
+    from astuner.backbone import BACKBONES
+    from astuner.config.compose import DEFAULT_CONFIG_DIR
+
+    assert tuple(BACKBONES) == ("debug", "verl", "trinity")
+    for record in BACKBONES.values():
+        for entry in filter(None, (record.run, record.offline_run)):
+            module, func = entry.split(":")
+            assert callable(getattr(importlib.import_module(module), func)), entry
+        if record.defaults_file:
+            assert (DEFAULT_CONFIG_DIR / record.defaults_file).is_file()
 
 
 def test_optimizer_steps_per_type():

@@ -137,3 +137,34 @@ def test_the_checker_finds_a_circle(tmp_path):
     assert circles(edges) == [["astuner.sub.high", "astuner.sub.low"]]
     assert edges["astuner.sub"] == {"astuner.sub.low"}  # a submodule import is not an edge to the package
 
+
+
+def _compares(path: Path):
+    """The comparisons of one module, each as (line, its operands)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            yield node.lineno, [node.left, *node.comparators]
+
+
+def test_no_module_tells_a_backbone_by_its_name():
+    """A backbone is one record (config/backbones.py): code asks the record what it does (`on_ray`, `explorers`),
+    never `backbone == "trinity"`, so a new backbone is one record, not a hunt through the package."""
+    from astuner.config.backbones import BACKBONES
+
+    def names(node) -> set:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {e.value for e in elts if isinstance(e, ast.Constant) and e.value in BACKBONES}
+
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in PACKAGE.rglob("*.py")
+             if path.name != "backbones.py" for line, operands in _compares(path)
+             if any(names(o) for o in operands)]
+    assert found == []
+
+
+def test_the_first_model_is_not_told_apart_by_its_name():
+    """Every model of a run is a record of one set (config/model_set.py); `policy` names only the default agent's
+    model. Its name is compared with another only where the config reserves it (schema_models.py)."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in PACKAGE.rglob("*.py")
+             for line, operands in _compares(path)
+             if any(isinstance(o, ast.Name) and o.id == "POLICY" for o in operands)]
+    assert len(found) <= 3 and all("schema_models.py" in f for f in found), found

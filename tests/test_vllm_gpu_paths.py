@@ -246,6 +246,7 @@ def test_adapters_on_vllm_with_an_fp32_trainer_on_cuda_are_refused_before_the_en
     from astuner.config import load_config
     from astuner.errors import UserError
     from astuner.run_models import build_adapter_engine
+    from astuner.runtime import model_set
     from test_several_models import write_run
 
     roster = (f"models: {{critic: {{path: {tiny_model_dir}, lora_rank: 4}}}}\n  agents: {{critic: {{model: critic}}}}")
@@ -254,4 +255,4 @@ def test_adapters_on_vllm_with_an_fp32_trainer_on_cuda_are_refused_before_the_en
                                      "astuner.trainer_common.lora.rank=4"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(UserError, match="precision: bf16"):
-        build_adapter_engine(loaded.typed, str(tiny_model_dir), None, 256, None, ["critic"])
+        build_adapter_engine(loaded.typed, model_set(loaded.typed), None, 256, None)

@@ -1,4 +1,4 @@
-"""`astuner warmstart`: demonstrations with made-up twins of the agent's tools (astuner/tool_demos.py), read back
+"""`astuner warmstart`: demonstrations with made-up twins of the agent's tools (astuner/offline/tool_demos.py), read back
 by each family's tool parser through the SFT's own rendering, the tools read from a dry run of the agent
 quick-start's workflow, and the command end to end on the tiny model."""
 
@@ -84,7 +84,7 @@ def calls_of(row: dict) -> list[tuple[str, dict]]:
 
 
 def test_twins_of_an_unseen_schema_keep_its_shapes_and_none_of_its_names():
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     rows = demonstrations(USER_TOOLS, count=24, seed=3)
     assert len(rows) == 24
@@ -127,7 +127,7 @@ def test_twins_of_an_unseen_schema_keep_its_shapes_and_none_of_its_names():
 def test_no_name_or_description_of_the_demonstrations_says_a_word_of_the_users_tool_names(lookup_task):
     """The agent quick-start's tools (find_badge, lookup_code): no twin gives a "badge colour" or a "voucher code",
     nor uses their verbs."""
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     said, bare = set(), 0
     rows = demonstrations(lookup_task.TOOL_SCHEMAS, count=64, seed=0)
@@ -147,7 +147,7 @@ def test_no_name_or_description_of_the_demonstrations_says_a_word_of_the_users_t
 
 
 def test_chains_are_half_with_several_tools_none_with_one_and_the_share_is_checked():
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     chains = lambda rows: sum(len(calls_of(r)) == 2 for r in rows)  # noqa: E731
     assert chains(demonstrations(USER_TOOLS, count=32, seed=0)) == 16
@@ -185,7 +185,7 @@ def test_demonstrations_parse_back_with_the_family_tool_parser(family, family_to
     from astuner.model_tuner.formats import template_source
     from astuner.model_tuner.tool_parser import TOOL_PARSERS
     from astuner.task_reader.offline_data import tokenize_conversation
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     tokenizer = family_tokenizers[family]
     renderer = ChatRenderer(tokenizer, "auto")
@@ -419,7 +419,7 @@ PYDANTIC_STYLE = _tool("plan_trip", {
 
 
 def test_twins_of_refs_and_optionals_keep_the_branch_shape_and_nullability():
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     for row in demonstrations([PYDANTIC_STYLE], count=8, seed=0):
         twin = row["tools"][0]["function"]["parameters"]
@@ -479,7 +479,7 @@ BOUNDS = [
 def test_demonstrated_values_meet_the_users_bounds_formats_and_lengths():
     import re
 
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     seen, formats = 0, set()
     for tool in BOUNDS:
@@ -501,7 +501,7 @@ def test_demonstrated_values_meet_the_users_bounds_formats_and_lengths():
 
 
 def test_no_word_of_the_users_tools_is_a_demonstrated_value():
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     tool = _tool("travel", {"type": "object", "properties": {
         "dest": {"type": "string", "enum": ["Lisbon", "Osaka", "Quito"]},
@@ -531,7 +531,7 @@ def test_the_next_command_trains_in_a_folder_of_its_own(tmp_path, monkeypatch):
 
 def test_a_quoted_example_in_a_description_is_named():
     """A warm-started small model copied `e.g. "umbrella"` into every call: the tools' check says so."""
-    from astuner.tool_schema import check_tools
+    from astuner.offline.tool_schema import check_tools
 
     def tool(description, item_description):
         return {"type": "function", "function": {"name": "stock", "description": description, "parameters": {
@@ -562,7 +562,7 @@ def test_gather_episodes_call_two_tools_and_compute_the_answer_from_their_number
     """The shop assistant's pattern: two independent look-ups, a product or a sum written out, then the box."""
     import re
 
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     rows = demonstrations(SHOP_TOOLS, count=40, seed=3, chain_share=0.0, gather_share=1.0)
     ops, wordings = set(), set()
@@ -600,7 +600,7 @@ def test_gather_twins_share_the_argument_the_users_tools_share():
     pass the question's one value, and the question says it once. Tools that name nothing alike share nothing."""
     import copy
 
-    from astuner.tool_demos import demonstrations, shared_arguments
+    from astuner.offline.tool_demos import demonstrations, shared_arguments
 
     assert shared_arguments(SHOP_TOOLS[0]["function"], SHOP_TOOLS[1]["function"]) == [(0, 0)]
     questions = []
@@ -634,7 +634,7 @@ def test_gather_twins_share_the_argument_the_users_tools_share():
 def test_twins_write_their_schemas_in_the_users_key_order():
     """AgentScope writes {"name", "parameters", "description"} and arguments as {"description", "type"}; the twins
     are written the same way at every level (a small model read the other order as a cue to copy the schema)."""
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     def agentscope(tool):
         f = tool["function"]
@@ -659,7 +659,7 @@ def test_twins_write_their_schemas_in_the_users_key_order():
 
 def test_gather_episodes_are_chosen_when_the_answers_look_computed():
     from astuner.offline.warmstart import WarmStartSettings, episode_kinds
-    from astuner.tool_demos import answers_are_computed
+    from astuner.offline.tool_demos import answers_are_computed
 
     assert answers_are_computed(["42", "17.5", "9"], [], SHOP_TOOLS)  # numbers; no tool result seen
     assert not answers_are_computed(["42", "17.5"], ["stock: 42", "17.5 EUR"], SHOP_TOOLS)  # read from a result

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from astuner.backbone.local_models import POLICY, LocalModel, load_models, save_models, sync_models, train_models
+from astuner.backbone.local_models import LocalModel, load_models, save_models, sync_models, train_models
+from astuner.config.schema_models import POLICY
 from astuner.heap import release_freed_memory
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import LocalTrainerStages

@@ -2,14 +2,15 @@
 
 A step's samples are split by the model that served their call (`Sample.model`); each trainer takes one step
 on its own samples only, so a call of one agent never moves another model's weights. A model that got no sample
-this step takes no step. Metrics: the policy's keep their usual names (every curve and alarm of a one-model run
-reads them); another model's are named `model/<name>/<metric>` here, logged as `model/<name>/actor/<metric>`
-(monitor/metrics.py), with `num_samples` also when it trained on none.
+this step takes no step. `models` is ordered as the run's `ModelSet`: the first is astuner.model's.
+Metrics: the first model's keep their usual names (every curve and alarm of a one-model run reads them); another
+model's are named `model/<name>/<metric>` here, logged as `model/<name>/actor/<metric>` (monitor/metrics.py), with
+`num_samples` also when it trained on none.
 
-Checkpoints: the policy's folder is `global_step_N/` as in a one-model run; each other model's is
+Checkpoints: the first model's folder is `global_step_N/` as in a one-model run; each other model's is
 `global_step_N/<name>/` (a Hugging Face folder or adapter with its own resume state). They are written first,
-into a staging folder, and moved into the policy's folder before it is marked complete, so a checkpoint holds
-every model or is not complete at all.
+into a staging folder, and moved into the first model's folder before it is marked complete, so a checkpoint
+holds every model or is not complete at all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import shutil
 from pathlib import Path
 
-from astuner.config.schema_models import POLICY
 from astuner.errors import UserError
 from astuner.run_models import LocalModel
 from astuner.types import Sample, SyncReport, TrainResult
@@ -50,14 +50,14 @@ def merge_model_results(results: dict[str, TrainResult], mine: dict[str, list[in
     says, with every other model's `num_samples` (0 for one that took no step)."""
     metrics: dict[str, float] = {}
     logprobs: list[list[float] | None] = [None] * n
-    for name, where in mine.items():
-        if name != POLICY:
-            metrics[f"model/{name}/num_samples"] = float(len(where))
+    for at, (name, where) in enumerate(mine.items()):
+        prefix = f"model/{name}/" if at else ""  # the first model's under their one-model names
+        if at:
+            metrics[f"{prefix}num_samples"] = float(len(where))
         if name not in results:
             continue
         for i, lp in zip(where, results[name].trainer_logprobs):
             logprobs[i] = lp
-        prefix = "" if name == POLICY else f"model/{name}/"
         metrics.update({prefix + k: v for k, v in results[name].metrics.items()})
     return TrainResult(metrics, logprobs)
 
@@ -68,16 +68,17 @@ def sync_models(models: dict[str, LocalModel]) -> SyncReport:
 
 
 def save_models(models: dict[str, LocalModel], path: Path, tokenizer, run_state: dict) -> None:
-    """The checkpoint at `path`: every other model first, into a staging folder, then the policy's folder, which
-    takes them in before it is marked complete (module docstring)."""
-    others = {name: m for name, m in models.items() if name != POLICY}
+    """The checkpoint at `path`: every other model first, into a staging folder, then the first model's folder,
+    which takes them in before it is marked complete (module docstring)."""
+    first, *rest = models.values()
+    others = dict(zip(list(models)[1:], rest))
     staging = path.parent / f".{path.name}.models-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         for name, model in others.items():
             model.trainer.save_checkpoint(staging / name, tokenizer=tokenizer,
                                           run_state={"model": name, "step": run_state.get("step", 0)})
-        models[POLICY].trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
+        first.trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
                                                include={name: staging / name for name in others})
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -100,10 +101,11 @@ def check_checkpoint_models(path: Path, names: list[str]) -> None:
 
 
 def load_models(models: dict[str, LocalModel], path: Path) -> dict:
-    """Every model's weights, optimizer and step count from the checkpoint at `path`; the policy's run state."""
-    check_checkpoint_models(path, [name for name in models if name != POLICY])
-    state = models[POLICY].trainer.load_checkpoint(path)
-    for name, model in models.items():
-        if name != POLICY:
-            model.trainer.load_checkpoint(path / name)
+    """Every model's weights, optimizer and step count from the checkpoint at `path`; the first model's run
+    state."""
+    first, *others = models
+    check_checkpoint_models(path, others)
+    state = models[first].trainer.load_checkpoint(path)
+    for name in others:
+        models[name].trainer.load_checkpoint(path / name)
     return state

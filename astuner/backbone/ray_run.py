@@ -15,7 +15,6 @@ from pathlib import Path
 
 from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
-from astuner.config.schema_models import POLICY
 from astuner.errors import WorkerLost
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 from astuner.stages import Stages
@@ -122,7 +121,7 @@ class RayStages(Stages):
             runtime_env={"env_vars": ray_cluster.worker_env()},
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                  placement_group_bundle_index=index),
-        ).remote(self.loaded, roles, rank, world, self.prep.model_path, self.prep.max_model_len,
+        ).remote(self.loaded, roles, rank, world, self.prep.models, self.prep.max_model_len,
                  self.prep.total_steps, bundle.name, self.prep.plan.kv_cache_bytes,
                  self.prep.plan.micro_batch_token_budget, only)
         return actor
@@ -182,7 +181,7 @@ class RayStages(Stages):
 
         from astuner.backbone.local_models import merge_model_results, samples_by_model
 
-        groups = {POLICY: TrainerGroup(self.trainers, self.trainer_names), **self.model_groups}
+        groups = {self.prep.models.first.name: TrainerGroup(self.trainers, self.trainer_names), **self.model_groups}
         mine = samples_by_model(samples, list(groups))
         sent = {}
         for name, group in groups.items():

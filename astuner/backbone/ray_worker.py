@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from astuner.backbone.local_models import load_models, save_models, sync_models, train_models
-from astuner.config.schema_models import POLICY, strategy_of
+from astuner.config.schema_models import strategy_of
 from astuner.run_models import build_models, roster_of_models
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def check_gpu_isolation(env) -> None:
 
 
 class Worker:
-    def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_path: str,
+    def __init__(self, loaded, roles: tuple[str, ...], rank: int, world: int, model_set,
                  max_model_len: int, total_steps: int, name: str, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None, only: tuple[str, ...] | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,7 +72,8 @@ class Worker:
         runtime.quiet_library_progress()
 
         self.name, self.rank, self.world = name, rank, world
-        self.loaded, self.model_path = loaded, model_path
+        self.loaded, self.model_set = loaded, model_set  # the run's ModelSet, folders resolved by the driver
+        model_path = model_set.first.folder  # the run's tokenizer and chat template
         typed = loaded.typed
         runtime.seed_everything(typed.astuner.seed)
         self.tokenizer = runtime.load_tokenizer(model_path)
@@ -90,14 +91,14 @@ class Worker:
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
         # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'; `only`:
         # a trainer group of some models (trinity's trainer_groups: per_model)
-        self.models = build_models(typed, self.tokenizer, model_path, max_model_len, total_steps, roles=roles,
+        self.models = build_models(typed, self.tokenizer, model_set, max_model_len, total_steps, roles=roles,
                                    kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
                                    world=world, engine_typed=engine_typed, only=only)
-        first = next(iter(self.models.values()))  # the policy's, or a one-model group's model
+        first = next(iter(self.models.values()))  # the run's first model, or a one-model group's model
         self.engine, self.trainer = first.engine, first.trainer
         if "engine" in roles:
             self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
-                                               max_model_len, roster_of_models(typed, self.models))
+                                               max_model_len, roster_of_models(typed, model_set, self.models))
 
     def ready(self) -> tuple[str, str]:
         """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""
@@ -232,8 +233,8 @@ class Worker:
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        """The run state; a group without the policy loads its one model's folder (`path` names it)."""
-        if POLICY not in self.models:
+        """The run state; a group without the run's first model loads its one model's folder (`path` names it)."""
+        if self.model_set.first.name not in self.models:
             return self.trainer.load_checkpoint(Path(path))
         return load_models(self.models, Path(path))
 

@@ -32,7 +32,6 @@ from astuner.backbone.ray_cluster import Bundle
 from astuner.backbone.ray_run import RayStages, Sent, TrainerGroup, engine_tp, episodes_of, run_on_ray
 from astuner.backbone.sync_schedule import SyncSchedule
 from astuner.config.derived import staleness_bound
-from astuner.config.schema_models import POLICY
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
 
@@ -80,10 +79,11 @@ class TrinityStages(RayStages):
                             for i in range(n_explorers)]
         trainer_bundles = [Bundle(f"trainer {r}", self.cpus, gpus, self.host_bytes(("trainer",)))
                            for r in range(self.world)]
-        # trainer_groups per_model: every other model a group of its own, trained at the same time as the policy's
-        per_model = bool(typed.astuner.models) and typed.astuner.trainer_common.trainer_groups == "per_model"
+        # trainer_groups per_model: every other model a group of its own, trained at the same time as the first's
+        first, *others = self.prep.models.names
+        per_model = bool(others) and typed.astuner.trainer_common.trainer_groups == "per_model"
         group_bundles = {name: [Bundle(f"trainer {name} {r}", self.cpus, gpus, self.host_bytes(("trainer",)))
-                                for r in range(self.world)] for name in (typed.astuner.models if per_model else ())}
+                                for r in range(self.world)] for name in (others if per_model else ())}
         extra = [b for bundles in group_bundles.values() for b in bundles]
         groups = f" in each of {len(group_bundles) + 1} trainer groups" if per_model else ""
         what = f"the trinity backbone ({n_explorers} explorers, {self.world} trainer workers{groups})"
@@ -94,7 +94,7 @@ class TrinityStages(RayStages):
             self.explorers = [self.spawn(group, i, b, ("engine",), 0, 1) for i, b in enumerate(explorer_bundles)]
             self.explorer_names = [b.name for b in explorer_bundles]
             self.trainers = [self.spawn(group, n_explorers + r, b, ("trainer",), r, self.world,
-                                        (POLICY,) if per_model else None) for r, b in enumerate(trainer_bundles)]
+                                        (first,) if per_model else None) for r, b in enumerate(trainer_bundles)]
             self.trainer_names = [b.name for b in trainer_bundles]
             index = n_explorers + self.world
             for name, bundles in group_bundles.items():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from astuner.algorithm.catalog import ALGORITHMS, algorithm, offline_types, spoken, types_reading
+from astuner.config.backbones import backbone, names_where
 from astuner.config.derived import resolve_engine_name, staleness_bound
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
@@ -26,8 +27,6 @@ ROLLOUT_ONLY = ("astuner.rollout.", "astuner.task_reader.", "astuner.task_judge.
                 "astuner.trainer_common.entropy_coeff", "astuner.trainer_common.val_num_repeat",
                 "astuner.trainer_common.use_kl_loss", "astuner.trainer_common.kl_loss",
                 "astuner.trainer_common.old_logprobs", "astuner.trainer_common.rollout_is_cap")
-# The backbones' registry is astuner/backbone/__init__.py (above the config); a test keeps it to "debug" and these.
-RAY_BACKBONES = ("verl", "trinity")
 OFFLINE_READS = ("astuner.rollout.max_model_len", "astuner.rollout.tool_prompt")
 
 # Key (or a section: everything under it) -> (where it acts, in words; predicate(typed config, backbone) -> acts).
@@ -36,6 +35,18 @@ Rule = tuple[str, Callable[[Any, str], bool]]
 
 def _vllm(typed) -> bool:
     return resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
+
+
+def _on_ray(b: str) -> bool:
+    return backbone(b).on_ray
+
+
+def _explorers(b: str) -> bool:
+    return backbone(b).explorers
+
+
+_RAY = "with backbone " + " or ".join(names_where("on_ray"))
+_EXPLORERS = "with backbone " + " or ".join(names_where("explorers"))
 
 
 def _stale(typed) -> bool:
@@ -47,15 +58,15 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     "astuner.rollout.tensor_model_parallel_size": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.max_num_seqs": ("with engine vllm", lambda c, b: _vllm(c)),
     "astuner.rollout.gpu_memory_utilization": ("with engine vllm", lambda c, b: _vllm(c)),
-    "astuner.trainer_common.n_explorers": ("with backbone trinity", lambda c, b: b == "trinity"),
+    "astuner.trainer_common.n_explorers": (_EXPLORERS, lambda c, b: _explorers(b)),
     "astuner.trainer_common.trainer_groups": (
-        "with backbone trinity and astuner.models", lambda c, b: b == "trinity" and bool(c.astuner.models)),
-    "trinity.synchronizer": ("with backbone trinity", lambda c, b: b == "trinity"),
-    "astuner.trainer_common.nnodes": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
-    "astuner.trainer_common.n_gpus_per_node": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
-    "astuner.trainer_common.strategy": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
-    "astuner.trainer_common.cpus_per_worker": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
-    "astuner.trainer_common.actor_timeout_s": ("with backbone verl or trinity", lambda c, b: b in RAY_BACKBONES),
+        f"{_EXPLORERS} and astuner.models", lambda c, b: _explorers(b) and bool(c.astuner.models)),
+    "trinity.synchronizer": (_EXPLORERS, lambda c, b: _explorers(b)),
+    "astuner.trainer_common.nnodes": (_RAY, lambda c, b: _on_ray(b)),
+    "astuner.trainer_common.n_gpus_per_node": (_RAY, lambda c, b: _on_ray(b)),
+    "astuner.trainer_common.strategy": (_RAY, lambda c, b: _on_ray(b)),
+    "astuner.trainer_common.cpus_per_worker": (_RAY, lambda c, b: _on_ray(b)),
+    "astuner.trainer_common.actor_timeout_s": (_RAY, lambda c, b: _on_ray(b)),
     "astuner.trainer_common.lora.alpha": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
     "astuner.trainer_common.lora.dropout": ("with lora.rank > 0", lambda c, b: c.astuner.trainer_common.lora.rank > 0),
     "astuner.trainer_common.lora.target_modules": (
@@ -101,7 +112,7 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
     ),
     "astuner.trainer_common.rollout_is_cap": (
         "with old_logprobs trainer, or backbone trinity with a staleness bound above 0",
-        lambda c, b: c.astuner.trainer_common.old_logprobs == "trainer" or (b == "trinity" and _stale(c)),
+        lambda c, b: c.astuner.trainer_common.old_logprobs == "trainer" or (_explorers(b) and _stale(c)),
     ),
     "astuner.trainer_common.clip_ratio_c": (
         "with policy_loss.loss_mode vanilla",

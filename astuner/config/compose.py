@@ -19,6 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from astuner.config.backbones import BACKBONES
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
 from astuner.config.validate import (
@@ -33,8 +34,9 @@ from astuner.config.validate import (
     validate_tree,
 )
 
-PACKAGED_DEFAULTS = ("verl_default", "trinity_default", "astuner_default")
-PACKAGED_SEARCHPATH = (DEFAULT_CONFIG_DIR, DEFAULT_CONFIG_DIR / "verl", DEFAULT_CONFIG_DIR / "trinity")
+_WITH_DEFAULTS = [b for b in BACKBONES.values() if b.defaults_dir]  # backbones with packaged defaults of their own
+PACKAGED_DEFAULTS = (*(f"{b.name}_default" for b in _WITH_DEFAULTS), "astuner_default")
+PACKAGED_SEARCHPATH = (DEFAULT_CONFIG_DIR, *(DEFAULT_CONFIG_DIR / b.defaults_dir for b in _WITH_DEFAULTS))
 _PRIMARY_NAME = "astuner_user_config"  # name of the rewritten copy; swapped back for the user's file in errors
 
 
@@ -208,7 +210,7 @@ def _packaged_equivalent(rel: Path) -> Path | None:
     if "default_config" not in parts:
         return None
     tail = parts[len(parts) - parts[::-1].index("default_config") :]
-    if tail in ((), ("verl",), ("trinity",)):
+    if tail in ((), *((b.defaults_dir,) for b in _WITH_DEFAULTS)):
         return DEFAULT_CONFIG_DIR.joinpath(*tail)
     return None
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from astuner.config.applicability import APPLIES_ONLY_WITH
+from astuner.config.backbones import BACKBONES
 from astuner.config.schema import RunConfig, Section
 
 HEADERS = {
@@ -23,17 +24,9 @@ HEADERS = {
         "them. Keys marked [only ...] act only under that setting; setting one elsewhere is reported in one warning "
         "at start."
     ),
-    "trinity": (
-        "Defaults for keys named after the Trinity-RFT backbone: its weight syncs, and an old name kept for configs "
-        "written for it. Generated from astuner/config/schema.py."
-    ),
-    "verl": (
-        "Defaults for keys named after the verl backbone. Generated from astuner/config/schema.py. The verl backbone "
-        "reads its placement from astuner.trainer_common (nnodes, n_gpus_per_node, cpus_per_worker), so this section "
-        "holds no keys; any key set under `verl:` is reported as unknown."
-    ),
+    **{b.name: b.defaults_header for b in BACKBONES.values() if b.defaults_file},
 }
-DEFAULT_FILE_OF = {"verl": "verl/verl_default.yaml", "trinity": "trinity/trinity_default.yaml",
+DEFAULT_FILE_OF = {**{b.name: b.defaults_file for b in BACKBONES.values() if b.defaults_file},
                    "astuner": "astuner_default.yaml"}
 
 

@@ -100,32 +100,12 @@ def roster_problems(models: dict, agents: dict) -> list[tuple[str, str]]:
     return problems
 
 
-def lora_rank_of(typed, name: str) -> int:
-    """The LoRA rank model `name` trains with (0: full fine-tuning): its own, else trainer_common.lora.rank."""
-    own = None if name == POLICY else typed.astuner.models[name].lora_rank
-    return typed.astuner.trainer_common.lora.rank if own is None else own
-
-
-def sampling_of(typed, name: str) -> tuple:
-    """(temperature, top_p, top_k) model `name` samples its training rollouts with: its astuner.models entry's
-    where set, else the rollout's."""
-    r = typed.astuner.rollout
-    entry = None if name == POLICY else typed.astuner.models[name]
-    return tuple(getattr(r, k) if entry is None or getattr(entry, k) is None else getattr(entry, k)
-                 for k in ("temperature", "top_p", "top_k"))
-
-
-def same_folder(a: str, b: str) -> bool:
-    """Whether two model paths name one folder (however spelled: relative, through a symlink): models on one base."""
-    from pathlib import Path
-
-    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
-
-
 def shared_trainer_group(typed, backbone: str) -> bool:
     """Whether one trainer group holds every model of a run of several (verl always; trinity with
     trainer_groups: one), rather than a group per model."""
-    return bool(typed.astuner.models) and (backbone != "trinity"
+    from astuner.config.backbones import backbone as record
+
+    return bool(typed.astuner.models) and (not record(backbone).explorers
                                            or typed.astuner.trainer_common.trainer_groups == "one")
 
 

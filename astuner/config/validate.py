@@ -13,11 +13,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from astuner.config.backbones import BACKBONES
 from astuner.errors import UserError
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "default_config"
 # Sections a config may hold, and the Hydra bookkeeping keys allowed beside them in the user's YAML.
-SECTION_KEYS = ("astuner", "trinity", "verl")
+SECTION_KEYS = ("astuner", *(b.name for b in BACKBONES.values() if b.defaults_dir))  # a backbone's: keys named after it
 HYDRA_KEYS = ("hydra", "defaults")
 
 class ConfigError(UserError):

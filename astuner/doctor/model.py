@@ -48,6 +48,15 @@ def _model_path(ctx: Context) -> str:
     return ctx.built["model_path"]
 
 
+def _models(ctx: Context):
+    """The config's ModelSet, its first model's folder the one under test (--model)."""
+    if "model_set" not in ctx.built:
+        from astuner.runtime import model_set
+
+        ctx.built["model_set"] = model_set(_typed(ctx), _model_path(ctx))
+    return ctx.built["model_set"]
+
+
 def _precision(ctx: Context) -> str:
     from astuner.trainer.precision import resolve_precision
 
@@ -71,13 +80,12 @@ def sync_bytes(ctx: Context) -> int:
     return facts.num_params * (2 if _precision(ctx) == "bf16" else 4)
 
 
-def sampling_of(typed, name: str):
-    """Model `name`'s sampling as its rollout calls use it (config.schema_models.sampling_of)."""
-    from astuner.config.schema_models import sampling_of as model_sampling
+def sampling_of(spec):
+    """A model's sampling as its rollout calls use it (its `ModelSpec`)."""
     from astuner.types import SamplingParams
 
-    temperature, top_p, top_k = model_sampling(typed, name)
-    return SamplingParams(max_tokens=RESPONSE_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k)
+    return SamplingParams(max_tokens=RESPONSE_TOKENS, temperature=spec.temperature, top_p=spec.top_p,
+                          top_k=spec.top_k)
 
 
 def _max_model_len(ctx: Context) -> int:
@@ -102,7 +110,7 @@ def _build(ctx: Context, role: str) -> dict:
     if "tokenizer" not in ctx.built:
         ctx.built["tokenizer"] = load_tokenizer(_model_path(ctx))
     steps = typed.astuner.trainer_common.total_training_steps or 1
-    built = build_models(typed, ctx.built["tokenizer"], _model_path(ctx), _max_model_len(ctx), steps, roles=(role,))
+    built = build_models(typed, ctx.built["tokenizer"], _models(ctx), _max_model_len(ctx), steps, roles=(role,))
     models = ctx.built.setdefault("models", {})
     for name, model in built.items():
         have = models.setdefault(name, LocalModel(None, None, model.adapter))
@@ -220,9 +228,9 @@ def parity_verdict(mean: float, worst: float, dtype: str) -> tuple[str, str]:
 
 def _parity_all(ctx: Context, prompt: list[int]) -> dict:
     """{model: parity(...) plus its sampling}, every model of the roster."""
-    typed, out = _typed(ctx), {}
+    out = {}
     for name, model in ctx.built["models"].items():
-        sampling = sampling_of(typed, name)
+        sampling = sampling_of(_models(ctx)[name])
         out[name] = {**parity(model, prompt, sampling), "temperature": sampling.temperature,
                      "top_p": sampling.top_p, "top_k": sampling.top_k}
     return out

@@ -138,17 +138,16 @@ def check_memory_plan(ctx: Context) -> Check:
         return Check("memory plan", "skip", "the run's memory plan", "give --conf x.yaml to plan that run")
     from astuner import preflight
     from astuner.errors import UserError
-    from astuner.runtime import build_policy_model_path, other_model_paths
+    from astuner.runtime import model_set
 
     typed = ctx.loaded.typed
-    model_path = build_policy_model_path(typed)
-    facts = preflight.read_model_facts(model_path)
+    models = model_set(typed)
+    facts = preflight.read_model_facts(models.first.folder)
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
                                               typed.astuner.rollout.max_response_length_in_one_turn)
     steps = typed.astuner.trainer_common.total_training_steps or 1
     # every model of the roster, as the run's own start-up plan counts them (runtime.prepare)
-    others = {name: preflight.read_model_facts(path, f"astuner.models.{name}.path")
-              for name, path in other_model_paths(typed).items()}
+    others = {s.name: preflight.read_model_facts(s.folder, f"{s.key}.path") for s in models.models[1:]}
     plan = preflight.make_plan(typed, ctx.backbone, facts, max_len, steps, None, others)
     block = plan.block(facts).replace("effective config:\n", "")
     figures = {"total_bytes": plan.total_bytes, "available_bytes": plan.available_bytes}

@@ -129,16 +129,17 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     """One model: its engine, the greedy and sampled episodes (kept for the log viewer in
     `out_dir/episodes/<label>/`), its report."""
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import build_engine, roster_of, stop_token_ids
+    from astuner.runtime import build_engine, model_set, roster_of, stop_token_ids
 
     typed = loaded.typed
     label = model_label(spec, {r.label for r in reports})
     path, max_len, tokenizer, engine = load_model(typed, spec, "eval")
-    others = {name: build_engine(typed, other, tokenizer, max_len)
-              for name, other in _other_model_paths(typed, spec, path).items()}
+    models = model_set(typed)
+    engines = {models.first.name: engine, **{name: build_engine(typed, other, tokenizer, max_len)
+                                             for name, other in _other_model_paths(models, spec, path).items()}}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
                            stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary,
-                           roster=roster_of(typed, engine, others))
+                           roster=roster_of(typed, models, engines))
     start = time.perf_counter()
     try:
         bar = progress(f"eval {label}", len(tasks) * (1 + k_samples)) if progress else None
@@ -150,7 +151,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
             bar.close()
     finally:
         runner.close(auxiliary=False)  # the pool serves the next model too
-        for e in (engine, *others.values()):
+        for e in engines.values():
             e.shutdown()
     if out_dir is not None:
         keep_episodes(Path(out_dir) / "episodes" / label.replace("/", "_"), greedy, sampled, tokenizer)
@@ -198,14 +199,14 @@ def load_model(typed, spec: str | None, command: str):
     return path, max_len, tokenizer, build_engine(typed, path, tokenizer, max_len)
 
 
-def _other_model_paths(typed, spec: str | None, path: str) -> dict[str, str]:
-    """The folders of astuner.models for one evaluated model: a checkpoint's own `<checkpoint>/<name>/` where it
-    has one (a run of several models), else the config's path, said on the console."""
+def _other_model_paths(models, spec: str | None, path: str) -> dict[str, str]:
+    """The folders of the run's other models (`ModelSet` `models` but its first) for one evaluated model: a
+    checkpoint's own `<checkpoint>/<name>/` where it has one (a run of several models), else the config's path,
+    said on the console."""
     from astuner.logs import announce
-    from astuner.runtime import other_model_paths
 
     out = {}
-    for name, configured in other_model_paths(typed).items():
+    for name, configured in ((s.name, s.folder) for s in models.models[1:]):
         own = Path(path) / name
         if spec is not None and (own / "config.json").is_file():
             out[name] = str(own)

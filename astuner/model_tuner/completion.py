@@ -59,21 +59,21 @@ class Reading(NamedTuple):
 
 async def complete(tuner, messages: list[dict], tools: list[dict] | None, options: CallOptions) -> Turn:
     """Render, reserve, generate, read and record one call of the tuner's episode."""
-    tuner._check_deadline()
+    tuner.check_deadline()
     tools, required_call = read_tool_choice(normalize_tools(tools), options.tool_choice)
     messages, seen, compacted = await _in_context(tuner, messages, tools, options)
     # With a prefill the turn is already begun: the model continues the prefill's own tokens.
-    prompt = tuner._prompt(messages, tools, options.prefill)
+    prompt = tuner.prompt(messages, tools, options.prefill)
     context = _segment(tuner, prompt, options.agent, compacted, seen is not None)
     # The context it was prompted in: its compaction's segment, else its agent's latest.
-    segment = seen.segment if seen is not None else tuner._context.segments.get(options.agent, 0)
-    max_tokens, limit = await tuner._budget.reserve(len(prompt.ids), tuner._started == 0, options.max_tokens,
-                                                    tuner._check_deadline)
-    index = tuner._started  # read after the reservation, which may wait for parallel calls
+    segment = seen.segment if seen is not None else tuner.context.segments.get(options.agent, 0)
+    max_tokens, limit = await tuner.budget.reserve(len(prompt.ids), tuner.started == 0, options.max_tokens,
+                                                    tuner.check_deadline)
+    index = tuner.started  # read after the reservation, which may wait for parallel calls
     own_temperature, own_top_p, own_top_k = tuner.roster.sampling_of(options.agent)  # its model's (astuner.models)
     requested = options.temperature if options.temperature and options.temperature > 0 else own_temperature
     temperature = call_temperature(tuner.temperature, requested)
-    tuner._started += 1
+    tuner.started += 1
     sampling = SamplingParams(
         temperature=temperature,
         max_tokens=max_tokens,
@@ -85,10 +85,10 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     )
     started = time.perf_counter()
     result = await _generate(tuner, prompt.ids, sampling, index, max_tokens, options.agent)
-    tuner._check_deadline()  # a call that outlived the deadline is not handed back to the agent
+    tuner.check_deadline()  # a call that outlived the deadline is not handed back to the agent
     seconds = time.perf_counter() - started
     sample = cut_at_stop(tuner.tokenizer, result, options.stop)
-    tuner._budget.generated_tokens += len(sample.ids)
+    tuner.budget.generated_tokens += len(sample.ids)
     reading = _read(tuner, sample.ids, tools, required_call, options.stop, index)
     call = _record(tuner, messages, prompt, options, tools, temperature, sample, reading)
     call.cut = cuts.call_cut(sample.finish, len(sample.ids), max_tokens, limit)
@@ -104,7 +104,7 @@ async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
     as they are), and whether this call made it: the agent's compaction applied, and, when a whole turn does not
     fit, the context policy's new one (a summary is a call of this episode). An agent's calls decide one at a
     time: a call that arrives while another of the same agent is being summarized waits, then sees that summary."""
-    state, agent = tuner._context, options.agent
+    state, agent = tuner.context, options.agent
     if SUMMARIZING.get() or state.policy == "none":  # the summary call itself, or no policy
         seen = state.match(agent, messages, tuner.reasoning_parser)
         return shown_through(seen, messages), seen, False
@@ -114,14 +114,14 @@ async def _in_context(tuner, messages: list[dict], tools: list[dict] | None,
 
 async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | None,
                              options: CallOptions) -> tuple[list[dict], Compaction | None, bool]:
-    state, parser, agent = tuner._context, tuner.reasoning_parser, options.agent
+    state, parser, agent = tuner.context, tuner.reasoning_parser, options.agent
     seen = state.match(agent, messages, parser)
     view = shown_through(seen, messages)
     lim = tuner.limits
     turn = min(lim.max_tokens_per_turn, options.max_tokens or lim.max_tokens_per_turn)
 
     def fits(request: list[dict], request_tools=tools, room=turn, prefill=options.prefill) -> bool:
-        return len(tuner._prompt(request, request_tools, prefill).ids) + room <= lim.max_model_len
+        return len(tuner.prompt(request, request_tools, prefill).ids) + room <= lim.max_model_len
 
     if fits(view):
         return view, seen, False
@@ -151,7 +151,7 @@ def _segment(tuner, prompt: Prompt, agent: str, compacted: bool, in_compaction: 
     """The call's context label; a call of an agent that made calls before, sees none of its compactions and
     does not extend any earlier call starts a new segment ("reset": a framework that compacted its own history,
     or another conversation of the same agent, such as a parallel one)."""
-    state = tuner._context
+    state = tuner.context
     if compacted:
         return "compacted"
     if SUMMARIZING.get() or in_compaction or prompt.extends or not any(c.agent == agent for c in tuner.calls):
@@ -174,14 +174,14 @@ async def _generate(tuner, prompt_ids: list[int], sampling: SamplingParams, inde
     goes back to the budget, however the call ended."""
     request_id = f"{tuner.episode_uid}/{index}/{id(tuner):x}"
     engine = tuner.engine_for(agent)
-    tuner._in_flight[request_id] = engine
-    close_item(tuner._tool_item)  # the agent is back: its tools have answered
+    tuner.in_flight[request_id] = engine
+    close_item(tuner.tool_item)  # the agent is back: its tools have answered
     try:
-        with watch("model call", f"{index} of {tuner.episode_uid}", parent=tuner._watch_parent):
+        with watch("model call", f"{index} of {tuner.episode_uid}", parent=tuner.watch_parent):
             return await engine.generate(list(prompt_ids), sampling, request_id=request_id)
     finally:
-        tuner._in_flight.pop(request_id, None)
-        tuner._budget.release(max_tokens)
+        tuner.in_flight.pop(request_id, None)
+        tuner.budget.release(max_tokens)
 
 
 def cut_at_stop(tokenizer, result, stops: tuple[str, ...]) -> Sample:
@@ -200,8 +200,8 @@ def _read(tuner, response_ids: list[int], tools: list[dict] | None, required_cal
           index: int) -> Reading:
     """The response's text (without its stop token, ended before a stop string), its reasoning and tool calls,
     a tool choice it broke, and the madness checks that fired."""
-    text_ids = response_ids[:-1] if response_ids and response_ids[-1] in tuner._stop_ids else response_ids
-    text = tuner._decoder.decode(text_ids)
+    text_ids = response_ids[:-1] if response_ids and response_ids[-1] in tuner.stop_ids else response_ids
+    text = tuner.decoder.decode(text_ids)
     if stops:
         text = _before_stop(text, stops)
     split = tuner.reasoning_parser.split(text)
@@ -210,7 +210,7 @@ def _read(tuner, response_ids: list[int], tools: list[dict] | None, required_cal
     if violation:
         parsed.errors.append(violation)
 
-    view = CallView(response_ids, text, tuner._decoder.leak_ids, tuner._stop_ids, parsed.errors)
+    view = CallView(response_ids, text, tuner.decoder.leak_ids, tuner.stop_ids, parsed.errors)
     return Reading(text, split, parsed, run_checks(tuner.madness_checks, view))
 
 
@@ -234,7 +234,7 @@ def _record(tuner, messages: list[dict], prompt: Prompt, options: CallOptions, t
         tool_call_parse_failed=bool(parsed.errors),
         tools_offered=bool(tools),
         tools=tools,
-        tool_parser=tuner._parser_name,
+        tool_parser=tuner.parser_name,
         missing_tool_arguments=[f"{c.name}({', '.join(m)})" for c in parsed.tool_calls
                                 if (m := missing_arguments(c.name, c.arguments, tools))],
     )
@@ -250,17 +250,17 @@ def _record(tuner, messages: list[dict], prompt: Prompt, options: CallOptions, t
 def _answer(tuner, call: LLMCall, prompt: Prompt, options: CallOptions, sample: Sample, reading: Reading,
             seconds: float) -> Turn:
     """The turn handed back to the agent, remembered for later calls to extend; tools it called are watched."""
-    decoder, parsed, split = tuner._decoder, reading.parsed, reading.split
+    decoder, parsed, split = tuner.decoder, reading.parsed, reading.split
     reasoning = None if split.reasoning is None else decoder.strip_markers(split.reasoning)
     finish = "tool_calls" if parsed.tool_calls else ("length" if sample.finish == "length" else "stop")
     turn = Turn(call=call, content=decoder.strip_markers(parsed.content), tool_calls=parsed.tool_calls,
                 seconds=seconds, reasoning=reasoning, finish_reason=finish)
     call.reply = assistant_message(turn)
-    if parsed.tool_calls and tuner._watch_parent is not None:  # within a rollout's episode
-        tuner._tool_item = open_item("tool", ", ".join(c.name for c in parsed.tool_calls), tuner._watch_parent)
+    if parsed.tool_calls and tuner.watch_parent is not None:  # within a rollout's episode
+        tuner.tool_item = open_item("tool", ", ".join(c.name for c in parsed.tool_calls), tuner.watch_parent)
     # Sent back, a prefilled turn is the prefill and its continuation in one assistant message.
     reply = {**assistant_message(turn), "content": options.prefill + turn.content}
-    tuner._conversations.remember(prompt, reply, tuner.reasoning_parser, sample.ids, call, options.prefill)
+    tuner.conversations.remember(prompt, reply, tuner.reasoning_parser, sample.ids, call, options.prefill)
     return turn
 
 

@@ -18,7 +18,7 @@ __all__ = ["POLICY", "Roster"]
 
 @dataclass(frozen=True)
 class Roster:
-    engines: dict[str, InferenceEngine]  # model name -> its engine; always holds POLICY
+    engines: dict[str, InferenceEngine]  # model name -> its engine, the run's first model (astuner.model) first
     agents: dict[str, tuple[str, bool]] = field(default_factory=dict)  # agent -> (model, trainable)
     # model -> its own (temperature, top_p, top_k), each None where the rollout's applies (astuner.models)
     sampling: dict[str, tuple] = field(default_factory=dict)
@@ -28,8 +28,13 @@ class Roster:
         """One model, `policy`, serving every agent: a run without astuner.models."""
         return cls({POLICY: engine})
 
+    @property
+    def default(self) -> str:
+        """The model of agents astuner.agents does not list: the run's first."""
+        return next(iter(self.engines))
+
     def model_of(self, agent: str) -> str:
-        return self.agents.get(agent, (POLICY, True))[0]
+        return self.agents[agent][0] if agent in self.agents else self.default
 
     def sampling_of(self, agent: str) -> tuple:
         """(temperature, top_p, top_k) of the model serving `agent`; None where the rollout's settings apply."""
@@ -38,4 +43,4 @@ class Roster:
     def trainable(self, agent: str) -> bool:
         """False when astuner.agents says the agent's calls do not train (`for_agent(name, trainable=False)` can
         turn them off too, never on)."""
-        return self.agents.get(agent, (POLICY, True))[1]
+        return self.agents[agent][1] if agent in self.agents else True

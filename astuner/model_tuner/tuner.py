@@ -39,7 +39,7 @@ from astuner.model_tuner.context import state_of
 from astuner.model_tuner.conversations import Conversations, Prompt, stop_texts
 from astuner.model_tuner.decoding import ResponseDecoder
 from astuner.model_tuner.formats import NoReasoningParser
-from astuner.model_tuner.roster import POLICY, Roster
+from astuner.model_tuner.roster import Roster
 from astuner.model_tuner.tool_parser import TOOL_PARSERS, ToolParser
 from astuner.model_tuner.turn import CallOptions, EpisodeTimeout, Turn, assistant_message
 from astuner.types import LLMCall
@@ -89,28 +89,28 @@ class ModelTuner:
         self.loop: asyncio.AbstractEventLoop | None = _running_loop()
         self.auxiliary_models: dict[str, Any] = {}  # frozen models by name (astuner.auxiliary_models)
         self._keys: dict[tuple[str, bool], str] = {}  # (agent, trainable) -> this episode's API key
-        self._conversations = Conversations(stop_texts(tokenizer, stop_token_ids))  # token-exact multi-turn
-        self._context = state_of(limits.context_policy, limits.summary_max_tokens)  # context.py
+        self.conversations = Conversations(stop_texts(tokenizer, stop_token_ids))  # token-exact multi-turn
+        self.context = state_of(limits.context_policy, limits.summary_max_tokens)  # context.py
         self.expired_reason: str | None = None
-        self._in_flight: dict[str, InferenceEngine] = {}  # request id of a call awaiting an engine -> that engine
+        self.in_flight: dict[str, InferenceEngine] = {}  # request id of a call awaiting an engine -> that engine
         name = str(getattr(tokenizer, "name_or_path", "") or "model").rstrip("/").rsplit("/", 1)[-1]
         self.model_name = f"astuner/{name}"
 
         self.calls: list[LLMCall] = []
         # (index in self.calls, flag, reason) for every madness check that fired: the "why" behind call.flags.
         self.flag_reasons: list[tuple[int, str, str]] = []
-        self._budget = EpisodeBudget(limits)  # the new tokens generated and reserved; overflowed or not
+        self.budget = EpisodeBudget(limits)  # the new tokens generated and reserved; overflowed or not
         # Response text keeps the parsers' markers even where they are special tokens (decoding.py).
-        self._decoder = ResponseDecoder(tokenizer, (*getattr(tool_parser, "markers", ()),
+        self.decoder = ResponseDecoder(tokenizer, (*getattr(tool_parser, "markers", ()),
                                                      *getattr(self.reasoning_parser, "markers", ())))
-        self._stop_ids = set(self.stop_token_ids)
-        self._parser_name = next((name for name, cls in TOOL_PARSERS.items() if isinstance(tool_parser, cls)),
+        self.stop_ids = set(self.stop_token_ids)
+        self.parser_name = next((name for name, cls in TOOL_PARSERS.items() if isinstance(tool_parser, cls)),
                                  type(tool_parser).__name__)
-        self._started = 0  # calls begun (concurrent calls may finish out of order)
+        self.started = 0  # calls begun (concurrent calls may finish out of order)
         # The watchdog's view (astuner/watchdog.py): this episode's item, and the tools the agent runs between
         # a response that called them and its next model call.
-        self._watch_parent = current_item()
-        self._tool_item: int | None = None
+        self.watch_parent = current_item()
+        self.tool_item: int | None = None
 
     # --- OpenAI-shaped front end ---------------------------------------------------------------------------
     async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
@@ -122,7 +122,7 @@ class ModelTuner:
     def engine_for(self, agent: str) -> InferenceEngine:
         """The engine that serves `agent`'s calls: the policy's (`self.engine`) or its model's."""
         model = self.roster.model_of(agent)
-        return self.engine if model == POLICY else self.roster.engines[model]
+        return self.engine if model == self.roster.default else self.roster.engines[model]
 
     def for_agent(self, name: str, trainable: bool = True) -> "AgentModel":
         """The model as one named agent of a multi-agent workflow sees it: served by the model astuner.agents
@@ -173,7 +173,7 @@ class ModelTuner:
 
     def close(self) -> None:
         """The episode is over: revoke its API keys (a late request gets 401 and records nothing)."""
-        close_item(self._tool_item)
+        close_item(self.tool_item)
         if self.gateway is not None:
             for key in self._keys.values():
                 self.gateway.revoke(key)
@@ -210,10 +210,10 @@ class ModelTuner:
         """End the episode's access to the model: abort its pending engine requests; later calls raise."""
         if self.expired_reason is None:
             self.expired_reason = reason
-        for request_id, engine in list(self._in_flight.items()):
+        for request_id, engine in list(self.in_flight.items()):
             engine.abort(request_id)
 
-    def _check_deadline(self) -> None:
+    def check_deadline(self) -> None:
         if self.expired_reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
             self.expire("episode deadline passed")
         if self.expired_reason is not None:
@@ -223,21 +223,21 @@ class ModelTuner:
     @property
     def overflowed(self) -> bool:
         """Whether a call was refused for the episode's limits (`overflow_reason` says which)."""
-        return self._budget.overflowed
+        return self.budget.overflowed
 
     @property
     def overflow_reason(self) -> str | None:
-        return self._budget.overflow_reason
+        return self.budget.overflow_reason
 
     @property
     def overflow_limit(self) -> str:
         """The limit that refused ("budget", "window", "prompt"; astuner/cuts.py), "" when none did."""
-        return self._budget.overflow_limit
+        return self.budget.overflow_limit
 
     @property
     def generated_tokens(self) -> int:
         """New tokens generated by the episode's recorded calls."""
-        return self._budget.generated_tokens
+        return self.budget.generated_tokens
 
     # --- the call itself (completion.py) --------------------------------------------------------------------
     async def complete(self, messages: list[dict], tools: list[dict] | None,
@@ -249,8 +249,8 @@ class ModelTuner:
         """Tokens of the prompt a call with these arguments would get now (`/v1/messages/count_tokens`): with the
         agent's compaction applied (context.py), not a new one."""
         tools, _ = read_tool_choice(normalize_tools(tools), options.tool_choice)
-        shown = self._context.view(options.agent, messages, self.reasoning_parser)
-        return len(self._prompt(shown, tools, options.prefill).ids)
+        shown = self.context.view(options.agent, messages, self.reasoning_parser)
+        return len(self.prompt(shown, tools, options.prefill).ids)
 
     def discard(self, call: LLMCall) -> None:
         """Un-record a call whose answer never reached the agent (its client hung up first, e.g. a client-side
@@ -263,15 +263,15 @@ class ModelTuner:
         last = index == len(self.calls) - 1
         del self.calls[index]
         self.flag_reasons = [(i - (i > index), flag, reason) for i, flag, reason in self.flag_reasons if i != index]
-        self._conversations.forget(call)
-        self._budget.give_back(len(call.response_ids))
+        self.conversations.forget(call)
+        self.budget.give_back(len(call.response_ids))
         if last and call.tool_call_attempted:  # the agent will not run tools it never saw
-            close_item(self._tool_item)
-            self._tool_item = None
+            close_item(self.tool_item)
+            self.tool_item = None
 
-    def _prompt(self, messages: list[dict], tools: list[dict] | None, prefill: str = "") -> Prompt:
+    def prompt(self, messages: list[dict], tools: list[dict] | None, prefill: str = "") -> Prompt:
         """The call's prompt, extending an earlier call's ids exactly where it can (conversations.py)."""
-        return self._conversations.prompt(self.renderer, self.reasoning_parser, messages, tools, prefill)
+        return self.conversations.prompt(self.renderer, self.reasoning_parser, messages, tools, prefill)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -2,5 +2,5 @@
 
 `data` turns chat jsonl into token ids with an assistant-token mask, `steps` holds the preference step, `run`
 the run itself (batches, validation loss, checkpoints and resume as for GRPO), `warmstart` the command that
-writes demonstrations for an agent's tools (astuner/tool_demos.py) and runs the SFT on them.
+writes demonstrations for an agent's tools (astuner/offline/tool_demos.py) and runs the SFT on them.
 """

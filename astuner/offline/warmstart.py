@@ -3,7 +3,7 @@
 1. the tools: the OpenAI function schemas the agent offers, read from a dry run (a few greedy episodes of the
    workflow on its validation tasks, or its first training tasks, each model call recording the `tools` of its
    request), or given with `--tools FILE` (a JSON list of schemas) for an agent whose tools are known up front;
-2. demonstrations with made-up twins of those tools (astuner/tool_demos.py: same argument shapes and types, none
+2. demonstrations with made-up twins of those tools (astuner/offline/tool_demos.py: same argument shapes and types, none
    of the user's names, so the task itself is left to GRPO), written to `<folder>/demonstrations.jsonl`;
 3. the SFT: `algorithm.type: sft` on them (offline/run.py), with the config's model, chat template, tool prompt
    and trainer settings, so the protocol learned is the one the rollouts render;
@@ -82,7 +82,7 @@ def read_tools_file(path: Path) -> list[dict]:
 
 def checked(tools: list, where: str) -> list[str]:
     """The notes of tool_schema.check_tools (what the twins drop); its UserError prefixed with `where`."""
-    from astuner.tool_schema import check_tools
+    from astuner.offline.tool_schema import check_tools
 
     try:
         return check_tools(tools)
@@ -130,7 +130,7 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
 def tools_from_dry_run(loaded, episodes: int) -> tuple[list[dict], list[str]]:
     """Run `episodes` greedy episodes of the workflow (validation tasks first); the tools offered, and the tool
     results the episodes' later calls were shown (none when the model called no tool)."""
-    from astuner.runtime import build_policy_model_path, quiet_library_progress
+    from astuner.runtime import model_set, quiet_library_progress
     from astuner.task_reader import build_task_reader
 
     quiet_library_progress()
@@ -139,7 +139,7 @@ def tools_from_dry_run(loaded, episodes: int) -> tuple[list[dict], list[str]]:
     if not tasks:
         raise UserError("warmstart: the config has no tasks to run the dry run on; give the tools with --tools FILE "
                         "(a JSON list of OpenAI function schemas)")
-    done = run_episodes(loaded, build_policy_model_path(loaded.typed), tasks, desc="warmstart: dry run")
+    done = run_episodes(loaded, model_set(loaded.typed).first.folder, tasks, desc="warmstart: dry run")
     tools = distinct_tools(call for episode in done for call in episode.calls)
     if not tools:
         errors = [e.error_summary for e in done if e.error_summary]
@@ -170,7 +170,7 @@ def episode_kinds(settings: "WarmStartSettings", tools: list[dict], answers: lis
     quarter single calls, the warm-started model called both tools in 88% of the validation episodes but then
     boxed the last result as a chain or a single call does in 81% of them (0.06 greedy success); a demonstration
     whose answer is read from a result teaches the wrong last step when the answers are computed."""
-    from astuner.tool_demos import answers_are_computed
+    from astuner.offline.tool_demos import answers_are_computed
 
     if settings.gather_share is not None:
         return settings, None
@@ -307,7 +307,7 @@ def _quoted(path: Path) -> str:
 
 
 def write_demonstrations(folder: Path, tools: list[dict], settings: WarmStartSettings) -> int:
-    from astuner.tool_demos import demonstrations
+    from astuner.offline.tool_demos import demonstrations
 
     rows = demonstrations(tools, count=settings.count, seed=settings.seed, chain_share=settings.chain_share,
                           gather_share=settings.gather_share or 0.0)

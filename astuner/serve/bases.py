@@ -44,21 +44,17 @@ class ServedBase:
 def served_bases(typed) -> dict[str, ServedBase]:
     """The YAML's models by served name, astuner.model first (their engines: `build_service` gives the maker)."""
     from astuner import preflight, runtime
-    from astuner.config.schema_models import POLICY, same_folder
+    from astuner.config.model_set import same_folder
     from astuner.tokenizer import load_tokenizer
 
     bases: dict[str, ServedBase] = {}
-    folders = {POLICY: runtime.build_policy_model_path(typed), **runtime.other_model_paths(typed)}
-    paths = {POLICY: str(typed.astuner.model.path), **{n: str(e.path) for n, e in typed.astuner.models.items()}}
-    for roster_name, folder in folders.items():
-        path = paths[roster_name]
-        same = next((b for b in bases.values() if same_folder(b.model_path, folder)), None)
+    for spec in runtime.model_set(typed):
+        same = next((b for b in bases.values() if same_folder(b.model_path, spec.folder)), None)
         if same is not None:
-            same.roster += (roster_name,)
+            same.roster += (spec.name,)
             continue
-        key = "astuner.model.path" if roster_name == POLICY else f"astuner.models.{roster_name}.path"
-        bases[path] = ServedBase(path, folder, (roster_name,), load_tokenizer(folder),
-                                 preflight.read_model_facts(folder, key))
+        bases[spec.path] = ServedBase(spec.path, spec.folder, (spec.name,), load_tokenizer(spec.folder),
+                                      preflight.read_model_facts(spec.folder, f"{spec.key}.path"))
     return bases
 
 

@@ -155,25 +155,25 @@ def load(trainer, path: Path) -> dict:
 
 def full_state(trainer, optimizer: bool = True) -> dict:
     """`Trainer.state_dict`."""
-    trainer._check_joined()
+    trainer.check_joined()
     if trainer.sharded:
         weights = {name: fsdp.full(p.detach()).cpu() for name, p in trainer.model.named_parameters()}
         state = fsdp.full_optimizer_state(trainer.optimizer) if optimizer else None
     else:
-        weights = trainer._master.state_dict(trainer.model)
+        weights = trainer.master.state_dict(trainer.model)
         state = trainer.optimizer.state_dict() if optimizer else None
     return {"model": weights, "optimizer": state, "optimizer_steps": trainer.optimizer_steps}
 
 
 def restore_state(trainer, state: dict) -> None:
     """`Trainer.load_state_dict`."""
-    trainer._check_joined()
+    trainer.check_joined()
     weights = state["model"]
     if trainer.sharded:  # every worker holds the whole state and keeps its shards
-        missing, unexpected = fsdp.load_full_weights(trainer._root, weights)
+        missing, unexpected = fsdp.load_full_weights(trainer.root, weights)
     else:
         missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
-        trainer._master.load_masters(trainer.model, weights)
+        trainer.master.load_masters(trainer.model, weights)
     tied = {n for n in missing if "lm_head" in n and getattr(trainer.model.config, "tie_word_embeddings", False)}
     if trainer.peft is not None:  # an adapter checkpoint holds the adapters only: the frozen base is not missing
         tied |= {n for n in missing if not is_lora_param(n)}
@@ -186,6 +186,6 @@ def restore_state(trainer, state: dict) -> None:
         trainer.optimizer_steps = int(state["optimizer_steps"])
         return
     if trainer.sharded:
-        optimizer = fsdp.shard_optimizer_state(optimizer, trainer._params)
+        optimizer = fsdp.shard_optimizer_state(optimizer, trainer.params)
     trainer.optimizer.load_state_dict(optimizer)
     trainer.optimizer_steps = int(state["optimizer_steps"])

@@ -95,7 +95,7 @@ class Trainer:
                 self.peft = apply_lora(self.model, s.lora)
             self.model = self.peft.get_base_model()
         self._adamw = dict(lr=s.lr, weight_decay=s.weight_decay, fused=self.device.type == "cuda")
-        self._master = self._params = self.optimizer = None
+        self.master = self.params = self.optimizer = None
         if not self.shard_on_join:  # sharded, the fp32 shards are the masters (join_group)
             self._own_weights(self.precision)  # under bf16 the parameters become bf16 (trainer/precision.py)
         self.ref_model = None  # frozen initial policy: for the KL loss and for DPO
@@ -103,7 +103,7 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             cast_parameters(self.ref_model, self.compute_dtype)
 
-        self._root = self._ref_root = None  # fsdp.Root units when the group shards the model (join_group)
+        self.root = self._ref_root = None  # fsdp.Root units when the group shards the model (join_group)
         # On CUDA the LM head's log-softmax runs in row chunks (memory-bound there); on CPU, where the extra head
         # matmul of the chunked backward costs more than the memory traffic it saves, the plain path. Sharded,
         # the fast-head check waits for the shards (join_group).
@@ -113,9 +113,9 @@ class Trainer:
 
     def _own_weights(self, precision: str) -> None:
         """The weights AdamW steps (fp32 always: the model's own, or masters of its bf16 parameters) and AdamW."""
-        self._master = MasterWeights(self.model, precision)
-        self._params = self._master.masters
-        self.optimizer = torch.optim.AdamW(self._params, **self._adamw)
+        self.master = MasterWeights(self.model, precision)
+        self.params = self.master.masters
+        self.optimizer = torch.optim.AdamW(self.params, **self._adamw)
 
     # --- trainer group ---------------------------------------------------------------------------------------
 
@@ -134,27 +134,27 @@ class Trainer:
         if not sharded:
             return "ddp"
         if not self.shard_on_join:  # built not knowing: the whole model is on the device already
-            self._master.unify(self.model)  # the fp32 shards are the master weights from here on
+            self.master.unify(self.model)  # the fp32 shards are the master weights from here on
         # fully_shard moves each unit's parameters to the device whole, then keeps its shard: a reference held
         # anywhere else (masters, optimizer) would keep every whole parameter alive there.
-        self._master = self._params = self.optimizer = None
-        self._root = fsdp.shard(self.model, dp.world, self.device.type, self.compute_dtype)
+        self.master = self.params = self.optimizer = None
+        self.root = fsdp.shard(self.model, dp.world, self.device.type, self.compute_dtype)
         if self.ref_model is not None:
             self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, self.compute_dtype)
         self._own_weights("fp32")
         if self.shard_on_join:
             with torch.no_grad():  # a collective: every worker checks
-                self.head.fast = self._root.run(check_fast_head, self.model, self.device)
+                self.head.fast = self.root.run(check_fast_head, self.model, self.device)
         return "fsdp2"
 
-    def _check_joined(self) -> None:
-        if self.shard_on_join and self._root is None:
+    def check_joined(self) -> None:
+        if self.shard_on_join and self.root is None:
             raise RuntimeError(f"this trainer shards over {self.settings.group_size} workers and its model is "
                                "still on the host: call join_group before any forward, step, sync or checkpoint")
 
     @property
     def sharded(self) -> bool:
-        return self._root is not None
+        return self.root is not None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -168,7 +168,7 @@ class Trainer:
         split = split_pair_micro_batches if paired else split_micro_batches
         micro_batches = split([s.num_tokens for s in samples], self.settings.max_token_len_per_micro_batch)
         # The count is agreed before any forward: a collective of its own, it must not interleave with theirs.
-        pads = 0 if self._root is None else self.dp.max_int(len(micro_batches)) - len(micro_batches)
+        pads = 0 if self.root is None else self.dp.max_int(len(micro_batches)) - len(micro_batches)
         yield from micro_batches
         for _ in range(pads):
             self._pad_pass(backward, reference)
@@ -189,8 +189,8 @@ class Trainer:
                          entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
         `samples` under the policy (or the frozen reference), flattened to R (`trainer/forward.py`)."""
-        self._check_joined()
-        model, root = (self.ref_model, self._ref_root) if reference else (self.model, self._root)
+        self.check_joined()
+        model, root = (self.ref_model, self._ref_root) if reference else (self.model, self.root)
         if root is None:
             return response_logprobs(self.head, model, samples, with_entropy, entropy_grad)
         # Sharded: gathers the root's parameters around the call.
@@ -236,8 +236,8 @@ class Trainer:
         return optimizer_step(self, adam)
 
     def zero_grad(self) -> None:
-        self._check_joined()
-        self._master.zero_grad()
+        self.check_joined()
+        self.master.zero_grad()
 
     def train_mode(self, adapter_dropout: bool) -> None:
         """Train mode only to let HF recompute activations (gradient checkpointing, on a model checked to have no
@@ -265,7 +265,7 @@ class Trainer:
         With tied embeddings the LM head is the input embedding and appears once (under the embedding's name);
         an engine holding the same architecture ties it the same way.
         """
-        self._check_joined()  # here, not at the first next(): a sync must fail before it wakes the engine
+        self.check_joined()  # here, not at the first next(): a sync must fail before it wakes the engine
         if self.peft is not None:
             return merged_named_tensors(self.model)  # W + (alpha/r) B A under the base model's names
         return self._named_parameters_gathered()
@@ -273,7 +273,7 @@ class Trainer:
     def _named_parameters_gathered(self) -> Iterator[tuple[str, Tensor]]:
         for name, param in self.model.named_parameters():
             # Sharded: gathered one parameter at a time (every worker iterates with this one), in compute dtype.
-            yield name, param.detach() if self._root is None else fsdp.full(param.detach()).to(self.compute_dtype)
+            yield name, param.detach() if self.root is None else fsdp.full(param.detach()).to(self.compute_dtype)
 
     def state_dict(self, optimizer: bool = True) -> dict:
         """{"model": the full weights (under bf16 the fp32 masters; None: the model's own parameters as they are),

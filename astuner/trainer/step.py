@@ -234,7 +234,7 @@ def recompute_old_logprobs(trainer, samples: list[Sample]
 
 def optimizer_step(trainer, adam=None) -> dict[str, float]:
     """`Trainer.optim_step`. A non-finite grad norm skips the update (it would poison the Adam moments for good)."""
-    trainer._check_joined()
+    trainer.check_joined()
     lr = trainer.current_lr if adam is None else adam.lr
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
@@ -242,11 +242,11 @@ def optimizer_step(trainer, adam=None) -> dict[str, float]:
             group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
     clip = trainer.settings.grad_clip if adam is None else adam.grad_clip
     max_norm = clip if clip is not None else float("inf")
-    master = trainer._master
-    if trainer.dp is not None and trainer._root is None:  # sharded: reduce-scattered in the backward already
+    master = trainer.master
+    if trainer.dp is not None and trainer.root is None:  # sharded: reduce-scattered in the backward already
         trainer.dp.all_reduce_grads(master.model_params)
     master.grads_to_masters()
-    grad_norm = fsdp.full(torch.nn.utils.clip_grad_norm_(trainer._params, max_norm)).item()
+    grad_norm = fsdp.full(torch.nn.utils.clip_grad_norm_(trainer.params, max_norm)).item()
     if torch.isfinite(torch.tensor(grad_norm)):
         trainer.optimizer.step()
         master.masters_to_model()

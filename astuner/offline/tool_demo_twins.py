@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from astuner.tool_schema import function_of, kind_of, plain_parameters
+from astuner.offline.tool_schema import function_of, kind_of, plain_parameters
 
 # Each pool: (argument name, how a question says it, values). Names and words are the vocabulary of the twins.
 STRINGS = [

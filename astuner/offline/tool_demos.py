@@ -34,7 +34,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from astuner.tool_demo_twins import (
+from astuner.offline.tool_demo_twins import (
     LETTERS,
     Slot,
     Twin,
@@ -45,7 +45,7 @@ from astuner.tool_demo_twins import (
     with_identifier,
     with_slot,
 )
-from astuner.tool_schema import kind_of, plain_parameters
+from astuner.offline.tool_schema import kind_of, plain_parameters
 
 SYSTEMS_SINGLE = [
     "You answer questions with tools. Call {tool} with the values the question gives, then give the {noun} "

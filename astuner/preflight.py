@@ -266,7 +266,7 @@ def optimizer_steps_per_step(typed) -> int:
     return algorithm(tc.algorithm.type).optimizer_steps(tc.mini_batch_num, tc.ppo_epochs)
 
 
-def _trainer_bytes(P: int, precision: str, lora: bool) -> int:
+def trainer_bytes(P: int, precision: str, lora: bool) -> int:
     if lora:  # frozen base weights only; adapters, their gradients and Adam states are a few % of them
         return int(_base_bytes(P, precision) * 1.05)
     return (18 if precision == "bf16" else 16) * P
@@ -318,7 +318,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         micro_batch_token_budget=tc.micro_batch_token_budget,
         total_steps=total_steps,
         max_model_len=max_model_len,
-        trainer_bytes=_trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
+        trainer_bytes=trainer_bytes(P, precision, tc.lora.rank > 0) // shards,
         engine_bytes=engine_bytes,
         ref_bytes=4 * P // shards if tc.use_kl_loss or kind.needs_reference else 0,
         available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
@@ -381,7 +381,7 @@ def _other_models(typed, others: dict[str, ModelFacts], precision: str, policy_e
     total, lines, engines = 0, [], 0
     for name, f in others.items():
         lora, shared = models[name].lora_rank > 0, models[name].adapter
-        trainer = _trainer_bytes(f.num_params, precision, lora) // (shards or {}).get(name, 1)
+        trainer = trainer_bytes(f.num_params, precision, lora) // (shards or {}).get(name, 1)
         if shared:  # the frozen base is held once, in the policy's trainer and engine
             trainer, engine = trainer - _base_bytes(f.num_params, precision), 0
         elif policy_engine_bytes - 4 * policy.num_params in (0, VLLM_CPU_RUNTIME):  # on CPU: this model's

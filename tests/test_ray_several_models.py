@@ -194,10 +194,10 @@ def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, ti
         return preflight.make_plan(typed, "trinity", facts, 256, 2, card, {"critic": facts})
 
     one_group = plan()
-    assert one_group.others_bytes == preflight._trainer_bytes(P, "bf16", False)  # its trainer; no engine bytes
+    assert one_group.others_bytes == preflight.trainer_bytes(P, "bf16", False)  # its trainer; no engine bytes
     sharded = plan("astuner.trainer_common.trainer_groups=per_model", "astuner.trainer_common.n_gpus_per_node=4",
                    "astuner.trainer_common.strategy=fsdp2")
-    assert sharded.others_bytes == preflight._trainer_bytes(P, "bf16", False) // 4
+    assert sharded.others_bytes == preflight.trainer_bytes(P, "bf16", False) // 4
     with pytest.raises(UserError, match=r"strategy \(model critic, a trainer group of its own\).*LoRA"):
         plan("astuner.trainer_common.trainer_groups=per_model", "astuner.trainer_common.strategy=fsdp2",
              "astuner.trainer_common.n_gpus_per_node=2", "+astuner.models.critic.lora_rank=4")

@@ -195,28 +195,34 @@ def test_the_engine_start_deadline_grows_with_the_engines_starting_at_once():
 # --- an explorer's engine has its GPU to itself ---------------------------------------------------------------------
 
 def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
-    from astuner.backbone.ray_worker import ENGINE_ALONE_GPU_SHARE, engine_config
+    from astuner.backbone.ray_worker import ENGINE_ALONE_GPU_SHARE, engine_share
 
     def loaded(user_keys=(), **rollout):
         typed = RunConfig.model_validate({"astuner": {"rollout": {"engine": "vllm", **rollout}}})
         return SimpleNamespace(typed=typed, user_keys=set(user_keys))
 
-    share = lambda typed: typed.astuner.rollout.gpu_memory_utilization  # noqa: E731
-    assert share(engine_config(loaded(), ("engine",), on_cuda=True)) == ENGINE_ALONE_GPU_SHARE  # trinity explorer
-    assert share(engine_config(loaded(), ("trainer", "engine"), on_cuda=True)) == 0.6  # verl: beside its trainer
-    assert share(engine_config(loaded(), ("engine",), on_cuda=False)) == 0.6  # CPU: the share means nothing
+    assert engine_share(loaded(), ("engine",), on_cuda=True) == ENGINE_ALONE_GPU_SHARE  # trinity explorer
+    assert engine_share(loaded(), ("trainer", "engine"), on_cuda=True) == 0.6  # verl: beside its trainer
+    assert engine_share(loaded(), ("engine",), on_cuda=False) == 0.6  # CPU: the share means nothing
     chosen = loaded(["astuner.rollout.gpu_memory_utilization"], gpu_memory_utilization=0.5)
-    assert share(engine_config(chosen, ("engine",), on_cuda=True)) == 0.5  # the user's choice stands
+    assert engine_share(chosen, ("engine",), on_cuda=True) == 0.5  # the user's choice stands
     hf = SimpleNamespace(typed=RunConfig.model_validate({"astuner": {"rollout": {"engine": "hf"}}}), user_keys=set())
-    assert share(engine_config(hf, ("engine",), on_cuda=True)) == 0.6
+    assert engine_share(hf, ("engine",), on_cuda=True) == 0.6
     # Several models' engines in one process split the share they are given (two at 0.6 would ask for 1.2 cards).
     from astuner.config.derived import gpu_share_per_engine
 
-    explorer = engine_config(loaded(), ("engine",), on_cuda=True)
-    assert share(gpu_share_per_engine(explorer, 2, on_cuda=True)) == ENGINE_ALONE_GPU_SHARE / 2
-    assert share(gpu_share_per_engine(loaded().typed, 3, on_cuda=True)) == pytest.approx(0.2)  # verl, debug
-    assert share(gpu_share_per_engine(loaded().typed, 1, on_cuda=True)) == 0.6
-    assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) is hf.typed
+    explorer = engine_share(loaded(), ("engine",), on_cuda=True)
+    assert gpu_share_per_engine(loaded().typed, 2, True, explorer) == ENGINE_ALONE_GPU_SHARE / 2
+    assert gpu_share_per_engine(loaded().typed, 3, on_cuda=True) == pytest.approx(0.2)  # verl, debug
+    assert gpu_share_per_engine(loaded().typed, 1, on_cuda=True) == 0.6
+    assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) == 0.6
+    # The config is never rewritten: the share reaches vLLM's arguments (runtime.vllm_engine_settings).
+    from astuner.runtime import vllm_engine_settings
+
+    typed = loaded().typed
+    assert vllm_engine_settings(typed, 256, None, "cuda", 0.2)["gpu_memory_utilization"] == 0.2
+    assert vllm_engine_settings(typed, 256, None, "cuda")["gpu_memory_utilization"] == 0.6
+    assert typed.astuner.rollout.gpu_memory_utilization == 0.6
 
 
 # --- adapters on vLLM (several models on one base): the base survives the sleep; fp32 is refused at start --------

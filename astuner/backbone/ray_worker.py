@@ -28,8 +28,8 @@ ENGINE_ALONE_GPU_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, for a
 SHARE_KEY = "astuner.rollout.gpu_memory_utilization"
 
 
-def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool):
-    """The typed config this process builds its engines from. Engines alone in their process on CUDA (a trinity
+def engine_share(loaded, roles: tuple[str, ...], on_cuda: bool) -> float:
+    """The part of the GPU this process's engines take together. Engines alone in their process on CUDA (a trinity
     explorer: its bundle's GPUs hold no trainer) take vLLM's own default share, ENGINE_ALONE_GPU_SHARE, unless the
     user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone it would
     leave 40% of the explorer's GPU idle, KV cache it could have used. Several models' engines split the share
@@ -37,12 +37,10 @@ def engine_config(loaded, roles: tuple[str, ...], on_cuda: bool):
     from astuner.config.derived import resolve_engine_name
 
     typed = loaded.typed
-    if "trainer" in roles or not on_cuda or SHARE_KEY in loaded.user_keys:
-        return typed
-    if resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
-        return typed
-    rollout = typed.astuner.rollout.model_copy(update={"gpu_memory_utilization": ENGINE_ALONE_GPU_SHARE})
-    return typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
+    alone = "trainer" not in roles and on_cuda and SHARE_KEY not in loaded.user_keys
+    if alone and resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
+        return ENGINE_ALONE_GPU_SHARE
+    return typed.astuner.rollout.gpu_memory_utilization
 
 
 NOSET_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -79,21 +77,21 @@ class Worker:
         self.tokenizer = runtime.load_tokenizer(model_path)
         self.runner = None
         self.version = 0  # trainer steps behind the engine's weights (see sync_schedule.py)
-        engine_typed = typed
+        share = None
         if "engine" in roles:
             workflow_cls = runtime.load_workflow(loaded)
             judge = runtime.build_judge(loaded)
             import torch
 
-            engine_typed = engine_config(loaded, roles, torch.cuda.is_available())
-            if engine_typed is not typed:
+            share = engine_share(loaded, roles, torch.cuda.is_available())
+            if share != typed.astuner.rollout.gpu_memory_utilization:
                 log.info("%s: its engines have their GPUs to themselves, so they take %g of their memory (%s to "
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
         # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'; `only`:
         # a trainer group of some models (trinity's trainer_groups: per_model)
         self.models = build_models(typed, self.tokenizer, model_set, max_model_len, total_steps, roles=roles,
                                    kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
-                                   world=world, engine_typed=engine_typed, only=only)
+                                   world=world, gpu_share=share, only=only)
         first = next(iter(self.models.values()))  # the run's first model, or a one-model group's model
         self.engine, self.trainer = first.engine, first.trainer
         if "engine" in roles:

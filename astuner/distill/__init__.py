@@ -65,13 +65,11 @@ def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
     path = teacher_path(typed)
     max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len,
                                                     preflight.read_model_facts(path, "astuner.teacher.model"), None)
-    engine_typed = typed
-    if t.engine is not None:
-        rollout = typed.astuner.rollout.model_copy(update={"engine": t.engine})
-        engine_typed = typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"rollout": rollout})})
+    share = None
     if teacher_engine(typed) == "vllm":
-        engine_typed = gpu_share_per_engine(engine_typed, vllm_engines_here + 1, torch.cuda.is_available())
-    return EngineTeacher(build_engine(engine_typed, path, tokenizer, max_model_len), t.timeout_s, path)
+        share = gpu_share_per_engine(typed, vllm_engines_here + 1, torch.cuda.is_available())
+    engine = build_engine(typed, path, tokenizer, max_model_len, gpu_share=share, engine=t.engine)
+    return EngineTeacher(engine, t.timeout_s, path)
 
 
 def teacher_memory(typed, teacher, device: str, max_model_len: int) -> tuple[int, str]:

@@ -9,6 +9,17 @@ from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncRe
 
 @runtime_checkable
 class InferenceEngine(Protocol):
+    kind: str  # its astuner.rollout.engine setting: "hf" or "vllm"
+    honours_seed: bool  # whether SamplingParams.seed makes a request's samples repeatable
+
+    @property
+    def device_type(self) -> str:
+        """Where it computes: "cuda" or "cpu"."""
+
+    def base_weights(self) -> dict:
+        """The weights it served when built, on the CPU, under the names `load_weights` takes (a server switching
+        between snapshots serves the base again from them)."""
+
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> GenerateResult:

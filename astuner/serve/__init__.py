@@ -64,12 +64,13 @@ def build_service(loaded, limits=None):
     runtime.quiet_library_progress()
     typed = loaded.typed
     bases = served_bases(typed)
-    engine_typed = gpu_share_per_engine(typed, len(bases), torch.cuda.is_available())
+    share = gpu_share_per_engine(typed, len(bases), torch.cuda.is_available())
 
     def make_engine(base):
         """The config's engine, as a run builds it; vLLM's context: rollout.max_model_len capped by the model's."""
         limits = [n for n in (typed.astuner.rollout.max_model_len, base.facts.max_position_embeddings) if n]
-        return runtime.build_engine(engine_typed, base.model_path, base.tokenizer, min(limits) if limits else None)
+        return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None,
+                                    gpu_share=share)
 
     eager = resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
     for i, base in enumerate(bases.values()):
@@ -81,20 +82,17 @@ def build_service(loaded, limits=None):
 
 def serve_summary(service, url: str, keys) -> str:
     """The effective-config block of `astuner serve`: what is served, where, to whom, and the memory it takes."""
-    import torch
-
     from astuner import preflight
 
     gib = preflight.GIB
     engine = service.engine
-    kind = "hf" if hasattr(engine, "device") else "vllm"
-    device = engine.device.type if kind == "hf" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind, device = engine.kind, engine.device_type
     models = [f"{b.facts.path} ({b.facts.architecture}, {b.facts.num_params / 1e6:.1f}M parameters), served as "
               f"{b.name!r}" + (f" ({', '.join(b.roster)})" if len(service.bases) > 1 else "")
               for b in service.bases.values()]
     P = max(b.facts.num_params for b in service.bases.values())  # a training client's cost on the largest
     engines = sum(4 * b.facts.num_params for b in service.bases.values())
-    full, lora = preflight._trainer_bytes(P, "fp32", False), preflight._trainer_bytes(P, "fp32", True)
+    full, lora = preflight.trainer_bytes(P, "fp32", False), preflight.trainer_bytes(P, "fp32", True)
     most = engines + service.max_training_clients * full
     available = preflight.available_memory(device)
     names = keys.names()

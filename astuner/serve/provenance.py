@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from astuner.serve.futures import RequestError
-from astuner.serve.tinker_losses import INPUTS
+from astuner.serve.tinker_losses import LOSSES
 from astuner.serve.wire_proto import ForwardBackwardRequest, Span, WireDatum
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def verdict(records: SampleRecords, tenant: str, request: ForwardBackwardRequest
     the metrics the API reports when any datum has spans."""
     if all(d.input_spans is None and d.loss_spans is None for d in request.data):
         return {}
-    found = check(records, tenant, request.data, "logprobs" in INPUTS.get(request.loss_fn, ()))
+    found = check(records, tenant, request.data, request.loss_fn in LOSSES and "logprobs" in LOSSES[request.loss_fn].inputs)
     if found.mismatched:
         lines = "; ".join(found.mismatched[:3]) + ("; ..." if len(found.mismatched) > 3 else "")
         if mode == "refuse":

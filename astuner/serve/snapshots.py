@@ -146,13 +146,8 @@ class EngineGate:
 
 
 def base_weights(engine) -> dict:
-    """The weights an engine serves before any switch, on the CPU: the HF engine's own parameters, or (vLLM, whose
-    weights live in its worker) the model folder's safetensors files, under the names a sync takes."""
-    if hasattr(engine, "model"):
-        return {n: p.detach().to("cpu", copy=True) for n, p in engine.model.named_parameters()}
-    from safetensors.torch import load_file
-
-    files = sorted(Path(engine.model_path).glob("*.safetensors"))
-    if not files:
-        raise RequestError(f"{engine.model_path} holds no *.safetensors files to serve its base weights again from")
-    return {n: t for f in files for n, t in load_file(str(f)).items()}
+    """The weights an engine serves before any switch, on the CPU (`InferenceEngine.base_weights`)."""
+    try:
+        return engine.base_weights()
+    except FileNotFoundError as exc:
+        raise RequestError(f"{exc}: the base model cannot be served again") from None

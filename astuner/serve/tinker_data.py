@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from astuner.serve.futures import RequestError
-from astuner.serve.tinker_losses import CONFIG_KEYS, INPUTS, OPTIONAL_INPUTS, REFUSED, TinkerDatum
+from astuner.serve.tinker_losses import LOSSES, REFUSED, TinkerDatum
 from astuner.serve.wire_proto import ForwardBackwardRequest, WireDatum
 from astuner.types import Sample
 
@@ -18,10 +18,10 @@ def request_data(request: ForwardBackwardRequest, vocab: int, context: int | Non
     """The request's data as samples, once its loss and config are known to be served."""
     if request.loss_fn in REFUSED:
         raise RequestError(f"loss_fn {request.loss_fn!r}: {REFUSED[request.loss_fn]}")
-    if request.loss_fn not in INPUTS:
+    if request.loss_fn not in LOSSES:
         raise RequestError(f"loss_fn {request.loss_fn!r} is not one astuner serve knows; it serves "
-                           f"{', '.join(INPUTS)}")
-    allowed = CONFIG_KEYS.get(request.loss_fn, ())
+                           f"{', '.join(LOSSES)}")
+    allowed = tuple(LOSSES[request.loss_fn].config)
     extra = sorted(set(request.config) - set(allowed))
     if extra:
         raise RequestError(f"loss_fn_config {extra} does not apply to {request.loss_fn} (it reads "
@@ -38,8 +38,8 @@ def request_data(request: ForwardBackwardRequest, vocab: int, context: int | Non
 def datum_sample(d: WireDatum, index: int, loss_fn: str, vocab: int, context: int | None = None) -> TinkerDatum:
     """A datum as a trainer sample (prompt x_0, response the targets; `tinker_losses.py`), its inputs checked."""
     n = len(d.tokens)
-    needed = ("target_tokens", *INPUTS[loss_fn])
-    optional = OPTIONAL_INPUTS.get(loss_fn, ())
+    needed = ("target_tokens", *LOSSES[loss_fn].inputs)
+    optional = LOSSES[loss_fn].optional
     missing = [k for k in needed if k not in d.inputs]
     extra = sorted(set(d.inputs) - set(needed) - set(optional))
     if missing or extra:

@@ -23,36 +23,14 @@ al. 2025, whose paper sets the clip range to 3e-4 and 4e-4). Sums, not means: a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor
 
 from astuner.algorithm.objective_base import TokenBatch, TokenObjective
 from astuner.types import Sample
-
-# loss_fn -> the per-token inputs it reads (besides target_tokens), and the loss_fn_config keys it accepts.
-INPUTS = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-    "cispo": ("logprobs", "advantages"),
-    "dro": ("logprobs", "advantages"),
-    "gspo": ("logprobs", "advantages"),
-}
-OPTIONAL_INPUTS = {"gspo": ("sequence_ratio_mask",)}
-CONFIG_KEYS = {"ppo": ("clip_low_threshold", "clip_high_threshold"),
-               "cispo": ("clip_low_threshold", "clip_high_threshold"),
-               "gspo": ("clip_low_threshold", "clip_high_threshold"),
-               "dro": ("beta",)}
-DEFAULTS = {"gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}, "dro": {"beta": 0.05}}
-# Known to the Tinker API and refused here, with why (the error says it).
-_SERVED = ", ".join(INPUTS)
-REFUSED = {"stable_reinforce": "its objective is not published (an alpha of the Tinker service that needs sampling "
-                               f"records it keeps); astuner serve serves {_SERVED}",
-           "custom": "server-side custom losses are not served; forward_backward_custom works (it sends "
-                     f"cross_entropy); the built-in losses are {_SERVED}"}
 
 
 def cross_entropy(logp_R: Tensor, weights_R: Tensor) -> Tensor:
@@ -112,18 +90,45 @@ class _Inputs:
         return inputs[key]
 
 
-# loss_fn -> L(logp_R, inputs, config), the formulas of the module's docstring
+_CLIP = ("clip_low_threshold", "clip_high_threshold")
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """One built-in loss: the per-token inputs it reads (besides target_tokens) and may read, the loss_fn_config
+    keys it takes with their defaults, and L(logp_R, inputs, config), the module docstring's formula."""
+
+    inputs: tuple[str, ...]
+    fn: Callable
+    config: dict[str, float] = field(default_factory=dict)  # its loss_fn_config keys and their defaults
+    optional: tuple[str, ...] = ()
+
+
 LOSSES = {
-    "cross_entropy": lambda lp, x, c: cross_entropy(lp, x("weights")),
-    "importance_sampling": lambda lp, x, c: importance_sampling(lp, x("logprobs"), x("advantages")),
-    "ppo": lambda lp, x, c: ppo(lp, x("logprobs"), x("advantages"), c["clip_low_threshold"],
-                                c["clip_high_threshold"]),
-    "cispo": lambda lp, x, c: cispo(lp, x("logprobs"), x("advantages"), c["clip_low_threshold"],
-                                    c["clip_high_threshold"]),
-    "dro": lambda lp, x, c: dro(lp, x("logprobs"), x("advantages"), c["beta"]),
-    "gspo": lambda lp, x, c: gspo(lp, x("logprobs"), x("advantages"), x("sequence_ratio_mask"),
-                                  x.batch.seq_index_R, c["clip_low_threshold"], c["clip_high_threshold"]),
+    "cross_entropy": LossKind(("weights",), lambda lp, x, c: cross_entropy(lp, x("weights"))),
+    "importance_sampling": LossKind(("logprobs", "advantages"),
+                                    lambda lp, x, c: importance_sampling(lp, x("logprobs"), x("advantages"))),
+    "ppo": LossKind(("logprobs", "advantages"),
+                    lambda lp, x, c: ppo(lp, x("logprobs"), x("advantages"), *(c[k] for k in _CLIP)),
+                    dict(zip(_CLIP, (0.8, 1.2)))),
+    "cispo": LossKind(("logprobs", "advantages"),
+                      lambda lp, x, c: cispo(lp, x("logprobs"), x("advantages"), *(c[k] for k in _CLIP)),
+                      dict(zip(_CLIP, (0.8, 1.2)))),
+    "dro": LossKind(("logprobs", "advantages"), lambda lp, x, c: dro(lp, x("logprobs"), x("advantages"), c["beta"]),
+                    {"beta": 0.05}),
+    "gspo": LossKind(("logprobs", "advantages"),
+                     lambda lp, x, c: gspo(lp, x("logprobs"), x("advantages"), x("sequence_ratio_mask"),
+                                           x.batch.seq_index_R, *(c[k] for k in _CLIP)),
+                     dict(zip(_CLIP, (1 - 3e-4, 1 + 4e-4))), optional=("sequence_ratio_mask",)),
 }
+
+
+# Known to the Tinker API and refused here, with why (the error says it).
+_SERVED = ", ".join(LOSSES)
+REFUSED = {"stable_reinforce": "its objective is not published (an alpha of the Tinker service that needs sampling "
+                               f"records it keeps); astuner serve serves {_SERVED}",
+           "custom": "server-side custom losses are not served; forward_backward_custom works (it sends "
+                     f"cross_entropy); the built-in losses are {_SERVED}"}
 
 
 class TinkerLoss(TokenObjective):
@@ -135,12 +140,11 @@ class TinkerLoss(TokenObjective):
 
     def __init__(self, loss_fn: str, data: list[TinkerDatum], config: dict[str, float] | None = None):
         self.loss_fn = loss_fn
-        self.config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **DEFAULTS.get(loss_fn, {}),
-                       **{k: float(v) for k, v in (config or {}).items()}}
+        self.config = {**LOSSES[loss_fn].config, **{k: float(v) for k, v in (config or {}).items()}}
         self._inputs = {id(d.sample): d.inputs for d in data}
 
     def forwards(self, sample: Sample, weight: float) -> bool:
         return True  # every datum's logprobs are returned, even one whose loss is 0
 
     def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        return LOSSES[self.loss_fn](batch.logprobs_R, _Inputs(batch, self._inputs), self.config), {}
+        return LOSSES[self.loss_fn].fn(batch.logprobs_R, _Inputs(batch, self._inputs), self.config), {}

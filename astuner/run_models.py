@@ -63,11 +63,12 @@ def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None, world: int = 1, gpu_share: float | None = None,
                  only: tuple[str, ...] | None = None, extra_engines: int = 0) -> dict[str, LocalModel]:
-    """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles`
-    holds "engine" (together taking `gpu_share` of a GPU, default rollout.gpu_memory_utilization) and a trainer if it holds "trainer" (of a group
-    of `world` workers). Each model's trainer takes its own LoRA rank, learning rate and filter (its `ModelSpec`);
-    the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process
-    will run beside them (a distillation teacher's), which take their part of the GPU share too."""
+    """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles` holds
+    "engine" (together taking `gpu_share` of a GPU, default rollout.gpu_memory_utilization) and a trainer if it
+    holds "trainer" (of a group of `world` workers). Each model's trainer takes its own LoRA rank, learning rate and
+    filter (its `ModelSpec`); the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other
+    vLLM engines this process will run beside them (a distillation teacher's), which take their part of the GPU
+    share too."""
     from astuner.runtime import build_engine, build_trainer
     from astuner.trainer.lora import share_frozen_weights
 

@@ -133,4 +133,4 @@ def test_vllm_bases_split_the_gpu_share_and_all_start_before_serving(tmp_path, t
     if engine == "vllm":
         assert built == [(str(tiny_model_dir), 0.3), (str(other), 0.3)]
     else:
-        assert built == [(str(tiny_model_dir), 0.6)]
+        assert built == [(str(tiny_model_dir), None)]  # the config's share, unsplit

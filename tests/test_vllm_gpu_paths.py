@@ -202,20 +202,20 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
         return SimpleNamespace(typed=typed, user_keys=set(user_keys))
 
     assert engine_share(loaded(), ("engine",), on_cuda=True) == ENGINE_ALONE_GPU_SHARE  # trinity explorer
-    assert engine_share(loaded(), ("trainer", "engine"), on_cuda=True) == 0.6  # verl: beside its trainer
-    assert engine_share(loaded(), ("engine",), on_cuda=False) == 0.6  # CPU: the share means nothing
+    assert engine_share(loaded(), ("trainer", "engine"), on_cuda=True) is None  # verl: the config's 0.6
+    assert engine_share(loaded(), ("engine",), on_cuda=False) is None  # CPU: the share means nothing
     chosen = loaded(["astuner.rollout.gpu_memory_utilization"], gpu_memory_utilization=0.5)
-    assert engine_share(chosen, ("engine",), on_cuda=True) == 0.5  # the user's choice stands
+    assert engine_share(chosen, ("engine",), on_cuda=True) is None  # the user's choice (0.5) stands
     hf = SimpleNamespace(typed=RunConfig.model_validate({"astuner": {"rollout": {"engine": "hf"}}}), user_keys=set())
-    assert engine_share(hf, ("engine",), on_cuda=True) == 0.6
+    assert engine_share(hf, ("engine",), on_cuda=True) is None
     # Several models' engines in one process split the share they are given (two at 0.6 would ask for 1.2 cards).
     from astuner.config.derived import gpu_share_per_engine
 
     explorer = engine_share(loaded(), ("engine",), on_cuda=True)
     assert gpu_share_per_engine(loaded().typed, 2, True, explorer) == ENGINE_ALONE_GPU_SHARE / 2
     assert gpu_share_per_engine(loaded().typed, 3, on_cuda=True) == pytest.approx(0.2)  # verl, debug
-    assert gpu_share_per_engine(loaded().typed, 1, on_cuda=True) == 0.6
-    assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) == 0.6
+    assert gpu_share_per_engine(loaded().typed, 1, on_cuda=True) is None  # the config's, unsplit
+    assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) is None
     # The config is never rewritten: the share reaches vLLM's arguments (runtime.vllm_engine_settings).
     from astuner.runtime import vllm_engine_settings
 

@@ -1,5 +1,5 @@
-"""`astuner warmstart`: demonstrations with made-up twins of the agent's tools (astuner/offline/tool_demos.py), read back
-by each family's tool parser through the SFT's own rendering, the tools read from a dry run of the agent
+"""`astuner warmstart`: demonstrations with made-up twins of the agent's tools (astuner/offline/tool_demos.py),
+read back by each family's tool parser through the SFT's own rendering, the tools read from a dry run of the agent
 quick-start's workflow, and the command end to end on the tiny model."""
 
 from __future__ import annotations

@@ -28,19 +28,17 @@ ENGINE_ALONE_GPU_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, for a
 SHARE_KEY = "astuner.rollout.gpu_memory_utilization"
 
 
-def engine_share(loaded, roles: tuple[str, ...], on_cuda: bool) -> float:
-    """The part of the GPU this process's engines take together. Engines alone in their process on CUDA (a trinity
-    explorer: its bundle's GPUs hold no trainer) take vLLM's own default share, ENGINE_ALONE_GPU_SHARE, unless the
-    user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer (verl, debug), and alone it would
-    leave 40% of the explorer's GPU idle, KV cache it could have used. Several models' engines split the share
-    (config.derived.gpu_share_per_engine)."""
+def engine_share(loaded, roles: tuple[str, ...], on_cuda: bool) -> float | None:
+    """The part of the GPU this process's engines take together (None: rollout.gpu_memory_utilization). Engines alone
+    in their process on CUDA (a trinity explorer: its bundle's GPUs hold no trainer) take vLLM's own default share,
+    ENGINE_ALONE_GPU_SHARE, unless the user set SHARE_KEY; the default 0.6 is sized for an engine beside a trainer
+    (verl, debug), and alone it would leave 40% of the explorer's GPU idle, KV cache it could have used. Several
+    models' engines split the share (config.derived.gpu_share_per_engine)."""
     from astuner.config.derived import resolve_engine_name
 
     typed = loaded.typed
     alone = "trainer" not in roles and on_cuda and SHARE_KEY not in loaded.user_keys
-    if alone and resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
-        return ENGINE_ALONE_GPU_SHARE
-    return typed.astuner.rollout.gpu_memory_utilization
+    return ENGINE_ALONE_GPU_SHARE if alone and resolve_engine_name(typed.astuner.rollout.engine) == "vllm" else None
 
 
 NOSET_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -84,7 +82,7 @@ class Worker:
             import torch
 
             share = engine_share(loaded, roles, torch.cuda.is_available())
-            if share != typed.astuner.rollout.gpu_memory_utilization:
+            if share is not None:
                 log.info("%s: its engines have their GPUs to themselves, so they take %g of their memory (%s to "
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
         # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'; `only`:

@@ -39,14 +39,15 @@ def teacher_engine(typed) -> str | None:
     return resolve_engine_name(t.engine or typed.astuner.rollout.engine)
 
 
-def gpu_share_per_engine(typed, engines: int, on_cuda: bool, share: float | None = None) -> float:
+def gpu_share_per_engine(typed, engines: int, on_cuda: bool, share: float | None = None) -> float | None:
     """The part of the GPU each of `engines` vLLM engines in one process takes: on CUDA they split `share`
-    (default astuner.rollout.gpu_memory_utilization), since vLLM reads it per engine (two at 0.6 would ask for 1.2
-    cards); the start-up estimate counts the run's engines as that one share (preflight.py). The config itself
-    is never rewritten: the share goes to the engine's builder (runtime.build_engine)."""
-    share = typed.astuner.rollout.gpu_memory_utilization if share is None else share
+    (None: astuner.rollout.gpu_memory_utilization), since vLLM reads it per engine (two at 0.6 would ask for 1.2
+    cards); the start-up estimate counts the run's engines as that one share (preflight.py). `share` itself where
+    nothing is split (None: the engine reads the config's). The config is never rewritten: the share goes to the
+    engine's builder (runtime.build_engine)."""
     if engines <= 1 or not on_cuda or resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
         return share
+    share = typed.astuner.rollout.gpu_memory_utilization if share is None else share
     logging.getLogger(__name__).info("%d vLLM engines in this process: each takes %.3g of the GPU "
                                      "(astuner.rollout.gpu_memory_utilization split)", engines, share / engines)
     return share / engines

@@ -81,7 +81,8 @@ def verdict(records: SampleRecords, tenant: str, request: ForwardBackwardRequest
     the metrics the API reports when any datum has spans."""
     if all(d.input_spans is None and d.loss_spans is None for d in request.data):
         return {}
-    found = check(records, tenant, request.data, request.loss_fn in LOSSES and "logprobs" in LOSSES[request.loss_fn].inputs)
+    kind = LOSSES.get(request.loss_fn)
+    found = check(records, tenant, request.data, kind is not None and "logprobs" in kind.inputs)
     if found.mismatched:
         lines = "; ".join(found.mismatched[:3]) + ("; ..." if len(found.mismatched) > 3 else "")
         if mode == "refuse":

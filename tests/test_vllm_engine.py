@@ -271,6 +271,7 @@ def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml), "astuner.rollout.engine=vllm",
                              f"astuner.experiment_dir={out}", "astuner.trainer_common.total_training_steps=500",
+                             "astuner.trainer_common.max_idle_steps=1000",  # no early stop: the run outlives the signal
                              "astuner.rollout.max_num_seqs=8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 240

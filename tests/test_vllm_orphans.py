@@ -27,6 +27,7 @@ def test_a_driver_killed_outright_takes_its_engine_processes_with_it(tmp_path, t
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml), "astuner.rollout.engine=vllm",
                              f"astuner.experiment_dir={out}", "astuner.trainer_common.total_training_steps=500",
+                             "astuner.trainer_common.max_idle_steps=1000",  # no early stop: the run outlives the signal
                              "astuner.rollout.max_num_seqs=8"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (out / "metrics.jsonl").is_file():  # the engine serves: its processes are up

@@ -70,16 +70,16 @@ def sync_models(models: dict[str, LocalModel]) -> SyncReport:
 def save_models(models: dict[str, LocalModel], path: Path, tokenizer, run_state: dict) -> None:
     """The checkpoint at `path`: every other model first, into a staging folder, then the first model's folder,
     which takes them in before it is marked complete (module docstring)."""
-    first, *rest = models.values()
-    others = dict(zip(list(models)[1:], rest))
+    first, *names = models
+    others = {name: models[name] for name in names}
     staging = path.parent / f".{path.name}.models-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         for name, model in others.items():
             model.trainer.save_checkpoint(staging / name, tokenizer=tokenizer,
                                           run_state={"model": name, "step": run_state.get("step", 0)})
-        first.trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
-                                               include={name: staging / name for name in others})
+        models[first].trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
+                                              include={name: staging / name for name in others})
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -6,8 +6,8 @@
 Each `ModelSpec` has every default applied (its LoRA rank, learning rate and sampling are its own where it sets
 them, else the run's). Models whose folder is the first model's, all training LoRA adapters, are adapters on one
 shared base (`ModelSpec.adapter`): one engine serves them and one copy of the frozen base is held per process.
-A run of one model is a set of one. Backbones, serve, eval, preflight and the doctor iterate the set; nothing
-downstream reads `astuner.models` or tells the first model apart by its name.
+A run of one model is a set of one. Backbones, serve, eval, preflight and the doctor build their models from the
+set, and none tells the first model apart by its name (only the config's own checks read astuner.models).
 
 Imports nothing heavy (the config module's rule); folders are resolved by the caller (`runtime.model_set`).
 """

@@ -47,22 +47,6 @@ else:
     collect_ignore = list(OWN_ENVIRONMENT)
 
 
-# How scripts/test.sh spreads the tests over pytest-xdist workers (--dist loadgroup): a module's tests are one unit
-# on one worker (its module fixtures, a Ray cluster or an engine, start once), except in a module that sets
-# SPLIT_ACROSS_WORKERS = True, whose tests are units of their own (the tutorial commands: one README each, 15 min in
-# all). Units with slow tests are handed out first, so the long ones start early and the run does not end on one
-# worker finishing them alone. Before xdist's own hook, which reads the marks.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    unit = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        unit[item.nodeid] = item.nodeid if getattr(item.module, "SPLIT_ACROSS_WORKERS", False) else module
-        item.add_marker(pytest.mark.xdist_group(unit[item.nodeid]))
-    slow = {unit[item.nodeid] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: unit[item.nodeid] not in slow)  # stable: each unit's tests keep their order
-
-
 # The fast tier (`scripts/test.sh --fast`: -m "not slow") stays fast for the edit loop: a test outside it that
 # takes longer than this (setup, call and teardown together) is named at the end of a run, to be marked slow.
 FAST_TIER_LIMIT_S = 3.0

@@ -31,7 +31,6 @@ import pytest
 from conftest import REPO
 from test_readme_agent import code_blocks
 
-SPLIT_ACROSS_WORKERS = True  # each README's commands are independent: a unit of their own (conftest.py)
 SKIPPED = {
     "pip install ": "set-up: CI's set-up installs every extra",
     "bash scripts/quickstart.sh": "set-up and the full-size quick-start; its next line runs the same YAML",

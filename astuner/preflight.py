@@ -360,8 +360,9 @@ def _ray_placement(typed, backbone, device: str) -> tuple[int, int, dict[str, in
         in_group = 1 + len(a.models) if shared else 1
         shards = world if resolve_strategy(strategy_of(typed, in_group), world, device,
                                            tc.lora.rank > 0) == "fsdp2" else 1
+        models = model_set(typed)
         for who in a.models if not shared else ():  # a group each: its own strategy, with its own LoRA rank
-            own = resolve_strategy(strategy_of(typed, 1), world, device, model_set(typed)[who].lora_rank > 0)
+            own = resolve_strategy(strategy_of(typed, 1), world, device, models[who].lora_rank > 0)
             other_shards[who] = world if own == "fsdp2" else 1
     except ValueError as exc:
         where = f" (model {who}, a trainer group of its own)" if who else ""

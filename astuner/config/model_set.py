@@ -54,9 +54,6 @@ class ModelSet:
                 return spec
         raise KeyError(f"no model {name!r} in this run; its models are {', '.join(self.names)}")
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.models)

@@ -162,31 +162,26 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
 
 
 def resolve_max_model_len(configured: int | None, facts: ModelFacts, per_turn: int | None = None) -> int:
-    resolved = _resolve_max_model_len(configured, facts)
+    """The configured context limit (null: the model's position limit), checked against the model and the per-turn cap."""
+    limit = facts.max_position_embeddings
+    if configured is None and limit is None:
+        raise UserError(
+            f"astuner.rollout.max_model_len is null (use the model's limit), but {facts.path} does not state "
+            "max_position_embeddings; set astuner.rollout.max_model_len."
+        )
+    if configured is not None and limit is not None and configured > limit:
+        raise UserError(
+            f"astuner.rollout.max_model_len={configured} is longer than the model's position limit "
+            f"(max_position_embeddings={limit} in {facts.path}/config.json): positions past it were never trained "
+            f"and give garbage. Set it to {limit} or less, or null for the model's limit."
+        )
+    resolved = limit if configured is None else configured
     if per_turn is not None and per_turn >= resolved:
         raise UserError(
             f"astuner.rollout.max_response_length_in_one_turn={per_turn} leaves no room for a prompt in "
             f"max_model_len={resolved} (prompt + response of one call); make it smaller than max_model_len."
         )
     return resolved
-
-
-def _resolve_max_model_len(configured: int | None, facts: ModelFacts) -> int:
-    limit = facts.max_position_embeddings
-    if configured is None:
-        if limit is None:
-            raise UserError(
-                f"astuner.rollout.max_model_len is null (use the model's limit), but {facts.path} does not state "
-                "max_position_embeddings; set astuner.rollout.max_model_len."
-            )
-        return limit
-    if limit is not None and configured > limit:
-        raise UserError(
-            f"astuner.rollout.max_model_len={configured} is longer than the model's position limit "
-            f"(max_position_embeddings={limit} in {facts.path}/config.json): positions past it were never trained "
-            f"and give garbage. Set it to {limit} or less, or null for the model's limit."
-        )
-    return configured
 
 
 @dataclass(frozen=True)

@@ -222,13 +222,13 @@ def export(
         raise UserError(f"export --out {out}: the folder exists and is not empty; choose a new one")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source = Path(checkpoint)
-    if model != "policy":
-        from astuner.backbone.local_models import checkpoint_models
+    from astuner.backbone.local_models import checkpoint_models
 
-        names = checkpoint_models(source)
+    names = checkpoint_models(source) if source.is_dir() else []
+    if names or model != "policy":  # a checkpoint of several models holds one folder per model
         if model not in names:
             raise UserError(f"export --model {model}: {checkpoint} holds no model of that name; its models are: "
-                            f"{', '.join(['policy', *names])}")
+                            f"{', '.join(names or ['policy'])}")
         source = source / model
     try:
         folder = export_merged(source, Path(out), base_model=base_model, dtype=dtype)

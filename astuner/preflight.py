@@ -139,10 +139,13 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
 
     folder = Path(model_path)
     if folder.is_dir() and not (folder / "config.json").is_file():
+        models = sorted(p.name for p in folder.iterdir()
+                        if (p / "config.json").is_file() or (p / "adapter_config.json").is_file())
         raise UserError(
-            f"{key}: {model_path} has no config.json, so it is not a Hugging Face model folder. Point it at the "
-            "folder that holds config.json, the weights (*.safetensors) and the tokenizer files."
-        )
+            f"{key}: {model_path} has no config.json, so it is not a Hugging Face model folder. " + (
+                f"It holds a checkpoint of several models: name one, e.g. {folder / models[0]} (its models: "
+                f"{', '.join(models)})." if models else "Point it at the folder that holds config.json, the weights "
+                "(*.safetensors) and the tokenizer files."))
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError, KeyError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -461,9 +462,9 @@ def quiet_library_progress() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
+    if "datasets" in sys.modules:
         from datasets.utils.logging import disable_progress_bar
 
         disable_progress_bar()
-    except ImportError:
-        pass
+    else:  # importing datasets costs half a second a run that reads no dataset need not pay: it reads this
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

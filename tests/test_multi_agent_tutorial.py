@@ -68,13 +68,13 @@ def test_two_models_each_agent_trains_its_own(tmp_path, tiny_model_dir, monkeypa
         assert row["train/metrics/finder_success"] == 1.0  # every finder boxed the right badge
         assert row["train/metrics/keeper_success"] == 0.5 and row["train/success_rate"] == 0.5
         assert row["agent/finder/tool_calls_per_episode"] == 1 and row["agent/keeper/tool_calls_per_episode"] == 1
-        assert row["actor/num_samples"] > 0 and row["model/keeper/actor/num_samples"] > 0
+        assert row["model/policy/actor/num_samples"] > 0 and row["model/keeper/actor/num_samples"] > 0
     trajectories = [json.loads(x) for x in (run / "trajectories" / "train_step_000002.jsonl").read_text().splitlines()]
     for e in trajectories:
         assert [c["agent"] for c in e["calls"]] == ["finder", "finder", "keeper", "keeper"]
     # The finder's reward is the same in every episode (no signal): only the keeper's model moved.
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
-    finder = load_file(str(run / "global_step_2" / "model.safetensors"))
+    finder = load_file(str(run / "global_step_2" / "policy" / "model.safetensors"))
     keeper = load_file(str(run / "global_step_2" / "keeper" / "model.safetensors"))
     assert all(torch.equal(finder[n], initial[n]) for n in initial)
     assert any(not torch.equal(keeper[n], initial[n]) for n in initial)

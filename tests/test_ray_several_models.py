@@ -21,7 +21,7 @@ ADAPTERS = "models: {critic: {path: MODEL, lr: 2.0e-3, lora_rank: 4}}\n  agents:
 LORA = ("astuner.trainer_common.lora.rank=4", "astuner.trainer_common.lora.alpha=8")
 
 
-def weights(out: Path, step: int, model: str = "") -> dict:
+def weights(out: Path, step: int, model: str = "policy") -> dict:
     folder = out / f"global_step_{step}" / model
     name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").is_file() else "model.safetensors"
     return load_file(str(folder / name))
@@ -31,12 +31,12 @@ def assert_same_models(ours: Path, theirs: Path, step: int) -> None:
     """Both models' weights after `step` Adam steps equal the debug run's up to summation order (tolerances.py):
     the policy's at lr 1e-3, the critic's at its own 2e-3. A model trained on the other's samples, or twice, or
     not at all, moves most weights by about lr."""
-    for model, lr in (("", 1e-3), ("critic", 2e-3)):
+    for model, lr in (("policy", 1e-3), ("critic", 2e-3)):
         a, b = weights(ours, step, model), weights(theirs, step, model)
         assert a.keys() == b.keys()
         for name in a:
             flips = LORA_FLIP_FRACTION if "lora_" in name else ADAM_FLIP_FRACTION  # tests/tolerances.py
-            assert_adam_close(a[name], b[name], lr=lr, steps=step, what=f"{model or 'policy'} {name}",
+            assert_adam_close(a[name], b[name], lr=lr, steps=step, what=f"{model} {name}",
                               flip_fraction=flips)
 
 
@@ -47,10 +47,10 @@ def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overri
     (out / "global_step_4").rename(folder / "straight_4")
     assert run(folder, model_dir, backbone, *overrides,
                f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
-    for model in ("", "critic"):
+    for model in ("policy", "critic"):
         a, b = weights(out, 4, model), load_file(str(folder / "straight_4" / model / "model.safetensors"))
         for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model or 'policy'} {name}")
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model} {name}")
 
 
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, roster: str | None = None,

@@ -90,14 +90,15 @@ def test_a_call_of_one_agent_never_moves_another_models_weights(tmp_path, tiny_m
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
     out = tmp_path / "out"
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
-    policy = load_file(str(out / "global_step_2" / "model.safetensors"))
+    policy = load_file(str(out / "global_step_2" / "policy" / "model.safetensors"))  # every model named alike
     critic = load_file(str(out / "global_step_2" / "critic" / "model.safetensors"))
     assert changed(initial, policy) == []  # the policy served no call: not one weight moved
     assert len(changed(initial, critic)) > 0.9 * len(initial)
     rows = metric_rows(out)
     assert [r["model/critic/actor/num_samples"] for r in rows] == [6.0, 6.0]  # 2 tasks x 3 repeats, a call each
     assert all(r["model/critic/actor/lr"] == pytest.approx(2e-3) for r in rows)  # its own learning rate
-    assert not any(k.startswith("actor/") for r in rows for k in r)  # the policy trained on nothing
+    assert [r["model/policy/actor/num_samples"] for r in rows] == [0.0, 0.0]  # the policy trained on nothing
+    assert not any(k.startswith(("actor/", "model/policy/actor/lr")) for r in rows for k in r)  # every model named alike
     # Every engine serves its trainer's weights after each sync (fingerprints compared), so the policy's engine
     # never served a moved weight either.
     assert all(r["sync/verified"] == 1.0 for r in rows)
@@ -113,10 +114,15 @@ def test_a_call_of_one_agent_never_moves_another_models_weights(tmp_path, tiny_m
     exported = load_file(str(tmp_path / "critic" / "model.safetensors"))
     assert changed(exported, critic) == [] and changed(initial, exported)
     assert main(["export", str(out / "global_step_2"), "--out", str(tmp_path / "x"), "--model", "judge"]) == 2
-    assert "holds no model of that name; its models are: policy, critic" in capsys.readouterr().err
+    assert "holds no model of that name; its models are: critic, policy" in capsys.readouterr().err
+    assert main(["export", str(out / "global_step_2"), "--out", str(tmp_path / "policy")]) == 0  # policy: default
+    assert changed(load_file(str(tmp_path / "policy" / "model.safetensors")), policy) == []
+    # A checkpoint of several models is no model folder: eval says which folders are.
     assert main(["eval", "--conf", str(yaml), "--model", str(out / "global_step_2"), "--split", "train",
+                 "--num-repeat", "0", "--out", str(tmp_path / "eval")]) == 2
+    assert f"give one model's folder, e.g. {out / 'global_step_2' / 'critic'}" in capsys.readouterr().err
+    assert main(["eval", "--conf", str(yaml), "--model", str(out / "global_step_2" / "policy"), "--split", "train",
                  "--num-repeat", "0", "--out", str(tmp_path / "eval")]) == 0
-    assert "holds no folder critic/" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -132,7 +138,7 @@ def test_on_vllm_engines_too_a_call_of_one_agent_moves_only_its_model(tmp_path, 
                  "astuner.rollout.max_num_seqs=8", "astuner.trainer_common.save_freq=1"]) == 0
     out = tmp_path / "out" / "global_step_1"
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert changed(initial, load_file(str(out / "model.safetensors"))) == []
+    assert changed(initial, load_file(str(out / "policy" / "model.safetensors"))) == []
     assert changed(initial, load_file(str(out / "critic" / "model.safetensors")))
     (row,) = metric_rows(tmp_path / "out")
     assert row["sync/verified"] == 1.0 and row["model/critic/actor/num_samples"] == 6.0
@@ -161,7 +167,9 @@ def test_two_models_checkpoint_and_resume_exactly(tmp_path, tiny_model_dir):
     straight = write_run(tmp_path / "straight", tiny_model_dir, "WriterAndCritic", steps=4)
     assert main(["--conf", str(straight), "--backbone", "debug"]) == 0
     a = tmp_path / "straight" / "out"
-    assert (a / "global_step_2" / "critic" / "astuner_resume" / "state.json").is_file()
+    for folder in ("critic", "policy", ""):  # each model's folder, and the run's state beside them
+        assert (a / "global_step_2" / folder / "astuner_resume" / "state.json").is_file()
+    assert not (a / "global_step_2" / "model.safetensors").exists()
 
     # The same run stopped after its step-2 checkpoint: its folder as that checkpoint left it, then resumed.
     resumed = write_run(tmp_path / "resumed", tiny_model_dir, "WriterAndCritic", steps=4)
@@ -174,15 +182,18 @@ def test_two_models_checkpoint_and_resume_exactly(tmp_path, tiny_model_dir):
     assert "resumed at step 2" in (b / "astuner.log").read_text()
 
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
-    for model in ("", "critic"):
+    for model in ("policy", "critic"):
         x = load_file(str(a / "global_step_4" / model / "model.safetensors"))
         y = load_file(str(b / "global_step_4" / model / "model.safetensors"))
-        assert changed(initial, x), model or "policy"
+        assert changed(initial, x), model
         for name in x:
-            torch.testing.assert_close(x[name], y[name], rtol=0, atol=1e-6, msg=f"{model or 'policy'}: {name}")
+            torch.testing.assert_close(x[name], y[name], rtol=0, atol=1e-6, msg=f"{model}: {name}")
     last = metric_rows(a)[-1]
-    assert last["model/critic/actor/num_samples"] == 6.0 and last["actor/num_samples"] == 6.0
-    assert last["actor/lr"] == pytest.approx(1e-3) and last["model/critic/actor/lr"] == pytest.approx(2e-3)
+    assert last["model/critic/actor/num_samples"] == 6.0 and last["model/policy/actor/num_samples"] == 6.0
+    assert last["model/policy/actor/lr"] == pytest.approx(1e-3) and last["model/critic/actor/lr"] == pytest.approx(2e-3)
+    # The engine-trainer gap, for the pipeline's checks: the worse model's.
+    gaps = [last[f"model/{m}/actor/logprob_abs_diff_max"] for m in ("policy", "critic")]
+    assert last["rollout/logprob_abs_diff_max"] == max(gaps)
 
 
 @pytest.mark.slow
@@ -200,7 +211,7 @@ def test_a_checkpoint_of_other_models_is_not_resumed(tmp_path, tiny_model_dir, c
     from astuner.run_models import LocalModel
     from astuner.errors import UserError
 
-    with pytest.raises(UserError, match="holds no folder for model.s. critic of astuner.models"):
+    with pytest.raises(UserError, match="holds no folder for model.s. policy, critic of astuner.models"):
         load_models({"policy": LocalModel(None, None), "critic": LocalModel(None, None)},
                     tmp_path / "out" / "global_step_2")
 
@@ -334,9 +345,33 @@ def test_tune_trains_a_model_per_agent(tmp_path, tiny_model_dir, monkeypatch):
     assert saved["agents"] == {"writer": {"model": "policy"}, "critic": {"model": "critic"}}
     assert saved["models"]["critic"]["path"] == str(tiny_model_dir)
     (row,) = metric_rows(run)
-    assert row["actor/num_samples"] == 4.0 and row["model/critic/actor/num_samples"] == 4.0
+    assert row["model/policy/actor/num_samples"] == 4.0 and row["model/critic/actor/num_samples"] == 4.0
     assert (run / "global_step_1" / "critic" / "model.safetensors").is_file()
 
     with pytest.raises(UserError, match="sets temperature unlike model\\['writer'\\]"):
         tune(workflow_func=writer_and_critic, model={"writer": model, "critic": dataclasses.replace(model, temperature=0.5)},
              train_dataset=DatasetConfig(path=str(tmp_path / "train.jsonl")))
+
+
+def test_several_models_are_named_alike_and_the_pipeline_reads_the_worst_gap():
+    from astuner.backbone.local_models import merge_model_results
+    from astuner.monitor.metrics import pipeline_metrics
+    from astuner.types import TrainResult
+
+    results = {"policy": TrainResult({"lr": 1e-3, "logprob_abs_diff_max": 0.02, "logprob_abs_diff/depth_0-1k": 0.01},
+                                     [[-0.5], [-0.25]]),
+               "critic": TrainResult({"lr": 2e-3, "logprob_abs_diff_max": 0.05, "logprob_abs_diff/depth_0-1k": 0.005},
+                                     [[-1.0]])}
+    merged = merge_model_results(results, {"policy": [0, 2], "critic": [1], "judge": []}, 3)
+    assert merged.metrics == {
+        "model/policy/num_samples": 2.0, "model/policy/lr": 1e-3, "model/policy/logprob_abs_diff_max": 0.02,
+        "model/policy/logprob_abs_diff/depth_0-1k": 0.01,
+        "model/critic/num_samples": 1.0, "model/critic/lr": 2e-3, "model/critic/logprob_abs_diff_max": 0.05,
+        "model/critic/logprob_abs_diff/depth_0-1k": 0.005,
+        "model/judge/num_samples": 0.0}  # no unprefixed name: the first model is named as the others
+    assert merged.trainer_logprobs == [[-0.5], [-1.0], [-0.25]]
+    gap = pipeline_metrics([], merged.metrics)
+    assert gap["rollout/logprob_abs_diff_max"] == 0.05 and gap["rollout/logprob_abs_diff/depth_0-1k"] == 0.01
+    # A run of one model keeps its names.
+    one = merge_model_results({"policy": results["policy"]}, {"policy": [0, 1]}, 2)
+    assert one.metrics == results["policy"].metrics

@@ -88,7 +88,7 @@ def test_two_adapters_on_one_base_a_run_trains_only_the_caller(tmp_path, tiny_mo
     yaml.write_text(yaml.read_text().replace("optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-2}, lora: {rank: 4}"))
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
     out = tmp_path / "out" / "global_step_2"
-    policy = load_file(str(out / "adapter_model.safetensors"))
+    policy = load_file(str(out / "policy" / "adapter_model.safetensors"))
     critic = load_file(str(out / "critic" / "adapter_model.safetensors"))
     assert not (out / "critic" / "model.safetensors").exists()  # an adapter only
     assert all(not t.any() for n, t in policy.items() if "lora_B" in n)  # B starts at 0 and never trained

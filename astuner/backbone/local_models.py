@@ -2,19 +2,22 @@
 
 A step's samples are split by the model that served their call (`Sample.model`); each trainer takes one step
 on its own samples only, so a call of one agent never moves another model's weights. A model that got no sample
-this step takes no step. `models` is ordered as the run's `ModelSet`: the first is astuner.model's.
-Metrics: the first model's keep their usual names (every curve and alarm of a one-model run reads them); another
-model's are named `model/<name>/<metric>` here, logged as `model/<name>/actor/<metric>` (monitor/metrics.py), with
-`num_samples` also when it trained on none.
+this step takes no step. `models` is ordered as the run's `ModelSet`.
 
-Checkpoints: the first model's folder is `global_step_N/` as in a one-model run; each other model's is
-`global_step_N/<name>/` (a Hugging Face folder or adapter with its own resume state). They are written first,
-into a staging folder, and moved into the first model's folder before it is marked complete, so a checkpoint
-holds every model or is not complete at all.
+Every model of several is named alike, the first too:
+- metrics: `model/<name>/<metric>` here, logged as `model/<name>/actor/<metric>` (monitor/metrics.py), with
+  `num_samples` also for a model that trained on none (the pipeline's `rollout/logprob_abs_diff_*` are the
+  worst model's: monitor/metrics.py);
+- checkpoints: `global_step_N/<name>/` for each model (a Hugging Face folder or adapter with its own resume state)
+  and `global_step_N/astuner_resume/state.json`, the run's state. The model folders are written into a staging
+  folder that takes the run state last and is then renamed into place, so a checkpoint holds every model or is
+  not complete at all.
+A run of one model keeps a one-model run's names: unprefixed metrics, its folder at `global_step_N/`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -47,18 +50,19 @@ def samples_by_model(samples: list[Sample], models: list[str]) -> dict[str, list
 def merge_model_results(results: dict[str, TrainResult], mine: dict[str, list[int]], n: int) -> TrainResult:
     """One TrainResult of the steps of several models: `results` by model (the trainers' logprobs in the order of
     that model's samples, whose places among the `n` samples are `mine`); metrics named as the module docstring
-    says, with every other model's `num_samples` (0 for one that took no step)."""
+    says. One model: its metrics as they are."""
+    if len(mine) == 1:
+        (name, where), = mine.items()
+        return results.get(name, TrainResult({}, [None] * n))
     metrics: dict[str, float] = {}
     logprobs: list[list[float] | None] = [None] * n
-    for at, (name, where) in enumerate(mine.items()):
-        prefix = f"model/{name}/" if at else ""  # the first model's under their one-model names
-        if at:
-            metrics[f"{prefix}num_samples"] = float(len(where))
+    for name, where in mine.items():
+        metrics[f"model/{name}/num_samples"] = float(len(where))
         if name not in results:
             continue
         for i, lp in zip(where, results[name].trainer_logprobs):
             logprobs[i] = lp
-        metrics.update({prefix + k: v for k, v in results[name].metrics.items()})
+        metrics.update({f"model/{name}/{k}": v for k, v in results[name].metrics.items()})
     return TrainResult(metrics, logprobs)
 
 
@@ -68,31 +72,56 @@ def sync_models(models: dict[str, LocalModel]) -> SyncReport:
 
 
 def save_models(models: dict[str, LocalModel], path: Path, tokenizer, run_state: dict) -> None:
-    """The checkpoint at `path`: every other model first, into a staging folder, then the first model's folder,
-    which takes them in before it is marked complete (module docstring)."""
-    first, *names = models
-    others = {name: models[name] for name in names}
-    staging = path.parent / f".{path.name}.models-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    """The checkpoint at `path` (module docstring): one model's folder, or every model's folder and the run state."""
+    if len(models) == 1:
+        (model,) = models.values()
+        model.trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state)
+        return
+    staging = staging_folder(path)
     try:
-        for name, model in others.items():
-            model.trainer.save_checkpoint(staging / name, tokenizer=tokenizer,
-                                          run_state={"model": name, "step": run_state.get("step", 0)})
-        models[first].trainer.save_checkpoint(path, tokenizer=tokenizer, run_state=run_state,
-                                              include={name: staging / name for name in others})
+        save_model_folders(models, staging, tokenizer, run_state["step"])
+        seal_checkpoint(staging, path, run_state)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def staging_folder(path: Path) -> Path:
+    """Where the model folders of the checkpoint `path` are written before it is sealed (a fresh hidden sibling)."""
+    staging = path.parent / f".{path.name}.models-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def save_model_folders(models: dict[str, LocalModel], folder: Path, tokenizer, step: int,
+                       write: bool = True) -> None:
+    """Each model's weights and resume state at `folder/<name>/` (a sharded trainer's ranks all call this and
+    only the one with `write` writes)."""
+    for name, model in models.items():
+        model.trainer.save_checkpoint(folder / name, tokenizer=tokenizer, run_state={"model": name, "step": step},
+                                      write=write)
+
+
+def seal_checkpoint(staging: Path, path: Path, run_state: dict) -> None:
+    """`staging`, which holds every model's folder, becomes the complete checkpoint `path`: the run state written
+    last (its presence marks a checkpoint complete: astuner/resume.py), then renamed into place."""
+    from astuner.resume import RESUME_DIR
+    from astuner.trainer.checkpoint import move_into_place
+
+    (staging / RESUME_DIR).mkdir(parents=True, exist_ok=True)
+    (staging / RESUME_DIR / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
+    move_into_place(staging, path, f"{os.getpid()}")
+
+
 def checkpoint_models(path: Path) -> list[str]:
-    """The other models a checkpoint holds (its subfolders with weights and resume state), by name."""
+    """The models a checkpoint of several models holds (its subfolders with weights and resume state), by name;
+    [] for a one-model checkpoint."""
     from astuner.resume import RESUME_DIR
 
     return sorted(p.name for p in Path(path).iterdir() if p.is_dir() and (p / RESUME_DIR / "state.json").is_file())
 
 
 def check_checkpoint_models(path: Path, names: list[str]) -> None:
-    """UserError unless the checkpoint at `path` holds a folder for each of the other models `names`."""
+    """UserError unless the checkpoint at `path` holds a folder for each of the models `names`."""
     missing = [name for name in names if not (Path(path) / name).is_dir()]
     if missing:
         raise UserError(f"checkpoint {path} holds no folder for model(s) {', '.join(missing)} of astuner.models: "
@@ -100,12 +129,19 @@ def check_checkpoint_models(path: Path, names: list[str]) -> None:
                         "afresh (astuner.trainer_common.resume_mode: disable).")
 
 
+def run_state_of(path: Path) -> dict:
+    """The run state a checkpoint of several models holds beside its model folders."""
+    from astuner.resume import RESUME_DIR
+
+    return json.loads((Path(path) / RESUME_DIR / "state.json").read_text(encoding="utf-8"))
+
+
 def load_models(models: dict[str, LocalModel], path: Path) -> dict:
-    """Every model's weights, optimizer and step count from the checkpoint at `path`; the first model's run
-    state."""
-    first, *others = models
-    check_checkpoint_models(path, others)
-    state = models[first].trainer.load_checkpoint(path)
-    for name in others:
-        models[name].trainer.load_checkpoint(path / name)
-    return state
+    """Every model's weights, optimizer and step count from the checkpoint at `path`; the run state."""
+    if len(models) == 1:
+        (model,) = models.values()
+        return model.trainer.load_checkpoint(path)
+    check_checkpoint_models(path, list(models))
+    for name, model in models.items():
+        model.trainer.load_checkpoint(path / name)
+    return run_state_of(path)

@@ -176,12 +176,12 @@ class RayStages(Stages):
 
     def _train_groups(self, samples: list[Sample], objective: str) -> TrainResult:
         """Every model's group trains on its own samples at the same time; one result as local_models.train_models
-        gives it (the policy's metrics as named, `model/<name>/...` for the others)."""
+        gives it (every model's metrics as `model/<name>/...`)."""
         import ray
 
         from astuner.backbone.local_models import merge_model_results, samples_by_model
 
-        groups = {self.prep.models.first.name: TrainerGroup(self.trainers, self.trainer_names), **self.model_groups}
+        groups = self.groups()
         mine = samples_by_model(samples, list(groups))
         sent = {}
         for name, group in groups.items():
@@ -197,39 +197,46 @@ class RayStages(Stages):
             results[name] = TrainResult(ranks[0][0], _logprobs(ranks, len(mine[name])))
         return merge_model_results(results, mine, len(samples))
 
+    def groups(self) -> dict[str, TrainerGroup]:
+        """Every model's trainer workers by model name, the first model's first (its group: `self.trainers`)."""
+        return {self.prep.models.first.name: TrainerGroup(self.trainers, self.trainer_names, self.sharded),
+                **self.model_groups}
+
     def save_checkpoint(self, step: int, run_state: dict) -> Path:
-        """Other models' groups write theirs first, into a staging folder the policy's folder takes in before it
-        is complete (a checkpoint holds every model or is not complete: backbone/local_models.py)."""
-        import os
+        """A run of one model: its trainer writes the checkpoint. Several: every group writes its models' folders
+        into a staging folder at once, which is then sealed with the run state (backbone/local_models.py)."""
         import shutil
 
+        from astuner.backbone.local_models import seal_checkpoint, staging_folder
+
         path = self.loaded.experiment_dir / f"global_step_{step}"
-        staging = path.parent / f".{path.name}.models-{os.getpid()}"
-        include = {name: str(staging / name) for name in self.model_groups}
+        several = len(self.prep.models.names) > 1
+        target = staging_folder(path) if several else path
         try:
-            for name, group in self.model_groups.items():
-                actors, names = group.calling()
-                self.get([a.save_checkpoint.remote(include[name], {"model": name, "step": step}) for a in actors],
-                         names, f"save model {name} for checkpoint {path}")
-            refs = self.to_trainers("save_checkpoint", str(path), run_state, include or None)
-            self.get(refs, self.trainer_names[:len(refs)], f"save checkpoint {path}")
+            calls = [group.calling() for group in self.groups().values()]
+            self.get([a.save_checkpoint.remote(str(target), run_state) for actors, _ in calls for a in actors],
+                     [n for _, names in calls for n in names], f"save checkpoint {path}")
+            if several:
+                seal_checkpoint(target, path, run_state)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if several:
+                shutil.rmtree(target, ignore_errors=True)
         log.info("saved checkpoint %s", path)
         return path
 
     def load_checkpoint(self, path: Path) -> dict:
-        if self.model_groups:
-            from astuner.backbone.local_models import check_checkpoint_models
+        """Every trainer worker loads its models; the run state (several models: read beside their folders)."""
+        from astuner.backbone.local_models import check_checkpoint_models, run_state_of
 
-            check_checkpoint_models(path, list(self.model_groups))
-        refs = [t.load_checkpoint.remote(str(path)) for t in self.trainers]
-        names = list(self.trainer_names)
-        for name, group in self.model_groups.items():
-            refs += [a.load_checkpoint.remote(str(path / name)) for a in group.actors]
+        several = len(self.prep.models.names) > 1
+        if several:
+            check_checkpoint_models(path, list(self.prep.models.names))
+        refs, names = [], []
+        for group in self.groups().values():
+            refs += [a.load_checkpoint.remote(str(path)) for a in group.actors]
             names += group.names
         states = self.get(refs, names, f"load checkpoint {path}", trainer_ok=False)
-        return states[0]
+        return run_state_of(path) if several else states[0]
 
     def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
                      repeats: int | None = None) -> Sent:

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from astuner.backbone.local_models import load_models, save_models, sync_models, train_models
+from astuner.backbone.local_models import save_model_folders, sync_models, train_models
 from astuner.config.schema_models import strategy_of
 from astuner.run_models import build_models, roster_of_models
 
@@ -216,23 +216,25 @@ class Worker:
 
     # --- checkpoints -----------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str, run_state: dict, include: dict[str, str] | None = None) -> str:
-        """Rank 0 writes; the other ranks of a sharded group take part in the gather. Several models (never
-        sharded): every model's folder, the others inside the policy's (backbone/local_models.py). `include`: other
-        groups' model folders, written already, that the policy's folder takes in before it is complete."""
-        if len(self.models) > 1:
-            save_models(self.models, Path(path), self.tokenizer, run_state)
-        else:
+    def save_checkpoint(self, path: str, run_state: dict) -> str:
+        """Rank 0 writes; the other ranks of a sharded group take part in the gather. A run of one model: its
+        checkpoint at `path`. Several: this worker's models' folders inside `path`, the driver's staging folder,
+        which the driver seals once every group wrote (backbone/local_models.py)."""
+        if len(self.model_set.names) == 1:
             self.trainer.save_checkpoint(Path(path), tokenizer=self.tokenizer, run_state=run_state,
-                                         write=self.rank == 0,
-                                         include={k: Path(v) for k, v in (include or {}).items()} or None)
+                                         write=self.rank == 0)
+        else:
+            save_model_folders(self.models, Path(path), self.tokenizer, run_state["step"], write=self.rank == 0)
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        """The run state; a group without the run's first model loads its one model's folder (`path` names it)."""
-        if self.model_set.first.name not in self.models:
+        """A run of one model: its run state. Several: this worker's models from their folders in `path`, and
+        {} (the driver reads the run state)."""
+        if len(self.model_set.names) == 1:
             return self.trainer.load_checkpoint(Path(path))
-        return load_models(self.models, Path(path))
+        for name, model in self.models.items():
+            model.trainer.load_checkpoint(Path(path) / name)
+        return {}
 
     def shutdown(self) -> None:
         if self.runner is not None:

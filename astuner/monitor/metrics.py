@@ -1,8 +1,8 @@
 """The metrics of a step and of a validation, assembled from what the stages returned; the warnings they raise.
 
     train/*      episodes rolled out this step (reward, success, lengths, tool use, madness, failures)
-    actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...); another model's (astuner.models)
-                 as model/<name>/actor/*
+    actor/*      the trainer's own metrics (loss, clip fractions, grad norm, lr, ...); in a run of several models
+                 (astuner.models) each model's as model/<name>/actor/*
     rollout/*    token-pipeline health and staleness (parse failures, prefix reuse, merge ratio, logprob gap)
     env/*        environments that failed (an attempt raised or timed out) and attempts run again
     time/*, perf/*  stage durations and rates
@@ -133,14 +133,12 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
         "rollout/tool_call_missing_args_rate":
             sum(len(c.missing_tool_arguments) for c in calls) / max(tool_calls_received(calls), 1),
     }
-    for name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3"):
-        if name in train_metrics:
-            out[f"rollout/{name}"] = train_metrics[name]
+    # The gap, also by context depth and how many deep bins drift (algorithm/mismatch.py); with several models
+    # (their metrics named model/<name>/...) the worst model's.
+    out.update(worst_gap(train_metrics))
     # Every cut by its limit, and what the context policy did instead (astuner/cuts.py).
     out.update({**cut_metrics(episodes, "rollout"), **context_metrics(episodes, "rollout")})
     out.update(env_metrics(episodes))  # env/failed, env/retried (astuner/environments/failures.py)
-    # The same gap by context depth, and how many deep bins drift (algorithm/mismatch.py).
-    out.update({f"rollout/{k}": v for k, v in train_metrics.items() if k.startswith("logprob_abs_diff/")})
     agents = sorted({c.agent for c in calls if c.agent})
     for agent in agents:
         mine = [c for c in calls if c.agent == agent]
@@ -150,9 +148,21 @@ def pipeline_metrics(episodes: list[Episode], train_metrics: dict[str, float]) -
     return out
 
 
+def worst_gap(train_metrics: dict[str, float]) -> dict[str, float]:
+    """rollout/<gap> for each engine-trainer gap figure of the trainer's metrics (logprob_abs_diff_mean/max,
+    kl_engine_trainer_k3, the depth bins logprob_abs_diff/*), the largest over models (model/<name>/<gap>)."""
+    out: dict[str, float] = {}
+    for key, value in train_metrics.items():
+        name = key.split("/", 2)[2] if key.startswith("model/") else key
+        if name in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_engine_trainer_k3") or name.startswith(
+                "logprob_abs_diff/"):
+            out[f"rollout/{name}"] = max(out.get(f"rollout/{name}", value), value)
+    return out
+
+
 def actor_key(name: str) -> str:
-    """The log name of a trainer metric: actor/<name>, or model/<model>/actor/<name> for another model than the
-    policy (astuner.models; the stages name those model/<model>/<name>)."""
+    """The log name of a trainer metric: actor/<name>, or model/<model>/actor/<name> in a run of several models
+    (astuner.models; the stages name each model's model/<model>/<name>: backbone/local_models.py)."""
     if name.startswith("model/"):
         _, model, rest = name.split("/", 2)
         return f"model/{model}/actor/{rest}"

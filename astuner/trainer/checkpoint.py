@@ -24,8 +24,7 @@ from astuner.resume import RESUME_DIR
 log = logging.getLogger("astuner.trainer")
 
 
-def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True,
-         include: dict[str, Path] | None = None) -> None:
+def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
     """Hugging Face folder at `path`; written to a hidden sibling first, then renamed into place.
 
     A sharded trainer (astuner/trainer/fsdp.py) gathers whole weights and optimizer state: every worker of the group calls
@@ -35,8 +34,6 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
     The tokenizer (given, else loaded from model_path) is saved alongside so the folder is self-contained.
     With `run_state` (the loop's JSON-able state), `RESUME_DIR/` holds what `load_checkpoint` needs to continue
     exactly: optimizer state, optimizer step count, torch RNG states and the run state.
-    `include`: {name: finished folder} moved into the checkpoint as `path/name` before it is marked complete (the
-    run's other models, astuner.models), so a checkpoint appears with all of them or not at all.
     """
     # Sharded, this gathers (every worker calls it); under bf16 the weights are the fp32 masters, so a resumed run
     # continues from the same numbers.
@@ -51,11 +48,9 @@ def save(trainer, path: Path, tokenizer=None, run_state: dict | None = None, wri
     try:
         _write_weights(trainer, tmp, state)
         _write_tokenizer(trainer, tmp, tokenizer, path)
-        for name, folder in (include or {}).items():
-            Path(folder).rename(tmp / name)
         if run_state is not None:
             _write_resume_state(tmp, optimizer, full["optimizer_steps"], run_state)
-        _move_into_place(tmp, path, tag)
+        move_into_place(tmp, path, tag)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         free = _free_bytes(path.parent) if isinstance(exc, (OSError, RuntimeError)) else None
@@ -110,7 +105,8 @@ def _write_resume_state(tmp: Path, optimizer, optimizer_steps: int, run_state: d
     (resume / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
 
 
-def _move_into_place(tmp: Path, path: Path, tag: str) -> None:
+def move_into_place(tmp: Path, path: Path, tag: str) -> None:
+    """The finished folder `tmp` becomes `path`, replacing what was there (`tag`: a unique suffix)."""
     if path.exists():
         # A directory cannot be renamed over a non-empty one: move the old one aside first.
         old = path.parent / f".{path.name}.old-{tag}"

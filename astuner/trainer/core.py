@@ -287,10 +287,9 @@ class Trainer:
         the weights alone, with a fresh optimizer state."""
         checkpoint.restore_state(self, state)
 
-    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True,
-                        include: dict[str, Path] | None = None) -> None:
+    def save_checkpoint(self, path: Path, tokenizer=None, run_state: dict | None = None, write: bool = True) -> None:
         """Hugging Face folder (or LoRA adapter) at `path`, atomically; see `trainer_checkpoint.save`."""
-        checkpoint.save(self, Path(path), tokenizer, run_state, write, include)
+        checkpoint.save(self, Path(path), tokenizer, run_state, write)
 
     def load_checkpoint(self, path: Path) -> dict:
         """Weights, optimizer, step count and RNG from `path`; returns the run state (`trainer_checkpoint.load`)."""

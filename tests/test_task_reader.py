@@ -293,3 +293,25 @@ def test_verifiers_outside_its_own_environment_says_how_to_install_it(monkeypatc
     yaml = REPO / "tutorial" / "verifiers" / "verifiers.yaml"
     with pytest.raises(UserError, match=r"pip install 'astuner\[verifiers\]'.*\.venv-vf"):
         build_task_reader(load_config(yaml).typed, yaml.parent)
+
+
+def test_max_samples_take_part_of_the_tasks_as_verl_does(tmp_path):
+    import random
+
+    from astuner.task_reader import first_samples
+
+    tasks = list("abcdefgh")
+    assert first_samples(tasks, -1, True, 0) == tasks and first_samples(tasks, 8, True, 0) == tasks
+    assert first_samples(tasks, 3, False, 0) == ["a", "b", "c"]  # no shuffle: the first N
+    # shuffle: N drawn with the seed, kept in their order
+    drawn = sorted(random.Random(7).sample(range(8), 3))
+    assert first_samples(tasks, 3, True, 7) == [tasks[i] for i in drawn]
+    assert first_samples(tasks, 0, True, 7) == []
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"question": f"q{i}"} for i in range(10)])
+    val = write_jsonl(tmp_path / "val.jsonl", [{"question": f"v{i}"} for i in range(6)])
+    cfg = make_cfg(train=str(train), val=str(val))
+    cfg.astuner.data = {"train_max_samples": 4, "val_max_samples": 2, "shuffle": False}
+    reader = build_task_reader(cfg, tmp_path)
+    assert [t.main_query for t in reader.training_tasks()] == ["q0", "q1", "q2", "q3"]
+    assert [t.main_query for t in reader.validation_tasks()] == ["v0", "v1"]

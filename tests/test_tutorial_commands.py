@@ -3,10 +3,12 @@ from the root of a copy of the repository's tutorials (so `cd tutorial/...`, rel
 the later commands read are the reader's).
 
 Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
-random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns
-and no stop for steps without signal appended to each run, eval, warm start and serve (a key the command sets
-itself is left to it); a warm start makes one draw. Step counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the
-commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and stopped.
+random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns,
+4 validation tasks and no stop for steps without signal appended to each run, eval, warm start and serve (a key
+the command sets itself is left to it); a warm start makes one draw. Step counts are kept, so a command that reads
+`launcher_record/<run>/global_step_N` reads what the commands before it wrote. `astuner logview` is started, its
+runs read from its JSON API, and stopped. The commands run in children of a fork server that has imported the
+CLI once (tests/cli_forkserver.py): the same code, without ~6 s of imports per command.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
 a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import stat
@@ -45,15 +48,16 @@ SHRINK = {  # appended to every run and eval unless the command sets the key its
     "astuner.rollout.num_repeat": "2",
     "astuner.rollout.max_response_length_in_one_turn": "8",
     "astuner.data.max_response_length": "32",
+    "astuner.data.val_max_samples": "4",  # a random model scores nothing: 4 validation tasks show the same
     # A random model earns no reward: its steps carry no signal, which would stop a run after a few.
     "astuner.trainer_common.max_idle_steps": "1000",
 }
 
 STAND_IN = '''#!{python}
 """`astuner` for the tutorial commands' test: the real CLI, smaller (tests/test_tutorial_commands.py)."""
-import json, subprocess, sys, time, urllib.request
+import json, os, subprocess, sys, time, urllib.request
 
-TINY, SHRINK = {tiny!r}, {shrink!r}
+TINY, SHRINK, TESTS = {tiny!r}, {shrink!r}, {tests!r}
 args = sys.argv[1:]
 real = [sys.executable, "-m", "astuner.cli"]
 if args[:1] == ["logview"]:
@@ -86,6 +90,13 @@ if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"], ["serve"]):
     args = args + [f"{{k}}={{v}}" for k, v in extra.items()]
     if args[:1] == ["warmstart"] and not any(a.startswith("--draws") for a in args):
         args.append("--draws=1")  # a random model's draws never score: one shows the command works
+if os.environ.get("ASTUNER_TEST_FORKSERVER"):  # the CLI already imported (tests/cli_forkserver.py)
+    sys.path.insert(0, TESTS)
+    from cli_forkserver import run_client
+
+    code = run_client(os.environ["ASTUNER_TEST_FORKSERVER"], args)
+    if code is not None:
+        sys.exit(code)
 sys.exit(subprocess.call(real + args))
 '''
 
@@ -111,7 +122,9 @@ def readmes() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def stand_in(tmp_path_factory, tiny_model_dir) -> Path:
+def stand_in(tmp_path_factory, tiny_model_dir):
+    """(the stand-in's folder, the scripts' environment): a fork server with the CLI imported serves the
+    stand-in's commands (tests/cli_forkserver.py), stopped with the module."""
     # The tiny model with the demo model's position limit (8192): the tutorials' max_model_len stay as written.
     tiny = tmp_path_factory.mktemp("tiny_8k")
     shutil.copytree(tiny_model_dir, tiny, dirs_exist_ok=True)
@@ -119,9 +132,20 @@ def stand_in(tmp_path_factory, tiny_model_dir) -> Path:
     (tiny / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
     folder = tmp_path_factory.mktemp("bin")
     path = folder / "astuner"
-    path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK))
+    path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK, tests=str(REPO / "tests")))
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return folder
+    socket_path = folder / "forkserver.sock"
+    env = {**os.environ, "PATH": f"{folder}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONUNBUFFERED": "1", "ASTUNER_TEST_FORKSERVER": str(socket_path)}
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_forkserver.py"), str(socket_path)],
+                              env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready, _, _ = select.select([server.stdout], [], [], 300)  # its imports: seconds, minutes on a busy CI
+        assert ready and server.stdout.readline().strip() == "ready", "the fork server did not start"
+        yield folder, env
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def test_readme_script_keeps_every_line_and_says_why_one_is_left_out():
@@ -135,13 +159,13 @@ def test_readme_script_keeps_every_line_and_says_why_one_is_left_out():
 @pytest.mark.slow
 @pytest.mark.parametrize("readme", readmes(), ids=lambda p: str(p.relative_to(REPO / "tutorial").parent))
 def test_tutorial_readme_commands_run_as_written(readme, tmp_path, stand_in):
+    folder, env = stand_in
     root = tmp_path / "repo"
     shutil.copytree(REPO / "tutorial", root / "tutorial",
                     ignore=shutil.ignore_patterns("launcher_record", "__pycache__", "*.png"))
     script, _ = readme_script(readme)
     (tmp_path / "commands.sh").write_text(script)
-    env = {**os.environ, "PATH": f"{stand_in}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**env, "PYTEST_CURRENT_TEST": os.environ.get("PYTEST_CURRENT_TEST", "")}
     # Its own session, output to a file: a server the README starts with `&` outlives the script (and would hold a
     # pipe open); it is stopped with the session.
     log = tmp_path / "commands.log"

@@ -17,7 +17,7 @@ def test_quickstart_one_step(tmp_path, demo_model_dir):
     code = main(["--conf", str(REPO / "tutorial/quickstart/quickstart.yaml"), "--backbone", "debug",
                  f"astuner.experiment_dir={tmp_path}", "astuner.data.train_batch_size=2",
                  "astuner.rollout.num_repeat=2", "astuner.trainer_common.total_training_steps=1",
-                 "astuner.trainer_common.val_before_train=false"])
+                 "astuner.trainer_common.val_before_train=false", "astuner.data.val_max_samples=4"])
     assert code == 0
     record = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record[0]["train/failure_rate"] == 0 and "val/accuracy" in record[-1]

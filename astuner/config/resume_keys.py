@@ -34,6 +34,7 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.task_reader.env_service.request_timeout", "deadlines"),
     ("astuner.task_reader.env_service.retries", "deadlines"),
     ("astuner.data", "the data"),
+    ("astuner.data.val_max_samples", "checkpoints and validation"),
     ("astuner.offline_data", "the data"),
     ("astuner.rollout", "the rollout shape"),
     ("astuner.rollout.engine", "placement"),

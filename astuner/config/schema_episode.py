@@ -169,6 +169,12 @@ class DataSection(Section):
         ge=1,
     )
     shuffle: bool = key(True, "Shuffle training tasks each epoch (seeded by astuner.seed).")
+    train_max_samples: int = key(
+        -1, "Training tasks used, as in verl: -1 all; N a subset of N (with shuffle, drawn with astuner.seed; "
+        "without, the first N), for a quick run on part of a large dataset.", ge=-1)
+    val_max_samples: int = key(
+        -1, "Validation tasks used (every validation and `astuner eval`), as in verl: -1 all; N a subset of N as "
+        "train_max_samples draws it, for a cheaper validation.", ge=-1)
 
 
 class MultiTurn(Section):

@@ -29,7 +29,7 @@ TASK_READERS: dict[str, type[TaskReader]] = {
     "verifiers": VerifiersTaskReader,
 }
 
-__all__ = ["TASK_READERS", "TaskReader", "build_task_reader"]
+__all__ = ["TASK_READERS", "TaskReader", "build_task_reader", "first_samples"]
 
 
 def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
@@ -44,4 +44,33 @@ def build_task_reader(cfg: Any, base_dir: Path) -> TaskReader:
     seed = getattr(cfg.astuner, "seed", None)  # a bare reader config (tests, tune's preview) has none
     if seed is not None:
         reader.run_seed = int(seed)
-    return reader
+    data = getattr(cfg.astuner, "data", None)
+    if data is None or (data.train_max_samples, data.val_max_samples) == (-1, -1):
+        return reader
+    return CappedReader(reader, data.train_max_samples, data.val_max_samples, bool(data.shuffle), reader.run_seed)
+
+
+def first_samples(tasks: list, limit: int, shuffle: bool, seed: int) -> list:
+    """verl's data.train_max_samples / val_max_samples: all of `tasks` when `limit` is -1 or not below their
+    count; else `limit` of them, drawn without replacement with `seed` when `shuffle` (in their order), or the
+    first `limit`."""
+    if limit < 0 or limit >= len(tasks):
+        return tasks
+    if not shuffle:
+        return tasks[:limit]
+    import random
+
+    return [tasks[i] for i in sorted(random.Random(seed).sample(range(len(tasks)), limit))]
+
+
+class CappedReader:
+    """A reader's tasks under astuner.data.train_max_samples / val_max_samples (`first_samples`)."""
+
+    def __init__(self, reader: TaskReader, train_max: int, val_max: int, shuffle: bool, seed: int) -> None:
+        self.reader, self.train_max, self.val_max, self.shuffle, self.seed = reader, train_max, val_max, shuffle, seed
+
+    def training_tasks(self) -> list:
+        return first_samples(self.reader.training_tasks(), self.train_max, self.shuffle, self.seed)
+
+    def validation_tasks(self) -> list:
+        return first_samples(self.reader.validation_tasks(), self.val_max, self.shuffle, self.seed)

@@ -159,7 +159,9 @@ class EchoWorkflow(Workflow):
     assert_same_params(params(tmp_path, 4), params(debug_run, 4))
 
 
-def test_a_placement_the_cluster_cannot_hold_exits_2(cluster, tmp_path, tiny_model_dir, capsys):
+def test_a_placement_the_cluster_cannot_hold_exits_2(cluster, tmp_path, tiny_model_dir, capsys, monkeypatch):
+    # 8 ranks' host copies may not fit this machine's free memory (a busy one: the memory check refuses first)
+    monkeypatch.setenv("ASTUNER_SKIP_MEMORY_CHECK", "1")
     code = run(tmp_path, tiny_model_dir, "verl", "astuner.trainer_common.n_gpus_per_node=8",
                trainer_extra=", cpus_per_worker: 1")
     err = capsys.readouterr().err

@@ -52,7 +52,7 @@ def merge_model_results(results: dict[str, TrainResult], mine: dict[str, list[in
     that model's samples, whose places among the `n` samples are `mine`); metrics named as the module docstring
     says. One model: its metrics as they are."""
     if len(mine) == 1:
-        (name, where), = mine.items()
+        (name,) = mine
         return results.get(name, TrainResult({}, [None] * n))
     metrics: dict[str, float] = {}
     logprobs: list[list[float] | None] = [None] * n

@@ -222,9 +222,9 @@ def export(
         raise UserError(f"export --out {out}: the folder exists and is not empty; choose a new one")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source = Path(checkpoint)
-    from astuner.backbone.local_models import checkpoint_models
+    from astuner.resume import checkpoint_models
 
-    names = checkpoint_models(source) if source.is_dir() else []
+    names = checkpoint_models(source)
     if names or model != "policy":  # a checkpoint of several models holds one folder per model
         if model not in names:
             raise UserError(f"export --model {model}: {checkpoint} holds no model of that name; its models are: "

@@ -33,6 +33,7 @@ from pathlib import Path
 from astuner.cuts import POLICIES as ON_CUT
 from astuner.errors import UserError
 from astuner.memory import ModelShape, blocks_of
+from astuner.resume import checkpoint_models
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,8 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = Path(model_path)
-    if folder.is_dir() and not (folder / "config.json").is_file():
-        models = sorted(p.name for p in folder.iterdir()
-                        if (p / "config.json").is_file() or (p / "adapter_config.json").is_file())
+    if (folder := Path(model_path)).is_dir() and not (folder / "config.json").is_file():
+        models = checkpoint_models(folder)  # a checkpoint of several models holds a folder per model
         raise UserError(
             f"{key}: {model_path} has no config.json, so it is not a Hugging Face model folder. " + (
                 f"It holds a checkpoint of several models: name one, e.g. {folder / models[0]} (its models: "
@@ -165,7 +164,8 @@ def read_model_facts(model_path: str, key: str = "astuner.model.path") -> ModelF
 
 
 def resolve_max_model_len(configured: int | None, facts: ModelFacts, per_turn: int | None = None) -> int:
-    """The configured context limit (null: the model's position limit), checked against the model and the per-turn cap."""
+    """The configured context limit (null: the model's position limit), checked against the model and the
+    per-turn cap."""
     limit = facts.max_position_embeddings
     if configured is None and limit is None:
         raise UserError(

@@ -58,11 +58,25 @@ def is_complete(checkpoint: Path) -> bool:
 
 def step_of(checkpoint: Path) -> int:
     match = _STEP_DIR.match(checkpoint.name)
-    return int(match.group(1)) if match else int(_read_state_step(checkpoint))
+    return int(match.group(1)) if match else int(read_run_state(checkpoint).get("step", 0))
 
 
-def _read_state_step(checkpoint: Path) -> int:
-    return json.loads((checkpoint / RESUME_DIR / "state.json").read_text(encoding="utf-8")).get("step", 0)
+def read_run_state(checkpoint: Path) -> dict:
+    """The run state a complete checkpoint holds (RESUME_DIR/state.json)."""
+    return json.loads((Path(checkpoint) / RESUME_DIR / "state.json").read_text(encoding="utf-8"))
+
+
+def write_run_state(folder: Path, run_state: dict) -> None:
+    """RESUME_DIR/state.json in `folder`; written last, its presence marks the checkpoint complete."""
+    (Path(folder) / RESUME_DIR).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / RESUME_DIR / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
+
+
+def checkpoint_models(checkpoint: Path) -> list[str]:
+    """The models a checkpoint of several models holds (its subfolders that are complete checkpoints themselves),
+    by name; [] for a one-model checkpoint or a plain model folder."""
+    checkpoint = Path(checkpoint)
+    return sorted(p.name for p in checkpoint.iterdir() if p.is_dir() and is_complete(p)) if checkpoint.is_dir() else []
 
 
 def checkpoint_config(checkpoint: Path) -> Path | None:

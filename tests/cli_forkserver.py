@@ -52,7 +52,6 @@ def serve(path: str):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    server_env = START_ENV
     added = {k: v for k, v in os.environ.items() if START_ENV.get(k) != v}  # set by the preloaded imports
     children: dict[int, socket.socket] = {}  # pid -> the client's connection
     doomed: dict[int, float] = {}  # pid -> when to SIGKILL the session of a child whose client vanished
@@ -71,9 +70,9 @@ def serve(path: str):
                     conn, _ = listener.accept()
                     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                     request = json.loads(message.decode())
-                    if not same_environment(request["env"], server_env):
-                        differs = sorted(k for k in {*request["env"], *server_env} - SHELL_OWN
-                                         if request["env"].get(k) != server_env.get(k))
+                    if not same_environment(request["env"], START_ENV):
+                        differs = sorted(k for k in {*request["env"], *START_ENV} - SHELL_OWN
+                                         if request["env"].get(k) != START_ENV.get(k))
                         conn.sendall(json.dumps({"fresh": True, "differs": differs}).encode() + b"\n")
                         conn.close()
                         for fd in fds:

@@ -17,13 +17,13 @@ A run of one model keeps a one-model run's names: unprefixed metrics, its folder
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
 from astuner.errors import UserError
+from astuner.resume import read_run_state, write_run_state
 from astuner.run_models import LocalModel
 from astuner.types import Sample, SyncReport, TrainResult
 
@@ -104,20 +104,10 @@ def save_model_folders(models: dict[str, LocalModel], folder: Path, tokenizer, s
 def seal_checkpoint(staging: Path, path: Path, run_state: dict) -> None:
     """`staging`, which holds every model's folder, becomes the complete checkpoint `path`: the run state written
     last (its presence marks a checkpoint complete: astuner/resume.py), then renamed into place."""
-    from astuner.resume import RESUME_DIR
     from astuner.trainer.checkpoint import move_into_place
 
-    (staging / RESUME_DIR).mkdir(parents=True, exist_ok=True)
-    (staging / RESUME_DIR / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
-    move_into_place(staging, path, f"{os.getpid()}")
-
-
-def checkpoint_models(path: Path) -> list[str]:
-    """The models a checkpoint of several models holds (its subfolders with weights and resume state), by name;
-    [] for a one-model checkpoint."""
-    from astuner.resume import RESUME_DIR
-
-    return sorted(p.name for p in Path(path).iterdir() if p.is_dir() and (p / RESUME_DIR / "state.json").is_file())
+    write_run_state(staging, run_state)
+    move_into_place(staging, path, str(os.getpid()))
 
 
 def check_checkpoint_models(path: Path, names: list[str]) -> None:
@@ -129,13 +119,6 @@ def check_checkpoint_models(path: Path, names: list[str]) -> None:
                         "afresh (astuner.trainer_common.resume_mode: disable).")
 
 
-def run_state_of(path: Path) -> dict:
-    """The run state a checkpoint of several models holds beside its model folders."""
-    from astuner.resume import RESUME_DIR
-
-    return json.loads((Path(path) / RESUME_DIR / "state.json").read_text(encoding="utf-8"))
-
-
 def load_models(models: dict[str, LocalModel], path: Path) -> dict:
     """Every model's weights, optimizer and step count from the checkpoint at `path`; the run state."""
     if len(models) == 1:
@@ -144,4 +127,4 @@ def load_models(models: dict[str, LocalModel], path: Path) -> dict:
     check_checkpoint_models(path, list(models))
     for name, model in models.items():
         model.trainer.load_checkpoint(path / name)
-    return run_state_of(path)
+    return read_run_state(path)

@@ -226,7 +226,8 @@ class RayStages(Stages):
 
     def load_checkpoint(self, path: Path) -> dict:
         """Every trainer worker loads its models; the run state (several models: read beside their folders)."""
-        from astuner.backbone.local_models import check_checkpoint_models, run_state_of
+        from astuner.backbone.local_models import check_checkpoint_models
+        from astuner.resume import read_run_state
 
         several = len(self.prep.models.names) > 1
         if several:
@@ -236,7 +237,7 @@ class RayStages(Stages):
             refs += [a.load_checkpoint.remote(str(path)) for a in group.actors]
             names += group.names
         states = self.get(refs, names, f"load checkpoint {path}", trainer_ok=False)
-        return run_state_of(path) if several else states[0]
+        return read_run_state(path) if several else states[0]
 
     def send_rollout(self, actors: list, names: list[str], tasks: list[Task], validation: bool, step: int,
                      repeats: int | None = None) -> Sent:

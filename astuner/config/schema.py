@@ -135,8 +135,9 @@ class AstunerSection(Section):
         {},
         "Trained models beside the policy (astuner.model, named `policy`), by name: {critic: {path: ...}}. Each "
         "has its own engine, trainer, optimizer, checkpoint folder (global_step_N/<name>/, the policy's too) and "
-        "metrics (model/<name>/actor/..., the policy's too); an agent's calls train only the model that served them. Every backbone (on verl and "
-        "trinity each worker holds every model; strategy ddp); the models share the policy's tokenizer.",
+        "metrics (model/<name>/actor/..., the policy's too); an agent's calls train only the model that served "
+        "them. Every backbone (on verl and trinity each worker holds every model; strategy ddp); the models share "
+        "the policy's tokenizer.",
     )
     agents: dict[str, AgentEntry] = key(
         {},

@@ -182,9 +182,9 @@ def checked_model_path(typed, spec: str | None, command: str) -> str:
         raise UserError(f"{command} --model {spec}: a LoRA adapter checkpoint; merge it first with 'astuner export "
                         f"{spec} --out DIR' and give DIR")
     if spec is not None and not (Path(path) / "config.json").is_file():
-        from astuner.backbone.local_models import checkpoint_models
+        from astuner.resume import checkpoint_models
 
-        models = checkpoint_models(Path(path)) if Path(path).is_dir() else []
+        models = checkpoint_models(Path(path))
         if models:
             raise UserError(f"{command} --model {spec}: a checkpoint of several models ({', '.join(models)}); give "
                             f"one model's folder, e.g. {Path(spec) / models[0]}")

@@ -7,7 +7,6 @@ public surface (`state_dict`, `load_state_dict`, `model`, `peft`, `model_path`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from astuner.trainer import fsdp
 from astuner.trainer.lora import ADAPTER_NAME, adapter_state_for_save, adapter_state_from_file, is_lora_param
-from astuner.resume import RESUME_DIR
+from astuner.resume import RESUME_DIR, read_run_state, write_run_state
 
 log = logging.getLogger("astuner.trainer")
 
@@ -101,8 +100,7 @@ def _write_resume_state(tmp: Path, optimizer, optimizer_steps: int, run_state: d
         },
         resume / "trainer.pt",
     )
-    # Written last: its presence marks a complete, resumable checkpoint.
-    (resume / "state.json").write_text(json.dumps(run_state, indent=1), encoding="utf-8")
+    write_run_state(tmp, run_state)  # last: its presence marks a complete, resumable checkpoint
 
 
 def move_into_place(tmp: Path, path: Path, tag: str) -> None:
@@ -146,7 +144,7 @@ def load(trainer, path: Path) -> dict:
     torch.set_rng_state(saved["torch_rng"])
     if saved.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda_rng"])
-    return json.loads((path / RESUME_DIR / "state.json").read_text(encoding="utf-8"))
+    return read_run_state(path)
 
 
 def full_state(trainer, optimizer: bool = True) -> dict:

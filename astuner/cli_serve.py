@@ -137,7 +137,7 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
     from astuner.launch import run
     from astuner.serve import Server
     from astuner.serve.remote_app import MAX_WAIT_S, RemoteApp
-    from astuner.serve.remote_board import EpisodeBoard, install_board
+    from astuner.serve.remote_board import EpisodeBoard, RemoteAgents
 
     board = EpisodeBoard(episode_timeout_s=episode_timeout_s, take_timeout_s=take_timeout_s)
     server = Server(RemoteApp(board, keys), keys, host, port)
@@ -147,13 +147,12 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
         public_url = f"http://{socket.gethostname()}:{server.port}"
         _say(f"clients are told {public_url}; give --public-url if they reach this machine by another name")
     board.public_url = (public_url or server.url).rstrip("/")
-    install_board(board)
     server.start()
     _say(f"remote agents: episodes at {board.public_url}/astuner/v1/episodes/next, model calls at "
          f"{board.public_url}/v1 (each episode's own key); the run starts now")
     try:
         with sigterm_as_interrupt(grace_s=None):  # no deadline: a stop saves as the same command resumes
-            run(conf, "debug", overrides, with_logview=with_logview)
+            run(conf, "debug", overrides, with_logview=with_logview, workflow=RemoteAgents.on(board))
         board.run_over = True  # the run finished: the clients hear it before the server closes
         board.wait_told(recent_s=MAX_WAIT_S + 10, deadline_s=MAX_WAIT_S + 10)
     except (Terminated, KeyboardInterrupt):
@@ -161,7 +160,6 @@ def _serve_remote_agents(conf: str, overrides: list[str], keys, host: str, port:
              f"waiting (for up to their reconnect_s); the same command resumes from the last checkpoint")
         raise typer.Exit(TERMINATED_EXIT if sys.exc_info()[0] is Terminated else 130) from None
     finally:
-        install_board(None)
         server.stop()
 
 

@@ -1,14 +1,17 @@
 """The work of `astuner --conf x.yaml` without its argument parsing: check the config, plan the start (fresh or
 resumed), save the config, run the backbone. `astuner serve` (remote agents) and `tune()` call it too."""
 
+import dataclasses
 import os
 import sys
 
 from astuner.errors import UserError
 
 
-def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False) -> None:
-    """The command's work, without argument parsing. Raises UserError for bad input."""
+def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, with_logview: bool = False,
+        workflow: type | None = None) -> None:
+    """The command's work, without argument parsing. Raises UserError for bad input. `workflow`: a class run in
+    place of the one the config names (`LoadedConfig.workflow`), in this process (the debug backbone)."""
     from astuner.config.backbones import backbone as backbone_record, names_where  # light: no torch, no Hydra
 
     record = backbone_record(backbone)  # a UserError naming the backbones for an unknown one
@@ -28,7 +31,7 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
         # Printed rather than logged: logging is configured by the backbone, which has not started yet.
         print(f"astuner: warning: {warning}", file=sys.stderr)
     start = plan_start(loaded)
-    loaded = start.loaded
+    loaded = start.loaded if workflow is None else dataclasses.replace(start.loaded, workflow=workflow)
     folder = run_lock.claim(loaded.experiment_dir)  # held to the run's end: one live run per folder
     try:
         print(f"astuner: {start.message}", file=sys.stderr)

@@ -273,7 +273,10 @@ def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache
 
 
 def load_workflow(loaded):
-    """The workflow class named by astuner.rollout.agentscope_workflow (a function is wrapped into one)."""
+    """The workflow class named by astuner.rollout.agentscope_workflow (a function is wrapped into one), or the one
+    the caller gave in its place (`LoadedConfig.workflow`)."""
+    if loaded.workflow is not None:
+        return loaded.workflow
     typed = loaded.typed
     workflow_cls = load_user_class(
         workflow_spec(typed), loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",

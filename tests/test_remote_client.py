@@ -154,25 +154,24 @@ def test_only_a_finished_run_tells_the_clients_it_is_over(tmp_path, monkeypatch)
 
     from astuner import cli_serve, launch
     from astuner.interrupts import Terminated
-    from astuner.serve import remote_board
     from astuner.serve.keys import KeyStore
 
-    boards = []
-    monkeypatch.setattr(remote_board, "install_board", lambda b: boards.append(b) if b is not None else None)
+    boards = []  # the board each run's workflow offers its episodes on
 
     def serve_once() -> None:
         cli_serve._serve_remote_agents("x.yaml", [], KeyStore(tmp_path / "keys.json"), "127.0.0.1", 0, None, False,
                                        60.0, None)
 
     for stop in (Terminated, KeyboardInterrupt):
-        def stopped(*args, **kwargs):
+        def stopped(*args, workflow, **kwargs):
+            boards.append(workflow.board)
             raise stop()
 
         monkeypatch.setattr(launch, "run", stopped)
         with pytest.raises(typer.Exit):
             serve_once()
         assert boards[-1].run_over is False, stop
-    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(launch, "run", lambda *args, workflow, **kwargs: boards.append(workflow.board))
     serve_once()
     assert boards[-1].run_over is True
 

@@ -1,5 +1,6 @@
-"""The shipped tutorials run: the quick-start's workflow and judge, and the ReAct math agent for a CPU step with
-the demo model (the real 135M model and AgentScope, through the real CLI)."""
+"""The shipped tutorials run through the real CLI: the quick-start for a CPU step with the demo model (the real
+135M model), and the ReAct math agent (AgentScope) for a step with the tiny model and the demo tokenizer: its
+prompts, tools and trajectories are the demo model's; tests/test_tutorial_commands.py runs its README's commands."""
 
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ def test_quickstart_one_step(tmp_path, demo_model_dir):
 
 
 @pytest.mark.slow
-def test_math_agent_one_step_on_cpu(tmp_path, demo_model_dir, capsys):
+def test_math_agent_one_step_on_cpu(tmp_path, tiny_model_dir, capsys):
     code = main([
         "--conf", str(REPO / "tutorial/example_math_agent/math_agent.yaml"), "--backbone", "debug",
         f"astuner.experiment_dir={tmp_path}",
-        "astuner.model.path=demo:smollm2-135m-instruct", "astuner.rollout.engine=hf",
+        f"astuner.model.path={tiny_model_dir}", "astuner.rollout.engine=hf",
         f"astuner.task_reader.huggingface_dat_repo.dataset_path={REPO / 'tutorial/example_math_agent/gsm8k_sample'}",
         "astuner.data.train_batch_size=2", "astuner.rollout.num_repeat=2",
-        "astuner.rollout.max_response_length_in_one_turn=192", "astuner.rollout.max_model_len=4096",
+        "astuner.rollout.max_response_length_in_one_turn=192", "astuner.rollout.max_model_len=2048",
         "astuner.trainer_common.total_training_steps=1", "astuner.trainer_common.val_before_train=false",
-        "trinity.trainer.max_token_len_per_gpu=4096",
+        "trinity.trainer.max_token_len_per_gpu=2048",
     ])
     err = capsys.readouterr().err
     assert code == 0, err

@@ -25,3 +25,6 @@ class LoadedConfig:
     experiment_dir: Path  # absolute output folder
     overrides: tuple[str, ...] = field(default=())
     derived: tuple[str, ...] = field(default=())  # defaults changed to fit what the user set, in words
+    # A workflow class the caller holds, run in place of the one astuner.rollout.agentscope_workflow names (which
+    # stays the config's record): `astuner serve` gives its remote agents' workflow, bound to its episode board.
+    workflow: Any = None

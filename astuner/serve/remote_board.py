@@ -29,8 +29,6 @@ from typing import Any, Callable
 from astuner.http_body import HttpError
 from astuner.workflow import Workflow, WorkflowOutput, WorkflowTask
 
-_BOARD: EpisodeBoard | None = None
-
 
 class BoardError(HttpError):
     """A result the board cannot take: `status` is the HTTP status it answers (409, 410, 400)."""
@@ -172,24 +170,26 @@ class EpisodeBoard:
                 "expired": self.expired}
 
 
-def install_board(board: EpisodeBoard | None) -> None:
-    """`astuner serve` installs the board its HTTP server reads (None: removes it)."""
-    global _BOARD
-    _BOARD = board
-
-
 class RemoteAgentError(RuntimeError):
     """What a remote client reported as its agent's failure (the episode is flagged failed)."""
 
 
 class RemoteAgents(Workflow):
-    """The workflow of a run whose agents run elsewhere: each episode waits for a remote client's outcome."""
+    """The workflow of a run whose agents run elsewhere: each episode waits for a remote client's outcome. The
+    config names this class; `astuner serve` runs `RemoteAgents.on(board)` in its place, bound to the board its
+    HTTP server reads."""
 
     name = "remote_agents"
     error_source = "remote"  # a failed or expired episode points at the clients, not at this class
+    board: EpisodeBoard | None = None
+
+    @classmethod
+    def on(cls, board: EpisodeBoard) -> type[RemoteAgents]:
+        """This workflow with its episodes offered on `board`."""
+        return type(cls.__name__, (cls,), {"board": board, "__module__": cls.__module__})
 
     async def execute(self, workflow_task: WorkflowTask, model_tuner) -> WorkflowOutput:
-        board = _BOARD
+        board = self.board
         if board is None:
             raise RuntimeError("RemoteAgents episodes are run by remote clients: start this config with "
                                "`astuner serve --conf ...` (not `astuner --conf ...`)")

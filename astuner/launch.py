@@ -24,7 +24,7 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
     from astuner.config import config_warnings, load_config, save_config
     from astuner.resume import plan_start
 
-    loaded = load_config(conf, overrides)
+    loaded = load_config(conf, overrides, backbone=backbone)
     for note in loaded.derived:
         print(f"astuner: derived {note}", file=sys.stderr)
     for warning in config_warnings(loaded, backbone):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from astuner.backbone.ray_run import split_evenly
-from astuner.backbone.trinity import trinity_config
+from astuner.backbone.trinity import check_trinity_config
 from astuner.config import load_config
 from astuner.errors import UserError
 from astuner.backbone.sync_schedule import SyncSchedule, needed_version
@@ -135,19 +135,27 @@ def test_trinity_corrects_stale_samples_or_refuses(tmp_path, tiny_model_dir):
     from test_run_contract import write_run
 
     yaml = write_run(tmp_path, tiny_model_dir)
-    on_policy = load_config(yaml)
-    assert trinity_config(on_policy) == (on_policy, None)  # bound 0: nothing to correct
-    loaded, note = trinity_config(load_config(yaml, ["trinity.synchronizer.sync_offset=1"]))
-    tc = loaded.typed.astuner.trainer_common
-    assert (tc.old_logprobs, tc.rollout_is_cap) == ("trainer", 2.0) and "1 policy versions stale" in note
-    loaded, _ = trinity_config(load_config(yaml, ["trinity.synchronizer.sync_interval=3",
-                                                  "astuner.trainer_common.rollout_is_cap=1.5"]))
+    on_policy = load_config(yaml, backbone="trinity")
+    assert on_policy.derived == () and on_policy.typed.astuner.trainer_common.old_logprobs == "engine"
+    check_trinity_config(on_policy)  # bound 0: nothing to correct
+    # Derived when the config is loaded for the backbone: the config saved and every worker's read the same values.
+    stale = load_config(yaml, ["trinity.synchronizer.sync_offset=1"], backbone="trinity")
+    tc = stale.typed.astuner.trainer_common
+    assert (tc.old_logprobs, tc.rollout_is_cap) == ("trainer", 2.0) and "1 policy versions stale" in stale.derived[0]
+    assert stale.cfg.astuner.trainer_common.old_logprobs == "trainer"
+    check_trinity_config(stale)
+    assert load_config(yaml, ["trinity.synchronizer.sync_offset=1"]).typed.astuner.trainer_common.old_logprobs == \
+        "engine"  # loaded for no backbone (eval, serve): nothing derived
+    loaded = load_config(yaml, ["trinity.synchronizer.sync_interval=3", "astuner.trainer_common.rollout_is_cap=1.5"],
+                         backbone="trinity")
     assert loaded.typed.astuner.trainer_common.rollout_is_cap == 1.5
     with pytest.raises(UserError, match="old_logprobs: engine would trust"):
-        trinity_config(load_config(yaml, ["trinity.synchronizer.sync_interval=2",
-                                          "astuner.trainer_common.old_logprobs=engine"]))
+        load_config(yaml, ["trinity.synchronizer.sync_interval=2", "astuner.trainer_common.old_logprobs=engine"],
+                    backbone="trinity")
+    with pytest.raises(RuntimeError, match="backbone='trinity'"):  # stale samples the config does not correct
+        check_trinity_config(load_config(yaml, ["trinity.synchronizer.sync_offset=1"]))
     with pytest.raises(UserError, match="filter_groups"):
-        trinity_config(load_config(yaml, ["astuner.trainer_common.algorithm.filter_groups.enable=true"]))
+        check_trinity_config(load_config(yaml, ["astuner.trainer_common.algorithm.filter_groups.enable=true"]))
 
 
 def test_a_trinity_sync_method_that_is_not_implemented_is_refused(tmp_path, tiny_model_dir):

@@ -381,19 +381,16 @@ def cluster_device(resources: dict, timeout_s: float, probe=probe_gpu_worker):
     return DeviceFacts("cuda", free, total)
 
 
-def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, note: str | None = None,
-               start_ray: bool = False) -> RunSummary:
-    """The driver of a Ray backbone: `make_stages(loaded, prep)` places the actors; `note` is announced
-    once logging is set up; `start_ray`: start a local cluster when none is reachable (--with-ray)."""
+def run_on_ray(loaded, checkpoint: Path | None, backbone: str, make_stages, start_ray: bool = False) -> RunSummary:
+    """The driver of a Ray backbone: `make_stages(loaded, prep)` places the actors; `start_ray`: start a local
+    cluster when none is reachable (--with-ray)."""
     import ray
 
     from astuner import runtime
-    from astuner.logs import announce, setup_logging
+    from astuner.logs import setup_logging
 
     typed = loaded.typed
     setup_logging(loaded.experiment_dir)
-    if note:
-        announce(note)
     settings = LoopSettings.from_config(typed)
     runtime.seed_everything(typed.astuner.seed)
     started_cluster = False

@@ -37,8 +37,6 @@ from astuner.types import Episode, Task
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IS_CAP = 2.0
-
 
 @dataclass
 class ExplorerFigures:
@@ -253,36 +251,22 @@ class TrinityStages(RayStages):
         self._push("resume: the checkpoint's weights")
 
 
-def trinity_config(loaded) -> tuple[object, str | None]:
-    """(The config the trinity workers run with: with a staleness bound above 0 the loss corrects stale samples
-    (trainer-recomputed old logprobs, truncated importance weights); refused when the user asked otherwise.
-    And the line that says so, if it changed anything)."""
-    import dataclasses
-
-    typed = loaded.typed
-    tc, sync = typed.astuner.trainer_common, typed.trinity.synchronizer
+def check_trinity_config(loaded) -> None:
+    """What the trinity backbone refuses, and the stale-sample correction it needs: with a staleness bound above 0
+    the config must come from load_config(..., backbone="trinity"), which derives it (config/compose.py,
+    `derive_for_backbone`); the config is not rewritten here."""
+    tc, sync = loaded.typed.astuner.trainer_common, loaded.typed.trinity.synchronizer
     if tc.algorithm.filter_groups.enable:
         raise UserError("algorithm.filter_groups (dynamic sampling) draws extra batches while a step is rolled out; "
                         "the trinity backbone rolls batches out ahead, so the two do not combine. Use --backbone "
                         "verl, or set astuner.trainer_common.algorithm.filter_groups.enable: false.")
     bound = staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness)
-    if bound == 0 or (tc.old_logprobs == "trainer" and tc.rollout_is_cap is not None):
-        return loaded, None
-    if "astuner.trainer_common.old_logprobs" in loaded.user_keys and tc.old_logprobs == "engine":
-        raise UserError(
-            f"trinity: samples may be up to {bound} policy versions stale (trinity.synchronizer), and "
-            "astuner.trainer_common.old_logprobs: engine would trust their behaviour logprobs as the PPO anchor. "
-            "Remove that key (the backbone then recomputes old logprobs with the trainer and corrects each token "
-            "by min(pi_old / pi_behaviour, rollout_is_cap)), or set sync_interval 1 and sync_offset 0.")
-    cap = tc.rollout_is_cap if tc.rollout_is_cap is not None else DEFAULT_IS_CAP
-    note = (f"trinity: samples may be up to {bound} policy versions stale, so old logprobs are recomputed by the "
-            f"trainer and each token is weighted by min(pi_old / pi_behaviour, {cap:g}) "
-            "(astuner.trainer_common.rollout_is_cap)")
-    tc = tc.model_copy(update={"old_logprobs": "trainer", "rollout_is_cap": cap})
-    typed = typed.model_copy(update={"astuner": typed.astuner.model_copy(update={"trainer_common": tc})})
-    return dataclasses.replace(loaded, typed=typed), note
+    if bound > 0 and not (tc.old_logprobs == "trainer" and tc.rollout_is_cap is not None):
+        raise RuntimeError(f"trinity: samples may be up to {bound} policy versions stale, but the config does not "
+                           "correct them (old_logprobs: trainer, rollout_is_cap): load it with "
+                           "load_config(..., backbone='trinity'), as `astuner --backbone trinity` does")
 
 
 def run(loaded, checkpoint=None, start_ray: bool = False):
-    loaded, note = trinity_config(loaded)
-    return run_on_ray(loaded, checkpoint, "trinity", TrinityStages, note=note, start_ray=start_ray)
+    check_trinity_config(loaded)
+    return run_on_ray(loaded, checkpoint, "trinity", TrinityStages, start_ray=start_ray)

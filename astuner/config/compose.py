@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from astuner.config.backbones import BACKBONES
+from astuner.config.derived import staleness_bound
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
 from astuner.config.validate import (
@@ -40,8 +41,9 @@ PACKAGED_SEARCHPATH = (DEFAULT_CONFIG_DIR, *(DEFAULT_CONFIG_DIR / b.defaults_dir
 _PRIMARY_NAME = "astuner_user_config"  # name of the rewritten copy; swapped back for the user's file in errors
 
 
-def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedConfig:
-    """Compose `yaml_path` over the packaged defaults, apply Hydra-style `overrides`, validate, resolve.
+def load_config(yaml_path: str | Path, overrides: Sequence[str] = (), backbone: str | None = None) -> LoadedConfig:
+    """Compose `yaml_path` over the packaged defaults, apply Hydra-style `overrides`, validate, resolve. With the
+    `backbone` that will run it, the defaults that depend on it are derived too (`derive_for_backbone`).
 
     Raises ConfigError (a UserError) with a one-paragraph message naming the file for any bad input.
     """
@@ -60,6 +62,8 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
     user_keys |= overridden
     raise_problems(path, apply_old_names(tree, user_keys, overridden))
     derived = derive_defaults(tree, user_keys)
+    notes, wrong = derive_for_backbone(tree, user_keys, backbone)
+    raise_problems(path, wrong)
     typed, problems = validate_tree(tree)
     raise_problems(path, [_with_origin(key, msg, origins) for key, msg in problems])
 
@@ -74,7 +78,7 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> LoadedC
         user_keys=user_keys,
         experiment_dir=_experiment_dir(typed, path),
         overrides=overrides,
-        derived=tuple(derived),
+        derived=tuple(derived + notes),
     )
 
 
@@ -148,6 +152,42 @@ def derive_defaults(tree: dict, user_keys: set[str]) -> list[str]:
         return [f"{PER_TURN}={max_len // 2} (half of max_model_len={max_len}; its default {per_turn} leaves no "
                 "room for a prompt). Set it to choose another."]
     return []
+
+
+OLD_LOGPROBS = "astuner.trainer_common.old_logprobs"
+DEFAULT_IS_CAP = 2.0  # astuner.trainer_common.rollout_is_cap where stale samples are corrected and none is set
+
+
+def derive_for_backbone(tree: dict, user_keys: set[str], backbone: str | None) -> tuple[list[str], list[str]]:
+    """(What changed, in words; what is refused) for the backbone that will run the config, in place, before
+    validation (the config is never rewritten after it).
+
+    A backbone whose explorers roll out ahead (trinity) with a staleness bound above 0 trains on samples up to that
+    many policy versions old: the loss then recomputes old logprobs with the trainer and weights each token by
+    min(pi_old / pi_behaviour, rollout_is_cap), unless the user asked for old_logprobs: engine (refused)."""
+    record = BACKBONES.get(backbone) if backbone is not None else None
+    if record is None or not record.explorers:
+        return [], []
+    tc = tree.get("astuner", {}).get("trainer_common", {})
+    sync = tree.get("trinity", {}).get("synchronizer", {})
+    try:
+        bound = staleness_bound(int(sync["sync_interval"]), int(sync["sync_offset"]), sync.get("max_staleness"))
+    except (KeyError, TypeError, ValueError):  # validation names the bad value
+        return [], []
+    if not isinstance(bound, int) or bound <= 0 or (tc.get("old_logprobs") == "trainer"
+                                                    and tc.get("rollout_is_cap") is not None):
+        return [], []
+    if OLD_LOGPROBS in user_keys and tc.get("old_logprobs") == "engine":
+        return [], [
+            f"{backbone}: samples may be up to {bound} policy versions stale (trinity.synchronizer), and "
+            f"{OLD_LOGPROBS}: engine would trust their behaviour logprobs as the PPO anchor. Remove that key (the "
+            "backbone then recomputes old logprobs with the trainer and corrects each token by "
+            "min(pi_old / pi_behaviour, rollout_is_cap)), or set sync_interval 1 and sync_offset 0"]
+    cap = tc.get("rollout_is_cap") if tc.get("rollout_is_cap") is not None else DEFAULT_IS_CAP
+    tc["old_logprobs"], tc["rollout_is_cap"] = "trainer", cap
+    return [f"{OLD_LOGPROBS}=trainer and astuner.trainer_common.rollout_is_cap={cap:g}: on the {backbone} backbone "
+            f"samples may be up to {bound} policy versions stale, so old logprobs are recomputed by the trainer and "
+            f"each token is weighted by min(pi_old / pi_behaviour, {cap:g})"], []
 
 
 def save_config(loaded: LoadedConfig, resumed_at: int | None = None) -> Path:

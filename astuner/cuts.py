@@ -27,7 +27,8 @@ A failed or timed-out episode is not trained whatever its cuts, and is not flagg
 Each step logs `rollout/cut/<limit>`: the episodes with a cut of that limit (counted once per episode), and
 `rollout/cut/dropped`. What rollout.context_policy did instead of a cut (model_tuner/context.py) is logged beside:
 `rollout/context/compactions` and `rollout/context/resets` (per episode) and `rollout/context/summary_length` (mean
-tokens of a summary call, when there was one).
+tokens of a summary call, when there was one); with sub-agents, `rollout/context/subagent_calls` (per episode) and
+`rollout/context/subagent_report_length` (mean tokens of a report).
 """
 
 from __future__ import annotations
@@ -93,12 +94,16 @@ def cut_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
 
 
 def context_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Compactions and contexts agents started anew, per episode; the mean length of summary calls."""
+    """Compactions and contexts agents started anew, per episode; the mean length of summary calls and sub-agent
+    reports, and sub-agent calls per episode (when there were any)."""
     n = max(len(episodes), 1)
     calls = [c for e in episodes for c in e.calls]
     out = {f"{prefix}/context/compactions": sum(c.context == "compacted" for c in calls) / n,
            f"{prefix}/context/resets": sum(c.context == "reset" for c in calls) / n}
-    summaries = [len(c.response_ids) for c in calls if c.context == "summary"]
-    if summaries:
-        out[f"{prefix}/context/summary_length"] = sum(summaries) / len(summaries)
+    for label, name in (("summary", "summary_length"), ("subagent", "subagent_report_length")):
+        lengths = [len(c.response_ids) for c in calls if c.context == label]
+        if lengths:
+            out[f"{prefix}/context/{name}"] = sum(lengths) / len(lengths)
+            if label == "subagent":
+                out[f"{prefix}/context/subagent_calls"] = len(lengths) / n
     return out

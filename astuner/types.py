@@ -105,6 +105,7 @@ class LLMCall:
     cut: str = ""
     # The context it was made in (rollout.context_policy, model_tuner/context.py): its agent's segment (0, then +1
     # at each compaction or context the agent started anew), and "summary" (a summary the policy asked for),
+    # "subagent" (a sub-agent's report on a tool result, in a fresh context),
     # "compacted" (the first call shown a compacted context) or "reset" (a context the agent started anew).
     segment: int = 0
     context: str = ""

@@ -12,17 +12,19 @@ import pytest
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.cuts import context_metrics
 from astuner.model_tuner import ChatRenderer, EpisodeOverflow, ModelTuner, TunerLimits, get_tool_parser
-from astuner.model_tuner.context import DROPPED, SUMMARY_HEADER, SUMMARY_REQUEST
+from astuner.model_tuner.context import DROPPED, SUBAGENT_HEADER, SUBAGENT_REQUEST, SUMMARY_HEADER, SUMMARY_REQUEST
 from astuner.types import Episode, GenerateResult, Task
 
 TOOLS = [{"type": "function", "function": {"name": "read_log", "description": "Read a page of the log.",
                                            "parameters": {"type": "object", "properties": {
                                                "page": {"type": "integer"}}, "required": ["page"]}}}]
 SUMMARY = "Pages 1 and 2 read: no error yet. Next: page 3."
+REPORT = "Page 1: sessions opened, no error."
 
 
 class RuleEngine:
-    """Writes SUMMARY when asked for a summary, else a tool call; records each prompt."""
+    """Writes SUMMARY when asked for a summary, REPORT when a sub-agent is asked to read a tool output, else a tool
+    call; records each prompt."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.prompts = tokenizer, []
@@ -32,6 +34,8 @@ class RuleEngine:
         self.prompts.append(list(prompt_ids))
         asked = SUMMARY_REQUEST[:40] in self.tokenizer.decode(prompt_ids)
         text = SUMMARY if asked else '<tool_call>\n{"name": "read_log", "arguments": {"page": 3}}\n</tool_call>'
+        if SUBAGENT_REQUEST[:40] in self.tokenizer.decode(prompt_ids):
+            text = REPORT
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         finish = "length" if len(ids) > sampling.max_tokens else "stop"  # as vLLM: cut at max_tokens, no eos
         ids = ids[: sampling.max_tokens]
@@ -125,6 +129,41 @@ def test_summarize_writes_a_trained_summary_and_shows_task_summary_and_latest_tu
     assert metrics["rollout/context/summary_length"] == len(summary.response_ids)
 
 
+def test_a_subagent_reads_the_oldest_tool_output_in_a_fresh_context_and_its_report_takes_its_place(demo_tokenizer):
+    tuner, engine = tuner_for(demo_tokenizer, "subagent", window_for(demo_tokenizer, 2))
+    messages = history(tuner, 3)
+    asyncio.run(tuner.chat(messages, TOOLS))  # three pages do not fit: a sub-agent reads page 1
+    report, compacted = tuner.calls[-2:]
+    assert [c.context for c in tuner.calls] == ["", "", "", "subagent", "compacted"]
+    assert [c.segment for c in tuner.calls] == [0, 0, 0, 0, 1]
+    assert report.trainable and report.tools is None and REPORT in report.response_text
+    # A fresh context: the task and page 1 alone, not the agent's conversation.
+    asked = demo_tokenizer.decode(report.prompt_ids)
+    assert SUBAGENT_REQUEST in asked and "Find the error." in asked and page(1) in asked
+    assert page(2)[:40] not in asked and "read_log" not in asked
+    # The model sees its own conversation with page 1 replaced by the report, token-exactly.
+    shown = messages[:3] + [{**messages[3], "content": SUBAGENT_HEADER + REPORT}] + messages[4:]
+    assert compacted.prompt_ids == ChatRenderer(demo_tokenizer).render(shown, TOOLS)
+    assert engine.prompts[-1] == compacted.prompt_ids
+
+    # The agent goes on with its own full history: the report stays in page 1's place; no second sub-agent.
+    reply = asyncio.run(tuner.chat(messages, TOOLS))
+    messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "short"}]
+    asyncio.run(tuner.chat(messages, TOOLS))
+    assert [c.context for c in tuner.calls[5:]] == ["", ""] and tuner.calls[-1].extends_previous
+    assert SUBAGENT_HEADER + REPORT in demo_tokenizer.decode(tuner.calls[-1].prompt_ids)
+
+    ep = Episode(Task("t", "q"), 0, "a", calls=list(tuner.calls), reward=1.0)
+    other = Episode(Task("t", "q"), 1, "b", calls=list(tuner.calls[:1]), reward=0.0)
+    samples = episodes_to_samples([ep, other], adv_estimator="grpo", norm_by_std=False, epsilon=1e-6,
+                                  max_sample_per_task=8)
+    mine = {s.call_indices[0]: s.advantage for s in samples if s.episode_uid == "a"}
+    assert 3 in mine and set(mine.values()) == {0.5}  # the sub-agent's call shares the episode's advantage
+    metrics = context_metrics([ep], "rollout")
+    assert metrics["rollout/context/subagent_calls"] == 1.0 and metrics["rollout/context/compactions"] == 1.0
+    assert metrics["rollout/context/subagent_report_length"] == len(report.response_ids)
+
+
 def test_a_framework_that_compacts_its_own_history_starts_a_segment(demo_tokenizer):
     tuner, _ = tuner_for(demo_tokenizer, "none", 100_000)
     messages = history(tuner, 2)
@@ -144,7 +183,7 @@ def test_the_viewer_shows_each_calls_segment_and_context():
     assert [c["flags"] for c in record["calls"]] == [["summary"], ["segment 1", "compacted"]]
 
 
-@pytest.mark.parametrize("policy", ["none", "drop_tool_outputs", "summarize"])
+@pytest.mark.parametrize("policy", ["none", "drop_tool_outputs", "summarize", "subagent"])
 def test_the_config_reaches_the_tuner(policy, tmp_path):
     from astuner.config import load_config
 

@@ -122,8 +122,8 @@ APPLIES_ONLY_WITH: dict[str, Rule] = {
         "with lr_scheduler_type cosine or linear",
         lambda c, b: c.astuner.trainer_common.optim.lr_scheduler_type in ("cosine", "linear"),
     ),
-    "astuner.rollout.summary_max_tokens": ("with rollout.context_policy summarize",
-                                           lambda c, b: c.astuner.rollout.context_policy == "summarize"),
+    "astuner.rollout.summary_max_tokens": ("with rollout.context_policy summarize or subagent",
+                                           lambda c, b: c.astuner.rollout.context_policy in ("summarize", "subagent")),
 }
 
 

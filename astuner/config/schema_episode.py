@@ -254,15 +254,18 @@ class RolloutSection(Section):
         'A prompt that leaves no room ends the episode ("overflow"). Checked against the model before it loads.',
         ge=1,
     )
-    context_policy: Literal["none", "drop_tool_outputs", "summarize"] = key(
+    context_policy: Literal["none", "drop_tool_outputs", "summarize", "subagent"] = key(
         "none",
         "When a call's prompt leaves no room for a whole turn (max_response_length_in_one_turn) in max_model_len, "
         "what the model is shown: none: what fits (a cut labelled window) | drop_tool_outputs: the oldest tool "
         "results become a marker | summarize: the model writes a summary of the conversation so far in the same "
-        "episode (trained with its reward) and sees the task, the summary and the latest turn. The agent's own "
+        "episode (trained with its reward) and sees the task, the summary and the latest turn | subagent: the oldest "
+        "tool results are each read by a sub-agent in a fresh context (a call of the same episode, trained with its "
+        "reward), whose report is shown in their place. The agent's own "
         "messages are never changed; each compaction starts a new segment (astuner/model_tuner/context.py).",
     )
-    summary_max_tokens: int = key(256, "New tokens of a summary call (context_policy: summarize).", ge=1)
+    summary_max_tokens: int = key(
+        256, "New tokens of a summary call (context_policy: summarize) or a sub-agent's report (subagent).", ge=1)
     on_cut: Literal["train", "mask", "drop"] = key(
         "train",
         "What training does with an episode a limit cut (the per-turn cap, the episode's token budget, the window; "

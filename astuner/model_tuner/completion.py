@@ -26,12 +26,15 @@ from astuner.model_tuner.chat_format import (
 from astuner.model_tuner.context import (
     SUMMARIZING,
     Compaction,
+    delegable,
+    delegated,
     drop_tool_outputs,
     shown_through,
     summarized_view,
     summary_cut,
     summary_options,
     summary_request,
+    subagent_request,
 )
 from astuner.model_tuner.conversations import Prompt
 from astuner.model_tuner.tool_parser import ParsedOutput, without_markers
@@ -125,26 +128,49 @@ async def _compact_if_needed(tuner, messages: list[dict], tools: list[dict] | No
 
     if fits(view):
         return view, seen, False
+    side_fits = lambda m: fits(m, None, state.summary_max_tokens, "")  # noqa: E731 - a side call: no tools
     if state.policy == "drop_tool_outputs":
         shown, upto = drop_tool_outputs(view, fits)
-        if not upto:
+    elif state.policy == "subagent":
+        shown, upto = await _delegate(tuner, view, options, fits, side_fits)
+    else:
+        cut = summary_cut(view)
+        request = None if cut is None else summary_request(view, cut, side_fits)
+        summary = None if request is None else await _side_call(tuner, request, options, "summary")
+        if summary is None:  # nothing to summarize, or nothing to show in its place: the call goes on as it was
             return view, seen, False
-        return shown, state.compact(agent, messages, seen, shown[:upto], upto, parser), True
-    cut = summary_cut(view)
-    request = None if cut is None else summary_request(
-        view, cut, lambda m: fits(m, None, state.summary_max_tokens, ""))
-    if request is None:
+        shown, n_shown = summarized_view(view, cut, summary)
+        return shown, state.compact(agent, messages, seen, shown[:n_shown], cut, parser), True
+    if not upto:
         return view, seen, False
+    upto = max(upto, len(seen.shown) if seen is not None else 0)  # the new compaction covers the one seen
+    return shown, state.compact(agent, messages, seen, shown[:upto], upto, parser), True
+
+
+async def _side_call(tuner, request: list[dict], options: CallOptions, context: str) -> str | None:
+    """A call of this episode the context policy makes (a summary, a sub-agent's report), recorded and trained as
+    any other and labelled `context`; its text, None when it came back empty."""
     token = SUMMARIZING.set(True)
     try:
-        summary = await complete(tuner, request, None, summary_options(options, state.summary_max_tokens))
+        answer = await complete(tuner, request, None, summary_options(options, tuner.context.summary_max_tokens))
     finally:
         SUMMARIZING.reset(token)
-    summary.call.context = "summary"
-    if not summary.content.strip():  # nothing to show in place of the conversation: the call goes on as it was
-        return view, seen, False
-    shown, n_shown = summarized_view(view, cut, summary.content)
-    return shown, state.compact(agent, messages, seen, shown[:n_shown], cut, parser), True
+    answer.call.context = context
+    return answer.content if answer.content.strip() else None
+
+
+async def _delegate(tuner, view: list[dict], options: CallOptions, fits, side_fits) -> tuple[list[dict], int]:
+    """The view with its oldest tool results, one at a time, each replaced by the report of a sub-agent that read
+    it in a fresh context (context.py), until `fits`; and the index just past the last one replaced (0: none)."""
+    shown, upto = list(view), 0
+    for i in delegable(view):
+        request = subagent_request(shown, i, side_fits)
+        report = None if request is None else await _side_call(tuner, request, options, "subagent")
+        if report is not None:
+            shown[i], upto = delegated(shown[i], report), i + 1
+            if fits(shown):
+                break
+    return shown, upto
 
 
 def _segment(tuner, prompt: Prompt, agent: str, compacted: bool, in_compaction: bool) -> str:

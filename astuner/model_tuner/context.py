@@ -9,9 +9,14 @@ A call's prompt needs room for a whole turn: prompt + max_tokens_per_turn <= max
                      task (the leading system and user messages) and the latest assistant turn; the model then
                      sees the task, the summary, and the conversation from that turn on. The summary call is
                      recorded and trained like any other, with the episode's advantage: writing a summary that
-                     lets the episode succeed is learnt from the episode's reward.
+                     lets the episode succeed is learnt from the episode's reward;
+  subagent           the oldest tool results, one at a time, are each read by a sub-agent: a call of the same
+                     episode in a fresh context (the task's system messages and one user message with the task and
+                     that result alone), whose report is shown in the result's place until the prompt fits. The
+                     agent keeps its own conversation; a sub-agent's call is trained with the episode's advantage
+                     like a summary, so reading a long output for what the task needs is learnt from the reward.
 Each compaction starts a new segment: the calls after it carry `segment` + 1 (the summary call belongs to the
-segment it closes). The agent's later calls see the same compaction (their messages start with the ones it
+segment it closes, as do a sub-agent's calls). The agent's later calls see the same compaction (their messages start with the ones it
 covered), so a segment's calls extend each other token-exactly and `merge` joins them as before. A request that
 does not extend the agent's previous context (an agent framework that compacted its own history) starts a new
 segment too, so a framework's compaction is a segment, never a broken prefix.
@@ -19,7 +24,7 @@ segment too, so a framework's compaction is a segment, never a broken prefix.
 When even the compacted prompt leaves no room, the call proceeds as under `none` (cut or refused, labelled); a
 summary that came back empty changes nothing. An agent's calls decide one at a time (a lock per agent): a call
 that comes while its agent is being summarized waits and then sees the summary. A summary cut at
-summary_max_tokens is labelled `summary_cap` (astuner/cuts.py).
+summary_max_tokens is labelled `summary_cap` (astuner/cuts.py), as is a sub-agent's report.
 """
 
 from __future__ import annotations
@@ -33,19 +38,25 @@ from typing import TYPE_CHECKING
 
 from astuner.model_tuner.chat_format import canonical_messages, flatten_content
 
-# Set while a summary call runs (in its task only): that call is neither compacted nor a new segment.
+# Set while a summary or sub-agent call runs (in its task only): that call is neither compacted nor a new segment.
 SUMMARIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("astuner_summarizing", default=False)
 
 if TYPE_CHECKING:
     from astuner.model_tuner.turn import CallOptions
 
-POLICIES = ("none", "drop_tool_outputs", "summarize")
+POLICIES = ("none", "drop_tool_outputs", "summarize", "subagent")
 DROPPED = "[tool output dropped to fit the context: {n} characters]"
 SUMMARY_REQUEST = (
     "Your conversation is too long for your context. Summarize the conversation below for yourself: keep every "
     "fact, tool result and decision needed to finish the task, and what is left to do. Write only the summary."
 )
 SUMMARY_HEADER = "Summary of your work so far (the earlier conversation no longer fits your context):\n"
+SUBAGENT_REQUEST = (
+    "You are a sub-agent with a fresh context. A tool returned the output below, too long for the agent that called "
+    "it. Read it for the task and report everything in it the task needs (names, numbers, facts, and what it does "
+    "not contain). Write only the report."
+)
+SUBAGENT_HEADER = "A sub-agent read this tool output (too long for your context) and reports:\n"
 
 
 @dataclass
@@ -121,6 +132,38 @@ def drop_tool_outputs(view: list[dict], fits) -> tuple[list[dict], int]:
 def _dropped(message: dict) -> bool:
     text = flatten_content(message.get("content"))
     return text.startswith(DROPPED.split("{", 1)[0])
+
+
+def delegable(view: list[dict]) -> list[int]:
+    """The tool results of `view` after the task that a sub-agent may read in the model's place, oldest first (one
+    a sub-agent already read is not read again)."""
+    return [i for i in range(task_head(view), len(view))
+            if view[i].get("role") == "tool" and not flatten_content(view[i].get("content")).startswith(SUBAGENT_HEADER)]
+
+
+def subagent_request(view: list[dict], i: int, fits) -> list[dict] | None:
+    """The messages of a sub-agent's call on the tool result view[i]: the task's system messages, then one user
+    message with the request, the task and the result (its start and end, shortened until `fits`). None when even
+    a short one does not fit."""
+    head = task_head(view)
+    system = [m for m in view[:head] if m.get("role") == "system"]
+    task = [flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"]
+    text = flatten_content(view[i].get("content"))
+    limit = len(text) + 1
+    while True:
+        shown = text if len(text) <= limit else text[: limit // 2] + " [...] " + text[-limit // 2:]
+        request = system + [{"role": "user", "content": f"{SUBAGENT_REQUEST}\n\nThe task:\n{task[0] if task else ''}"
+                                                         f"\n\nThe tool output:\n{shown}"}]
+        if fits(request):
+            return request
+        if limit < 128:
+            return None
+        limit //= 2
+
+
+def delegated(message: dict, report: str) -> dict:
+    """The tool result `message` as the model is shown it once a sub-agent read it: the sub-agent's report."""
+    return {**message, "content": SUBAGENT_HEADER + report.strip()}
 
 
 def task_head(view: list[dict]) -> int:

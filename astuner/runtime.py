@@ -348,13 +348,10 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     device_facts = device_of() if device_of else None
     teacher = None
     if algorithm(typed.astuner.trainer_common.algorithm.type).has_teacher:
-        from astuner.config.derived import teacher_engine
-        from astuner.distill import check_teacher, teacher_memory, teacher_path
+        from astuner.distill import prepare_teacher
 
-        check_teacher(typed, tokenizer, typed.astuner.model.path)
-        if teacher_engine(typed) is not None:
-            teacher = teacher_memory(typed, preflight.read_model_facts(teacher_path(typed), "astuner.teacher.model"),
-                                     (device_facts or preflight.local_device()).type, max_model_len)
+        teacher = prepare_teacher(typed, tokenizer, lambda: (device_facts or preflight.local_device()).type,
+                                  max_model_len)
     others = {}
     for spec in models.models[1:]:  # before any weights load, on every backbone
         others[spec.name] = preflight.read_model_facts(spec.folder, f"{spec.key}.path")

@@ -47,6 +47,20 @@ def check_teacher(typed, tokenizer, student: str) -> None:
         teacher.shutdown()
 
 
+def prepare_teacher(typed, tokenizer, device_type, max_model_len: int) -> tuple[int, str] | None:
+    """At start, before any weights load: the teacher reads the student's tokens (`check_teacher`), and what a
+    model-folder teacher holds in memory for the start-up plan (`teacher_memory`; None for a server).
+    `device_type()`: where the loop's process computes."""
+    from astuner import preflight
+    from astuner.config.derived import teacher_engine
+
+    check_teacher(typed, tokenizer, typed.astuner.model.path)
+    if teacher_engine(typed) is None:
+        return None
+    facts = preflight.read_model_facts(teacher_path(typed), "astuner.teacher.model")
+    return teacher_memory(typed, facts, device_type(), max_model_len)
+
+
 def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
     """The run's teacher (teachers.py): a model folder on an engine in this process (`build_engine(typed, path,
     tokenizer, max_model_len)`, runtime's), or a server. `vllm_engines_here`: the vLLM engines this process already

@@ -284,3 +284,45 @@ def test_an_agent_on_the_openai_endpoint_is_compacted_the_same_way(demo_tokenize
         tuner.gateway.close()
     assert [c.context for c in tuner.calls] == ["", "", "", "summary", "compacted"]
     assert SUMMARY_HEADER.split("(")[0] in demo_tokenizer.decode(tuner.calls[-1].prompt_ids)
+
+
+def compacted_episode() -> Episode:
+    """Calls of one agent: a plain call, a summary, the call first shown it (segment 1), then a sub-agent's report
+    and the call shown it (segment 2), and a call of another agent between them."""
+    from astuner.types import LLMCall
+
+    def call(segment=0, context="", agent="reader"):
+        return LLMCall([1, 2], [3], [-0.1], "stop", 1.0, agent=agent, segment=segment, context=context)
+
+    return Episode(Task("t", "q"), 0, "a", calls=[
+        call(), call(0, "summary"), call(1, "compacted"), call(agent="helper"), call(1, "subagent"),
+        call(2, "compacted"), call(2)])
+
+
+def test_the_viewer_links_a_context_policys_calls_to_the_call_shown_their_work(tmp_path):
+    import sqlite3
+
+    from astuner.logview import store
+    from astuner.logview.records import episode_records
+
+    writer = store.StepWriter(tmp_path)
+    writer.write("train", 1, episode_records([compacted_episode()], None, None))
+    writer.close()
+    ep = store.episode(store.connect(tmp_path / store.FILE_NAME, readonly=True), 1)
+    calls = ep["calls"]
+    assert [(c["segment"], c["context"]) for c in calls] == [
+        (0, ""), (0, "summary"), (1, "compacted"), (0, ""), (1, "subagent"), (2, "compacted"), (2, "")]
+    assert [c["shown_in"] for c in calls] == [None, 2, None, None, 5, None, None]
+    assert [c["made_by"] for c in calls] == [[], [], [1], [], [], [4], []]
+
+    # A store written before the columns existed reads segment 0 and no context, unlinked.
+    old = tmp_path / "old"
+    old.mkdir()
+    with sqlite3.connect(old / store.FILE_NAME) as conn:
+        conn.executescript(store.SCHEMA.replace(" model TEXT,\n    segment INTEGER, context TEXT,", ""))
+        conn.execute("INSERT INTO episodes (id, split, step, idx, flags, output) VALUES (1, 'train', 1, 0, '[]', '{}')")
+        conn.execute("INSERT INTO calls (episode_id, idx, agent, trainable, messages, flags, tokens) "
+                     "VALUES (1, 0, '', 1, '[]', '[]', '{}')")
+    store.StepWriter(old, resume_step=1).close()  # a resumed run continues the old store
+    [call] = store.episode(store.connect(old / store.FILE_NAME, readonly=True), 1)["calls"]
+    assert (call["segment"], call["context"], call["shown_in"], call["made_by"]) == (0, "", None, [])

@@ -216,3 +216,37 @@ def test_pages_in_headless_chromium(recorded_run):
     finally:
         browser.quit()
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_compacted_episode_shows_its_segments_linked_in_headless_chromium(tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_context_policy import compacted_episode
+
+    from astuner.logview import store
+    from astuner.logview.app import LogViewServer
+    from astuner.logview.records import episode_records
+
+    (tmp_path / "run").mkdir()
+    writer = store.StepWriter(tmp_path / "run")
+    writer.write("train", 1, episode_records([compacted_episode()], None, None))
+    writer.close()
+    server = LogViewServer(tmp_path)
+    url = server.start()
+    browser = _browser()
+    try:
+        browser.get(url + "#/run/run/episode/1")
+        segments = WebDriverWait(browser, 20).until(EC.presence_of_all_elements_located((By.CSS_SELECTOR, ".segment")))
+        assert [s.text for s in segments] == ["agent reader, segment 1 starts: compacted by call 1",
+                                              "agent reader, segment 2 starts: compacted by call 4"]
+        summary = browser.find_element(By.ID, "call-1")
+        assert "its work is first shown in call 2" in summary.text
+        link = summary.find_element(By.CSS_SELECTOR, "[data-goto]")
+        link.click()  # scrolls to the call, stays on the page
+        assert browser.current_url.endswith("#/run/run/episode/1") and browser.find_element(By.ID, "call-2")
+        assert "shown the work of call 4" in browser.find_element(By.ID, "call-5").text
+    finally:
+        browser.quit()
+        server.stop()

@@ -5,6 +5,10 @@ For each call: its response token ids, each token decoded alone, the engine's sa
 first mini-batch), the loss mask (1 where the token was trained on: the call became, or joined, a sample with a
 non-zero weight) and the advantage. A merged sample (sample_mode merge) is split back into its calls along its
 loss mask.
+
+Each call also carries its context (rollout.context_policy, model_tuner/context.py): its agent's `segment` and its
+`context` label; reading an episode back, `link_contexts` links a summary's or a sub-agent's call to the call first
+shown its work (`shown_in`) and that call to them (`made_by`), so the viewer shows a compaction as one chain.
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ def _per_call_training(samples: list[Sample]) -> dict[tuple[str, int], tuple[flo
     return out
 
 
+SIDE_CALLS = ("summary", "subagent")  # calls a context policy made; the next "compacted" call of the agent shows them
+
+
+def link_contexts(calls: list[dict[str, Any]]) -> None:
+    """In place, on an episode's call records in order: a summary's or sub-agent's call gets `shown_in` (the index
+    of its agent's next call marked compacted, the first shown its work; None when none came), and each call
+    `made_by` (the indices of the side calls whose work it was first shown; empty for most)."""
+    pending: dict[str, list[int]] = {}
+    for i, call in enumerate(calls):
+        call["made_by"], call["shown_in"] = [], None
+        if call.get("context") in SIDE_CALLS:
+            pending.setdefault(call.get("agent") or "", []).append(i)
+        elif call.get("context") == "compacted":
+            call["made_by"] = pending.pop(call.get("agent") or "", [])
+            for j in call["made_by"]:
+                calls[j]["shown_in"] = i
+
+
 def episode_records(episodes: list[Episode], samples: list[Sample] | None, tokenizer) -> list[dict[str, Any]]:
     trained = _per_call_training(samples or [])
     advantage_of = {s.episode_uid: s.advantage for s in samples or []}
@@ -62,6 +84,8 @@ def episode_records(episodes: list[Episode], samples: list[Sample] | None, token
                 # shown as the call's badges: its flags, the limit that cut it, its context segment
                 "flags": call.flags + ([f"cut: {call.cut}"] if call.cut else [])
                 + ([f"segment {call.segment}"] if call.segment else []) + ([call.context] if call.context else []),
+                "segment": call.segment,
+                "context": call.context,
                 "prompt_tokens": len(call.prompt_ids),
                 "tokens": {
                     "ids": list(call.response_ids),

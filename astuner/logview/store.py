@@ -9,9 +9,10 @@ Tables:
   episodes(id, split, step, idx, uid, task_id, query, reward, success, flags, error, seconds, n_calls,
            advantage, output)
   calls(episode_id, idx, agent, trainable, messages, response_text, finish_reason, flags, prompt_tokens,
-        tokens, model)
+        tokens, model, segment, context)
 `model` is the model that served the call (astuner.models; "policy" in a one-model run; a store written before
-the column existed reads "policy").
+the column existed reads "policy"). `segment` and `context`: the call's context (records.py; 0 and "" in an older
+store); an episode read back links its context policy's calls (`records.link_contexts`).
 `tokens` is JSON: {"ids", "text" (each token decoded alone), "logprob" (engine, as sampled), "trainer_logprob"
 (the trainer's before the update, or null where the call was not trained), "mask" (1 = trained), "advantage"}.
 """
@@ -22,6 +23,8 @@ import json
 import sqlite3
 from pathlib import Path
 from typing import Any, Iterable
+
+from astuner.logview.records import link_contexts
 
 FILE_NAME = "logview.sqlite"
 
@@ -35,7 +38,7 @@ CREATE INDEX IF NOT EXISTS episodes_by_step ON episodes (split, step, idx);
 CREATE TABLE IF NOT EXISTS calls (
     episode_id INTEGER NOT NULL, idx INTEGER NOT NULL, agent TEXT, trainable INTEGER, messages TEXT,
     response_text TEXT, finish_reason TEXT, flags TEXT, prompt_tokens INTEGER, tokens TEXT, model TEXT,
-    PRIMARY KEY (episode_id, idx)
+    segment INTEGER, context TEXT, PRIMARY KEY (episode_id, idx)
 );
 """
 
@@ -48,8 +51,9 @@ def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
         conn.executescript(SCHEMA)
         columns = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-        if "model" not in columns:  # a store an older version wrote, continued by a resumed run
-            conn.execute("ALTER TABLE calls ADD COLUMN model TEXT")
+        for name, kind in (("model", "TEXT"), ("segment", "INTEGER"), ("context", "TEXT")):
+            if name not in columns:  # a store an older version wrote, continued by a resumed run
+                conn.execute(f"ALTER TABLE calls ADD COLUMN {name} {kind}")
     conn.row_factory = sqlite3.Row
     return conn
 
@@ -85,10 +89,12 @@ class StepWriter:
                 episode_id = cur.lastrowid
                 self.conn.executemany(
                     "INSERT INTO calls (episode_id, idx, agent, trainable, messages, response_text, finish_reason, "
-                    "flags, prompt_tokens, tokens, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "flags, prompt_tokens, tokens, model, segment, context) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(episode_id, i, c["agent"], int(c["trainable"]), json.dumps(c["messages"], ensure_ascii=False),
                       c["response_text"], c["finish_reason"], json.dumps(c["flags"]), c["prompt_tokens"],
-                      json.dumps(c["tokens"], ensure_ascii=False), c.get("model", "policy"))
+                      json.dumps(c["tokens"], ensure_ascii=False), c.get("model", "policy"), c.get("segment", 0),
+                      c.get("context", ""))
                      for i, c in enumerate(ep["calls"])])
 
     def close(self) -> None:
@@ -158,5 +164,7 @@ def episode(conn: sqlite3.Connection, episode_id: int) -> dict | None:
             call[key] = json.loads(call[key])
         call["trainable"] = bool(call["trainable"])
         call["model"] = call.get("model") or "policy"
+        call["segment"], call["context"] = call.get("segment") or 0, call.get("context") or ""
         out["calls"].append(call)
+    link_contexts(out["calls"])
     return out

@@ -16,10 +16,10 @@ A call's prompt needs room for a whole turn: prompt + max_tokens_per_turn <= max
                      agent keeps its own conversation; a sub-agent's call is trained with the episode's advantage
                      like a summary, so reading a long output for what the task needs is learnt from the reward.
 Each compaction starts a new segment: the calls after it carry `segment` + 1 (the summary call belongs to the
-segment it closes, as do a sub-agent's calls). The agent's later calls see the same compaction (their messages start with the ones it
-covered), so a segment's calls extend each other token-exactly and `merge` joins them as before. A request that
-does not extend the agent's previous context (an agent framework that compacted its own history) starts a new
-segment too, so a framework's compaction is a segment, never a broken prefix.
+segment it closes, as do a sub-agent's calls). The agent's later calls see the same compaction (their messages start
+with the ones it covered), so a segment's calls extend each other token-exactly and `merge` joins them as before. A
+request that does not extend the agent's previous context (an agent framework that compacted its own history) starts
+a new segment too, so a framework's compaction is a segment, never a broken prefix.
 
 When even the compacted prompt leaves no room, the call proceeds as under `none` (cut or refused, labelled); a
 summary that came back empty changes nothing. An agent's calls decide one at a time (a lock per agent): a call
@@ -137,8 +137,8 @@ def _dropped(message: dict) -> bool:
 def delegable(view: list[dict]) -> list[int]:
     """The tool results of `view` after the task that a sub-agent may read in the model's place, oldest first (one
     a sub-agent already read is not read again)."""
-    return [i for i in range(task_head(view), len(view))
-            if view[i].get("role") == "tool" and not flatten_content(view[i].get("content")).startswith(SUBAGENT_HEADER)]
+    return [i for i in range(task_head(view), len(view)) if view[i].get("role") == "tool"
+            and not flatten_content(view[i].get("content")).startswith(SUBAGENT_HEADER)]
 
 
 def subagent_request(view: list[dict], i: int, fits) -> list[dict] | None:

@@ -1,6 +1,7 @@
 """tinker-cookbook recipes, unchanged, against `astuner serve` on the demo model: their curves, as they log them.
 
     python bench/tinker_cookbook.py --cookbook-python /path/to/venv/bin/python [--recipe rl|sl|both] [--steps 20]
+    python bench/tinker_cookbook.py --cookbook-python ... --recipe distill --teacher CHECKPOINT [--steps 10]
 
 The cookbook needs its own environment (it pins transformers <= 5.5 and needs Python 3.11+):
     python3 -m venv cookbook-venv && cookbook-venv/bin/pip install "torch==2.13.0" \\
@@ -11,6 +12,11 @@ Recipes (no dataset download: this machine has no Hugging Face hub):
         less without the stop token), importance_sampling, LoRA rank 32, 32 groups of 4 per step
     sl  tinker_cookbook.supervised.train (sl_basic's trainer) on the cookbook's example_data/conversations.jsonl,
         LoRA rank 32, 16 conversations per step
+    distill  the on-policy distillation trainer (tinker_cookbook.distillation.train_on_policy) as its recipe
+        configures it (importance_sampling, per-token reverse KL to the teacher as the advantage, no reward), by
+        bench/cookbook_distill_driver.py on the quick-start's questions (the recipe's datasets are on the hub);
+        the teacher (--teacher, a checkpoint of the demo model, e.g. tutorial/algorithms' SFT) is a second base of
+        the same server (astuner.models.teacher), scored with compute_logprobs; LoRA rank 32, 8 prompts x 4 per step
 Both render with the cookbook's `qwen3_instruct` renderer (ChatML, as SmolLM2's template). The server is this
 checkout's `astuner serve` on tutorial/quickstart/quickstart.yaml's model. Printed: each recipe's metrics by step
 from its own metrics.jsonl, and its wall time; `--plot FILE` draws them. Run it alone: two cores.
@@ -30,13 +36,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "tutorial/quickstart/quickstart.yaml"
-CURVES = {"rl": ("env/all/correct", "env/all/reward/total", "env/all/format"), "sl": ("train_mean_nll",)}
+CURVES = {"rl": ("env/all/correct", "env/all/reward/total", "env/all/format"), "sl": ("train_mean_nll",),
+          "distill": ("teacher_kl", "optim/entropy")}
 
 
-def start_server(out: Path, port: int) -> subprocess.Popen:
+def start_server(out: Path, port: int, overrides: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, "-m", "astuner.cli", "serve", "--conf", str(CONF), f"astuner.experiment_dir={out}",
-           "--port", str(port)]
+           "--port", str(port), *overrides]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     for line in proc.stderr:
         print(line, end="", file=sys.stderr)
@@ -48,6 +55,11 @@ def start_server(out: Path, port: int) -> subprocess.Popen:
 def recipe_command(name: str, args, model: str, url: str, log_path: Path) -> list[str]:
     common = [f"model_name={model}", "renderer_name=qwen3_instruct", f"base_url={url}", f"log_path={log_path}",
               "lora_rank=32", "save_every=0"]
+    if name == "distill":
+        # -P: bench/ is not put on the path, where this file would shadow the tinker_cookbook package.
+        return [args.cookbook_python, "-P", str(REPO / "bench" / "cookbook_distill_driver.py"), "teacher_model=teacher",
+                f"prompts_file={CONF.parent / 'data' / 'train.jsonl'}", "groups_per_batch=8", "group_size=4",
+                f"learning_rate={args.distill_lr}", "max_tokens=48", f"max_steps={args.steps}", *common]
     if name == "rl":
         return [args.cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
                 "loss_fn=importance_sampling", "groups_per_batch=32", "group_size=4", f"learning_rate={args.rl_lr}",
@@ -72,7 +84,9 @@ def recipe_command(name: str, args, model: str, url: str, log_path: Path) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cookbook-python", required=True, help="python of an environment with tinker-cookbook")
-    parser.add_argument("--recipe", choices=("rl", "sl", "both"), default="both")
+    parser.add_argument("--recipe", choices=("rl", "sl", "both", "distill"), default="both")
+    parser.add_argument("--teacher", help="the distillation teacher: a checkpoint folder of the demo model")
+    parser.add_argument("--distill-lr", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--sl-lr", type=float, default=2e-4)
@@ -85,7 +99,10 @@ def main() -> None:
 
     model = resolve_model_path("demo:smollm2-135m-instruct")
     out = Path(args.out)
-    server = start_server(out / "serve", args.port)
+    if args.recipe == "distill" and not args.teacher:
+        parser.error("--recipe distill needs --teacher CHECKPOINT")
+    teacher = (f"+astuner.models.teacher.path={Path(args.teacher).resolve()}",) if args.recipe == "distill" else ()
+    server = start_server(out / "serve", args.port, teacher)
     results = {}
     try:
         for name in (("rl", "sl") if args.recipe == "both" else (args.recipe,)):

@@ -9,40 +9,47 @@ import asyncio
 import json
 import sys
 
-import chz
-from tinker_cookbook import renderers
-from tinker_cookbook.distillation import train_on_policy
-from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, PromptOnlyDataset, TeacherConfig
-from tinker_cookbook.rl.types import RLDatasetBuilder
-from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+def local_prompts_builder():
+    """The builder class (the cookbook's imports here: this file is imported by tests/test_bench_imports.py in
+    astuner's environment, which has no cookbook)."""
+    import chz
+    from tinker_cookbook import renderers
+    from tinker_cookbook.distillation.datasets import PromptOnlyDataset
+    from tinker_cookbook.rl.types import RLDatasetBuilder
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-@chz.chz
-class LocalPrompts(RLDatasetBuilder):
-    """The recipe's PromptOnlyDataset over the `question` of each line of a JSONL file."""
+    @chz.chz
+    class LocalPrompts(RLDatasetBuilder):
+        """The recipe's PromptOnlyDataset over the `question` of each line of a JSONL file."""
 
-    prompts_file: str
-    groups_per_batch: int
-    group_size: int
-    model_name_for_tokenizer: str
-    renderer_name: str
+        prompts_file: str
+        groups_per_batch: int
+        group_size: int
+        model_name_for_tokenizer: str
+        renderer_name: str
 
-    async def __call__(self):
-        tokenizer = get_tokenizer(self.model_name_for_tokenizer)
-        renderer = renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
-        with open(self.prompts_file) as f:
-            prompts = [json.loads(line)["question"] for line in f if line.strip()]
-        return PromptOnlyDataset(prompts, self.groups_per_batch, self.group_size, renderer, tokenizer,
-                                 max_prompt_tokens=1024, dataset_name="local"), None
+        async def __call__(self):
+            tokenizer = get_tokenizer(self.model_name_for_tokenizer)
+            renderer = renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
+            with open(self.prompts_file) as f:
+                prompts = [json.loads(line)["question"] for line in f if line.strip()]
+            return PromptOnlyDataset(prompts, self.groups_per_batch, self.group_size, renderer, tokenizer,
+                                     max_prompt_tokens=1024, dataset_name="local"), None
+
+    return LocalPrompts
 
 
 def main(argv: list[str]) -> None:
+    from tinker_cookbook.distillation import train_on_policy
+    from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
+
     args = dict(a.split("=", 1) for a in argv)
     groups, group_size = int(args["groups_per_batch"]), int(args.get("group_size", 4))
     dataset = DistillationDatasetConfig(
-        dataset_builder=LocalPrompts(prompts_file=args["prompts_file"], groups_per_batch=groups,
-                                     group_size=group_size, model_name_for_tokenizer=args["model_name"],
-                                     renderer_name=args["renderer_name"]),
+        dataset_builder=local_prompts_builder()(
+            prompts_file=args["prompts_file"], groups_per_batch=groups, group_size=group_size,
+            model_name_for_tokenizer=args["model_name"], renderer_name=args["renderer_name"]),
         teacher_config=TeacherConfig(base_model=args["teacher_model"]),
         groups_per_batch=groups)
     config = train_on_policy.Config(

@@ -18,9 +18,8 @@ fi
 if [ $# -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-# loadfile: a module's tests share one worker, so a module's Ray cluster or engine is started once; the modules in
-# the order tests/conftest.py gives (the longest first), not xdist's (the most tests first).
-python -m pytest -q "${workers[@]}" --dist loadfile --no-loadscope-reorder --durations=10
+# loadfile: a module's tests share one worker, so a module's Ray cluster or engine is started once.
+python -m pytest -q "${workers[@]}" --dist loadfile --durations=10
 echo "numerical tests on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2):"
 ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile tests/test_trainer.py tests/test_fsdp.py \
   tests/test_loss.py tests/test_merge.py tests/test_precision.py tests/test_lora.py tests/test_hf_engine.py \

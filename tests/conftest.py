@@ -47,22 +47,6 @@ else:
     collect_ignore = list(OWN_ENVIRONMENT)
 
 
-# The longest modules first: with --dist loadfile (scripts/test.sh) a module runs whole on one worker, so a long one
-# taken last keeps one worker busy while the other waits. Seconds measured on 2 shared cores, two workers; the
-# order is all that is read (a module missing here only runs later, in the collection's own order).
-LONGEST_MODULES = {
-    "test_tutorial_commands.py": 816, "test_ray_backbones.py": 207, "test_remote_agents.py": 184,
-    "test_ray_several_models.py": 154, "test_vllm_engine.py": 141, "test_lossless_resume.py": 118,
-    "test_ray_multinode.py": 110, "test_several_models.py": 106, "test_serve_team.py": 96,
-    "test_run_contract.py": 83, "test_doctor.py": 82, "test_frameworks.py": 80, "test_vllm_adapters.py": 71,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(sorted(LONGEST_MODULES, key=LONGEST_MODULES.get, reverse=True))}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 # The fast tier (`scripts/test.sh --fast`: -m "not slow") stays fast for the edit loop: a test outside it that
 # takes longer than this (setup, call and teardown together) is named at the end of a run, to be marked slow.
 FAST_TIER_LIMIT_S = 3.0

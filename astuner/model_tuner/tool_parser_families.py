@@ -186,6 +186,8 @@ class MistralToolParser:
             if not isinstance(items, list):
                 out.errors.append(f"tool calls: expected a JSON list after {self.marker}")
                 continue
+            if not items:  # the marker made no call: said, as any other malformed call is
+                out.errors.append(f"tool calls: an empty list after {self.marker}")
             for item in items:
                 self._add(out, item, f"tool call {index}", index, tool_names, id_prefix)
                 index += 1

@@ -104,6 +104,6 @@ def context_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         lengths = [len(c.response_ids) for c in calls if c.context == label]
         if lengths:
             out[f"{prefix}/context/{name}"] = sum(lengths) / len(lengths)
-            if label == "subagent":
-                out[f"{prefix}/context/subagent_calls"] = len(lengths) / n
+    if any(c.context == "subagent" for c in calls):
+        out[f"{prefix}/context/subagent_calls"] = sum(c.context == "subagent" for c in calls) / n
     return out

@@ -31,7 +31,7 @@ from astuner.backbone import ray_cluster
 from astuner.backbone.ray_cluster import Bundle
 from astuner.backbone.ray_run import RayStages, Sent, TrainerGroup, engine_tp, episodes_of, run_on_ray
 from astuner.backbone.sync_schedule import SyncSchedule
-from astuner.config.derived import staleness_bound
+from astuner.config.derived import stale_samples_uncorrected, staleness_bound
 from astuner.errors import UserError, WorkerLost
 from astuner.types import Episode, Task
 
@@ -261,7 +261,7 @@ def check_trinity_config(loaded) -> None:
                         "the trinity backbone rolls batches out ahead, so the two do not combine. Use --backbone "
                         "verl, or set astuner.trainer_common.algorithm.filter_groups.enable: false.")
     bound = staleness_bound(sync.sync_interval, sync.sync_offset, sync.max_staleness)
-    if bound > 0 and not (tc.old_logprobs == "trainer" and tc.rollout_is_cap is not None):
+    if stale_samples_uncorrected(bound, tc.old_logprobs, tc.rollout_is_cap):
         raise RuntimeError(f"trinity: samples may be up to {bound} policy versions stale, but the config does not "
                            "correct them (old_logprobs: trainer, rollout_is_cap): load it with "
                            "load_config(..., backbone='trinity'), as `astuner --backbone trinity` does")

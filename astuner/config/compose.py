@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from astuner.config.backbones import BACKBONES
-from astuner.config.derived import staleness_bound
+from astuner.config.derived import stale_samples_uncorrected, staleness_bound
 from astuner.config.loaded import LoadedConfig
 from astuner.config.schema import old_names
 from astuner.config.validate import (
@@ -174,8 +174,8 @@ def derive_for_backbone(tree: dict, user_keys: set[str], backbone: str | None) -
         bound = staleness_bound(int(sync["sync_interval"]), int(sync["sync_offset"]), sync.get("max_staleness"))
     except (KeyError, TypeError, ValueError):  # validation names the bad value
         return [], []
-    if not isinstance(bound, int) or bound <= 0 or (tc.get("old_logprobs") == "trainer"
-                                                    and tc.get("rollout_is_cap") is not None):
+    if not isinstance(bound, int) or not stale_samples_uncorrected(bound, tc.get("old_logprobs"),
+                                                                  tc.get("rollout_is_cap")):
         return [], []
     if OLD_LOGPROBS in user_keys and tc.get("old_logprobs") == "engine":
         return [], [

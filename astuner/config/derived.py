@@ -28,6 +28,12 @@ def staleness_bound(sync_interval: int, sync_offset: int, max_staleness: int | N
     return sync_interval - 1 + sync_offset
 
 
+def stale_samples_uncorrected(bound: int, old_logprobs: str, rollout_is_cap: float | None) -> bool:
+    """Samples up to `bound` policy versions old that the loss would not correct: a bound above 0 without
+    trainer-recomputed old logprobs and a truncated importance weight (config/compose.derive_for_backbone)."""
+    return bound > 0 and not (old_logprobs == "trainer" and rollout_is_cap is not None)
+
+
 def teacher_engine(typed) -> str | None:
     """The engine a model-folder teacher (astuner.teacher.model) scores on, in the process that runs the loop;
     None when the run has no such teacher (no distillation, or a teacher server)."""

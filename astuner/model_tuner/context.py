@@ -145,20 +145,9 @@ def subagent_request(view: list[dict], i: int, fits) -> list[dict] | None:
     """The messages of a sub-agent's call on the tool result view[i]: the task's system messages, then one user
     message with the request, the task and the result (its start and end, shortened until `fits`). None when even
     a short one does not fit."""
-    head = task_head(view)
-    system = [m for m in view[:head] if m.get("role") == "system"]
-    task = [flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"]
     text = flatten_content(view[i].get("content"))
-    limit = len(text) + 1
-    while True:
-        shown = text if len(text) <= limit else text[: limit // 2] + " [...] " + text[-limit // 2:]
-        request = system + [{"role": "user", "content": f"{SUBAGENT_REQUEST}\n\nThe task:\n{task[0] if task else ''}"
-                                                         f"\n\nThe tool output:\n{shown}"}]
-        if fits(request):
-            return request
-        if limit < 128:
-            return None
-        limit //= 2
+    return side_request(view, lambda task, limit: f"{SUBAGENT_REQUEST}\n\nThe task:\n{task}\n\nThe tool output:\n"
+                        f"{shortened(text, limit)}", len(text) + 1, fits)
 
 
 def delegated(message: dict, report: str) -> dict:
@@ -191,28 +180,38 @@ def transcript(messages: list[dict], limit: int) -> str:
         calls = [c.get("function", c) for c in m.get("tool_calls") or []]
         if calls:
             text += "\n" + json.dumps(calls, ensure_ascii=False)
-        if len(text) > limit:
-            text = text[: limit // 2] + " [...] " + text[-limit // 2:]
-        lines.append(f"{m.get('role')}: {text}")
+        lines.append(f"{m.get('role')}: {shortened(text, limit)}")
     return "\n\n".join(lines)
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text`, or its start and end when longer than `limit` characters."""
+    return text if len(text) <= limit else text[: limit // 2] + " [...] " + text[-limit // 2:]
+
+
+def side_request(view: list[dict], body, limit: int, fits) -> list[dict] | None:
+    """A context policy's call (a summary, a sub-agent's report): the task's system messages, then one user message
+    `body(task, limit)` (`task`: the task's user message), `limit` halved until the request `fits`.
+    None when it does not fit even at 128 characters."""
+    head = task_head(view)
+    system = [m for m in view[:head] if m.get("role") == "system"]
+    task = next((flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"), "")
+    while True:
+        request = system + [{"role": "user", "content": body(task, limit)}]
+        if fits(request):
+            return request
+        if limit < 128:
+            return None
+        limit //= 2
 
 
 def summary_request(view: list[dict], cut: int, fits) -> list[dict] | None:
     """The messages of the summary call: the task's system messages, then one user message asking for a summary
     of view[head:cut], its messages shortened until `fits`. None when even short ones do not fit."""
     head = task_head(view)
-    system = [m for m in view[:head] if m.get("role") == "system"]
-    task = [flatten_content(m.get("content")) for m in view[:head] if m.get("role") == "user"]
-    limit = len(transcript(view[head:cut], 10**9)) + 1  # the first try: every message whole
-    while True:
-        body = f"{SUMMARY_REQUEST}\n\nThe task:\n{task[0] if task else ''}\n\nThe conversation:\n" + \
-            transcript(view[head:cut], limit)
-        request = system + [{"role": "user", "content": body}]
-        if fits(request):
-            return request
-        if limit < 128:
-            return None
-        limit //= 2
+    return side_request(view, lambda task, limit: f"{SUMMARY_REQUEST}\n\nThe task:\n{task}\n\nThe conversation:\n"
+                        + transcript(view[head:cut], limit),
+                        len(transcript(view[head:cut], 10**9)) + 1, fits)  # the first try: every message whole
 
 
 def summarized_view(view: list[dict], cut: int, summary: str) -> tuple[list[dict], int]:

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from astuner.algorithm.catalog import algorithm
 from astuner.cuts import POLICIES as ON_CUT
 from astuner.errors import UserError
 from astuner.memory import ModelShape, blocks_of
@@ -258,7 +259,6 @@ def node_available_memory() -> int | None:
 def optimizer_steps_per_step(typed) -> int:
     """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
     RFT, one for the preference losses."""
-    from astuner.algorithm.catalog import algorithm
 
     tc = typed.astuner.trainer_common
     return algorithm(tc.algorithm.type).optimizer_steps(tc.mini_batch_num, tc.ppo_epochs)
@@ -283,7 +283,6 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     a distillation teacher loaded in the debug backbone's one process (distill.teacher_memory)."""
     from astuner.tools.python_exec import describe_sandbox
 
-    from astuner.algorithm.catalog import algorithm
     from astuner.config.backbones import backbone as backbone_record
     from astuner.config.derived import resolve_engine_name
     from astuner.trainer.precision import resolve_precision
@@ -407,7 +406,9 @@ def fit_memory(plan: RunPlan, shape: ModelShape | None, typed, precision: str, p
     a, tc = typed.astuner, typed.astuner.trainer_common
     L = plan.max_model_len
     value_bytes = 2 if precision == "bf16" else 4
-    chunk_rows = CHUNK_ROWS if plan.device == "cuda" else None  # the trainer's chunked head runs on CUDA
+    # The trainer's chunked head runs on CUDA, except for distillation's top-k term (the plain head's full logits).
+    topk = algorithm(tc.algorithm.type).has_teacher and tc.algorithm.distill_topk > 0
+    chunk_rows = CHUNK_ROWS if plan.device == "cuda" and not topk else None
     # What the head holds depends on the rollout's top-k / top-p and on whether the entropy is trained.
     filtered = is_filtered(a.rollout.top_k, a.rollout.top_p)
     entropy_grad = tc.entropy_coeff > 0

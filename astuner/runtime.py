@@ -172,6 +172,8 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         top_p=spec.top_p,
         # Read only where it acts (the start-up warning names it otherwise).
         rollout_is_cap=tc.rollout_is_cap if tc.old_logprobs == "trainer" else None,
+        distill_topk=tc.algorithm.distill_topk,
+        distill_topk_coef=tc.algorithm.distill_topk_coef,
         loss_mode=tc.policy_loss.loss_mode,
         entropy_coeff=tc.entropy_coeff,
         grad_clip=tc.optim.grad_clip,

@@ -75,6 +75,7 @@ class SelectionSettings:
     rft_threshold: float = 1.0
     distill_kl_coef: float = 1.0
     distill_reward_weight: float = 0.0
+    distill_topk: int = 0
 
     @classmethod
     def from_config(cls, typed) -> SelectionSettings:
@@ -99,6 +100,7 @@ class SelectionSettings:
             rft_threshold=tc.algorithm.rft_reward_threshold,
             distill_kl_coef=tc.algorithm.distill_kl_coef,
             distill_reward_weight=tc.algorithm.distill_reward_weight,
+            distill_topk=tc.algorithm.distill_topk,
         )
 
 @dataclass
@@ -256,7 +258,7 @@ class Distillation(Plain):
         chosen = super().gather(stages, tasks, batches, step, epoch, position, progress)
         if stages.teacher is None:  # the driver builds it for this algorithm type (loop.drive): a bug if not
             raise RuntimeError("on-policy distillation without a teacher: the stages were handed none")
-        chosen.metrics.update(score_episodes(stages.teacher, chosen.kept))
+        chosen.metrics.update(score_episodes(stages.teacher, chosen.kept, self.settings.distill_topk))
         return chosen
 
     def learn(self, chosen: Chosen, state, step: int) -> tuple[list[Sample], dict[str, float]]:

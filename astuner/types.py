@@ -101,6 +101,9 @@ class LLMCall:
     reply: dict | None = None
     # The teacher's logprob of each response token in this exact context (on-policy distillation, astuner/distill/).
     teacher_logprobs: list[float] | None = None
+    # With algorithm.distill_topk = k: the teacher's k likeliest tokens at each response position, as (token id,
+    # logprob), likeliest first.
+    teacher_topk: list[list[tuple[int, float]]] | None = None
     # The limit that cut the response short ("turn_cap", "budget", "window", "max_tokens"; astuner/cuts.py), or "".
     cut: str = ""
     # The context it was made in (rollout.context_policy, model_tuner/context.py): its agent's segment (0, then +1
@@ -177,6 +180,9 @@ class Sample:
     # loss_mask is 0), and the advantage of each token, which replaces `advantage` in the loss when set.
     teacher_logprobs: list[float] | None = None
     token_advantages: list[float] | None = None
+    # With algorithm.distill_topk: the teacher's k likeliest tokens at each response position ([] where loss_mask
+    # is 0), for the top-k term of the loss (algorithm/distillation.py).
+    teacher_topk: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -82,7 +82,7 @@ def test_chunked_head_with_filter_and_entropy_gives_the_plain_paths_numbers(tiny
     for chunked in (False, True):
         trainer.head.chunked = chunked
         trainer.model.zero_grad()
-        logprobs, entropy = trainer.forward_logprobs(samples, with_entropy=True, entropy_grad=entropy_grad)
+        logprobs, entropy, _ = trainer.forward_logprobs(samples, with_entropy=True, entropy_grad=entropy_grad)
         R = len(logprobs)
         # Gradients fed straight in: the rows whose target the filter dropped (logprob -inf) still pass the
         # log-sum-exp's share to the kept tokens.
@@ -128,7 +128,7 @@ def _head_peak(model, rows: int, chunk_rows: int | None, top_k: int, top_p: floa
     path = HeadPath(torch.device("cpu"), fast=True, chunked=chunk_rows is not None, top_k=top_k, top_p=top_p)
     model.zero_grad(set_to_none=True)
     with LiveBytes() as live:
-        logprobs, entropy = response_logprobs(path, model, [Sample([1, 2], targets, [0.0] * rows, 1.0, 0.7, "a")],
+        logprobs, entropy, _ = response_logprobs(path, model, [Sample([1, 2], targets, [0.0] * rows, 1.0, 0.7, "a")],
                                               True, entropy_grad)
         outputs = [logprobs, entropy] if entropy_grad else [logprobs]
         torch.autograd.backward(outputs, [torch.ones(rows)] * len(outputs))

@@ -7,19 +7,20 @@ with a server teacher."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from astuner.algorithm.distillation import (
-    distill_advantages, distill_samples, response_logprobs, teacher_chains, token_advantages)
+    distill_advantages, distill_samples, response_slice, teacher_chains, token_advantages, topk_rows)
 from astuner.algorithm.objective_base import TokenBatch
 from astuner.algorithm.objectives import PolicyGradient
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.cli import main
 from astuner.distill.scoring import score_episodes
-from astuner.types import FLAG_FAILED, FLAG_TEACHER_FAILED, Episode, LLMCall, Sample, Task
+from astuner.types import FLAG_FAILED, FLAG_TEACHER_FAILED, Episode, LLMCall, PromptLogprobs, Sample, Task
 from tests.conftest import serve_in_thread
 
 
@@ -66,6 +67,86 @@ def test_the_policy_loss_takes_each_tokens_own_advantage():
     assert token_advantages(Sample([1], [2, 3], [0.0, 0.0], 0.7, 1.0, "f")) == [0.7, 0.7]
 
 
+LN = math.log
+
+
+def test_the_teachers_topk_rows_are_renormalised_padded_and_masked():
+    s = Sample([1], [3, 4, 5], [-1.0] * 3, 0.0, 1.0, "e", loss_mask=[1, 0, 1],
+               teacher_topk=[[(7, LN(0.6)), (8, LN(0.2)), (2, LN(0.1))], [(9, LN(0.9))], [(9, LN(0.5))]])
+    ids, probs = topk_rows([s], 2)
+    assert ids == [[7, 8], [0, 0], [9, 0]]  # the first k; padded with id 0; nothing at the masked tool token
+    assert probs == [pytest.approx([0.75, 0.25]), [0.0, 0.0], pytest.approx([1.0, 0.0])]
+    with pytest.raises(ValueError, match="top-k at 1 positions"):
+        topk_rows([Sample([1], [3, 4], [-1.0] * 2, 0.0, 1.0, "e", teacher_topk=[[(7, -1.0)]])], 2)
+
+
+def test_the_topk_term_by_hand():
+    # KL~_t = sum_k p~_tk (log p~_tk - log pi_S_tk); L = topk_coef * sum_t w_t KL~_t; dL/dlog pi_S_tk = -coef w_t p~_tk
+    s = Sample([1], [3, 4, 5], [-1.0] * 3, 0.0, 1.0, "e", loss_mask=[1, 0, 1],
+               teacher_topk=[[(7, LN(0.6)), (8, LN(0.2))], [], [(9, LN(0.5))]], token_advantages=[0.0] * 3)
+    student = torch.tensor([[LN(0.5), LN(0.25)], [-3.0, -3.0], [LN(0.5), -7.0]], requires_grad=True)
+    batch = TokenBatch.of([s], [0.25], torch.tensor(s.old_logprobs), None, None, student)
+    loss, stats = PolicyGradient(0.2, 0.28, teacher_topk=2, topk_coef=0.5).loss(batch)
+    kl = [0.75 * (LN(0.75) - LN(0.5)) + 0.25 * 0.0, 0.0, 1.0 * (0.0 - LN(0.5))]  # 0.3041, 0, 0.6931
+    assert stats["distill_topk_kl"].item() == pytest.approx(sum(kl))
+    assert loss.item() == pytest.approx(0.5 * 0.25 * sum(kl))  # the policy part is 0: every advantage is 0
+    loss.backward()
+    assert student.grad.tolist() == [pytest.approx([-0.5 * 0.25 * 0.75, -0.5 * 0.25 * 0.25]), [0.0, 0.0],
+                                     pytest.approx([-0.5 * 0.25, 0.0])]
+
+
+@pytest.mark.slow
+def test_the_topk_term_lifts_a_token_the_student_never_sampled(tiny_model_dir, demo_tokenizer):
+    """Every advantage 0 (the teacher agrees with each sampled token), the teacher's favourite at the first position
+    is the token the student finds least likely: only the top-k term moves it, and it is read from the raw
+    distribution (temperature 1, no sampling filter, under which it would be -inf)."""
+    from astuner.trainer import Trainer
+    from astuner.trainer.settings import TrainerSettings
+
+    trainer = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss_agg_mode="token-mean", device="cpu", top_k=5))
+    p = demo_tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    r = demo_tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+
+    def raw(ids):
+        with torch.no_grad():
+            logits = trainer.model(input_ids=torch.tensor([p + r[:-1]])).logits[0, len(p) - 1 :].float()
+        return torch.log_softmax(logits, -1), [logits[0].argmin().item()] if ids is None else ids
+
+    before, (rare,) = raw(None)
+    old = trainer.compute_logprobs(p, r, 0.7)
+    top = [[(rare, LN(0.9)), (r[0], LN(0.1))]] + [[(t, -0.1)] for t in r[1:]]
+
+    def sample():
+        return Sample(p, r, list(old), 0.0, 0.7, "e", teacher_logprobs=list(old), token_advantages=[0.0] * len(r),
+                      teacher_topk=top)
+
+    trainer.model.eval()
+    with torch.no_grad():
+        _, _, topk_R_K = trainer.forward_logprobs([sample()], topk=2)
+    assert topk_R_K[0].tolist() == pytest.approx([before[0, rare].item(), before[0, r[0]].item()], abs=1e-4)
+    trainer.train([sample()], PolicyGradient(0.2, 0.28))  # no top-k term: nothing to learn
+    assert raw(None)[0][0, rare].item() == pytest.approx(before[0, rare].item(), abs=1e-6)
+    trainer.train([sample()], PolicyGradient(0.2, 0.28, teacher_topk=2, topk_coef=1.0))
+    assert raw(None)[0][0, rare].item() > before[0, rare].item() + 0.05
+
+
+def test_a_teacher_scores_the_topk_of_each_calls_positions_and_a_merge_joins_them():
+    good = episode("g", "t", [call([1, 2], [3, 4]), call([1, 2, 3, 4, 5], [6])], 1.0)
+    bad = episode("b", "t", [call([1, 2], [3, 666])], 0.0)
+    score_episodes(FakeTeacher(poison=666), [good, bad], topk=2)
+    rows_of = {t: [(t, -0.01 * t), (t + 1, -0.01 * t - 1)] for t in (3, 4, 6)}  # FakeTeacher's top-2 at token t
+    assert good.calls[0].teacher_topk == [rows_of[3], rows_of[4]] and good.calls[1].teacher_topk == [rows_of[6]]
+    assert bad.calls[0].teacher_topk is None
+    samples = episodes_to_samples([good], adv_estimator="grpo", norm_by_std=True, epsilon=1e-6,
+                                  max_sample_per_task=8, sample_mode="merge")
+    assert samples[0].teacher_topk == [rows_of[3], rows_of[4], [], rows_of[6]]  # the tool token 5 has none
+    ids, probs = topk_rows(samples, 2)
+    assert ids == [[3, 4], [4, 5], [0, 0], [6, 7]]
+    mass = distill_samples(samples, 1.0, 0.0)["distill/teacher_topk_mass"]  # over the 3 trained tokens
+    assert mass == pytest.approx(sum(math.exp(-0.01 * t) + math.exp(-0.01 * t - 1) for t in (3, 4, 6)) / 3)
+    assert probs[0] == pytest.approx([1 / (1 + math.exp(-1)), 1 - 1 / (1 + math.exp(-1))])
+
+
 def test_one_step_moves_the_teachers_favourites_up_and_the_others_down(tiny_model_dir, demo_tokenizer):
     from astuner.trainer import Trainer
     from astuner.trainer.settings import TrainerSettings
@@ -95,10 +176,10 @@ def test_chains_score_a_conversation_once_and_each_call_reads_its_own_tokens():
     calls = [a1, b1, a2, skipped, restart]
     assert teacher_chains(calls) == [[0, 2], [1], [4]]
     values = [-0.1 * i for i in range(1, 7)]  # the sequence 1 2 3 4 9 9 5: values[i] = log p(x_{i+1} | x_<=i)
-    assert response_logprobs(values, a1) == pytest.approx([-0.2, -0.3])  # tokens at positions 2 and 3
-    assert response_logprobs(values, a2) == pytest.approx([-0.6])
+    assert response_slice(values, a1) == pytest.approx([-0.2, -0.3])  # tokens at positions 2 and 3
+    assert response_slice(values, a2) == pytest.approx([-0.6])
     with pytest.raises(ValueError, match="the call needs 7"):
-        response_logprobs(values[:3], a2)
+        response_slice(values[:3], a2)
 
 
 class FakeTeacher:
@@ -109,9 +190,11 @@ class FakeTeacher:
     def __init__(self, poison: int | None = None) -> None:
         self.poison, self.sent = poison, []
 
-    def score(self, sequences):
+    def score(self, sequences, topk=0):
         self.sent += sequences
-        return [RuntimeError("teacher server said 503") if self.poison in seq else [-0.01 * t for t in seq[1:]]
+        return [RuntimeError("teacher server said 503") if self.poison in seq
+                else PromptLogprobs([-0.01 * t for t in seq[1:]],
+                                    [[(t + j, -0.01 * t - j) for j in range(topk)] for t in seq[1:]] if topk else None)
                 for seq in sequences]
 
 
@@ -296,15 +379,28 @@ def teacher_server(model_dir: Path, tokenizer, fail: bool = False, other_vocab: 
             if other_vocab and isinstance(p, str):
                 ids = [i + 1 for i in ids]
             seen["prompts"] += 1
-            values = engine.prompt_logprobs(list(ids)).values
-            choices.append({"index": k, "text": "x", "logprobs": {
-                "tokens": [f"token_id:{i}" for i in ids] + ["token_id:0"],
-                "token_logprobs": [None] + values + [-1.0]}})
+            topk = body.get("logprobs") or 0
+            scored = engine.prompt_logprobs(list(ids), topk=topk)
+            entry = {"tokens": [f"token_id:{i}" for i in ids] + ["token_id:0"],
+                     "token_logprobs": [None] + scored.values + [-1.0]}
+            if topk:  # as vLLM: the prompt's own token beside the top k (k + 1 entries where it is not among them)
+                entry["top_logprobs"] = [None] + [
+                    {**{f"token_id:{t}": lp for t, lp in top}, f"token_id:{tok}": v}
+                    for top, tok, v in zip(scored.topk, ids[1:], scored.values)] + [{"token_id:0": -1.0}]
+            choices.append({"index": k, "text": "x", "logprobs": entry})
         return JSONResponse({"choices": choices})
 
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
     url, stop = serve_in_thread(app)
     return url + "/v1", stop, seen
+
+
+def same_topk(remote, local, k):
+    for a, b in zip(remote, local):
+        assert a.values == pytest.approx(b.values, abs=1e-5)
+        assert [[t for t, _ in p] for p in a.topk] == [[t for t, _ in p] for p in b.topk]
+        assert [lp for p in a.topk for _, lp in p] == pytest.approx([lp for p in b.topk for _, lp in p], abs=1e-5)
+        assert all(len(p) == k for p in a.topk)
 
 
 @pytest.mark.slow
@@ -321,12 +417,15 @@ def test_a_server_teacher_scores_as_the_same_model_in_process(tmp_path, tiny_mod
         local = EngineTeacher(HFEngine(str(teacher_dir), device="cpu"), 30, "local")
         seqs = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
         for a, b in zip(remote.score(seqs), local.score(seqs)):
-            assert a == pytest.approx(b, abs=1e-5)
+            assert a.values == pytest.approx(b.values, abs=1e-5) and a.topk is None
         assert seen["auth"] == {"Bearer sk-test"} and seen["prompts"] == 3
-        # A whole run against it.
-        yaml = write_run(tmp_path, tiny_model_dir, f"{{base_url: '{url}', api_key_env: MY_TEACHER_KEY}}", steps=1)
+        same_topk(remote.score(seqs, topk=3), local.score(seqs, topk=3), 3)  # the server sends k + 1: k are kept
+        # A whole run against it, with the top-k term.
+        yaml = write_run(tmp_path, tiny_model_dir, f"{{base_url: '{url}', api_key_env: MY_TEACHER_KEY}}", steps=1,
+                         extra=", distill_topk: 3")
         assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
-        assert rows(tmp_path / "out")[0]["distill/teacher_sequences"] == 4.0
+        got = rows(tmp_path / "out")[0]
+        assert got["distill/teacher_sequences"] == 4.0 and got["actor/distill_topk_kl"] > 0
     finally:
         stop()
 
@@ -373,7 +472,8 @@ def test_a_tinker_server_teacher_is_astuner_serve_scoring_as_the_model_in_proces
         local = EngineTeacher(HFEngine(str(teacher_dir), device="cpu"), 30, "local")
         seqs = [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
         for a, b in zip(remote.score(seqs), local.score(seqs)):
-            assert a == pytest.approx(b, abs=1e-5)
+            assert a.values == pytest.approx(b.values, abs=1e-5)
+        same_topk(remote.score(seqs, topk=2), local.score(seqs, topk=2), 2)
         yaml = write_run(tmp_path / "run", tiny_model_dir,
                          f"{{base_url: '{url}', api: tinker, served_model: '{teacher_dir}'}}", steps=1)
         assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0

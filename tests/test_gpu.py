@@ -85,7 +85,7 @@ def test_chunked_head_matches_the_plain_path_on_cuda(qwen_dir):
         t = _trainer(qwen_dir)
         assert t.head.chunked  # the CUDA default
         t.head.chunked = chunked
-        logprobs, _ = t.forward_logprobs(samples)
+        logprobs = t.forward_logprobs(samples)[0]
         logprobs.sum().backward()
         out.append((logprobs.detach(), t.model.get_input_embeddings().weight.grad.float()))
     (lp_a, g_a), (lp_b, g_b) = out

@@ -14,6 +14,7 @@ from astuner.preflight import (
     GIB,
     RESERVE,
     VLLM_CPU_RUNTIME,
+    DeviceFacts,
     ModelFacts,
     check_fits,
     make_plan,
@@ -90,3 +91,19 @@ def test_a_run_where_one_full_length_sequence_does_not_fit_is_refused_with_the_f
     # cache and this process.
     check_fits(_plan(tmp_path, tiny_model_dir, monkeypatch, 10.5, *SMOLAGENTS,
                      "astuner.trainer_common.gradient_checkpointing=true"), FACTS)
+
+
+def test_distillations_topk_term_is_planned_with_the_plain_heads_logits_on_cuda(tmp_path, tiny_model_dir):
+    """The top-k term reads the full logits (trainer/forward.py): on CUDA the plan counts the plain head, not the
+    chunked one the trainer then does not take."""
+    card = DeviceFacts("cuda", 80 * GIB, 80 * GIB)
+    distil = ("astuner.trainer_common.algorithm.type=on_policy_distillation", f"astuner.teacher.model={tiny_model_dir}")
+
+    def plan(*overrides):
+        typed = load_config(write_run(tmp_path, tiny_model_dir), list(overrides)).typed
+        return make_plan(typed, "debug", FACTS, typed.astuner.rollout.max_model_len, 4, device_facts=card)
+
+    budget = plan(*distil).micro_batch_token_budget
+    plain = DEMO.activation_bytes(budget, 2, False, None)
+    assert plan(*distil).activation_bytes < plain  # chunked
+    assert plan(*distil, "astuner.trainer_common.algorithm.distill_topk=4").activation_bytes == plain

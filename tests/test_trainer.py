@@ -343,7 +343,7 @@ def test_chunked_head_gives_the_plain_paths_logprobs_entropy_and_gradients(tiny_
         fused_head.CHUNK_ROWS = 3
         try:
             t.model.zero_grad()
-            logprobs, entropy = t.forward_logprobs(samples, with_entropy=True)
+            logprobs, entropy, _ = t.forward_logprobs(samples, with_entropy=True)
             (logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
         finally:
             fused_head.CHUNK_ROWS = old

@@ -67,6 +67,7 @@ ALGORITHMS: dict[str, AlgorithmType] = {
         AlgorithmType("on_policy_distillation", "policy gradient on rollouts with per-token advantages from a "
                       "teacher's logprobs (reverse KL), optionally plus the reward's", "rollouts", "policy", "distillation",
                       epochs="ppo_epochs", reads=(ALGO + "distill_kl_coef", ALGO + "distill_reward_weight",
+                                                  ALGO + "distill_topk", ALGO + "distill_topk_coef",
                                                   "astuner.teacher")),
         AlgorithmType("sft", "SFT on offline_data conversations", "conversations", "sft", "offline_sft",
                       reads=("astuner.offline_data",)),

@@ -17,7 +17,22 @@ lambda = 1, beta = 1). The loss is the policy-gradient one (`objectives.PolicyGr
 engine's logprobs as old logprobs), which takes A_t per token where GRPO broadcasts A_ep.
 
 Reported per step: distill/reverse_kl, the mean of s_t - q_t over trained tokens (falls as the student learns),
-and distill/teacher_logprob, distill/student_logprob, their means.
+and distill/teacher_logprob, distill/student_logprob, their means; with the top-k term (below),
+distill/teacher_topk_mass, the mean probability the teacher puts on its top k (how much of it the term sees).
+
+The top-k term (algorithm.distill_topk = k > 0). The sampled token alone tells the student nothing about the
+tokens it did not sample: a token the teacher would write and the student almost never samples (the first token of
+a tool call, for a student that has never made one) rises only through the normalisation, slowly. With the
+teacher's k likeliest tokens V_t at each position, renormalised over them (p~_tv = exp(q_tv) / sum_{u in V_t}
+exp(q_tu)), the loss adds the forward KL to the teacher on that support, under the student's raw distribution
+(temperature 1, no sampling filter: the model the teacher is compared with):
+
+    KL~_t = sum_{v in V_t} p~_tv * (log p~_tv - log pi_S(v | c_t))      >= 0
+    L    += topk_coef * sum_t w_t * KL~_t                                (w_t: the policy loss's token weights)
+
+Its gradient lifts every token of V_t towards p~_t whether or not it was sampled (GKD's forward-KL direction, on
+the teacher's top k rather than the whole vocabulary, which is what a server returns). Reported as
+actor/distill_topk_kl, the mean of KL~_t over trained tokens.
 
 Which tokens a teacher scores: each trainable call's response, in its own context. Calls of one agent whose prompt
 extends the previous call's prompt + response exactly (`teacher_chains`) are scored as one sequence, the last
@@ -26,6 +41,8 @@ Pure Python (no torch).
 """
 
 from __future__ import annotations
+
+import math
 
 from astuner.algorithm.samples import extends
 from astuner.types import LLMCall, Sample
@@ -45,7 +62,7 @@ def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float)
     """Set every sample's `token_advantages` (its `advantage` is the reward's group advantage on entry; it becomes
     reward_weight times that, the part every token shares); the step's distill/ figures. A sample without teacher
     logprobs is a bug of the stage before (its episode should have been flagged), hence ValueError."""
-    kl = student_sum = teacher_sum = tokens = 0.0
+    kl = student_sum = teacher_sum = tokens = mass = 0.0
     for s in samples:
         if s.teacher_logprobs is None:
             raise ValueError(f"episode {s.episode_uid}: a sample without teacher logprobs reached distillation")
@@ -59,10 +76,36 @@ def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float)
                 student_sum += lp
                 teacher_sum += tq
                 tokens += 1
+        mass += sum(math.exp(q) for row, m in zip(s.teacher_topk or [], mask) if m for _, q in row)
     if not tokens:
         return {}
-    return {"distill/reverse_kl": kl / tokens, "distill/student_logprob": student_sum / tokens,
-            "distill/teacher_logprob": teacher_sum / tokens}
+    out = {"distill/reverse_kl": kl / tokens, "distill/student_logprob": student_sum / tokens,
+           "distill/teacher_logprob": teacher_sum / tokens}
+    if any(s.teacher_topk is not None for s in samples):  # how much of the teacher the top-k term sees
+        out["distill/teacher_topk_mass"] = mass / tokens
+    return out
+
+
+def topk_rows(samples: list[Sample], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """For every response token of `samples` (flat, in order): the teacher's top-k token ids padded to k (with id
+    0) and their probabilities renormalised over the top-k (p~, module docstring), 0 at the padding and at tokens
+    without a top-k (masked ones, where the merge joined a tool result in)."""
+    ids: list[list[int]] = []
+    probs: list[list[float]] = []
+    for s in samples:
+        rows = s.teacher_topk if s.teacher_topk is not None else [[] for _ in s.response_ids]
+        if len(rows) != len(s.response_ids):
+            raise ValueError(f"episode {s.episode_uid}: {len(s.response_ids)} response tokens but the teacher's "
+                             f"top-k at {len(rows)} positions")
+        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        for row, m in zip(rows, mask):
+            row = row[:k] if m else []
+            top = max((lp for _, lp in row), default=0.0)
+            weights = [math.exp(lp - top) for _, lp in row]
+            total = sum(weights) or 1.0
+            ids.append([t for t, _ in row] + [0] * (k - len(row)))
+            probs.append([w / total for w in weights] + [0.0] * (k - len(row)))
+    return ids, probs
 
 
 def token_advantages(sample: Sample) -> list[float]:
@@ -98,9 +141,10 @@ def teacher_chains(calls: list[LLMCall]) -> list[list[int]]:
     return chains
 
 
-def response_logprobs(values: list[float], call: LLMCall) -> list[float]:
-    """The logprobs of `call`'s response tokens from a scored sequence that begins with its prompt + response:
-    `values[i]` = log p(x_{i+1} | x_<=i), so the token at position p has values[p - 1]."""
+def response_slice(values: list, call: LLMCall) -> list:
+    """What a scored sequence that begins with `call`'s prompt + response holds for the call's response tokens
+    (their logprobs, or their positions' top-k): `values[i]` is about x_{i+1} given x_<=i, so the token at position
+    p has values[p - 1]."""
     start = len(call.prompt_ids) - 1
     out = values[start : start + len(call.response_ids)]
     if len(out) != len(call.response_ids) or start < 0:

@@ -197,3 +197,14 @@ def sft_loss(logprobs_R: Tensor, weights_R: Tensor, mask_R: Tensor) -> tuple[Ten
     as for the policy loss); stats: `nll`, the token sum of -logp over the trained tokens."""
     loss = -(weights_R * logprobs_R).sum()
     return loss, {"nll": -(logprobs_R.detach() * mask_R).sum()}
+
+
+def topk_kl_loss(student_R_K: Tensor, teacher_R_K: Tensor, weights_R: Tensor, mask_R: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """The top-k term of on-policy distillation (algorithm/distillation.py): with p~ = `teacher_R_K` (the teacher's
+    top-k renormalised, 0 at padding) and log pi_S = `student_R_K` (the student's raw logprobs of those ids),
+        KL~_t = sum_k p~_tk * (log p~_tk - log pi_S_tk),    L = sum_t w_t * KL~_t
+    (0 log 0 = 0). Returns L and the token sum of KL~_t over `mask_R` (detached)."""
+    log_teacher = torch.where(teacher_R_K > 0, teacher_R_K.clamp_min(1e-30).log(), 0.0)
+    kl_R = (teacher_R_K * (log_teacher - student_R_K)).sum(-1)
+    return (weights_R * kl_R).sum(), (kl_R.detach() * mask_R).sum()

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from astuner.algorithm.distillation import carries_advantage, token_advantages
+from astuner.algorithm.distillation import carries_advantage, token_advantages, topk_rows
 from astuner.step_plan import offsets
 from astuner.types import Sample
 
@@ -28,12 +28,19 @@ class TokenBatch:
     mask_R: Tensor
     seq_index_R: Tensor
     ref_logprobs_R: Tensor | None  # the frozen initial policy's, when `needs_reference`
+    # With `teacher_topk`: the student's raw logprobs of the teacher's top-k ids at each token (with gradient) and
+    # the teacher's renormalised probabilities of them (algorithm/distillation.py: topk_rows).
+    topk_student_R_K: Tensor | None = None
+    topk_teacher_R_K: Tensor | None = None
 
     @classmethod
     def of(cls, samples: list[Sample], weights_B: list[float], logprobs_R: Tensor, entropy_R: Tensor | None,
-           ref_logprobs_R: Tensor | None) -> TokenBatch:
+           ref_logprobs_R: Tensor | None, topk_R_K: Tensor | None = None) -> TokenBatch:
         """The micro-batch `samples` with their token weights (one per sample) and forward results."""
         dev = logprobs_R.device
+        teacher_R_K = None
+        if topk_R_K is not None:
+            teacher_R_K = torch.tensor(topk_rows(samples, topk_R_K.shape[-1])[1], device=dev, dtype=torch.float32)
         lengths = [len(s.response_ids) for s in samples]
         mask_R = torch.tensor([m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))],
                               device=dev, dtype=torch.float32)
@@ -45,7 +52,7 @@ class TokenBatch:
                                       dtype=torch.float32),
             weights_R=w_R * mask_R, mask_R=mask_R,
             seq_index_R=torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=dev),
-            ref_logprobs_R=ref_logprobs_R,
+            ref_logprobs_R=ref_logprobs_R, topk_student_R_K=topk_R_K, topk_teacher_R_K=teacher_R_K,
         )
 
     def per_sample(self, values_R: Tensor) -> list[list[float]]:
@@ -71,6 +78,7 @@ class TokenObjective:
     weighted_metrics: tuple[str, ...] = ()  # reported as means over every loss-weighted token, forwarded or not
     paired = False  # samples come as (chosen, rejected) pairs that share micro-batches (preference.py)
     entropy_metric = True  # forward the token entropies for the `entropy` metric
+    teacher_topk = 0  # k > 0: forward the student's raw logprobs of the samples' teacher top-k ids too
 
     def reported(self) -> tuple[str, ...]:
         """Token means the step reports (over the forwarded tokens, or those of `weighted_metrics`)."""

@@ -7,7 +7,9 @@ token sum over the mini-batch, so summing micro-batch losses (accumulating their
     PolicyGradient   L = sum_t w_t * l_t,   l_t = rho_t * pg_t + kl_coef * KL_t - entropy_coeff * H_t
                      pg_t: the PPO-clip token loss (or GSPO's sequence ratio), KL_t: k1/k3 to the frozen initial
                      policy, H_t: the token entropy (all in `loss.py`); rho_t = min(exp(old_t - engine_t), cap)
-                     with rollout_is_cap (old logprobs recomputed by the trainer, `mismatch.py`), else 1
+                     with rollout_is_cap (old logprobs recomputed by the trainer, `mismatch.py`), else 1;
+                     on-policy distillation with distill_topk adds topk_coef * sum_t w_t * KL~_t, the forward KL to
+                     the teacher's top-k (`distillation.py`, `loss.topk_kl_loss`)
     SFT              L = -sum_t w_t * logp_t   over the trained (assistant) tokens; advantages and old
                      logprobs are not used
     DPO, ORPO        sequence-pair losses over sums of the same token logprobs (`preference.py`)
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from astuner.algorithm.loss import policy_loss, sft_loss
+from astuner.algorithm.loss import policy_loss, sft_loss, topk_kl_loss
 from astuner.algorithm.mismatch import truncated_is_weights
 from astuner.algorithm.objective_base import TokenBatch, TokenObjective
 from astuner.algorithm.preference import DPO, ORPO
@@ -69,7 +71,8 @@ class PolicyGradient(TokenObjective):
 
     def __init__(self, clip_low: float, clip_high: float, clip_c: float = 3.0, loss_mode: str = "vanilla",
                  kl_coef: float | None = None, kl_kind: str = "k3", entropy_coeff: float = 0.0,
-                 rollout_is_cap: float | None = None, epochs: int = 1, recompute_old_logprobs: bool = False):
+                 rollout_is_cap: float | None = None, epochs: int = 1, recompute_old_logprobs: bool = False,
+                 teacher_topk: int = 0, topk_coef: float = 0.0):
         self.clip_low, self.clip_high, self.clip_c, self.loss_mode = clip_low, clip_high, clip_c, loss_mode
         self.kl_coef, self.kl_kind = kl_coef, kl_kind  # kl_coef None: no KL term, no reference forward
         self.entropy_coeff = entropy_coeff
@@ -78,18 +81,23 @@ class PolicyGradient(TokenObjective):
         self.recomputes_old_logprobs = recompute_old_logprobs
         self.needs_reference = kl_coef is not None
         self.entropy_grad = entropy_coeff > 0
-        self.trains_zero_advantage = self.needs_reference or entropy_coeff > 0
+        # The top-k term trains tokens whatever their advantage (0 when the teacher agrees with the sample).
+        self.teacher_topk, self.topk_coef = (teacher_topk, topk_coef) if topk_coef > 0 else (0, 0.0)
+        if self.teacher_topk:
+            self.stat_keys = (*self.stat_keys, "distill_topk_kl")
+        self.trains_zero_advantage = self.needs_reference or entropy_coeff > 0 or self.teacher_topk > 0
 
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> PolicyGradient:
         return cls(s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_mode,
                    s.kl_loss_coef if s.use_kl_loss else None, s.kl_loss_type, s.entropy_coeff, s.rollout_is_cap,
-                   s.ppo_epochs, s.old_logprobs == "trainer")
+                   s.ppo_epochs, s.old_logprobs == "trainer", s.distill_topk, s.distill_topk_coef)
 
     def reported(self) -> tuple[str, ...]:
         names = ("clip_fraction", "clip_fraction_lower", "approx_kl_old", "ratio_mean")
         names += ("kl_ref", "entropy") if self.needs_reference else ("entropy",)
-        return names + (("is_weight_mean",) if self.rollout_is_cap is not None else ())
+        return (names + (("is_weight_mean",) if self.rollout_is_cap is not None else ())
+                + (("distill_topk_kl",) if self.teacher_topk else ()))
 
     def loss(self, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         is_w_R = None
@@ -97,12 +105,17 @@ class PolicyGradient(TokenObjective):
             engine_R = torch.tensor([x for s in batch.samples for x in s.engine_logprobs],
                                     device=batch.logprobs_R.device, dtype=torch.float32)
             is_w_R = truncated_is_weights(batch.old_logprobs_R, engine_R, self.rollout_is_cap)
-        return policy_loss(
+        loss, stats = policy_loss(
             batch.logprobs_R, batch.old_logprobs_R, batch.advantages_R, batch.weights_R, self.clip_low,
             self.clip_high, self.clip_c, ref_logprobs_R=batch.ref_logprobs_R, kl_coef=self.kl_coef or 0.0,
             kl_kind=self.kl_kind, mask_R=batch.mask_R, loss_mode=self.loss_mode, seq_index_R=batch.seq_index_R,
             entropy_R=batch.entropy_R, entropy_coeff=self.entropy_coeff, is_weights_R=is_w_R,
         )
+        if self.teacher_topk and batch.topk_student_R_K is not None:
+            topk_loss, stats["distill_topk_kl"] = topk_kl_loss(batch.topk_student_R_K, batch.topk_teacher_R_K,
+                                                               batch.weights_R, batch.mask_R)
+            loss = loss + self.topk_coef * topk_loss
+        return loss, stats
 
 
 # Objectives by name (the catalog's `objective`), built by `token_objective`.

@@ -134,6 +134,10 @@ def merge_samples(samples: list[Sample], agents: list[str]) -> list[Sample]:
                 last.teacher_logprobs = last.teacher_logprobs + [0.0] * len(gap) + s.teacher_logprobs
             else:
                 last.teacher_logprobs = None
+            if last.teacher_topk is not None and s.teacher_topk is not None:
+                last.teacher_topk = last.teacher_topk + [[] for _ in gap] + s.teacher_topk
+            else:
+                last.teacher_topk = None
             last.loss_mask = mask + [0] * len(gap) + [1] * len(s.response_ids)
             last.call_indices = last.call_indices + s.call_indices
             continue
@@ -181,4 +185,5 @@ def _to_sample(call: LLMCall, advantage: float, episode_uid: str, call_index: in
         call_indices=[call_index] if call_index >= 0 else [],
         model=model,
         teacher_logprobs=None if call.teacher_logprobs is None else list(call.teacher_logprobs),
+        teacher_topk=None if call.teacher_topk is None else [list(p) for p in call.teacher_topk],
     )

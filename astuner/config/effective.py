@@ -32,6 +32,7 @@ NEUTRAL: dict[str, Any] = {
     TC + "algorithm.filter_groups.metric": "score",
     TC + "algorithm.filter_groups.max_num_gen_batches": 0,
     TC + "algorithm.rft_reward_threshold": 1.0,
+    TC + "algorithm.distill_topk": 0,
 }
 OFFLINE_NEUTRAL: dict[str, Any] = {"astuner.rollout.top_k": 0, "astuner.rollout.top_p": 1.0}
 

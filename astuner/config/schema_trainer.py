@@ -51,6 +51,11 @@ class AlgorithmSection(Section):
                                  "(teacher logprob - student logprob) of each sampled token.", ge=0)
     distill_reward_weight: float = key(0.0, "on_policy_distillation: the weight of the task reward's group "
                                        "advantage added to every token's (0: distillation alone).", ge=0)
+    distill_topk: int = key(0, "on_policy_distillation: the teacher's k likeliest tokens at each position add a "
+                            "forward-KL term on them (lifts tokens the student never samples; 0: off). At most 20, "
+                            "what vLLM returns by default (a server teacher must allow k: vLLM's --max-logprobs).",
+                            ge=0, le=20)
+    distill_topk_coef: float = key(1.0, "on_policy_distillation with distill_topk: the weight of the top-k term.", gt=0)
     adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = key(
         "grpo",
         "Advantage estimator: grpo | dr_grpo (r - mean, pair with loss_agg_mode seq-mean-token-sum-norm) | rloo "

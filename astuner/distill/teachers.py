@@ -1,15 +1,18 @@
 """Teachers: what scores the student's tokens for on-policy distillation (astuner/algorithm/distillation.py).
 
-A teacher has one method, `score(sequences) -> [values | exception]`: for each token-id sequence x, the list
-values[i] = log p_T(x_{i+1} | x_<=i) (len(x) - 1 of them), or the exception that stopped it (a failure of one
-sequence or request never takes down the others' results).
+A teacher has one method, `score(sequences, topk=0) -> [PromptLogprobs | exception]`: for each token-id sequence x,
+values[i] = log p_T(x_{i+1} | x_<=i) (len(x) - 1 of them) and, with topk = k, the teacher's k likeliest tokens at
+each of those positions (`topk[i]`: (token id, logprob), likeliest first); or the exception that stopped it (a
+failure of one sequence or request never takes down the others' results).
 
     EngineTeacher     a model folder in this process, on an inference engine (`InferenceEngine.prompt_logprobs`)
-    EndpointTeacher   an OpenAI-compatible server: POST /completions with the ids as the prompt, echo, logprobs 0,
-                      one generated token (ignored); `choices[k].logprobs.token_logprobs` = [null, logprobs...]
-                      (vLLM's form; prompt logprobs are the raw model's, before any temperature)
+    EndpointTeacher   an OpenAI-compatible server: POST /completions with the ids as the prompt, echo, logprobs k,
+                      one generated token (ignored); `choices[k].logprobs.token_logprobs` = [null, logprobs...] and
+                      `top_logprobs` = [null, {"token_id:N": logprob}...] (vLLM's form; prompt logprobs are the raw
+                      model's, before any temperature)
     TinkerTeacher     a Tinker API server (`astuner serve`, or Tinker itself) through the `tinker` SDK: a sampler's
-                      `compute_logprobs` ([None, logprobs...]), one future per sequence
+                      `compute_logprobs` ([None, logprobs...]), or with top-k its `sample` with
+                      `topk_prompt_logprobs`; one future per sequence
 
 Each is checked at start to read the student's tokens (`check_vocabulary`, `check_model_vocabulary`): a run whose
 teacher splits text differently would distil noise.
@@ -23,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from astuner.errors import UserError
+from astuner.types import PromptLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +37,16 @@ class EngineTeacher:
     def __init__(self, engine, timeout_s: float, name: str) -> None:
         self.engine, self.timeout_s, self.name = engine, timeout_s, name
 
-    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+    def score(self, sequences: list[list[int]], topk: int = 0) -> list[PromptLogprobs | BaseException]:
         deadline = time.monotonic() + self.timeout_s
-        out: list[list[float] | BaseException] = []
+        out: list[PromptLogprobs | BaseException] = []
         for seq in sequences:
             if time.monotonic() > deadline:
                 out.append(TimeoutError(f"the teacher {self.name} did not score {len(sequences)} sequences within "
                                         f"astuner.teacher.timeout_s = {self.timeout_s:g} s"))
                 continue
             try:
-                values = self.engine.prompt_logprobs(list(seq)).values
-                if len(values) != len(seq) - 1:
-                    raise ValueError(f"the teacher returned {len(values)} logprobs for {len(seq)} tokens")
-                out.append(list(values))
+                out.append(checked(self.engine.prompt_logprobs(list(seq), topk=topk), seq, topk, self.name))
             except Exception as exc:  # noqa: BLE001 - one sequence's failure flags its episode only
                 out.append(exc)
         return out
@@ -79,8 +80,8 @@ class EndpointTeacher:
                             "Start the teacher's server (e.g. `vllm serve PATH`), check the URL (it ends in /v1), "
                             "or name the model in astuner.teacher.served_model") from None
 
-    def _post(self, prompt) -> list[dict]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
+    def _post(self, prompt, topk: int = 0) -> list[dict]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": topk,
                 "temperature": 1.0, "return_tokens_as_token_ids": True}
         response = self.client.post(f"{self.base_url}/completions", json=body)
         if response.status_code >= 400:
@@ -88,29 +89,32 @@ class EndpointTeacher:
         choices = sorted(response.json()["choices"], key=lambda c: c.get("index", 0))
         return [c["logprobs"] for c in choices]
 
-    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+    def score(self, sequences: list[list[int]], topk: int = 0) -> list[PromptLogprobs | BaseException]:
         batches = [sequences[i : i + self.batch_size] for i in range(0, len(sequences), self.batch_size)]
         with ThreadPoolExecutor(max_workers=min(4, max(1, len(batches)))) as pool:
-            results = list(pool.map(self._score_batch, batches))
+            results = list(pool.map(lambda batch: self._score_batch(batch, topk), batches))
         return [r for batch in results for r in batch]
 
-    def _score_batch(self, batch: list[list[int]]) -> list[list[float] | BaseException]:
+    def _score_batch(self, batch: list[list[int]], topk: int) -> list[PromptLogprobs | BaseException]:
         try:
-            answers = self._post([list(seq) for seq in batch])
+            answers = self._post([list(seq) for seq in batch], topk)
             if len(answers) != len(batch):
                 raise RuntimeError(f"the teacher {self.name} returned {len(answers)} choices for {len(batch)} prompts")
         except Exception as exc:  # noqa: BLE001 - the request failed: every sequence of it is flagged
             return [exc] * len(batch)
-        out: list[list[float] | BaseException] = []
+        out: list[PromptLogprobs | BaseException] = []
         for seq, logprobs in zip(batch, answers):
-            values = (logprobs or {}).get("token_logprobs") or []
             # [null, x_1 .. x_{n-1}, the generated token]: the prompt's are 1 .. n-1.
-            values = values[1 : len(seq)]
-            if len(values) != len(seq) - 1 or any(v is None for v in values):
-                out.append(RuntimeError(f"the teacher {self.name} echoed {len(values)} prompt logprobs for "
-                                        f"{len(seq)} tokens (does it support echo with logprobs?)"))
-            else:
-                out.append([float(v) for v in values])
+            values = ((logprobs or {}).get("token_logprobs") or [])[1 : len(seq)]
+            top = ((logprobs or {}).get("top_logprobs") or [])[1 : len(seq)] if topk else None
+            try:
+                if len(values) != len(seq) - 1 or any(v is None for v in values):
+                    raise RuntimeError(f"the teacher {self.name} echoed {len(values)} prompt logprobs for "
+                                       f"{len(seq)} tokens (does it support echo with logprobs?)")
+                ranked = None if top is None else [ranked_ids(position, topk, self.name) for position in top]
+                out.append(checked(PromptLogprobs([float(v) for v in values], ranked), seq, topk, self.name))
+            except Exception as exc:  # noqa: BLE001 - this sequence's answer is unusable: its episode is flagged
+                out.append(exc)
         return out
 
     def server_ids(self, text: str) -> list[int] | list[str]:
@@ -145,19 +149,27 @@ class TinkerTeacher:
                             "Start the server (e.g. `astuner serve`), check the URL and key, and name a tinker:// "
                             "path or a base model in astuner.teacher.served_model") from None
 
-    def score(self, sequences: list[list[int]]) -> list[list[float] | BaseException]:
+    def score(self, sequences: list[list[int]], topk: int = 0) -> list[PromptLogprobs | BaseException]:
         from tinker import types
 
         deadline = time.monotonic() + self.timeout_s
-        futures = [self.sampler.compute_logprobs(types.ModelInput.from_ints(list(seq))) for seq in sequences]
-        out: list[list[float] | BaseException] = []
+        inputs = [types.ModelInput.from_ints(list(seq)) for seq in sequences]
+        if topk:  # prompt logprobs with the top-k come with a one-token sample (the token is ignored)
+            params = types.SamplingParams(max_tokens=1, temperature=1.0)
+            futures = [self.sampler.sample(x, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=topk)
+                       for x in inputs]
+        else:
+            futures = [self.sampler.compute_logprobs(x) for x in inputs]
+        out: list[PromptLogprobs | BaseException] = []
         for seq, future in zip(sequences, futures):
             try:
-                values = future.result(timeout=max(0.0, deadline - time.monotonic()))[1:]
+                answer = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                values = (answer.prompt_logprobs if topk else answer)[1:]
                 if len(values) != len(seq) - 1 or any(v is None for v in values):
                     raise RuntimeError(f"the teacher {self.name} returned {len(values)} prompt logprobs for "
                                        f"{len(seq)} tokens")
-                out.append([float(v) for v in values])
+                top = [list(p or []) for p in (answer.topk_prompt_logprobs or [])[1:]] if topk else None
+                out.append(checked(PromptLogprobs([float(v) for v in values], top), seq, topk, self.name))
             except Exception as exc:  # noqa: BLE001 - one sequence's failure flags its episode only
                 out.append(exc)
         return out
@@ -170,6 +182,31 @@ class TinkerTeacher:
             self.service.close("success").result(timeout=10)
         except Exception as exc:  # noqa: BLE001
             log.debug("closing the teacher's Tinker session: %s", exc)
+
+
+def ranked_ids(position: dict | None, topk: int, name: str) -> list[tuple[int, float]]:
+    """An OpenAI `top_logprobs` entry ({"token_id:N": logprob}) as the k likeliest (id, logprob), likeliest first."""
+    pairs = []
+    for key, value in (position or {}).items():
+        if not (isinstance(key, str) and key.startswith("token_id:")):
+            raise RuntimeError(f"the teacher {name} names its top tokens as text ({key!r}), not ids: serve it with "
+                               "return_tokens_as_token_ids (vLLM does, as asked)")
+        pairs.append((int(key.split(":", 1)[1]), float(value)))
+    return sorted(pairs, key=lambda p: -p[1])[:topk]
+
+
+def checked(scored: PromptLogprobs, seq: list[int], topk: int, name: str) -> PromptLogprobs:
+    """`scored` when it has a logprob for each of seq's tokens after the first, and with top-k, k ids at each
+    position; else the RuntimeError that flags its episode."""
+    if len(scored.values) != len(seq) - 1:
+        raise RuntimeError(f"the teacher {name} returned {len(scored.values)} logprobs for {len(seq)} tokens")
+    if topk:
+        top = scored.topk or []
+        if len(top) != len(seq) - 1 or any(len(p) < min(topk, 1) for p in top):
+            raise RuntimeError(f"the teacher {name} returned its top-{topk} tokens at {len(top)} of "
+                               f"{len(seq) - 1} positions")
+        scored = PromptLogprobs(list(scored.values), [[(int(t), float(lp)) for t, lp in p[:topk]] for p in top])
+    return scored
 
 
 PROBE = [{"role": "system", "content": "You check tools."},

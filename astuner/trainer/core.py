@@ -179,22 +179,23 @@ class Trainer:
         if ref:
             with torch.no_grad():
                 self.forward_logprobs([dummy], reference=True)
-        logprobs_R, _ = self.forward_logprobs([dummy])
+        logprobs_R = self.forward_logprobs([dummy])[0]
         if backward:
             (logprobs_R.sum() * 0.0).backward()
 
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward_logprobs(self, samples: list[Sample], *, reference: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                         entropy_grad: bool = False, topk: int = 0) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
-        `samples` under the policy (or the frozen reference), flattened to R (`trainer/forward.py`)."""
+        `samples` under the policy (or the frozen reference), flattened to R, and with `topk` the raw logprobs of
+        the samples' teacher top-k ids (`trainer/forward.py`)."""
         self.check_joined()
         model, root = (self.ref_model, self._ref_root) if reference else (self.model, self.root)
         if root is None:
-            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad)
+            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad, topk)
         # Sharded: gathers the root's parameters around the call.
-        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad)
+        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad, topk)
 
     @torch.no_grad()
     def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:

@@ -10,6 +10,11 @@ Temperature 0 counts as 1.0 (the engine logs greedy calls untempered); sampled c
 top-k / top-p filtered distribution (`algorithm/sampling_filter.py`); on CUDA the head runs in row chunks and never
 holds R x V logits (`trainer/fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
 purpose: logits at prompt positions.
+
+With `topk` (on-policy distillation's top-k term, algorithm/distillation.py), also the student's raw logprobs
+(temperature 1, unfiltered) of the teacher's top-k ids at each response position:
+    topk_tk = z_t[v_tk] - logsumexp(z_t)       (z_t the untempered logits)
+through the full logits: that forward does not take the chunked head.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from astuner.algorithm.distillation import topk_rows
 from astuner.algorithm.sampling_filter import is_filtered, keep_threshold
 from astuner.trainer.fused_head import head_logprobs, plain_linear_head
 from astuner.types import Sample
@@ -89,9 +95,16 @@ class HeadPath:
     pad_id: int = 0  # right padding after every real token: causal attention never lets a real token see it
 
 
-def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy: bool,
-                      entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Logprobs (and entropies, with their gradient if `entropy_grad`) of the samples' response tokens, flat R."""
+def raw_topk_logprobs(logits_R_V: Tensor, samples: list[Sample], topk: int) -> Tensor:
+    """log softmax(z_t)[v_tk] of the samples' teacher top-k ids v_tk (R x topk; z the untempered logits)."""
+    ids_R_K = torch.tensor(topk_rows(samples, topk)[0], device=logits_R_V.device, dtype=torch.long)
+    return logits_R_V.gather(-1, ids_R_K) - torch.logsumexp(logits_R_V, dim=-1, keepdim=True)
+
+
+def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy: bool, entropy_grad: bool,
+                      topk: int = 0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Logprobs (and entropies, with their gradient if `entropy_grad`) of the samples' response tokens, flat R;
+    with `topk`, the raw logprobs of the samples' teacher top-k ids (R x topk, module docstring), else None."""
     # The last token of each sequence predicts nothing we train on, so it is not fed.
     inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
     T = max(len(x) for x in inputs)
@@ -107,27 +120,27 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
         sampled += [s.temperature > 0] * L
     dev = path.device
     input_ids_B_T = input_ids_B_T.to(dev)
-    batch_idx_R = torch.tensor(batch_idx, device=dev)
-    pos_idx_R = torch.tensor(pos_idx, device=dev)
+    batch_idx_R, pos_idx_R = torch.tensor(batch_idx, device=dev), torch.tensor(pos_idx, device=dev)
     targets_R = torch.tensor(targets, device=dev)
     temps_R = torch.tensor(temps, device=dev, dtype=torch.float32)
 
-    # No attention mask: with right padding, causal attention already hides the pads from real tokens,
-    # and leaving it out keeps SDPA on its fused causal path.
-    # Precision is the parameters' dtype (astuner/trainer/precision.py): no autocast.
+    # No attention mask: causal attention already hides the right padding from real tokens, and SDPA stays on its
+    # fused causal path. No autocast either: precision is the parameters' dtype (astuner/trainer/precision.py).
     filtered = is_filtered(path.top_k, path.top_p) and any(sampled)
     if path.fast:
         hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
-        weight = plain_linear_head(model) if path.chunked else None
+        weight = plain_linear_head(model) if path.chunked and not topk else None
         if weight is not None:
             # Never holds R x V logits (astuner/trainer/fused_head.py); the same numbers as below, filter and entropy
             # (and its gradient) included.
-            return head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy,
-                                 filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
-                                 top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad)
+            return (*head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy,
+                                   filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
+                                   top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad), None)
         logits_R_V = head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
     else:
         logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
+    # Before the temperature and the filter: the raw model is what the teacher is compared with.
+    topk_R_K = raw_topk_logprobs(logits_R_V, samples, topk) if topk else None
     if any(t != 1.0 for t in temps):  # a full pass over R x V floats (and its backward) saved when all are 1
         logits_R_V = logits_R_V / temps_R[:, None]
     if filtered:
@@ -147,4 +160,4 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
         with torch.no_grad():
             probs_R_V = torch.softmax(logits_R_V, dim=-1)
             entropy_R = torch.special.entr(probs_R_V, out=probs_R_V).sum(-1)
-    return logprobs_R, entropy_R
+    return logprobs_R, entropy_R, topk_R_K

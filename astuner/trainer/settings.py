@@ -65,6 +65,9 @@ class TrainerSettings:
     entropy_coeff: float = 0.0
     old_logprobs: str = "engine"  # engine: the rollouts' sampling logprobs; trainer: recomputed before the update
     rollout_is_cap: float | None = None
+    # On-policy distillation's top-k term (algorithm/distillation.py): the teacher's k likeliest tokens, its weight.
+    distill_topk: int = 0
+    distill_topk_coef: float = 0.0
     # --- pair objectives (algorithm/preference.py: DPO, ORPO) ---
     beta: float = 0.1
     # --- model ---

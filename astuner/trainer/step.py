@@ -169,11 +169,12 @@ def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: li
         ref_R = None
         if objective.needs_reference:
             with torch.no_grad():
-                ref_R, _ = trainer.forward_logprobs(mb, reference=True)
+                ref_R = trainer.forward_logprobs(mb, reference=True)[0]
         with torch.set_grad_enabled(backward):
-            logprobs_R, entropy_R = trainer.forward_logprobs(mb, with_entropy=objective.entropy_metric,
-                                                             entropy_grad=objective.entropy_grad)
-            batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R)
+            logprobs_R, entropy_R, topk_R_K = trainer.forward_logprobs(
+                mb, with_entropy=objective.entropy_metric, entropy_grad=objective.entropy_grad,
+                topk=objective.teacher_topk)
+            batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R, topk_R_K)
             loss, stats = objective.loss(batch)
         if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
             for i, logprobs in zip(idx, batch.per_sample(logprobs_R)):
@@ -210,7 +211,7 @@ def recompute_old_logprobs(trainer, samples: list[Sample]
     for idx in trainer.micro_batches([samples[i] for i in todo]):
         mb = [samples[todo[i]] for i in idx]
         lengths = [len(s.response_ids) for s in mb]
-        logprobs_R, _ = trainer.forward_logprobs(mb)
+        logprobs_R = trainer.forward_logprobs(mb)[0]
         engine_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=dev)
         mask_R = torch.tensor([m for s in mb for m in (s.loss_mask or [1] * len(s.response_ids))],
                               device=dev, dtype=torch.float32)

@@ -1,8 +1,8 @@
 """On-policy distillation (astuner/algorithm/distillation.py, astuner/distill/): per-token advantages and the loss
 against a by-hand computation, tool tokens masked; a teacher scores each call in the exact context the student saw
-(a merged chain once); a teacher that fails flags its episode (never a zero); a teacher with another vocabulary
-stops the run at start (exit 2, naming both); a run on the debug backbone with a model-folder teacher and one
-with a server teacher."""
+(a merged chain once); the top-k term by hand, and lifting a token the student never sampled; a teacher that fails
+flags its episode (never a zero); a teacher with another vocabulary stops the run at start (exit 2, naming both); a
+run on the debug backbone with a model-folder teacher and one with a server teacher (the top-k term on)."""
 
 from __future__ import annotations
 

@@ -259,7 +259,6 @@ def node_available_memory() -> int | None:
 def optimizer_steps_per_step(typed) -> int:
     """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
     RFT, one for the preference losses."""
-
     tc = typed.astuner.trainer_common
     return algorithm(tc.algorithm.type).optimizer_steps(tc.mini_batch_num, tc.ppo_epochs)
 

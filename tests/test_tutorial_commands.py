@@ -3,12 +3,13 @@ from the root of a copy of the repository's tutorials (so `cd tutorial/...`, rel
 the later commands read are the reader's).
 
 Only the size changes, never the text: `astuner` on the PATH is a stand-in that runs the real CLI with a tiny
-random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 8-token turns,
-4 validation tasks and no stop for steps without signal appended to each run, eval, warm start and serve (a key
-the command sets itself is left to it); a warm start makes one draw. Step counts are kept, so a command that reads
-`launcher_record/<run>/global_step_N` reads what the commands before it wrote. `astuner logview` is started, its
-runs read from its JSON API, and stopped. The commands run in children of a fork server that has imported the
-CLI once (tests/cli_forkserver.py): the same code, without ~6 s of imports per command.
+random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 2 tasks per
+rolled-out step, 8-token turns, 4 validation tasks and no stop for steps without signal appended to each run,
+eval, warm start and serve (a key the command sets itself is left to it); a warm start makes one draw. Step
+counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the commands before it
+wrote. `astuner logview` is started, its runs read from its JSON API, and stopped. The commands run in children
+of a fork server that has imported the CLI once (tests/cli_forkserver.py): the same code, without ~6 s of
+imports per command.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
 a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
@@ -52,12 +53,15 @@ SHRINK = {  # appended to every run and eval unless the command sets the key its
     # A random model earns no reward: its steps carry no signal, which would stop a run after a few.
     "astuner.trainer_common.max_idle_steps": "1000",
 }
+# Appended to runs that roll out (their steps keep their count, each rolls out fewer tasks); a config that trains
+# on offline data counts its steps in conversations per step, so its batch is left as written.
+SHRINK_ROLLOUTS = {"astuner.data.train_batch_size": "2"}
 
 STAND_IN = '''#!{python}
 """`astuner` for the tutorial commands' test: the real CLI, smaller (tests/test_tutorial_commands.py)."""
 import json, os, subprocess, sys, time, urllib.request
 
-TINY, SHRINK, TESTS = {tiny!r}, {shrink!r}, {tests!r}
+TINY, SHRINK, SHRINK_ROLLOUTS, TESTS = {tiny!r}, {shrink!r}, {shrink_rollouts!r}, {tests!r}
 args = sys.argv[1:]
 real = [sys.executable, "-m", "astuner.cli"]
 if args[:1] == ["logview"]:
@@ -84,7 +88,9 @@ if args[:1] == ["logview"]:
 given = {{a.split("=", 1)[0].lstrip("+") for a in args if "=" in a and not a.startswith("-")}}
 if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"], ["serve"]):
     args = [a.replace("demo:smollm2-135m-instruct", TINY) for a in args]
-    extra = {{k: v for k, v in SHRINK.items() if k not in given}}
+    conf = next((b for a, b in zip(args, args[1:]) if a in ("--conf", "-c")), None)
+    offline = conf is not None and os.path.isfile(conf) and "offline_data" in open(conf).read()
+    extra = {{k: v for k, v in {{**SHRINK, **({{}} if offline else SHRINK_ROLLOUTS)}}.items() if k not in given}}
     if "astuner.model.path" not in given:
         extra["astuner.model.path"] = TINY
     args = args + [f"{{k}}={{v}}" for k, v in extra.items()]
@@ -132,7 +138,8 @@ def stand_in(tmp_path_factory, tiny_model_dir):
     (tiny / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
     folder = tmp_path_factory.mktemp("bin")
     path = folder / "astuner"
-    path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK, tests=str(REPO / "tests")))
+    path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK,
+                                    shrink_rollouts=SHRINK_ROLLOUTS, tests=str(REPO / "tests")))
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     socket_path = folder / "forkserver.sock"
     env = {**os.environ, "PATH": f"{folder}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

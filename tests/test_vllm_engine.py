@@ -229,36 +229,39 @@ def test_cancelling_the_caller_stops_the_request(engine):
     assert len(asyncio.run(run()).token_ids) == 4
 
 
-@pytest.mark.parametrize("sampling", [[], ["astuner.rollout.top_p=0.8", "astuner.rollout.top_k=20",
-                                              "astuner.rollout.temperature=0.7"]], ids=["default", "top_p_top_k"])
-def test_debug_backbone_two_steps_on_vllm(tmp_path, tiny_model_dir, sampling, capfd):
-    """The whole loop with engine: vllm (its own engine process): metrics carry the mismatch and sync time; with
-    Qwen's recommended top_p/top_k the start-up check (strict) passes and engine and trainer still agree."""
+def check_vllm_run(rows: list[dict], console: str, log: str) -> None:
+    """Two steps of a run on vLLM: engine and trainer agree, the mismatch and the sync are measured; the console holds
+    astuner's lines and bars, vLLM's own output (its processes' too) is in the run's log."""
+    train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r][:2]
+    assert [r["step"] for r in train] == [1, 2]
+    for row in train:
+        assert row["rollout/logprob_abs_diff_mean"] < engine_logprob_atol(run_engine_dtype())  # engine = trainer
+        assert "rollout/kl_engine_trainer_k3" in row and row["time/sync_s"] > 0
+    assert "WARNING" not in console and "EngineCore" not in console and "Failed to load weights" not in console
+    assert "vllm" in log and "Failed to load weights" in log  # the tied head, re-packed after each sync
+
+
+def test_debug_backbone_two_steps_on_vllm_with_top_p_top_k(tmp_path, tiny_model_dir, capfd):
+    """The whole loop with engine: vllm (its own engine process), with Qwen's recommended top_p/top_k: the start-up
+    check (strict) passes and engine and trainer still agree. The default sampling's run is the SIGTERM test's."""
     from tests.test_debug_backbone import write_run
 
     from astuner.cli import main
 
     yaml = write_run(tmp_path, tiny_model_dir)
     code = main(["--conf", str(yaml), "astuner.rollout.engine=vllm", f"astuner.experiment_dir={tmp_path / 'out'}",
-                 "astuner.trainer_common.total_training_steps=2", "astuner.rollout.max_num_seqs=8", *sampling])
+                 "astuner.trainer_common.total_training_steps=2", "astuner.rollout.max_num_seqs=8",
+                 "astuner.rollout.top_p=0.8", "astuner.rollout.top_k=20", "astuner.rollout.temperature=0.7"])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
-    for row in train:
-        assert row["rollout/logprob_abs_diff_mean"] < engine_logprob_atol(run_engine_dtype())  # engine = trainer
-        assert "rollout/kl_engine_trainer_k3" in row and row["time/sync_s"] > 0
-    # The console holds astuner's lines and bars; vLLM's own output (its processes' too) is in the run's log.
     captured = capfd.readouterr()
-    console = captured.out + captured.err
-    assert "WARNING" not in console and "EngineCore" not in console and "Failed to load weights" not in console
-    log = (tmp_path / "out" / "astuner.log").read_text(errors="replace")
-    assert "vllm" in log and "Failed to load weights" in log  # the tied head, re-packed after each sync
+    check_vllm_run(rows, captured.out + captured.err, (tmp_path / "out" / "astuner.log").read_text(errors="replace"))
 
 
 def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
     """A run ended by SIGTERM (a scheduler, a timeout) unwinds like Ctrl-C: vLLM's engine core and worker (3.7 GB
-    each on the demo model) are stopped, and the exit code says so (killed outright: tests/test_vllm_orphans.py)."""
+    each on the demo model) are stopped, and the exit code says so (killed outright: tests/test_vllm_orphans.py).
+    Its first two steps are the whole loop on vLLM with the default sampling (check_vllm_run)."""
     import signal
     import subprocess
     import sys
@@ -269,22 +272,31 @@ def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
 
     yaml = write_run(tmp_path, tiny_model_dir)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml), "astuner.rollout.engine=vllm",
-                             f"astuner.experiment_dir={out}", "astuner.trainer_common.total_training_steps=500",
-                             "astuner.trainer_common.max_idle_steps=1000",  # no early stop: the run outlives the signal
-                             "astuner.rollout.max_num_seqs=8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    with open(tmp_path / "console", "w") as console:  # a file, never a pipe that fills while nobody reads it
+        proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml),
+                                 "astuner.rollout.engine=vllm", f"astuner.experiment_dir={out}",
+                                 "astuner.trainer_common.total_training_steps=500",
+                                 "astuner.trainer_common.max_idle_steps=1000",  # no early stop: it outlives the signal
+                                 "astuner.rollout.max_num_seqs=8"], stdout=console, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
-    while not (out / "metrics.jsonl").is_file():  # the engine serves: its processes are up
-        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+
+    def rows() -> list[dict]:
+        lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").is_file() else []
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    # Two steps (a sync between them): the engine serves, its processes are up.
+    while len([r for r in rows() if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not take two steps"
         time.sleep(0.5)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert any("VLLM" in " ".join(c.cmdline() + [c.name()]) for c in children if c.is_running())
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "terminated (SIGTERM)" in err
+    proc.wait(timeout=120)
+    console = (tmp_path / "console").read_text(errors="replace")
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in console
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [c.pid for c in alive]
+    check_vllm_run(rows(), console, (out / "astuner.log").read_text(errors="replace"))
 
 
 def test_a_later_engine_takes_its_own_logging_config_though_vllm_cached_the_first(tmp_path):

@@ -26,8 +26,9 @@ import sys
 import time
 
 # Variables a shell or pytest sets by itself: the only ones a command's environment may differ in from the
-# server's (the child gets the command's own).
-SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PYTEST_CURRENT_TEST"})
+# server's (the child gets the command's own). A non-interactive bash drops PS1 and PS2 and resets PS4, and
+# `. .venv/bin/activate` (scripts/test.sh) exports PS1: without them here, every command ran a fresh interpreter.
+SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2", "PS4", "PYTEST_CURRENT_TEST"})
 
 
 def same_environment(env: dict, server_env: dict) -> bool:
@@ -139,16 +140,16 @@ def run_client(path: str, argv: list[str]) -> int | None:
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
-    except OSError:
+    except OSError as error:
+        print(f"astuner (test stand-in): a fresh interpreter; the fork server is not there ({error})", file=sys.stderr)
         return None
     request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     replies = conn.makefile("r")
     first = json.loads(replies.readline() or '{"fresh": true}')
     if first.get("fresh"):
-        if os.environ.get("ASTUNER_TEST_FORKSERVER_DEBUG"):
-            print(f"astuner (test stand-in): a fresh interpreter; the environment differs in {first.get('differs')}",
-                  file=sys.stderr)
+        print(f"astuner (test stand-in): a fresh interpreter; the environment differs in {first.get('differs')}",
+              file=sys.stderr)
         return None
     pid = first["pid"]
 

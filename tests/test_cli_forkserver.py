@@ -85,6 +85,26 @@ def test_another_environment_runs_a_fresh_interpreter(server, tmp_path):
     assert proc.returncode == 0 and "fresh" in err  # HF_HOME is read at import: the server's would be wrong
 
 
+def test_a_command_from_bash_in_an_activated_environment_is_forked(tmp_path):
+    """`. .venv/bin/activate` exports PS1, which a non-interactive bash (the tutorial scripts') drops: the server,
+    started with the activated environment, still serves the command."""
+    env = {**os.environ, "PS1": "(.venv) $ "}
+    path = tmp_path / "s.sock"
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli_forkserver.py"), str(path), "--no-preload"], env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().strip() == "ready"
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from cli_forkserver import run_client; " \
+               f"sys.exit(3 if run_client({str(path)!r}, ['--help']) is None else 0)"
+        done = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{code}\""], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def _children_of_server(path: Path) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid,ppid,args", "--width", "4000"], capture_output=True,
                          text=True).stdout.splitlines()[1:]

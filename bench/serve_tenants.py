@@ -244,7 +244,12 @@ def run(model: str, steps: int = 6, tenants: int = 4, session_timeout: float = 1
                                   for a, s in zip(attacked, solo)]
         report["losses"] = {f"t{i}": (s["losses"], a["losses"]) for i, (s, a) in enumerate(zip(solo, attacked))}
         report["refusals"] = dict(refusals)
-        time.sleep(session_timeout + 8)  # the bad tenant's sessions expire: what they held goes with them
+        # The bad tenant's two silent sessions (abandoned, killed client) expire: what they held goes with them.
+        # Waited for, up to their timeout and a margin, so a run whose sessions already expired goes on at once.
+        deadline = time.monotonic() + session_timeout + 8
+        while (folder / "server.log").read_text().count("without a heartbeat") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)  # the server returns freed memory just after it logs the expiry
         report["rss_after_mib"] = rss_mib(proc.pid)
         report["expired"] = (folder / "server.log").read_text().count("without a heartbeat")
     finally:

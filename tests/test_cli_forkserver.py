@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,23 +18,32 @@ import pytest
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def server(tmp_path):
-    path = tmp_path / "s.sock"
-    proc = subprocess.Popen([sys.executable, str(HERE / "cli_forkserver.py"), str(path), "--no-preload"],
+def start_server(path: Path, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli_forkserver.py"), str(path), "--no-preload"], env=env,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     assert ready and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = tmp_path / "s.sock"
+    proc = start_server(path)
     yield path
     proc.terminate()
     proc.wait(30)
 
 
-def client(path: Path, args: list[str], cwd: Path, merged: bool = False, **kw) -> subprocess.Popen:
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from cli_forkserver import run_client; " \
+def client_code(path: Path, args: list[str]) -> str:
+    """A client's Python: prints "fresh" on stderr when the server sent it to a fresh interpreter."""
+    return f"import sys; sys.path.insert(0, {str(HERE)!r}); from cli_forkserver import run_client; " \
            f"r = run_client({str(path)!r}, {args!r}); print('fresh' if r is None else '', file=sys.stderr); " \
            "sys.exit(0 if r is None else r)"
-    return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, stdout=subprocess.PIPE,
+
+
+def client(path: Path, args: list[str], cwd: Path, merged: bool = False, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", client_code(path, args)], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, **kw)
 
 
@@ -90,16 +100,11 @@ def test_a_command_from_bash_in_an_activated_environment_is_forked(tmp_path):
     started with the activated environment, still serves the command."""
     env = {**os.environ, "PS1": "(.venv) $ "}
     path = tmp_path / "s.sock"
-    proc = subprocess.Popen([sys.executable, str(HERE / "cli_forkserver.py"), str(path), "--no-preload"], env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_server(path, env)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready and proc.stdout.readline().strip() == "ready"
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from cli_forkserver import run_client; " \
-               f"sys.exit(3 if run_client({str(path)!r}, ['--help']) is None else 0)"
-        done = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{code}\""], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        done = subprocess.run(["bash", "-c", f"{sys.executable} -c {shlex.quote(client_code(path, ['--help']))}"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "fresh" not in done.stderr, done.stderr
     finally:
         proc.terminate()
         proc.wait(30)

@@ -229,10 +229,15 @@ def test_cancelling_the_caller_stops_the_request(engine):
     assert len(asyncio.run(run()).token_ids) == 4
 
 
+def step_rows(rows: list[dict]) -> list[dict]:
+    """The metrics rows of training steps (not the validation rows between them)."""
+    return [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]
+
+
 def check_vllm_run(rows: list[dict], console: str, log: str) -> None:
     """Two steps of a run on vLLM: engine and trainer agree, the mismatch and the sync are measured; the console holds
     astuner's lines and bars, vLLM's own output (its processes' too) is in the run's log."""
-    train = [r for r in rows if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r][:2]
+    train = step_rows(rows)[:2]
     assert [r["step"] for r in train] == [1, 2]
     for row in train:
         assert row["rollout/logprob_abs_diff_mean"] < engine_logprob_atol(run_engine_dtype())  # engine = trainer
@@ -272,12 +277,12 @@ def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
 
     yaml = write_run(tmp_path, tiny_model_dir)
     out = tmp_path / "out"
-    with open(tmp_path / "console", "w") as console:  # a file, never a pipe that fills while nobody reads it
+    with open(tmp_path / "console", "w") as console_file:  # a file, never a pipe that fills while nobody reads it
         proc = subprocess.Popen([sys.executable, "-m", "astuner.cli", "--conf", str(yaml),
                                  "astuner.rollout.engine=vllm", f"astuner.experiment_dir={out}",
                                  "astuner.trainer_common.total_training_steps=500",
                                  "astuner.trainer_common.max_idle_steps=1000",  # no early stop: it outlives the signal
-                                 "astuner.rollout.max_num_seqs=8"], stdout=console, stderr=subprocess.STDOUT)
+                                 "astuner.rollout.max_num_seqs=8"], stdout=console_file, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
 
     def rows() -> list[dict]:
@@ -285,7 +290,7 @@ def test_sigterm_stops_the_engines_processes(tmp_path, tiny_model_dir):
         return [json.loads(line) for line in lines if line.endswith("}")]
 
     # Two steps (a sync between them): the engine serves, its processes are up.
-    while len([r for r in rows() if "train/loss" in r or "rollout/logprob_abs_diff_mean" in r]) < 2:
+    while len(step_rows(rows())) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not take two steps"
         time.sleep(0.5)
     children = psutil.Process(proc.pid).children(recursive=True)

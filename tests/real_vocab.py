@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 from pathlib import Path
 
 GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_BYTE = 1, 3, 4, 6
@@ -77,13 +78,59 @@ def _add_table(tok, added: list[tuple[str, bool]]) -> None:
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added])
 
 
-def _from_gguf(path: Path, family: str):
-    from gguf import GGUFReader
+# GGUF value types (llama.cpp's gguf.h): fixed-size scalars by their struct code; 8 a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
-    reader = GGUFReader(str(path))
-    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
-    merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+
+def gguf_metadata(path: Path) -> dict:
+    """A GGUF file's key/value header ({key: value}, arrays as lists), tensors not read. `gguf.GGUFReader` maps
+    every tensor and wraps each array element in numpy views: 8 s per vocabulary file on 2 cores, against 0.3 s
+    for these few struct reads (the cold cache of a fresh CI machine builds four)."""
+    data = path.read_bytes()
+    magic, version, _, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path} is not a GGUF file of version 2 or later ({magic!r}, version {version})")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (size,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + size
+        return data[pos - size:pos].decode("utf-8")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            inner, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if inner in _GGUF_SCALARS:
+                code = _GGUF_SCALARS[inner]
+                items = list(struct.unpack_from(f"<{count}{code}", data, pos))
+                pos += count * struct.calcsize(code)
+                return items
+            return [value(inner) for _ in range(count)]
+        code = _GGUF_SCALARS[kind]
+        (item,) = struct.unpack_from("<" + code, data, pos)
+        pos += struct.calcsize(code)
+        return item
+
+    out = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        out[key] = value(kind)
+    return out
+
+
+def _from_gguf(path: Path, family: str):
+    fields = gguf_metadata(path)
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    types = list(fields["tokenizer.ggml.token_type"])
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     if family == "llama3.1":
         for i, name in LLAMA_31_RENAMES.items():
             tokens[i], types[i] = name, GGUF_CONTROL

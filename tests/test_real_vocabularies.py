@@ -172,3 +172,30 @@ def test_gemma4_parser_values():
     assert broken.tool_calls == [] and "unclosed" in broken.errors[0]
     assert parser.parse("<|tool_call>call:lookup{", {"lookup"}).errors == [
         "unclosed <|tool_call> at the end of the output"]
+
+
+def test_the_gguf_header_reader_reads_what_gguf_writes(tmp_path):
+    """real_vocab.gguf_metadata (the vocabularies' reader, 30x faster than gguf.GGUFReader) against a file
+    written by the gguf package itself: strings, scalars, arrays of strings and of numbers, non-ASCII text."""
+    from gguf import GGUFWriter
+    from real_vocab import gguf_metadata
+
+    path = tmp_path / "vocab.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "Ġhello", "é", "\u2581world", ""])
+    writer.add_array("tokenizer.ggml.token_type", [3, 1, 1, 6, 4])
+    writer.add_array("tokenizer.ggml.merges", ["Ġ h", "e llo"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 7)
+    writer.add_float32("rope.scale", 0.5)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    fields = gguf_metadata(path)
+    assert fields["tokenizer.ggml.tokens"] == ["<s>", "Ġhello", "é", "\u2581world", ""]
+    assert fields["tokenizer.ggml.token_type"] == [3, 1, 1, 6, 4]
+    assert fields["tokenizer.ggml.merges"] == ["Ġ h", "e llo"]
+    assert (fields["tokenizer.ggml.model"], fields["general.architecture"]) == ("gpt2", "llama")
+    assert (fields["tokenizer.ggml.eos_token_id"], fields["rope.scale"]) == (7, 0.5)
+    assert fields["tokenizer.ggml.add_bos_token"] is True

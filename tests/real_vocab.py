@@ -22,6 +22,8 @@ import json
 import struct
 from pathlib import Path
 
+from gguf import GGUFValueType
+
 GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_BYTE = 1, 3, 4, 6
 
 LLAMA_31_RENAMES = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}
@@ -78,9 +80,11 @@ def _add_table(tok, added: list[tuple[str, bool]]) -> None:
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added])
 
 
-# GGUF value types (llama.cpp's gguf.h): fixed-size scalars by their struct code; 8 a string, 9 an array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# The struct code of each fixed-size GGUF value type (the gguf package's own enum of them).
+_GGUF_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+                 GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+                 GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+                 GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
 
 
 def gguf_metadata(path: Path) -> dict:
@@ -101,9 +105,9 @@ def gguf_metadata(path: Path) -> dict:
 
     def value(kind: int):
         nonlocal pos
-        if kind == _GGUF_STRING:
+        if kind == GGUFValueType.STRING:
             return string()
-        if kind == _GGUF_ARRAY:
+        if kind == GGUFValueType.ARRAY:
             inner, count = struct.unpack_from("<IQ", data, pos)
             pos += 12
             if inner in _GGUF_SCALARS:
@@ -128,8 +132,7 @@ def gguf_metadata(path: Path) -> dict:
 
 def _from_gguf(path: Path, family: str):
     fields = gguf_metadata(path)
-    tokens = list(fields["tokenizer.ggml.tokens"])
-    types = list(fields["tokenizer.ggml.token_type"])
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     if family == "llama3.1":
         for i, name in LLAMA_31_RENAMES.items():

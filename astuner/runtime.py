@@ -165,6 +165,7 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         reference_model=algorithm(tc.algorithm.type).needs_reference,
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
+        shared_prefix_min_tokens=tc.shared_prefix_min_tokens,
         precision=tc.precision,
         lora=lora_settings(tc.lora, spec.lora_rank),
         # The sampling filter shapes the distribution rollouts were drawn from (offline data: no filter).

@@ -1,11 +1,13 @@
 """How one training step is cut up and scheduled: mini-batches (one optimizer step each), micro-batches by token
-budget (one forward/backward each), and the learning rate of each optimizer step. Pure Python; the Trainer
-(`astuner/trainer/core.py`) applies them; pair objectives (DPO, ORPO) keep each pair in one micro-batch.
+budget (one forward/backward each), the samples of a micro-batch that share a prefix (forwarded once), and the
+learning rate of each optimizer step. Pure Python; the Trainer (`astuner/trainer/core.py`) applies them; pair
+objectives (DPO, ORPO) keep each pair in one micro-batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from astuner.types import Sample
 
@@ -76,3 +78,130 @@ def split_pair_micro_batches(lengths_B: list[int], budget: int) -> list[list[int
     half = len(lengths_B) // 2
     pairs = split_micro_batches([lengths_B[i] + lengths_B[i + half] for i in range(half)], budget)
     return [idx + [i + half for i in idx] for idx in pairs]
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Samples forwarded over one shared prefix: the first `shared` tokens of their inputs are equal and forwarded
+    once, then each sample's own tokens attend to them (`trainer/forward.py`); shared 0: a plain padded batch."""
+
+    indices: tuple[int, ...]
+    shared: int
+
+    def cost(self, lengths: list[int]) -> int:
+        """Token rows the forward processes: the prefix once plus every member's rest padded to the longest."""
+        return self.shared + len(self.indices) * (max(lengths[i] for i in self.indices) - self.shared)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def prefix_groups(inputs: list[list[int]], min_shared: int) -> list[PrefixGroup]:
+    """Samples whose inputs begin alike, grouped so that the fewest tokens are forwarded. Sorted, the inputs'
+    common prefixes are runs of neighbours: a run of m inputs (lengths L_i) shares s = the least common prefix of
+    its adjacent pairs, capped one short of its shortest input (every member forwards a token of its own), and
+    forwards
+
+        cost(run) = s + sum_i (L_i - s) = sum_i L_i - (m - 1) * s      (s >= min_shared; a run of one: L)
+
+    tokens. The runs are the cut of the sorted inputs that minimises the summed cost (a dynamic programme over
+    the cut points: best[j] = min_i best[i] + cost(inputs i..j-1)). Runs of one, and every sample when
+    min_shared < 1, are gathered in one group with shared 0, first."""
+    if min_shared < 1 or len(inputs) < 2:
+        return [PrefixGroup(tuple(range(len(inputs))), 0)] if inputs else []
+    order = sorted(range(len(inputs)), key=lambda i: (inputs[i], i))
+    n = len(order)
+    adjacent = [common_prefix(inputs[a], inputs[b]) for a, b in zip(order, order[1:])]
+    best = [0] + [0] * n
+    cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # best[j]'s last run: its start and its shared length
+    for j in range(1, n + 1):
+        total = len(inputs[order[j - 1]])
+        best[j], cut[j] = best[j - 1] + total, (j - 1, 0)
+        shared, shortest = 1 << 62, total
+        for i in range(j - 2, -1, -1):  # the run i..j-1, longer each turn: its prefix only shrinks
+            shared = min(shared, adjacent[i])
+            shortest = min(shortest, len(inputs[order[i]]))
+            total += len(inputs[order[i]])
+            s = min(shared, shortest - 1)
+            if shared < min_shared:
+                break
+            if s >= min_shared and best[i] + total - (j - 1 - i) * s < best[j]:
+                best[j], cut[j] = best[i] + total - (j - 1 - i) * s, (i, s)
+    runs, j = [], n
+    while j > 0:
+        i, s = cut[j]
+        runs.append((tuple(sorted(order[i:j])), s))
+        j = i
+    alone = tuple(sorted(i for members, s in runs if not s for i in members))
+    return ([PrefixGroup(alone, 0)] if alone else []) + [PrefixGroup(m, s) for m, s in reversed(runs) if s]
+
+
+def even_parts(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices cut into padded batches, longest first: the next joins the open part while the part's padding,
+    n * longest - sum, stays within `max_padding` of its n * longest tokens."""
+    parts: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if parts:
+            part = parts[-1]
+            padded = lengths[part[0]] * (len(part) + 1)
+            if padded - sum(lengths[j] for j in part) - lengths[i] <= max_padding * padded:
+                part.append(i)
+                continue
+        parts.append([i])
+    return parts
+
+
+def split_shared_micro_batches(inputs: list[list[int]], budget: int,
+                               min_shared: int) -> list[tuple[list[int], list[PrefixGroup]]]:
+    """Micro-batches that keep samples sharing a prefix together (`prefix_groups`), each as (indices, its groups
+    with indices into that list). A group over budget is cut, longest first, into parts of cost <= budget
+    (`PrefixGroup.cost`; a part of one joins the unshared); the parts packed first-fit by decreasing cost; the
+    unshared samples by `split_micro_batches`. With min_shared < 1 this is `split_micro_batches`, one plain
+    group each. Lengths count a sample's tokens, its input and the last response token (`Sample.num_tokens`)."""
+    lengths = [len(x) + 1 for x in inputs]
+    parts: list[PrefixGroup] = []
+    plain: list[int] = []
+    for g in prefix_groups(inputs, min_shared):
+        if not g.shared:
+            plain += g.indices
+            continue
+        part: list[int] = []
+        for i in sorted(g.indices, key=lambda i: (-lengths[i], i)):
+            if part and PrefixGroup(tuple(part + [i]), g.shared).cost(lengths) > budget:
+                parts.append(PrefixGroup(tuple(part), g.shared))
+                part = []
+            part.append(i)
+        parts.append(PrefixGroup(tuple(part), g.shared))
+    plain += [i for p in parts if len(p.indices) == 1 for i in p.indices]
+    bins: list[tuple[int, list[PrefixGroup]]] = []
+    for p in sorted((p for p in parts if len(p.indices) > 1), key=lambda p: -p.cost(lengths)):
+        c = p.cost(lengths)
+        at = next((k for k, (used, _) in enumerate(bins) if used + c <= budget), None)
+        if at is None:
+            bins.append((c, [p]))
+        else:
+            bins[at] = (bins[at][0] + c, bins[at][1] + [p])
+    out = []
+    for _, groups in bins:
+        idx = [i for g in groups for i in g.indices]
+        local = {i: k for k, i in enumerate(idx)}
+        out.append((idx, [PrefixGroup(tuple(local[i] for i in g.indices), g.shared) for g in groups]))
+    plain.sort()
+    for mb in split_micro_batches([lengths[i] for i in plain], budget):
+        out.append(([plain[k] for k in mb], [PrefixGroup(tuple(range(len(mb))), 0)]))
+    return out
+
+
+def plan_micro_batches(samples: list[Sample], budget: int, min_shared: int,
+                       paired: bool) -> list[tuple[list[int], list[PrefixGroup] | None]]:
+    """The trainer's micro-batches: `split_shared_micro_batches` when prefixes are shared (min_shared > 0), else
+    `split_micro_batches` (`split_pair_micro_batches` for pairs, kept whole) with no groups."""
+    if min_shared and not paired:
+        return split_shared_micro_batches([s.prompt_ids + s.response_ids[:-1] for s in samples], budget, min_shared)
+    split = split_pair_micro_batches if paired else split_micro_batches
+    return [(idx, None) for idx in split([s.num_tokens for s in samples], budget)]

@@ -79,6 +79,7 @@ KEY_GROUPS: tuple[tuple[str, str], ...] = (
     ("astuner.trainer_common.cpus_per_worker", "placement"),
     ("astuner.trainer_common.micro_batch_token_budget", "placement"),
     ("astuner.trainer_common.gradient_checkpointing", "placement"),
+    ("astuner.trainer_common.shared_prefix_min_tokens", "placement"),
     ("astuner.project_name", "logging"),
     ("astuner.experiment_dir", "logging"),
     ("astuner.logview", "logging"),

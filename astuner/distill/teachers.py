@@ -32,24 +32,27 @@ log = logging.getLogger(__name__)
 
 
 class EngineTeacher:
-    """A model in this process; sequences scored one forward each, `timeout_s` a deadline for the whole call."""
+    """A model in this process; sequences scored one forward each, in sorted order so that those which begin alike
+    (a task's repeats) follow one another and an engine that keeps the last one's cache forwards only where they
+    part (the HF engine's `prompt_logprobs`, vLLM's prefix cache); `timeout_s` a deadline for the whole call."""
 
     def __init__(self, engine, timeout_s: float, name: str) -> None:
         self.engine, self.timeout_s, self.name = engine, timeout_s, name
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> list[PromptLogprobs | BaseException]:
         deadline = time.monotonic() + self.timeout_s
-        out: list[PromptLogprobs | BaseException] = []
-        for seq in sequences:
+        out: list[PromptLogprobs | BaseException | None] = [None] * len(sequences)
+        for i in sorted(range(len(sequences)), key=lambda i: (list(sequences[i]), i)):
+            seq = sequences[i]
             if time.monotonic() > deadline:
-                out.append(TimeoutError(f"the teacher {self.name} did not score {len(sequences)} sequences within "
-                                        f"astuner.teacher.timeout_s = {self.timeout_s:g} s"))
+                out[i] = TimeoutError(f"the teacher {self.name} did not score {len(sequences)} sequences within "
+                                      f"astuner.teacher.timeout_s = {self.timeout_s:g} s")
                 continue
             try:
-                out.append(checked(self.engine.prompt_logprobs(list(seq), topk=topk), seq, topk, self.name))
+                out[i] = checked(self.engine.prompt_logprobs(list(seq), topk=topk), seq, topk, self.name)
             except Exception as exc:  # noqa: BLE001 - one sequence's failure flags its episode only
-                out.append(exc)
-        return out
+                out[i] = exc
+        return out  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

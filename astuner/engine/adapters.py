@@ -55,6 +55,7 @@ class AdapterHFEngine(HFEngine):
             if name not in self.adapters:
                 raise KeyError(f"a request for adapter {name!r}; the adapters are {', '.join(self.adapters)}")
             self.peft.set_adapter(name)
+            self._scored = None  # prompt_logprobs reuses nothing computed under another adapter
             for i, result in zip(rows, super()._decode([requests[i] for i in rows])):
                 results[i] = result
         return results  # type: ignore[return-value]

@@ -31,6 +31,7 @@ import torch
 
 from astuner.algorithm.sampling_filter import filter_logits, is_filtered
 from astuner.engine.fingerprint import FingerprintBuilder, SyncMismatch, differences, fingerprint
+from astuner.step_plan import common_prefix
 from astuner.types import GenerateResult, PromptLogprobs, SamplingParams, SyncReport
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,55 @@ class _Request:
     request_id: str | None = None
     aborted: bool = False  # set from the event loop's thread, read by the worker: a plain bool is enough
     adapter: str | None = None  # the LoRA adapter it runs under (engine/adapters.py); None: the plain model
+
+
+# A shorter common prefix is forwarded again rather than cropped out of the last call's cache.
+REUSE_MIN_TOKENS = 16
+
+
+@dataclass
+class _Scored:
+    """A `prompt_logprobs` call: its tokens, their KV cache and what it returned. The next call reuses the first r
+    tokens' cache and logprobs, r one short of the common prefix (the logits at r - 1 that predict the first token
+    that differs are computed again from there), when r >= REUSE_MIN_TOKENS and the top-k asked is the same. Only
+    for caches that keep every token (full attention): sliding-window and linear-attention layers are not cropped."""
+
+    token_ids: list[int]
+    cache: object
+    result: PromptLogprobs
+    topk: int
+
+    @classmethod
+    def score(cls, model, token_ids: list[int], topk: int, last: _Scored | None) -> _Scored:
+        reuse = last.reusable(token_ids, topk) if last is not None else 0
+        ids = torch.tensor([token_ids[reuse:]], device=model.device)
+        if reuse:
+            last.cache.crop(reuse)
+            out = model(input_ids=ids, past_key_values=last.cache, use_cache=True)
+        else:
+            out = model(input_ids=ids, use_cache=True)
+        logp = torch.log_softmax(out.logits[0, :-1].float(), -1)  # row i predicts token reuse + i + 1
+        values = logp.gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+        pairs = None
+        if topk > 0:
+            top = logp.topk(min(topk, logp.shape[-1]), -1)
+            pairs = [list(zip(i, v)) for i, v in zip(top.indices.cpu().tolist(), top.values.cpu().tolist())]
+            pairs = last.result.topk[:reuse] + pairs if reuse else pairs
+        values = last.result.values[:reuse] + values if reuse else values
+        return cls(list(token_ids), out.past_key_values, PromptLogprobs(values, pairs), topk)
+
+    def keep(self) -> _Scored | None:
+        """Itself, when its cache can be cropped and reused."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        layers = self.cache.layers if isinstance(self.cache, DynamicCache) else []
+        return self if layers and all(type(layer) is DynamicLayer for layer in layers) else None
+
+    def reusable(self, token_ids: list[int], topk: int) -> int:
+        if topk != self.topk:
+            return 0
+        reuse = common_prefix(self.token_ids, token_ids) - 1
+        return min(reuse, len(token_ids) - 1) if reuse >= REUSE_MIN_TOKENS else 0
 
 
 class HFEngine:
@@ -76,6 +126,7 @@ class HFEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self.last_sync = SyncReport()  # the last weight sync's verification
+        self._scored: _Scored | None = None  # the last prompt_logprobs call's, for the next one's shared prefix
 
     # ---------------------------------------------------------------- public API
 
@@ -128,6 +179,7 @@ class HFEngine:
         when it must send every one of `params` (an adapter's sync)."""
         sent, verify_s, seen = FingerprintBuilder(), 0.0, set()
         with self._model_lock, torch.no_grad():
+            self._scored = None  # computed by the weights being replaced
             for name, tensor in named_tensors:
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
@@ -155,7 +207,9 @@ class HFEngine:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
     def sleep(self) -> None:
-        """Nothing to release: the weights are needed for the next rollout and no cache outlives a batch."""
+        """Only the last scored sequence's cache to release (the weights serve the next rollout)."""
+        with self._model_lock:
+            self._scored = None
 
     def shutdown(self) -> None:
         self._closed = True
@@ -256,15 +310,12 @@ class HFEngine:
         return [GenerateResult(out_ids[i], out_lp[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
 
     def prompt_logprobs(self, token_ids: list[int], topk: int = 0) -> PromptLogprobs:
+        """One forward; of only the tokens after those it shares with the last call's sequence (`_Scored`)."""
         with self._model_lock, torch.no_grad():
-            ids = torch.tensor([token_ids], device=self.device)
-            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
-            values = logp.gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
-            if topk <= 0:
-                return PromptLogprobs(values)
-            top = logp.topk(min(topk, logp.shape[-1]), -1)
-            pairs = [list(zip(i, v)) for i, v in zip(top.indices.cpu().tolist(), top.values.cpu().tolist())]
-        return PromptLogprobs(values, pairs)
+            last, self._scored = self._scored, None  # a failed call leaves nothing to reuse
+            scored = _Scored.score(self.model, token_ids, topk, last)
+            self._scored = scored.keep()
+        return scored.result
 
     def _forward(self, autocast, **inputs) -> tuple:
         """One forward of the model under `autocast`: (its KV cache, the float logits at the last position)."""

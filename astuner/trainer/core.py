@@ -13,6 +13,8 @@ A small client: losses are objects handed to it (`algorithm/objectives.py`), not
   2. micro-batches by token budget: samples sorted by length (longest first), greedily packed while
      `max_len_in_micro_batch * n_samples <= max_token_len_per_micro_batch` (a sample over budget goes alone;
      `step_plan.py`);
+     samples whose inputs share a prefix (a task's repeats) stay together, and the prefix is forwarded once
+     (`step_plan.split_shared_micro_batches`, `trainer/forward.py`);
   3. per micro-batch: logprobs (and entropies) of the response tokens, the objective's loss, backward.
 The learning rate of each optimizer step comes from `step_plan.lr_at` (linear warmup, then constant, cosine or
 linear).
@@ -43,8 +45,8 @@ from astuner.trainer import checkpoint, fsdp
 from astuner.algorithm.objectives import TokenObjective, token_objective
 from astuner.trainer.lora import apply_lora, merged_named_tensors, set_adapter_dropout
 from astuner.trainer.precision import MasterWeights, cast_parameters, resolve_precision
-from astuner.step_plan import lr_at, split_micro_batches, split_pair_micro_batches
-from astuner.trainer.forward import HeadPath, active_dropout, check_fast_head, response_logprobs
+from astuner.step_plan import PrefixGroup, lr_at, plan_micro_batches
+from astuner.trainer.forward import active_dropout, check_fast_head, head_path, response_logprobs
 from astuner.trainer.settings import AdamStep, TrainerSettings
 from astuner.trainer.step import forward_backward, optimizer_step, train_step
 from astuner.types import Sample, TrainResult
@@ -104,12 +106,9 @@ class Trainer:
             cast_parameters(self.ref_model, self.compute_dtype)
 
         self.root = self._ref_root = None  # fsdp.Root units when the group shards the model (join_group)
-        # On CUDA the LM head's log-softmax runs in row chunks (memory-bound there); on CPU, where the extra head
-        # matmul of the chunked backward costs more than the memory traffic it saves, the plain path. Sharded,
-        # the fast-head check waits for the shards (join_group).
-        fast = not self.shard_on_join and check_fast_head(self.model, self.device)
-        self.head = HeadPath(self.device, fast=fast, chunked=self.device.type == "cuda", top_k=int(s.top_k),
-                             top_p=float(s.top_p))
+        # Sharded, the fast-head check waits for the shards (join_group).
+        self.head = head_path(self.model, self.device, s, fast=not self.shard_on_join and
+                              check_fast_head(self.model, self.device))
 
     def _own_weights(self, precision: str) -> None:
         """The weights AdamW steps (fp32 always: the model's own, or masters of its bf16 parameters) and AdamW."""
@@ -138,6 +137,7 @@ class Trainer:
         # fully_shard moves each unit's parameters to the device whole, then keeps its shard: a reference held
         # anywhere else (masters, optimizer) would keep every whole parameter alive there.
         self.master = self.params = self.optimizer = None
+        self.head.shared_prefix = 0
         self.root = fsdp.shard(self.model, dp.world, self.device.type, self.compute_dtype)
         if self.ref_model is not None:
             self._ref_root = fsdp.shard(self.ref_model, dp.world, self.device.type, self.compute_dtype)
@@ -161,12 +161,12 @@ class Trainer:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     def micro_batches(self, samples: list[Sample], backward: bool = False, reference: bool = False,
-                      paired: bool = False) -> Iterator[list[int]]:
-        """Indices of `samples` per micro-batch (token budget, `step_plan.split_micro_batches`). Sharded, every
-        forward is collective: after its own, a worker runs pad passes (a forward, with `reference` of the
-        reference too, and with `backward` a backward) up to the busiest worker's count. `paired`: pairs whole."""
-        split = split_pair_micro_batches if paired else split_micro_batches
-        micro_batches = split([s.num_tokens for s in samples], self.settings.max_token_len_per_micro_batch)
+                      paired: bool = False) -> Iterator[tuple[list[int], list[PrefixGroup] | None]]:
+        """Indices of `samples` per micro-batch and how they are forwarded (`step_plan.plan_micro_batches`).
+        Sharded, every forward is collective: after its own, a worker runs pad passes (a forward, with `reference`
+        of the reference too, and with `backward` a backward) up to the busiest worker's count."""
+        micro_batches = plan_micro_batches(samples, self.settings.max_token_len_per_micro_batch,
+                                           self.head.shared_prefix, paired)
         # The count is agreed before any forward: a collective of its own, it must not interleave with theirs.
         pads = 0 if self.root is None else self.dp.max_int(len(micro_batches)) - len(micro_batches)
         yield from micro_batches
@@ -186,16 +186,17 @@ class Trainer:
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward_logprobs(self, samples: list[Sample], *, reference: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False, topk: int = 0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                         entropy_grad: bool = False, topk: int = 0, groups: list[PrefixGroup] | None = None
+                         ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
         `samples` under the policy (or the frozen reference), flattened to R, and with `topk` the raw logprobs of
-        the samples' teacher top-k ids (`trainer/forward.py`)."""
+        the samples' teacher top-k ids (`trainer/forward.py`); `groups` as `micro_batches` planned them."""
         self.check_joined()
         model, root = (self.ref_model, self._ref_root) if reference else (self.model, self.root)
         if root is None:
-            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad, topk)
+            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad, topk, groups)
         # Sharded: gathers the root's parameters around the call.
-        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad, topk)
+        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad, topk, groups)
 
     @torch.no_grad()
     def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:

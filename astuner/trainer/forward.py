@@ -11,6 +11,12 @@ top-k / top-p filtered distribution (`algorithm/sampling_filter.py`); on CUDA th
 holds R x V logits (`trainer/fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
 purpose: logits at prompt positions.
 
+Samples whose inputs begin alike (the repeats of one task: the system prompt, the tool schemas, the question) are
+forwarded over their shared prefix once (`step_plan.prefix_groups`): the prefix's keys and values, copied for each
+member, are the past of the member's own tokens, and the gradient flows back through them into the prefix's
+forward. The same hidden states up to the kernels' rounding, for the prefix's tokens once instead of once per
+sample (`check_shared_prefix` decides per model: full-attention decoders with Hugging Face's dynamic cache).
+
 With `topk` (on-policy distillation's top-k term, algorithm/distillation.py), also the student's raw logprobs
 (temperature 1, unfiltered) of the teacher's top-k ids at each response position:
     topk_tk = z_t[v_tk] - logsumexp(z_t)       (z_t the untempered logits)
@@ -27,6 +33,7 @@ from torch import Tensor
 
 from astuner.algorithm.distillation import topk_rows
 from astuner.algorithm.sampling_filter import is_filtered, keep_threshold
+from astuner.step_plan import PrefixGroup, even_parts, prefix_groups
 from astuner.trainer.fused_head import head_logprobs, plain_linear_head
 from astuner.types import Sample
 
@@ -93,6 +100,104 @@ class HeadPath:
     top_k: int = 0
     top_p: float = 1.0
     pad_id: int = 0  # right padding after every real token: causal attention never lets a real token see it
+    # Samples sharing at least this many leading tokens forward them once (`prefix_groups`); 0: never.
+    shared_prefix: int = 0
+
+    def groups(self, samples: list[Sample]) -> list[PrefixGroup]:
+        """How `samples` are forwarded when the caller planned nothing: by shared prefix, or as one batch."""
+        if self.fast and self.shared_prefix:
+            return prefix_groups([s.prompt_ids + s.response_ids[:-1] for s in samples], self.shared_prefix)
+        return [PrefixGroup(tuple(range(len(samples))), 0)]
+
+
+def head_path(model, device: torch.device, settings, fast: bool) -> HeadPath:
+    """The trainer's head path (`TrainerSettings`): the chunked head on CUDA, where the LM head's log-softmax is
+    memory-bound (on CPU the extra head matmul of the chunked backward costs more than the traffic it saves), the
+    rollouts' sampling filter, and shared prefixes when `check_shared_prefix` passes. Not under gradient
+    checkpointing (Hugging Face keeps no cache in train mode); a sharded trainer turns them off (join_group)."""
+    head = HeadPath(device, fast=fast, chunked=device.type == "cuda", top_k=int(settings.top_k),
+                    top_p=float(settings.top_p))
+    if fast and settings.shared_prefix_min_tokens and not settings.gradient_checkpointing:
+        head.shared_prefix = settings.shared_prefix_min_tokens if check_shared_prefix(head, model) else 0
+    return head
+
+
+def response_hidden(path: HeadPath, model, samples: list[Sample], groups: list[PrefixGroup]) -> Tensor:
+    """The decoder's hidden states at the positions that predict the samples' response tokens (response token i of
+    a sample at index len(prompt) + i - 1), R x H in the samples' order; each group forwarded as one batch, over
+    its shared prefix when it has one."""
+    rows: list[Tensor | None] = [None] * len(samples)
+    for g in groups:
+        members = [samples[i] for i in g.indices]
+        inputs = [s.prompt_ids + s.response_ids[:-1] for s in members]
+        # The last token of each sequence predicts nothing we train on, so it is not fed.
+        prefix_S_H, own = _shared_forward(path, model, inputs, g.shared) if g.shared else \
+            (None, list(_padded_forward(path, model, inputs, 0)))
+        for i, s, own_T_H in zip(g.indices, members, own):
+            lo, hi = len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1
+            own_T_H = own_T_H[max(lo, g.shared) - g.shared: max(hi, g.shared) - g.shared]
+            rows[i] = own_T_H if prefix_S_H is None else torch.cat([prefix_S_H[lo:min(hi, g.shared)], own_T_H])
+    return torch.cat(rows)
+
+
+def _padded_forward(path: HeadPath, model, inputs: list[list[int]], start: int, past=None) -> Tensor:
+    """Hidden states B x T of `inputs` right-padded, at positions from `start` (after `past`, a prefix's cache).
+    No attention mask: causal attention already hides the right padding from real tokens, and SDPA stays on its
+    fused causal path. No autocast either: precision is the parameters' dtype (astuner/trainer/precision.py)."""
+    T = max(len(x) for x in inputs)
+    input_ids_B_T = torch.full((len(inputs), T), path.pad_id, dtype=torch.long)
+    for b, x in enumerate(inputs):
+        input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+    if past is None:
+        return model.base_model(input_ids=input_ids_B_T.to(path.device), use_cache=False)[0]
+    pos_B_T = torch.arange(start, start + T, device=path.device).expand(len(inputs), T)
+    return model.base_model(input_ids=input_ids_B_T.to(path.device), past_key_values=past, position_ids=pos_B_T,
+                            use_cache=True)[0]
+
+
+def _shared_forward(path: HeadPath, model, inputs: list[list[int]], shared: int) -> tuple[Tensor, list[Tensor]]:
+    """The prefix's hidden states (shared x H) and every member's own after it (T_b x H, padded): the prefix
+    forwarded once; the members in batches of like length (`step_plan.even_parts`), each over a cache that holds
+    the prefix's keys and values once per member."""
+    from transformers import DynamicCache
+
+    out = model.base_model(input_ids=torch.tensor([inputs[0][:shared]], device=path.device), use_cache=True)
+    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    own: list[Tensor | None] = [None] * len(inputs)
+    for part in even_parts([len(x) - shared for x in inputs]):
+        past = DynamicCache()
+        for layer, (k, v) in enumerate(kv):
+            past.update(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1), layer)
+        for j, own_T_H in zip(part, _padded_forward(path, model, [inputs[j][shared:] for j in part], shared, past)):
+            own[j] = own_T_H
+    return out[0][0], own  # type: ignore[return-value]
+
+
+def check_shared_prefix(path: HeadPath, model) -> bool:
+    """True when a prefix forwarded once and attended to through its cache gives the hidden states of the plain
+    forward, on two samples sharing 6 of their 8 and 7 input tokens (a response crossing the prefix's end).
+    Caches that keep less than the whole prefix (sliding-window or linear-attention layers) are left out unchecked;
+    the tolerance is the parameters' dtype's."""
+    from transformers.cache_utils import DynamicLayer
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = [(k * 997 + 11) % vocab for k in range(11)]
+    samples = [Sample(ids[:4], ids[4:9], [0.0] * 5, 0.0, 1.0, "a"), Sample(ids[:4], ids[4:6] + ids[9:11], [0.0] * 4,
+                                                                        0.0, 1.0, "b")]
+    try:
+        with torch.no_grad():
+            out = model.base_model(input_ids=torch.tensor([ids[:2]], device=path.device), use_cache=True)
+            layers = getattr(out.past_key_values, "layers", None)
+            if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+                return False
+            plain = response_hidden(path, model, samples, [PrefixGroup((0, 1), 0)]).float()
+            shared = response_hidden(path, model, samples, [PrefixGroup((0, 1), 6)]).float()
+    except Exception as exc:  # an architecture whose cache or positions work otherwise: the plain path
+        log.warning("trainer: shared-prefix forward unavailable for %s (%s)", type(model).__name__, exc)
+        return False
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    return shared.shape == plain.shape and bool(torch.allclose(shared, plain, rtol=tol,
+                                                               atol=tol * float(plain.abs().max())))
 
 
 def raw_topk_logprobs(logits_R_V: Tensor, samples: list[Sample], topk: int) -> Tensor:
@@ -102,43 +207,42 @@ def raw_topk_logprobs(logits_R_V: Tensor, samples: list[Sample], topk: int) -> T
 
 
 def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy: bool, entropy_grad: bool,
-                      topk: int = 0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                      topk: int = 0, groups: list[PrefixGroup] | None = None
+                      ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Logprobs (and entropies, with their gradient if `entropy_grad`) of the samples' response tokens, flat R;
-    with `topk`, the raw logprobs of the samples' teacher top-k ids (R x topk, module docstring), else None."""
-    # The last token of each sequence predicts nothing we train on, so it is not fed.
-    inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
-    T = max(len(x) for x in inputs)
-    input_ids_B_T = torch.full((len(samples), T), path.pad_id, dtype=torch.long)
-    batch_idx, pos_idx, targets, temps, sampled = [], [], [], [], []
-    for b, (s, x) in enumerate(zip(samples, inputs)):
-        input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
-        P, L = len(s.prompt_ids), len(s.response_ids)
-        batch_idx += [b] * L
-        pos_idx += range(P - 1, P + L - 1)
+    with `topk`, the raw logprobs of the samples' teacher top-k ids (R x topk, module docstring), else None.
+    `groups`: how the samples are forwarded (`step_plan.split_shared_micro_batches`; default `path.groups`)."""
+    targets, temps, sampled = [], [], []
+    for s in samples:
+        L = len(s.response_ids)
         targets += s.response_ids
         temps += [greedy_as_one(s.temperature)] * L
         sampled += [s.temperature > 0] * L
     dev = path.device
-    input_ids_B_T = input_ids_B_T.to(dev)
-    batch_idx_R, pos_idx_R = torch.tensor(batch_idx, device=dev), torch.tensor(pos_idx, device=dev)
     targets_R = torch.tensor(targets, device=dev)
     temps_R = torch.tensor(temps, device=dev, dtype=torch.float32)
 
-    # No attention mask: causal attention already hides the right padding from real tokens, and SDPA stays on its
-    # fused causal path. No autocast either: precision is the parameters' dtype (astuner/trainer/precision.py).
     filtered = is_filtered(path.top_k, path.top_p) and any(sampled)
     if path.fast:
-        hidden_B_T_H = model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
+        hidden_R_H = response_hidden(path, model, samples, groups or path.groups(samples))
         weight = plain_linear_head(model) if path.chunked and not topk else None
         if weight is not None:
             # Never holds R x V logits (astuner/trainer/fused_head.py); the same numbers as below, filter and entropy
             # (and its gradient) included.
-            return (*head_logprobs(hidden_B_T_H[batch_idx_R, pos_idx_R], weight, targets_R, temps_R, with_entropy,
+            return (*head_logprobs(hidden_R_H, weight, targets_R, temps_R, with_entropy,
                                    filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
                                    top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad), None)
-        logits_R_V = head_logits(model, hidden_B_T_H[batch_idx_R, pos_idx_R])
+        logits_R_V = head_logits(model, hidden_R_H)
     else:
-        logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx_R, pos_idx_R].float()
+        inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
+        T = max(len(x) for x in inputs)
+        input_ids_B_T = torch.full((len(samples), T), path.pad_id, dtype=torch.long)
+        batch_idx, pos_idx = [], []
+        for b, (s, x) in enumerate(zip(samples, inputs)):
+            input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            batch_idx += [b] * len(s.response_ids)
+            pos_idx += range(len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1)
+        logits_R_V = model(input_ids=input_ids_B_T.to(dev), use_cache=False).logits[batch_idx, pos_idx].float()
     # Before the temperature and the filter: the raw model is what the teacher is compared with.
     topk_R_K = raw_topk_logprobs(logits_R_V, samples, topk) if topk else None
     if any(t != 1.0 for t in temps):  # a full pass over R x V floats (and its backward) saved when all are 1

@@ -73,6 +73,8 @@ class TrainerSettings:
     # --- model ---
     reference_model: bool = False  # keep a frozen copy of the initial policy (DPO; implied by use_kl_loss)
     gradient_checkpointing: bool = False
+    # Samples sharing at least this many leading tokens forward them once (trainer/forward.py); 0: never.
+    shared_prefix_min_tokens: int = 16
     top_k: int = 0  # the rollouts' sampling filter: sampled calls' logprobs are those of the filtered distribution
     top_p: float = 1.0
     precision: str = "auto"

@@ -162,18 +162,18 @@ def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: li
     dev = trainer.device
     sums = {k: torch.zeros((), device=dev) for k in ("loss", "entropy", *objective.stat_keys)}
     n_tokens_R = n_micro = 0
-    for idx in trainer.micro_batches(kept, backward=backward, reference=objective.needs_reference,
-                                     paired=objective.paired):
+    for idx, groups in trainer.micro_batches(kept, backward=backward, reference=objective.needs_reference,
+                                             paired=objective.paired):
         n_micro += 1
         mb = [kept[i] for i in idx]
         ref_R = None
         if objective.needs_reference:
             with torch.no_grad():
-                ref_R = trainer.forward_logprobs(mb, reference=True)[0]
+                ref_R = trainer.forward_logprobs(mb, reference=True, groups=groups)[0]
         with torch.set_grad_enabled(backward):
             logprobs_R, entropy_R, topk_R_K = trainer.forward_logprobs(
                 mb, with_entropy=objective.entropy_metric, entropy_grad=objective.entropy_grad,
-                topk=objective.teacher_topk)
+                topk=objective.teacher_topk, groups=groups)
             batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R, topk_R_K)
             loss, stats = objective.loss(batch)
         if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
@@ -208,10 +208,10 @@ def recompute_old_logprobs(trainer, samples: list[Sample]
     tokens = 0.0
     dp, dev = trainer.dp, trainer.device
     todo = [i for i, s in enumerate(samples) if s.response_ids and (dp is None or dp.mine(s))]
-    for idx in trainer.micro_batches([samples[i] for i in todo]):
+    for idx, groups in trainer.micro_batches([samples[i] for i in todo]):
         mb = [samples[todo[i]] for i in idx]
         lengths = [len(s.response_ids) for s in mb]
-        logprobs_R = trainer.forward_logprobs(mb)[0]
+        logprobs_R = trainer.forward_logprobs(mb, groups=groups)[0]
         engine_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=dev)
         mask_R = torch.tensor([m for s in mb for m in (s.loss_mask or [1] * len(s.response_ids))],
                               device=dev, dtype=torch.float32)

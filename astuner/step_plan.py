@@ -89,8 +89,11 @@ class PrefixGroup:
     shared: int
 
     def cost(self, lengths: list[int]) -> int:
-        """Token rows the forward processes: the prefix once plus every member's rest padded to the longest."""
-        return self.shared + len(self.indices) * (max(lengths[i] for i in self.indices) - self.shared)
+        """What the group counts against a micro-batch's token budget: the plain path's padded tokens, n times
+        the longest. The shared forward processes fewer rows, but the budget bounds memory, and the logits rows,
+        the prefix's keys and values held once per member and the attention weights over them do not shrink
+        with the prefix: counted this way a micro-batch never holds more than the plain path's would."""
+        return len(self.indices) * max(lengths[i] for i in self.indices)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -160,8 +163,8 @@ def split_shared_micro_batches(inputs: list[list[int]], budget: int,
                                min_shared: int) -> list[tuple[list[int], list[PrefixGroup]]]:
     """Micro-batches that keep samples sharing a prefix together (`prefix_groups`), each as (indices, its groups
     with indices into that list). A group over budget is cut, longest first, into parts of cost <= budget
-    (`PrefixGroup.cost`; a part of one joins the unshared); the parts packed first-fit by decreasing cost; the
-    unshared samples by `split_micro_batches`. With min_shared < 1 this is `split_micro_batches`, one plain
+    (`PrefixGroup.cost`, the plain path's padded tokens; a part of one joins the unshared); the parts packed
+    first-fit by decreasing cost; the unshared samples by `split_micro_batches`. With min_shared < 1 this is `split_micro_batches`, one plain
     group each. Lengths count a sample's tokens, its input and the last response token (`Sample.num_tokens`)."""
     lengths = [len(x) + 1 for x in inputs]
     parts: list[PrefixGroup] = []

@@ -37,14 +37,14 @@ def test_a_run_takes_a_sample_only_when_it_saves_more_than_the_others_lose():
 def test_shared_micro_batches_keep_a_group_within_the_budget():
     prefix = list(range(1000, 1010))
     inputs = [prefix + [k] * n for k, n in ((1, 2), (2, 5), (3, 3))] + [[7, 8, 9]]
-    # Tokens of a sample: input + 1. Group cost 10 + 3 * (16 - 10) = 28: one micro-batch at budget 30.
-    mbs = split_shared_micro_batches(inputs, 30, 4)
+    # Tokens of a sample: input + 1 (13, 16, 14, 4). The group counts as the plain path's padded tokens,
+    # 3 * 16 = 48: one micro-batch at budget 50, the unshared sample in its own.
+    mbs = split_shared_micro_batches(inputs, 50, 4)
     assert mbs == [([1, 2, 0], [PrefixGroup((0, 1, 2), 10)]), ([3], [PrefixGroup((0,), 0)])]
-    # Budget 20: cut longest first into 10 + 2 * (16 - 10) = 22 > 20, so parts of one: both go unshared.
-    mbs = split_shared_micro_batches(inputs, 24, 4)
-    assert mbs[0] == ([1, 2], [PrefixGroup((0, 1), 10)])
-    assert sorted(i for idx, _ in mbs for i in idx) == [0, 1, 2, 3]
-    assert all(g.shared == 0 for _, groups in mbs[1:] for g in groups)
+    # Budget 40: cut longest first, 2 * 16 = 32 fits, 3 * 16 = 48 does not: the part of one left (sample 0) goes
+    # unshared, packed with sample 3 (2 * 13 = 26 <= 40).
+    mbs = split_shared_micro_batches(inputs, 40, 4)
+    assert mbs == [([1, 2], [PrefixGroup((0, 1), 10)]), ([0, 3], [PrefixGroup((0, 1), 0)])]
 
 
 def _trainer(model_dir, **kw) -> Trainer:

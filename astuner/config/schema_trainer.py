@@ -179,7 +179,7 @@ class TrainerCommonSection(Section):
         "Samples of a micro-batch whose inputs share at least this many leading tokens (a task's repeats: its system "
         "prompt, tool schemas and question) forward that prefix once; each sample's own tokens attend to it through "
         "a copy of its cache, and the gradient flows back through it (the agent quick-start's shape: forward and "
-        "backward 2.6x faster, the same gradient to 6e-5; bench/shared_prefix.py). Full-attention decoders, checked at start; the plain path "
+        "backward 2.7x faster, the same gradient to 6e-5; bench/shared_prefix.py). Full-attention decoders, checked at start; the plain path "
         "under gradient_checkpointing or fsdp2. 0: never.",
         ge=0,
     )

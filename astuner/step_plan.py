@@ -164,8 +164,8 @@ def split_shared_micro_batches(inputs: list[list[int]], budget: int,
     """Micro-batches that keep samples sharing a prefix together (`prefix_groups`), each as (indices, its groups
     with indices into that list). A group over budget is cut, longest first, into parts of cost <= budget
     (`PrefixGroup.cost`, the plain path's padded tokens; a part of one joins the unshared); the parts packed
-    first-fit by decreasing cost; the unshared samples by `split_micro_batches`. With min_shared < 1 this is `split_micro_batches`, one plain
-    group each. Lengths count a sample's tokens, its input and the last response token (`Sample.num_tokens`)."""
+    first-fit by decreasing cost; the unshared samples by `split_micro_batches` (all of them when min_shared < 1).
+    Lengths count a sample's tokens, its input and the last response token (`Sample.num_tokens`)."""
     lengths = [len(x) + 1 for x in inputs]
     parts: list[PrefixGroup] = []
     plain: list[int] = []

@@ -203,7 +203,8 @@ def split_shared_micro_batches(inputs: list[list[int]], budget: int,
 def plan_micro_batches(samples: list[Sample], budget: int, min_shared: int,
                        paired: bool) -> list[tuple[list[int], list[PrefixGroup] | None]]:
     """The trainer's micro-batches: `split_shared_micro_batches` when prefixes are shared (min_shared > 0), else
-    `split_micro_batches` (`split_pair_micro_batches` for pairs, kept whole) with no groups."""
+    `split_micro_batches` (`split_pair_micro_batches` for pairs, kept whole) with no groups planned: the forward
+    then groups each micro-batch's samples itself (`HeadPath.groups`; a pair's two share their prompt)."""
     if min_shared and not paired:
         return split_shared_micro_batches([s.prompt_ids + s.response_ids[:-1] for s in samples], budget, min_shared)
     split = split_pair_micro_batches if paired else split_micro_batches

@@ -180,3 +180,20 @@ def test_even_parts_by_hand():
     assert even_parts([4, 10, 2, 8, 9, 1]) == [[1, 4, 3, 0], [2, 5]]
     assert even_parts([5, 5, 5], max_padding=0.0) == [[0, 1, 2]]
     assert even_parts([]) == []
+
+
+def test_the_hf_engine_keeps_no_cache_larger_than_its_bound(tiny_model_dir, monkeypatch):
+    from astuner.engine import hf_engine
+
+    engine = hf_engine.HFEngine(str(tiny_model_dir))
+    head = [(k * 131 + 7) % 5000 for k in range(30)]
+    try:
+        # The tiny Llama's cache: 2 layers x (keys + values) x 64 floats a token; 33 tokens are 33 KiB.
+        monkeypatch.setattr(hf_engine, "REUSE_MAX_BYTES", 32 << 10)
+        engine.prompt_logprobs(head + [1, 2, 3])
+        assert _embedded_tokens(engine, lambda: engine.prompt_logprobs(head + [4])) == 31
+        monkeypatch.setattr(hf_engine, "REUSE_MAX_BYTES", 64 << 10)
+        engine.prompt_logprobs(head + [1, 2, 3])
+        assert _embedded_tokens(engine, lambda: engine.prompt_logprobs(head + [4])) == 2
+    finally:
+        engine.shutdown()

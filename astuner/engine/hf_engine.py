@@ -50,6 +50,8 @@ class _Request:
 
 # A shorter common prefix is forwarded again rather than cropped out of the last call's cache.
 REUSE_MIN_TOKENS = 16
+# A larger cache is not kept past its call: memory no plan counts (a teacher's engine is never put to sleep).
+REUSE_MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -57,7 +59,8 @@ class _Scored:
     """A `prompt_logprobs` call: its tokens, their KV cache and what it returned. The next call reuses the first r
     tokens' cache and logprobs, r one short of the common prefix (the logits at r - 1 that predict the first token
     that differs are computed again from there), when r >= REUSE_MIN_TOKENS and the top-k asked is the same. Only
-    for caches that keep every token (full attention): sliding-window and linear-attention layers are not cropped."""
+    for caches that keep every token (full attention): sliding-window and linear-attention layers are not cropped;
+    and only up to REUSE_MAX_BYTES."""
 
     token_ids: list[int]
     cache: object
@@ -69,7 +72,7 @@ class _Scored:
         reuse = last.reusable(token_ids, topk) if last is not None else 0
         ids = torch.tensor([token_ids[reuse:]], device=model.device)
         if reuse:
-            last.cache.crop(reuse)
+            last.cache.crop(reuse - last.cache.get_seq_length())  # negative: tokens removed from the end
             out = model(input_ids=ids, past_key_values=last.cache, use_cache=True)
         else:
             out = model(input_ids=ids, use_cache=True)
@@ -84,11 +87,14 @@ class _Scored:
         return cls(list(token_ids), out.past_key_values, PromptLogprobs(values, pairs), topk)
 
     def keep(self) -> _Scored | None:
-        """Itself, when its cache can be cropped and reused."""
+        """Itself, when its cache can be cropped and reused and holds at most REUSE_MAX_BYTES."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         layers = self.cache.layers if isinstance(self.cache, DynamicCache) else []
-        return self if layers and all(type(layer) is DynamicLayer for layer in layers) else None
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return None
+        size = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        return self if size <= REUSE_MAX_BYTES else None
 
     def reusable(self, token_ids: list[int], topk: int) -> int:
         if topk != self.topk:

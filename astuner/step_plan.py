@@ -96,6 +96,12 @@ class PrefixGroup:
         return len(self.indices) * max(lengths[i] for i in self.indices)
 
 
+def model_input(s: Sample) -> list[int]:
+    """What the trainer feeds for a sample: the prompt and the response but its last token, which predicts nothing
+    trained on."""
+    return s.prompt_ids + s.response_ids[:-1]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -206,6 +212,6 @@ def plan_micro_batches(samples: list[Sample], budget: int, min_shared: int,
     `split_micro_batches` (`split_pair_micro_batches` for pairs, kept whole) with no groups planned: the forward
     then groups each micro-batch's samples itself (`HeadPath.groups`; a pair's two share their prompt)."""
     if min_shared and not paired:
-        return split_shared_micro_batches([s.prompt_ids + s.response_ids[:-1] for s in samples], budget, min_shared)
+        return split_shared_micro_batches([model_input(s) for s in samples], budget, min_shared)
     split = split_pair_micro_batches if paired else split_micro_batches
     return [(idx, None) for idx in split([s.num_tokens for s in samples], budget)]

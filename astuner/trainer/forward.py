@@ -33,7 +33,7 @@ from torch import Tensor
 
 from astuner.algorithm.distillation import topk_rows
 from astuner.algorithm.sampling_filter import is_filtered, keep_threshold
-from astuner.step_plan import PrefixGroup, even_parts, prefix_groups
+from astuner.step_plan import PrefixGroup, even_parts, model_input, prefix_groups
 from astuner.trainer.fused_head import head_logprobs, plain_linear_head
 from astuner.types import Sample
 
@@ -106,7 +106,7 @@ class HeadPath:
     def groups(self, samples: list[Sample]) -> list[PrefixGroup]:
         """How `samples` are forwarded when the caller planned nothing: by shared prefix, or as one batch."""
         if self.fast and self.shared_prefix:
-            return prefix_groups([s.prompt_ids + s.response_ids[:-1] for s in samples], self.shared_prefix)
+            return prefix_groups([model_input(s) for s in samples], self.shared_prefix)
         return [PrefixGroup(tuple(range(len(samples))), 0)]
 
 
@@ -129,8 +129,7 @@ def response_hidden(path: HeadPath, model, samples: list[Sample], groups: list[P
     rows: list[Tensor | None] = [None] * len(samples)
     for g in groups:
         members = [samples[i] for i in g.indices]
-        inputs = [s.prompt_ids + s.response_ids[:-1] for s in members]
-        # The last token of each sequence predicts nothing we train on, so it is not fed.
+        inputs = [model_input(s) for s in members]
         prefix_S_H, own = _shared_forward(path, model, inputs, g.shared) if g.shared else \
             (None, list(_padded_forward(path, model, inputs, 0)))
         for i, s, own_T_H in zip(g.indices, members, own):
@@ -144,15 +143,20 @@ def _padded_forward(path: HeadPath, model, inputs: list[list[int]], start: int, 
     """Hidden states B x T of `inputs` right-padded, at positions from `start` (after `past`, a prefix's cache).
     No attention mask: causal attention already hides the right padding from real tokens, and SDPA stays on its
     fused causal path. No autocast either: precision is the parameters' dtype (astuner/trainer/precision.py)."""
-    T = max(len(x) for x in inputs)
-    input_ids_B_T = torch.full((len(inputs), T), path.pad_id, dtype=torch.long)
+    input_ids_B_T = padded_ids(path, inputs)
+    if past is None:
+        return model.base_model(input_ids=input_ids_B_T, use_cache=False)[0]
+    B, T = input_ids_B_T.shape
+    pos_B_T = torch.arange(start, start + T, device=path.device).expand(B, T)
+    return model.base_model(input_ids=input_ids_B_T, past_key_values=past, position_ids=pos_B_T, use_cache=True)[0]
+
+
+def padded_ids(path: HeadPath, inputs: list[list[int]]) -> Tensor:
+    """`inputs` right-padded with `path.pad_id` to the longest, B x T on the path's device."""
+    input_ids_B_T = torch.full((len(inputs), max(len(x) for x in inputs)), path.pad_id, dtype=torch.long)
     for b, x in enumerate(inputs):
         input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
-    if past is None:
-        return model.base_model(input_ids=input_ids_B_T.to(path.device), use_cache=False)[0]
-    pos_B_T = torch.arange(start, start + T, device=path.device).expand(len(inputs), T)
-    return model.base_model(input_ids=input_ids_B_T.to(path.device), past_key_values=past, position_ids=pos_B_T,
-                            use_cache=True)[0]
+    return input_ids_B_T.to(path.device)
 
 
 def _shared_forward(path: HeadPath, model, inputs: list[list[int]], shared: int) -> tuple[Tensor, list[Tensor]]:
@@ -234,15 +238,12 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
                                    top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad), None)
         logits_R_V = head_logits(model, hidden_R_H)
     else:
-        inputs = [s.prompt_ids + s.response_ids[:-1] for s in samples]
-        T = max(len(x) for x in inputs)
-        input_ids_B_T = torch.full((len(samples), T), path.pad_id, dtype=torch.long)
         batch_idx, pos_idx = [], []
-        for b, (s, x) in enumerate(zip(samples, inputs)):
-            input_ids_B_T[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+        for b, s in enumerate(samples):
             batch_idx += [b] * len(s.response_ids)
             pos_idx += range(len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1)
-        logits_R_V = model(input_ids=input_ids_B_T.to(dev), use_cache=False).logits[batch_idx, pos_idx].float()
+        input_ids_B_T = padded_ids(path, [model_input(s) for s in samples])
+        logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx, pos_idx].float()
     # Before the temperature and the filter: the raw model is what the teacher is compared with.
     topk_R_K = raw_topk_logprobs(logits_R_V, samples, topk) if topk else None
     if any(t != 1.0 for t in temps):  # a full pass over R x V floats (and its backward) saved when all are 1

@@ -6,6 +6,8 @@ adapters on trinity, and a sharded strategy with several models exits 2 before a
 from __future__ import annotations
 
 import contextlib
+import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -27,37 +29,87 @@ def weights(out: Path, step: int, model: str = "policy") -> dict:
     return load_file(str(folder / name))
 
 
-def assert_same_models(ours: Path, theirs: Path, step: int) -> None:
-    """Both models' weights after `step` Adam steps equal the debug run's up to summation order (tolerances.py):
-    the policy's at lr 1e-3, the critic's at its own 2e-3. A model trained on the other's samples, or twice, or
-    not at all, moves most weights by about lr."""
+def sampled(out: Path) -> dict[int, dict]:
+    """step -> {(episode uid, agent, call): sampled token ids} of a run's training episodes (logview.sqlite)."""
+    with contextlib.closing(sqlite3.connect(out / "logview.sqlite")) as db:
+        rows = db.execute("SELECT e.step, e.uid, c.agent, c.idx, c.tokens FROM calls c JOIN episodes e "
+                          "ON c.episode_id = e.id WHERE e.split = 'train'").fetchall()
+    by_step: dict[int, dict] = {}
+    for step, uid, agent, idx, tokens in rows:
+        by_step.setdefault(step, {})[(uid, agent, idx)] = json.loads(tokens)["ids"]
+    return by_step
+
+
+# Which calls each model's weights depend on: the policy's on the writer's drafts; the critic's on its reviews,
+# whose prompts hold the drafts.
+DEPENDS_ON = {"policy": ("writer",), "critic": ("writer", "critic")}
+
+
+def steps_sampled_alike(ours: Path, theirs: Path, agents: tuple[str, ...], steps: int) -> int:
+    """How many steps the two runs sampled the same tokens in, in the calls of `agents`."""
+    a, b = sampled(ours), sampled(theirs)
+
+    def ids(run: dict, step: int) -> dict | None:
+        return {k: v for k, v in run[step].items() if k[1] in agents} if step in run else None
+
+    agree = 0
+    while agree < steps and ids(a, agree + 1) is not None and ids(a, agree + 1) == ids(b, agree + 1):
+        agree += 1
+    return agree
+
+
+def assert_same_models(ours: Path, theirs: Path, steps: int) -> None:
+    """The two runs sample the same tokens, get the same rewards and leave both models' weights equal up to
+    summation order (tolerances.py): the policy's at lr 1e-3, the critic's at its own 2e-3. A model trained on the
+    other's samples, or twice, or not at all, moves most weights by about lr.
+
+    The weights differ by rounding, so a later step may draw another token where the two runs' probabilities
+    straddle the sampler's uniform draw (the random tiny model is nearly uniform over 49,152 tokens; on one CPU
+    the critic's review at step 3 of a sharded run), and from there the runs part. So each model is compared after
+    the last step whose tokens it depends on were sampled alike (a checkpoint every step: `run`), at least 2."""
     for model, lr in (("policy", 1e-3), ("critic", 2e-3)):
-        a, b = weights(ours, step, model), weights(theirs, step, model)
-        assert a.keys() == b.keys()
-        for name in a:
+        step = steps_sampled_alike(ours, theirs, DEPENDS_ON[model], steps)
+        assert step >= 2, f"{model}: the runs sampled other tokens from step {step + 1} on"
+        if model == "policy":
+            rewards = [[r["train/reward_mean"] for r in metric_rows(out)[:step]] for out in (ours, theirs)]
+            assert rewards[0] == rewards[1]
+        w, v = weights(ours, step, model), weights(theirs, step, model)
+        assert w.keys() == v.keys()
+        for name in w:
             flips = LORA_FLIP_FRACTION if "lora_" in name else ADAM_FLIP_FRACTION  # tests/tolerances.py
-            assert_adam_close(a[name], b[name], lr=lr, steps=step, what=f"{model} {name}",
+            assert_adam_close(w[name], v[name], lr=lr, steps=step, what=f"{model} {name} (step {step})",
                               flip_fraction=flips)
 
 
 def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overrides: str) -> None:
-    """The 4-step run in `folder`, stopped after its step-2 checkpoint and resumed: both models' weights (and so
-    their Adam moments) at step 4 equal the straight run's to 1e-6."""
+    """The 4-step run in `folder`, stopped after its step-2 checkpoint and resumed: steps 3 and 4 replay the same
+    episodes, and both models' weights at step 4 are the straight run's up to the rounding of the engine's
+    logprobs (the PPO ratio's denominator), which depends on how the engine happened to batch the calls. On some
+    CPUs that rounding moves a few of the tied head's entries along Adam's sign-flip path (tolerances.py), so the
+    bound is assert_adam_close's over the 2 resumed steps. A lost optimizer state (a fresh Adam's first step is
+    +-lr), a step count off by one (bias correction 20% away) or other episodes move most entries past it."""
     out = folder / "out"
     (out / "global_step_4").rename(folder / "straight_4")
+    straight = metric_rows(out)
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert run(folder, model_dir, backbone, *overrides,
                f"astuner.trainer_common.resume_mode={out / 'global_step_2'}", steps=4) == 0
-    for model in ("policy", "critic"):
+    resumed = {r["step"]: r for r in metric_rows(out)}  # the resumed steps' rows, whether replaced or appended
+    for r in straight[2:]:
+        assert resumed[r["step"]]["train/reward_mean"] == r["train/reward_mean"], f"step {r['step']}: other episodes"
+    for model, lr in (("policy", 1e-3), ("critic", 2e-3)):
         a, b = weights(out, 4, model), load_file(str(folder / "straight_4" / model / "model.safetensors"))
+        assert a.keys() == b.keys()
         for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"resumed {model} {name}")
+            assert_adam_close(a[name], b[name], lr=lr, steps=2, what=f"resumed {model} {name}")
 
 
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, roster: str | None = None,
         steps: int = 2) -> int:
     yaml = write_run(folder, model_dir, "WriterAndCritic", steps=steps,
                      roster=None if roster is None else roster.replace("MODEL", str(model_dir)))
-    return main(["--conf", str(yaml), "--backbone", backbone, *overrides])
+    # A checkpoint every step: assert_same_models compares the weights after any step.
+    return main(["--conf", str(yaml), "--backbone", backbone, "astuner.trainer_common.save_freq=1", *overrides])
 
 
 @contextlib.contextmanager
@@ -88,9 +140,8 @@ def test_verl_two_workers_train_both_models_as_debug_does_and_resume_exactly(clu
     workers = (*RAY, "astuner.trainer_common.n_gpus_per_node=2")
     assert run(tmp_path, tiny_model_dir, "verl", *workers, steps=4) == 0
     out = tmp_path / "out"
-    ours, theirs = metric_rows(out), metric_rows(debug_run)
+    ours = metric_rows(out)
     # The same episodes (seeds follow the episode, not the worker), each model trained on its own samples ...
-    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in theirs]
     assert [r["model/critic/actor/num_samples"] for r in ours] == [6.0] * 4
     assert all(r["model/critic/actor/lr"] == pytest.approx(2e-3) for r in ours)
     # ... with the gradients of each model summed over the two workers: debug's weights, both models.
@@ -108,7 +159,6 @@ def test_trinity_on_policy_trains_both_models_as_debug_does(cluster, debug_run, 
     assert run(tmp_path, tiny_model_dir, "trinity", *RAY, "trinity.synchronizer.sync_interval=1", steps=4) == 0
     out = tmp_path / "out"
     ours = metric_rows(out)
-    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in metric_rows(debug_run)]
     assert_same_models(out, debug_run, 4)
     assert [r["trinity/num_syncs"] for r in ours] == [1, 2, 3, 4]
 
@@ -127,7 +177,6 @@ def test_trinity_gives_each_model_a_sharded_trainer_group_and_resumes_exactly(cl
     log = (out / "astuner.log").read_text()
     assert "2 trainer workers, strategy fsdp2" in log and "2 trainer workers of model critic, strategy fsdp2" in log
     ours = metric_rows(out)
-    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in metric_rows(debug_run)]
     assert [r["model/critic/actor/num_samples"] for r in ours] == [6.0] * 4
     assert_same_models(out, debug_run, 4)
 
@@ -145,9 +194,6 @@ def test_adapters_on_one_base_on_trinity_equal_debugs(cluster, tmp_path, tiny_mo
                roster=ADAPTERS) == 0
     log = (tmp_path / "ray" / "out" / "astuner.log").read_text()
     assert "model critic: a LoRA adapter on the policy's base" in log
-    ours = metric_rows(tmp_path / "ray" / "out")
-    assert [r["train/reward_mean"] for r in ours] == [r["train/reward_mean"] for r in
-                                                      metric_rows(tmp_path / "debug" / "out")]
     assert_same_models(tmp_path / "ray" / "out", tmp_path / "debug" / "out", 2)
 
 

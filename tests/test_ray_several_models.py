@@ -6,8 +6,6 @@ adapters on trinity, and a sharded strategy with several models exits 2 before a
 from __future__ import annotations
 
 import contextlib
-import json
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from astuner.cli import main
+from astuner.logview import store
 from test_several_models import changed, metric_rows, write_run
 from tolerances import ADAM_FLIP_FRACTION, LORA_FLIP_FRACTION, assert_adam_close
 
@@ -29,14 +28,26 @@ def weights(out: Path, step: int, model: str = "policy") -> dict:
     return load_file(str(folder / name))
 
 
+LR = {"policy": 1e-3, "critic": 2e-3}  # write_run's learning rates
+
+
+def assert_model_close(ours: dict, theirs: dict, model: str, steps: int, what: str) -> None:
+    """One model's weights after `steps` Adam steps at its lr, equal up to summation order (tolerances.py)."""
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        flips = LORA_FLIP_FRACTION if "lora_" in name else ADAM_FLIP_FRACTION
+        assert_adam_close(ours[name], theirs[name], lr=LR[model], steps=steps, what=f"{what} {model} {name}",
+                          flip_fraction=flips)
+
+
 def sampled(out: Path) -> dict[int, dict]:
-    """step -> {(episode uid, agent, call): sampled token ids} of a run's training episodes (logview.sqlite)."""
-    with contextlib.closing(sqlite3.connect(out / "logview.sqlite")) as db:
-        rows = db.execute("SELECT e.step, e.uid, c.agent, c.idx, c.tokens FROM calls c JOIN episodes e "
-                          "ON c.episode_id = e.id WHERE e.split = 'train'").fetchall()
+    """step -> {(episode uid, agent, call): sampled token ids} of a run's training episodes (its log store)."""
     by_step: dict[int, dict] = {}
-    for step, uid, agent, idx, tokens in rows:
-        by_step.setdefault(step, {})[(uid, agent, idx)] = json.loads(tokens)["ids"]
+    with contextlib.closing(store.connect(out / store.FILE_NAME, readonly=True)) as db:
+        for step in {r["step"] for r in store.steps(db) if r["split"] == "train"}:
+            for item in store.episodes(db, "train", step, page_size=10_000)["items"]:
+                for call in store.episode(db, item["id"])["calls"]:
+                    by_step.setdefault(step, {})[(item["uid"], call["agent"], call["idx"])] = call["tokens"]["ids"]
     return by_step
 
 
@@ -45,9 +56,8 @@ def sampled(out: Path) -> dict[int, dict]:
 DEPENDS_ON = {"policy": ("writer",), "critic": ("writer", "critic")}
 
 
-def steps_sampled_alike(ours: Path, theirs: Path, agents: tuple[str, ...], steps: int) -> int:
-    """How many steps the two runs sampled the same tokens in, in the calls of `agents`."""
-    a, b = sampled(ours), sampled(theirs)
+def steps_sampled_alike(a: dict, b: dict, agents: tuple[str, ...], steps: int) -> int:
+    """How many steps two runs (`sampled`) sampled the same tokens in, in the calls of `agents`."""
 
     def ids(run: dict, step: int) -> dict | None:
         return {k: v for k, v in run[step].items() if k[1] in agents} if step in run else None
@@ -67,18 +77,14 @@ def assert_same_models(ours: Path, theirs: Path, steps: int) -> None:
     straddle the sampler's uniform draw (the random tiny model is nearly uniform over 49,152 tokens; on one CPU
     the critic's review at step 3 of a sharded run), and from there the runs part. So each model is compared after
     the last step whose tokens it depends on were sampled alike (a checkpoint every step: `run`), at least 2."""
-    for model, lr in (("policy", 1e-3), ("critic", 2e-3)):
-        step = steps_sampled_alike(ours, theirs, DEPENDS_ON[model], steps)
+    a, b = sampled(ours), sampled(theirs)
+    for model in LR:
+        step = steps_sampled_alike(a, b, DEPENDS_ON[model], steps)
         assert step >= 2, f"{model}: the runs sampled other tokens from step {step + 1} on"
         if model == "policy":
             rewards = [[r["train/reward_mean"] for r in metric_rows(out)[:step]] for out in (ours, theirs)]
             assert rewards[0] == rewards[1]
-        w, v = weights(ours, step, model), weights(theirs, step, model)
-        assert w.keys() == v.keys()
-        for name in w:
-            flips = LORA_FLIP_FRACTION if "lora_" in name else ADAM_FLIP_FRACTION  # tests/tolerances.py
-            assert_adam_close(w[name], v[name], lr=lr, steps=step, what=f"{model} {name} (step {step})",
-                              flip_fraction=flips)
+        assert_model_close(weights(ours, step, model), weights(theirs, step, model), model, step, f"step {step}:")
 
 
 def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overrides: str) -> None:
@@ -88,8 +94,9 @@ def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overri
     CPUs that rounding moves a few of the tied head's entries along Adam's sign-flip path (tolerances.py), so the
     bound is assert_adam_close's over the 2 resumed steps. A lost optimizer state (a fresh Adam's first step is
     +-lr), a step count off by one (bias correction 20% away) or other episodes move most entries past it."""
-    out = folder / "out"
-    (out / "global_step_4").rename(folder / "straight_4")
+    out, straight_out = folder / "out", folder / "straight"
+    straight_out.mkdir()
+    (out / "global_step_4").rename(straight_out / "global_step_4")
     straight = metric_rows(out)
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert run(folder, model_dir, backbone, *overrides,
@@ -97,11 +104,8 @@ def assert_resumes_exactly(folder: Path, model_dir: Path, backbone: str, *overri
     resumed = {r["step"]: r for r in metric_rows(out)}  # the resumed steps' rows, whether replaced or appended
     for r in straight[2:]:
         assert resumed[r["step"]]["train/reward_mean"] == r["train/reward_mean"], f"step {r['step']}: other episodes"
-    for model, lr in (("policy", 1e-3), ("critic", 2e-3)):
-        a, b = weights(out, 4, model), load_file(str(folder / "straight_4" / model / "model.safetensors"))
-        assert a.keys() == b.keys()
-        for name in a:
-            assert_adam_close(a[name], b[name], lr=lr, steps=2, what=f"resumed {model} {name}")
+    for model in LR:
+        assert_model_close(weights(out, 4, model), weights(straight_out, 4, model), model, 2, "resumed")
 
 
 def run(folder: Path, model_dir: Path, backbone: str, *overrides: str, roster: str | None = None,

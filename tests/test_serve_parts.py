@@ -285,6 +285,7 @@ def test_serve_refuses_another_host_without_keys(tmp_path, tiny_model_dir, capsy
 # The SDK's side of the served-run test, in a process of its own: a ServiceClient's session sends heartbeats from
 # a background thread for as long as the process lives, and would warn into later tests once the server is gone.
 SDK_CLIENT = """
+import os
 import sys
 import tinker
 from tinker import types
@@ -296,8 +297,8 @@ if mode == "denied":
     try:
         tinker.ServiceClient(base_url=url, api_key="tml-wrong").get_server_capabilities()
     except tinker.AuthenticationError:
-        print("denied")
-    sys.exit(0)
+        print("denied", flush=True)
+    os._exit(0)
 sc = tinker.ServiceClient(base_url=url, api_key=key)
 if mode == "train":
     tc = sc.create_lora_training_client(base_model=model, rank=4).result()
@@ -305,7 +306,10 @@ if mode == "train":
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 else:  # a saved state's path
     tc = sc.create_training_client_from_state_with_optimizer(mode).result()
-print(tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
+print(tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"], flush=True)
+# The session is left open on purpose (the server saves open clients at shutdown), so the SDK's daemon loop
+# thread still runs at interpreter teardown, where it once aborted the process after the answer was printed.
+os._exit(0)
 """
 
 

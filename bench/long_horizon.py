@@ -1,5 +1,7 @@
 """Long horizons, measured (tutorial/long_horizon/README.md): per step of each run, training success, episodes
-cut at the window, compactions and summary length per episode, and validation success where it ran.
+cut at the window, compactions and summary length per episode, and validation success where it ran; and from
+the run's log viewer store, how useful its summaries were: the share that kept the failed session's login (the
+user's name and session id, the fact the answer needs) and the share that kept all four logins.
 
     python bench/long_horizon.py --runs tutorial/long_horizon/launcher_record/long_horizon_none \
         tutorial/long_horizon/launcher_record/long_horizon [--png curves.png]
@@ -11,7 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sqlite3
+import sys
 from pathlib import Path
+
+TUTORIAL = Path(__file__).resolve().parents[1] / "tutorial" / "long_horizon"
+PAGE_ASKED = re.compile(r'"name": "read_log", "arguments": \{"page": (\d+)\}')
 
 COLUMNS = (("train/success_rate", "train: success"), ("rollout/cut/window", "cut at the window"),
            ("rollout/context/compactions", "compactions/ep"), ("rollout/context/summary_length", "summary tokens"),
@@ -28,12 +36,62 @@ def rows_of(folder: Path) -> dict[int, dict]:
     return steps
 
 
+def summary_usefulness(folder: Path) -> dict[tuple[str, int], dict]:
+    """Per (split, step), over the episodes' summary calls: {"kept_answer": share that kept the failed user's
+    name and session id, "kept_all": share that kept every login's}. Empty without a log viewer store."""
+    store = folder / "logview.sqlite"
+    if not store.is_file():
+        return {}
+    sys.path.insert(0, str(TUTORIAL))
+    from log_task import make_log  # noqa: E402 - the tutorial's own task, to know each log's logins
+
+    tasks = {}
+    for name in ("train", "val"):
+        for line in (TUTORIAL / "logs" / f"{name}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            tasks[row["id"]] = row
+    conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    found: dict[tuple[str, int], list[tuple[bool, bool]]] = {}
+    for split, step, task_id, text in conn.execute(
+            "SELECT e.split, e.step, e.task_id, c.response_text FROM calls c JOIN episodes e ON c.episode_id = e.id "
+            "WHERE c.context = 'summary'"):
+        row = tasks[task_id]
+        pages, failed = make_log(int(row["seed"]), int(row["pages"]))
+        logins = [line.split("login ", 1)[1] for line in pages[0].splitlines() if " login " in line]
+        pairs = [tuple(part.split("=", 1)[1] for part in login.split()) for login in logins]  # (user, session)
+        kept = [user in text and session in text for user, session in pairs]
+        answer = next(k for (user, _), k in zip(pairs, kept) if user == failed)
+        found.setdefault((split, step), []).append((answer, all(kept)))
+    out = {key: {"kept_answer": sum(a for a, _ in v) / len(v), "kept_all": sum(b for _, b in v) / len(v)}
+           for key, v in found.items()}
+    # Guesses: successes whose episode never asked for the last page (the answer cannot have been read there).
+    asked: dict[int, set[int]] = {}
+    for episode_id, text in conn.execute("SELECT episode_id, response_text FROM calls"):
+        asked.setdefault(episode_id, set()).update(int(n) for n in PAGE_ASKED.findall(text or ""))
+    for episode_id, split, step, task_id, reward in conn.execute(
+            "SELECT id, split, step, task_id, reward FROM episodes"):
+        cell = out.setdefault((split, step), {})
+        cell.setdefault("successes", 0)
+        cell.setdefault("guesses", 0)
+        if reward and reward > 0:
+            cell["successes"] += 1
+            cell["guesses"] += int(tasks[task_id]["pages"]) not in asked.get(episode_id, set())
+    return out
+
+
 def table(folder: Path) -> str:
     steps = rows_of(folder)
-    out = [f"{folder.name}:", "| step | " + " | ".join(label for _, label in COLUMNS) + " |",
-           "| --- |" + " --- |" * len(COLUMNS)]
+    useful = summary_usefulness(folder)
+    extra = ((("train", "kept_answer"), "summaries keeping the answer's login"), (("train", "kept_all"), "all 4"),
+             (("train", "guesses"), "successes without the last page"),
+             (("val", "kept_answer"), "validation: the answer's login"), (("val", "successes"), "validation: successes"),
+             (("val", "guesses"), "without the last page"))
+    out = [f"{folder.name}:", "| step | " + " | ".join(label for _, label in COLUMNS + extra) + " |",
+           "| --- |" + " --- |" * (len(COLUMNS) + len(extra))]
     for step in sorted(steps):
         cells = ["" if key not in steps[step] else f"{steps[step][key]:.3g}" for key, _ in COLUMNS]
+        cells += ["" if key not in useful.get((split, step), {}) else f"{useful[split, step][key]:.3g}"
+                  for (split, key), _ in extra]
         out.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

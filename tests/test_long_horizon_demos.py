@@ -45,8 +45,10 @@ class Player:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("twin", make_demos.TWINS, ids=lambda twin: twin.tool)
-def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, demo_tokenizer):
-    reading, summarizing, after = make_demos.episode(random.Random(3), twin)
+@pytest.mark.parametrize("seed,pages", [(0, 5), (3, 4)])
+def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed, pages, demo_tokenizer):
+    reading, summarizing, after = make_demos.episode(random.Random(seed), twin)
+    assert f"this {twin.record} of {pages} pages" in reading["messages"][1]["content"]
     tools = [twin.schema()]
     config = (REPO / "tutorial" / "long_horizon" / "long_horizon.yaml").read_text()
     assert "max_model_len: 2048" in config and "max_response_length_in_one_turn: 128" in config

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sqlite3
 import sys
 from pathlib import Path
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorial" / "long_horizon"
-PAGE_ASKED = re.compile(r'"name": "read_log", "arguments": \{"page": (\d+)\}')
 
 COLUMNS = (("train/success_rate", "train: success"), ("rollout/cut/window", "cut at the window"),
            ("rollout/context/compactions", "compactions/ep"), ("rollout/context/summary_length", "summary tokens"),
@@ -36,21 +34,22 @@ def rows_of(folder: Path) -> dict[int, dict]:
     return steps
 
 
-def summary_usefulness(folder: Path) -> dict[tuple[str, int], dict]:
-    """Per (split, step), over the episodes' summary calls: {"kept_answer": share that kept the failed user's
-    name and session id, "kept_all": share that kept every login's}. Empty without a log viewer store."""
-    store = folder / "logview.sqlite"
-    if not store.is_file():
-        return {}
-    sys.path.insert(0, str(TUTORIAL))
-    from log_task import make_log  # noqa: E402 - the tutorial's own task, to know each log's logins
-
+def _tasks() -> dict[str, dict]:
+    """The tutorial's tasks by id: each log's seed, page count and answer."""
     tasks = {}
     for name in ("train", "val"):
         for line in (TUTORIAL / "logs" / f"{name}.jsonl").read_text().splitlines():
             row = json.loads(line)
             tasks[row["id"]] = row
-    conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    return tasks
+
+
+def _summaries_kept(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tuple[str, int], dict]:
+    """Per (split, step), over the episodes' summary calls: {"kept_answer": share that kept the failed user's
+    name and session id, "kept_all": share that kept every login's}."""
+    sys.path.insert(0, str(TUTORIAL))
+    from log_task import make_log  # noqa: E402 - the tutorial's own task, to know each log's logins
+
     found: dict[tuple[str, int], list[tuple[bool, bool]]] = {}
     for split, step, task_id, text in conn.execute(
             "SELECT e.split, e.step, e.task_id, c.response_text FROM calls c JOIN episodes e ON c.episode_id = e.id "
@@ -62,20 +61,42 @@ def summary_usefulness(folder: Path) -> dict[tuple[str, int], dict]:
         kept = [user in text and session in text for user, session in pairs]
         answer = next(k for (user, _), k in zip(pairs, kept) if user == failed)
         found.setdefault((split, step), []).append((answer, all(kept)))
-    out = {key: {"kept_answer": sum(a for a, _ in v) / len(v), "kept_all": sum(b for _, b in v) / len(v)}
-           for key, v in found.items()}
-    # Guesses: successes whose episode never asked for the last page (the answer cannot have been read there).
+    return {key: {"kept_answer": sum(a for a, _ in v) / len(v), "kept_all": sum(b for _, b in v) / len(v)}
+            for key, v in found.items()}
+
+
+def _guesses(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tuple[str, int], dict]:
+    """Per (split, step): {"successes", "guesses"}, a guess being a success whose episode never asked for the last
+    page (where the failure is), read from each call's text with the tutorial's tool-call format (hermes)."""
+    from astuner.model_tuner import get_tool_parser
+
+    parser = get_tool_parser("hermes")
     asked: dict[int, set[int]] = {}
     for episode_id, text in conn.execute("SELECT episode_id, response_text FROM calls"):
-        asked.setdefault(episode_id, set()).update(int(n) for n in PAGE_ASKED.findall(text or ""))
+        asked.setdefault(episode_id, set()).update(
+            int(call.arguments.get("page", 0)) for call in parser.parse(text or "").tool_calls
+            if call.name == "read_log" and isinstance(call.arguments, dict))
+    out: dict[tuple[str, int], dict] = {}
     for episode_id, split, step, task_id, reward in conn.execute(
             "SELECT id, split, step, task_id, reward FROM episodes"):
-        cell = out.setdefault((split, step), {})
-        cell.setdefault("successes", 0)
-        cell.setdefault("guesses", 0)
+        cell = out.setdefault((split, step), {"successes": 0, "guesses": 0})
         if reward and reward > 0:
             cell["successes"] += 1
             cell["guesses"] += int(tasks[task_id]["pages"]) not in asked.get(episode_id, set())
+    return out
+
+
+def summary_usefulness(folder: Path) -> dict[tuple[str, int], dict]:
+    """Per (split, step): what the summaries kept (_summaries_kept) and the successes that were guesses
+    (_guesses). Empty without a log viewer store."""
+    store = folder / "logview.sqlite"
+    if not store.is_file():
+        return {}
+    tasks = _tasks()
+    conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    out = _guesses(conn, tasks)
+    for key, kept in _summaries_kept(conn, tasks).items():
+        out.setdefault(key, {}).update(kept)
     return out
 
 
@@ -84,8 +105,8 @@ def table(folder: Path) -> str:
     useful = summary_usefulness(folder)
     extra = ((("train", "kept_answer"), "summaries keeping the answer's login"), (("train", "kept_all"), "all 4"),
              (("train", "guesses"), "successes without the last page"),
-             (("val", "kept_answer"), "validation: the answer's login"), (("val", "successes"), "validation: successes"),
-             (("val", "guesses"), "without the last page"))
+             (("val", "kept_answer"), "validation: the answer's login"),
+             (("val", "successes"), "validation: successes"), (("val", "guesses"), "without the last page"))
     out = [f"{folder.name}:", "| step | " + " | ".join(label for _, label in COLUMNS + extra) + " |",
            "| --- |" + " --- |" * (len(COLUMNS) + len(extra))]
     for step in sorted(steps):

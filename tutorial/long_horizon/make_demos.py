@@ -32,7 +32,7 @@ class Twin:
     than one kind's words."""
     tool: str
     record: str  # "journal"
-    system: str
+    title: str  # the record's kind in the system prompt: "hotel journal"
     question: str
     entries: str  # what the entries are called in a summary: "Check-ins"
     key: str  # the line to find: "ALARM"
@@ -44,6 +44,13 @@ class Twin:
     event: str  # the key line, from {id}
     routine: str  # a routine line's end, from {n}
 
+    @property
+    def system(self) -> str:
+        return (f"You investigate {self.title}s. The {self.title} has several pages; read them in order with "
+                f"{self.tool}(page), starting at page 1. {self.entries} name the {self.role} of each {self.thing}. "
+                f"When you find the {self.key} line, answer with the {self.role} whose {self.thing} it was, inside "
+                "\\boxed{}.")
+
     def schema(self) -> dict:
         return {"type": "function", "function": {
             "name": self.tool, "description": f"One page of the {self.record}.",
@@ -51,24 +58,16 @@ class Twin:
                 "page": {"type": "integer", "description": "The page, from 1."}}}}}
 
 
-def _system(record: str, tool: str, entries: str, role: str, thing: str, key: str) -> str:
-    return (f"You investigate {record}s. The {record} has several pages; read them in order with {tool}(page), "
-            f"starting at page 1. {entries} name the {role} of each {thing}. When you find the {key} line, answer "
-            f"with the {role} whose {thing} it was, inside \\boxed{{}}.")
-
-
 TWINS = (
-    Twin("read_journal", "journal", _system("hotel journal", "read_journal", "Check-ins", "guest", "room", "ALARM"),
+    Twin("read_journal", "journal", "hotel journal",
          "An alarm went off somewhere in this journal of {pages} pages. Whose room was it?", "Check-ins", "ALARM",
          "guest", "room", "R", ("hvac", "lift", "door", "boiler", "pool", "kitchen"), "desk-1 checkin guest={name} "
          "room={id}", "alarm-2 ALARM room={id} smoke detected", "ok reading level={n}%"),
-    Twin("read_ledger", "ledger", _system("warehouse ledger", "read_ledger", "Shift starts", "worker", "bay",
-                                          "FAULT"),
+    Twin("read_ledger", "ledger", "warehouse ledger",
          "A fault was logged somewhere in this ledger of {pages} pages. Whose bay was it?", "Shift starts", "FAULT",
          "worker", "bay", "B", ("belt", "crane", "scale", "dock", "forklift", "chiller"), "gate-2 shift start "
          "worker={name} bay={id}", "belt-3 FAULT bay={id} conveyor jammed", "ok load={n}kg"),
-    Twin("read_notebook", "notebook", _system("lab notebook", "read_notebook", "Assignments", "technician",
-                                              "sample", "SPILL"),
+    Twin("read_notebook", "notebook", "lab notebook",
          "A spill was noted somewhere in this notebook of {pages} pages. Whose sample was it?", "Assignments",
          "SPILL", "technician", "sample", "X", ("fridge", "oven", "pump", "hood", "mixer", "scope"), "desk-3 assign "
          "technician={name} sample={id}", "bench-1 SPILL sample={id} contaminated", "ok temp={n}C"),
@@ -116,7 +115,8 @@ def episode(rng: random.Random, twin: Twin) -> list[dict]:
         view += [call(twin, n), result(n, pages)]
     reading = {"tools": tools, "messages": view[:-1]}  # ends with the call the window could not answer
     cut = summary_cut(view)
-    left = "page 4" if len(pages) == 4 else "pages 4 and 5"
+    rest = range(PAGES_BEFORE_SUMMARY + 1, len(pages) + 1)
+    left = f"page {rest[0]}" if len(rest) == 1 else f"pages {' and '.join(map(str, rest))}"
     entries = ", ".join(f"{name} {twin.thing} {i}" for name, i in ids.items())
     summary = (f"I read pages 1 to {PAGES_BEFORE_SUMMARY} of {len(pages)}. {twin.entries}: {entries}. No {twin.key} "
                f"line yet. Left to do: read {left}, find the {twin.key} line and answer with the {twin.role} of its "

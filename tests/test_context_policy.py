@@ -264,6 +264,30 @@ def test_an_empty_summary_changes_nothing_and_a_long_one_is_labelled_summary_cap
     assert [(c.context, c.cut) for c in tuner.calls[-2:]] == [("summary", "summary_cap"), ("compacted", "")]
 
 
+class LongSummaryEngine(RuleEngine):
+    """A summary of about 60 tokens, longer than the per-turn cap the test sets (a page's call is about 25)."""
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        if SUMMARY_REQUEST[:40] in self.tokenizer.decode(prompt_ids):
+            self.prompts.append(list(prompt_ids))
+            self.summary_cap = sampling.max_tokens
+            ids = self.tokenizer.encode(SUMMARY * 4, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            finish = "length" if len(ids) > sampling.max_tokens else "stop"
+            return GenerateResult(ids[: sampling.max_tokens], [-0.25] * min(len(ids), sampling.max_tokens), finish)
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+def test_a_summary_is_capped_by_summary_max_tokens_not_by_the_per_turn_cap(demo_tokenizer):
+    """summary_max_tokens above the per-turn cap: the summary has its own cap, and is whole."""
+    tuner, engine = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2), per_turn=32,
+                              engine_cls=LongSummaryEngine, summary_tokens=96)
+    assert len(demo_tokenizer.encode(SUMMARY * 4, add_special_tokens=False)) > 32
+    asyncio.run(tuner.chat(history(tuner, 3), TOOLS))
+    summary = next(c for c in tuner.calls if c.context == "summary")
+    assert engine.summary_cap == 96 and summary.cut == "" and summary.response_text.strip() == (SUMMARY * 4).strip()
+    assert all(c.cut == "" for c in tuner.calls)
+
+
 def test_an_agent_on_the_openai_endpoint_is_compacted_the_same_way(demo_tokenizer):
     from astuner.model_tuner.frontends.gateway import Gateway
 

@@ -2,11 +2,12 @@
 
 Before it generates, a call takes its new tokens from the budget (`EpisodeBudget.reserve`):
   min(max_tokens_per_turn, max_model_len - prompt, max_response_tokens - generated - reserved by running calls),
-capped by what the request asked for (never below 1). Its reservation goes back when it ends (`release`), and the
+capped by what the request asked for (never below 1); a summary or a sub-agent's report has summary_max_tokens in
+the per-turn cap's place. Its reservation goes back when it ends (`release`), and the
 tokens of a call the episode un-records leave the budget (`give_back`). A first prompt over max_prompt_length, a
 prompt that leaves no room or a budget already spent overflows the episode (`EpisodeOverflow`); a call that finds
 what is left reserved by calls still generating waits for them. Each allowance and each refusal names the limit
-that set it (astuner/cuts.py: turn_cap, budget, window, prompt), so a cut is never put down to the wrong one.
+that set it (astuner/cuts.py: turn_cap, budget, window, prompt, summary_cap), so a cut is never put down to the wrong one.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class EpisodeBudget:
         self._budget_overflow = limit == cuts.BUDGET  # `discard` may hand the budget back, and with it the episode
         return EpisodeOverflow(reason)
 
-    def _max_tokens(self, prompt_len: int, first: bool) -> tuple[int, str]:
+    def _max_tokens(self, prompt_len: int, first: bool, turn_cap: int | None = None) -> tuple[int, str]:
         lim = self.limits
+        turn_cap = lim.max_tokens_per_turn if turn_cap is None else turn_cap
         if self.overflowed:
             raise EpisodeOverflow(self.overflow_reason or "episode already overflowed")
         if first and prompt_len > lim.max_prompt_length:
@@ -67,16 +69,17 @@ class EpisodeBudget:
             raise self._overflow(f"prompt has {prompt_len} tokens, max_model_len is {lim.max_model_len}", cuts.WINDOW)
         # 0: what is left is reserved by calls still generating; they may hand some back (`reserve` waits).
         free = budget_left - self._reserved
-        return max(0, min(lim.max_tokens_per_turn, room, free)), cuts.binding_limit(lim.max_tokens_per_turn, room, free)
+        return max(0, min(turn_cap, room, free)), cuts.binding_limit(turn_cap, room, free)
 
     async def reserve(self, prompt_len: int, first: bool, requested: int | None,
-                      check_deadline: Callable[[], None]) -> tuple[int, str]:
+                      check_deadline: Callable[[], None], turn_cap: int | None = None) -> tuple[int, str]:
         """This call's new tokens, taken from the episode's budget before it generates, and the limit that set
-        them (the request's own `max_tokens` when it asked for fewer: "max_tokens"). The check and the
+        them (the request's own `max_tokens` when it asked for fewer: "max_tokens"). `turn_cap` replaces the
+        per-turn cap for a call with a cap of its own (a summary's summary_max_tokens). The check and the
         reservation run without an await between them, and every call of an episode runs on its loop, so
         parallel calls never promise more than the budget together. `check_deadline` runs after each wait."""
         while True:
-            max_tokens, limit = self._max_tokens(prompt_len, first)
+            max_tokens, limit = self._max_tokens(prompt_len, first, turn_cap)
             if max_tokens > 0:
                 if requested is not None and int(requested) <= max_tokens:  # its own cap binds, even on a tie
                     max_tokens, limit = max(1, int(requested)), cuts.REQUEST

@@ -70,8 +70,10 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     context = _segment(tuner, prompt, options.agent, compacted, seen is not None)
     # The context it was prompted in: its compaction's segment, else its agent's latest.
     segment = seen.segment if seen is not None else tuner.context.segments.get(options.agent, 0)
+    # A summary or a sub-agent's report is capped by summary_max_tokens, not by the per-turn cap.
+    own_cap = tuner.context.summary_max_tokens if SUMMARIZING.get() else None
     max_tokens, limit = await tuner.budget.reserve(len(prompt.ids), tuner.started == 0, options.max_tokens,
-                                                    tuner.check_deadline)
+                                                    tuner.check_deadline, own_cap)
     index = tuner.started  # read after the reservation, which may wait for parallel calls
     own_temperature, own_top_p, own_top_k = tuner.roster.sampling_of(options.agent)  # its model's (astuner.models)
     requested = options.temperature if options.temperature and options.temperature > 0 else own_temperature
@@ -96,7 +98,7 @@ async def complete(tuner, messages: list[dict], tools: list[dict] | None, option
     call = _record(tuner, messages, prompt, options, tools, temperature, sample, reading)
     call.cut = cuts.call_cut(sample.finish, len(sample.ids), max_tokens, limit)
     call.segment, call.context = segment, context
-    if SUMMARIZING.get() and call.cut == cuts.REQUEST:
+    if SUMMARIZING.get() and call.cut in (cuts.REQUEST, cuts.TURN_CAP):
         call.cut = cuts.SUMMARY_CAP  # the run's summary_max_tokens, not an agent's own max_tokens
     return _answer(tuner, call, prompt, options, sample, reading, seconds)
 

@@ -1,7 +1,7 @@
-"""Long horizons, measured (tutorial/long_horizon/README.md): per step of each run, training success, episodes
-cut at the window, compactions and summary length per episode, and validation success where it ran; and from
-the run's log viewer store, how useful its summaries were: the share that kept the failed session's login (the
-user's name and session id, the fact the answer needs) and the share that kept all four logins.
+"""Long horizons, measured (tutorial/long_horizon/README.md): per step of each run, training reward and success,
+episodes cut at the window, compactions and summary length per episode, and validation reward and success where it
+ran; and from the run's log viewer store, how useful its summaries were: the share that kept the failed session's
+login (the user's name and session id, the fact the answer needs) and the share that kept all four logins.
 
     python bench/long_horizon.py --runs tutorial/long_horizon/launcher_record/long_horizon_none \
         tutorial/long_horizon/launcher_record/long_horizon [--png curves.png]
@@ -19,9 +19,11 @@ from pathlib import Path
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorial" / "long_horizon"
 
-COLUMNS = (("train/success_rate", "train: success"), ("rollout/cut/window", "cut at the window"),
+COLUMNS = (("train/reward_mean", "train: reward"), ("train/success_rate", "success"),
+           ("rollout/cut/window", "cut at the window"),
            ("rollout/context/compactions", "compactions/ep"), ("rollout/context/summary_length", "summary tokens"),
-           ("train/turns_per_episode", "calls/ep"), ("val/accuracy", "validation: success"))
+           ("train/turns_per_episode", "calls/ep"), ("val/reward_mean", "validation: reward"),
+           ("val/accuracy", "validation: success"))
 
 
 def rows_of(folder: Path) -> dict[int, dict]:
@@ -55,19 +57,21 @@ def _summaries_kept(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tu
             "SELECT e.split, e.step, e.task_id, c.response_text FROM calls c JOIN episodes e ON c.episode_id = e.id "
             "WHERE c.context = 'summary'"):
         row = tasks[task_id]
-        pages, failed = make_log(int(row["seed"]), int(row["pages"]))
+        pages, answer = make_log(int(row["seed"]), int(row["pages"]))
+        failed = answer.split()[0]  # "<user> <time>"
         logins = [line.split("login ", 1)[1] for line in pages[0].splitlines() if " login " in line]
         pairs = [tuple(part.split("=", 1)[1] for part in login.split()) for login in logins]  # (user, session)
         kept = [user in text and session in text for user, session in pairs]
-        answer = next(k for (user, _), k in zip(pairs, kept) if user == failed)
-        found.setdefault((split, step), []).append((answer, all(kept)))
+        kept_failed = next(k for (user, _), k in zip(pairs, kept) if user == failed)
+        found.setdefault((split, step), []).append((kept_failed, all(kept)))
     return {key: {"kept_answer": sum(a for a, _ in v) / len(v), "kept_all": sum(b for _, b in v) / len(v)}
             for key, v in found.items()}
 
 
 def _guesses(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tuple[str, int], dict]:
-    """Per (split, step): {"successes", "guesses"}, a guess being a success whose episode never asked for the last
-    page (where the failure is), read from each call's text with the tutorial's tool-call format (hermes)."""
+    """Per (split, step): {"successes", "guesses"}, a guess being an episode with a reward (the name's half, or
+    all) that never asked for the last page (where the failure is), read from each call's text with the
+    tutorial's tool-call format (hermes)."""
     from astuner.model_tuner import get_tool_parser
 
     parser = get_tool_parser("hermes")
@@ -77,17 +81,17 @@ def _guesses(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tuple[str
             int(call.arguments.get("page", 0)) for call in parser.parse(text or "").tool_calls
             if call.name == "read_log" and isinstance(call.arguments, dict))
     out: dict[tuple[str, int], dict] = {}
-    for episode_id, split, step, task_id, reward in conn.execute(
-            "SELECT id, split, step, task_id, reward FROM episodes"):
+    for episode_id, split, step, task_id, reward, success in conn.execute(
+            "SELECT id, split, step, task_id, reward, success FROM episodes"):
         cell = out.setdefault((split, step), {"successes": 0, "guesses": 0})
+        cell["successes"] += bool(success)
         if reward and reward > 0:
-            cell["successes"] += 1
             cell["guesses"] += int(tasks[task_id]["pages"]) not in asked.get(episode_id, set())
     return out
 
 
 def summary_usefulness(folder: Path) -> dict[tuple[str, int], dict]:
-    """Per (split, step): what the summaries kept (_summaries_kept) and the successes that were guesses
+    """Per (split, step): what the summaries kept (_summaries_kept), successes, and the rewards that were guesses
     (_guesses). Empty without a log viewer store."""
     store = folder / "logview.sqlite"
     if not store.is_file():
@@ -104,9 +108,9 @@ def table(folder: Path) -> str:
     steps = rows_of(folder)
     useful = summary_usefulness(folder)
     extra = ((("train", "kept_answer"), "summaries keeping the answer's login"), (("train", "kept_all"), "all 4"),
-             (("train", "guesses"), "successes without the last page"),
+             (("train", "guesses"), "rewarded without the last page"),
              (("val", "kept_answer"), "validation: the answer's login"),
-             (("val", "successes"), "validation: successes"), (("val", "guesses"), "without the last page"))
+             (("val", "successes"), "validation: successes"), (("val", "guesses"), "rewarded without the last page"))
     out = [f"{folder.name}:", "| step | " + " | ".join(label for _, label in COLUMNS + extra) + " |",
            "| --- |" + " --- |" * (len(COLUMNS) + len(extra))]
     for step in sorted(steps):
@@ -126,7 +130,7 @@ def plot(folders: list[Path], png: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for folder in folders:
         steps = rows_of(folder)
-        for ax, key in zip(axes, ("train/success_rate", "rollout/cut/window", "rollout/context/summary_length")):
+        for ax, key in zip(axes, ("train/reward_mean", "rollout/cut/window", "rollout/context/summary_length")):
             xs = [s for s in sorted(steps) if key in steps[s]]
             ax.plot(xs, [steps[s][key] for s in xs], marker="o", label=folder.name)
             ax.set(xlabel="step", title=key)

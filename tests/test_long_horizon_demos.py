@@ -10,6 +10,7 @@ import json
 import random
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,12 +45,16 @@ class Player:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("twin", make_demos.TWINS, ids=lambda twin: twin.tool)
+@pytest.mark.parametrize("twin", (*make_demos.TWINS, make_demos.LOG), ids=lambda twin: twin.tool)
 @pytest.mark.parametrize("seed,pages", [(0, 5), (3, 4)])
 def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed, pages, demo_tokenizer):
-    reading, summarizing, after = make_demos.episode(random.Random(seed), twin)
+    if twin is make_demos.LOG:  # the log's own episodes: the prompts and tool of log_task's agent
+        reading, summarizing, after = make_demos.log_episode(make_demos.LOG_SEED + seed, pages)
+        assert reading["messages"][0]["content"] == log_task.SYSTEM and reading["tools"] == [log_task.READ_LOG]
+    else:
+        reading, summarizing, after = make_demos.episode(random.Random(seed), twin)
     assert f"this {twin.record} of {pages} pages" in reading["messages"][1]["content"]
-    tools = [twin.schema()]
+    tools = reading["tools"]
     config = (REPO / "tutorial" / "long_horizon" / "long_horizon.yaml").read_text()
     assert "max_model_len: 2048" in config and "max_response_length_in_one_turn: 128" in config
     assert "summary_max_tokens: 192" in config
@@ -79,12 +84,43 @@ def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed
     assert summary.prompt_ids == renderer.render(summarizing["messages"][:-1], None)
     assert summary.response_text.strip() == summarizing["messages"][-1]["content"]
     assert last.prompt_ids == renderer.render(after["messages"][:-1], tools)
-    assert log_task.BOXED.findall(last.response_text)
+    # The log task's judge reads the twins' answer: the name and the key line's time.
+    assert log_task.parse_answer(last.response_text) == log_task.parse_answer(after["messages"][-1]["content"])
+    assert log_task.parse_answer(last.response_text).count(":") == 1
 
 
-def test_the_demonstrations_never_name_the_log_task():
+def test_the_log_is_demonstrated_on_logs_no_task_uses_and_its_twins_never_name_it():
     rows = make_demos.demonstrations(8)
-    text = json.dumps(rows)
-    assert len(rows) == 24 and all(twin.tool in text for twin in make_demos.TWINS)
+    episodes = [rows[i:i + 3] for i in range(0, len(rows), 3)]
+    log = [e for e in episodes if e[0]["tools"] == [log_task.READ_LOG]]
+    assert len(episodes) == 8 and len(log) == 2
+    assert all(twin.tool in json.dumps(rows) for twin in make_demos.TWINS[:6])
+    tasks = [json.loads(line) for name in ("train", "val")
+             for line in (REPO / "tutorial" / "long_horizon" / "logs" / f"{name}.jsonl").read_text().splitlines()]
+    used = {make_demos.log_task.make_log(t["seed"], t["pages"])[0][0] for t in tasks}  # every task's first page
+    assert not any(e[0]["messages"][3]["content"].split("\n", 1)[1] in used for e in log)
+    twins = json.dumps([e for e in episodes if e not in log])
     for word in ("read_log", "user=", "session=", "ERROR", *log_task.USERS, *log_task.SERVICES):
-        assert not re.search(rf"\b{word}\b", text), word
+        assert not re.search(rf"\b{word}\b", twins), word
+
+
+def test_the_log_judge_wants_the_user_and_the_time_of_the_failure():
+    """A name from the first page alone earns half at most (the shortcut GRPO learnt when it earned everything):
+    the other half is the failure's time, which only the last page has; a success is both."""
+    pages, answer = log_task.make_log(7, 5)
+    user, time = answer.split()
+    failure = next(line for line in pages[-1].splitlines() if " ERROR " in line)
+    assert failure.startswith(time + ":") and f"user={user} " in pages[0]
+    assert not any(line.startswith(time + ":") for page in pages[:-1] for line in page.splitlines())
+    task = SimpleNamespace(task=SimpleNamespace(metadata={"answer": answer}))
+
+    def reward(text):
+        return log_task.UserJudge().compute_reward(task, SimpleNamespace(metadata={"final_answer": text}))
+
+    hours, minutes = time.split(":")
+    assert reward(f"It was {user}. \\boxed{{{user} {time}}}") == (1.0, True)
+    assert reward(f"\\boxed{{{user.title()}, at {time}:59}}") == (1.0, True)
+    assert reward(f"\\boxed{{{user}}}") == (0.0, False)  # a name alone is not an answer
+    assert reward(f"\\boxed{{{user} {hours}:{(int(minutes) + 1) % 60:02d}}}") == (0.5, False)
+    assert reward(f"\\boxed{{nobody {time}}}") == (0.5, False)
+    assert reward("no box") == (0.0, False)

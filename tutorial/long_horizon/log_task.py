@@ -1,9 +1,11 @@
 """The long-horizon tutorial's task: a log longer than the model's window, read page by page with one tool.
 
 Early pages hold the logins (`login user=<name> session=<id>`) among routine lines; the last page holds one
-failure (`ERROR session=<id> ...`). The question: whose session failed? The answer needs a fact from the first
-pages and one from the last, and the pages together do not fit in the window (2,048 tokens for the demo model):
-without a context policy the episode is cut (labelled "window"); with `rollout.context_policy: summarize` the
+failure (`<time> ... ERROR session=<id> ...`). The question: whose session failed, and when? The answer needs a fact
+from the first page and two from the last, and the pages together do not fit in the window (2,048 tokens for the
+demo model), so no answer is right without reading to the end; a user's name taken from the first page alone is
+worth nothing without the failure's time (a shortcut GRPO found when the name alone was the answer).
+Without a context policy the episode is cut (labelled "window"); with `rollout.context_policy: summarize` the
 agent writes a summary when the window fills, and what it kept decides the reward, which trains the summary too.
 
 The log is made from the task's seed (no file); `answer()` is an ordinary tool loop on `openai.AsyncOpenAI`.
@@ -21,18 +23,20 @@ SERVICES = ["cache", "queue", "auth", "billing", "search", "mailer"]
 LINES_PER_PAGE = 24
 SYSTEM = ("You investigate logs. The log has several pages; read them in order with read_log(page), starting at "
           "page 1. Logins name the user of each session. When you find the ERROR line, answer with the user whose "
-          "session failed, inside \\boxed{}.")
-QUESTION = "A session failed somewhere in this log of {pages} pages. Whose session was it?"
+          "session it was and the time of the ERROR line (hours:minutes), inside \\boxed{}: \\boxed{name 9:05}.")
+QUESTION = "A session failed somewhere in this log of {pages} pages. Whose session was it, and when did it fail?"
 MAX_TURNS = 8
 READ_LOG = {"type": "function", "function": {
     "name": "read_log", "description": "One page of the log.",
     "parameters": {"type": "object", "properties": {"page": {"type": "integer", "description": "The page, from 1."}},
                    "required": ["page"]}}}
-BOXED = re.compile(r"\\boxed\{\s*([a-z]+)\s*\}")
+BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+ANSWER = re.compile(r"^\s*([a-z]+)[\s,]+(?:at\s+)?(\d{1,2}:\d{2})(?::\d{2})?\s*$")  # "name 9:05" in a box
 
 
 def make_log(seed: int, pages: int) -> tuple[list[str], str]:
-    """The log's pages and the user whose session failed; the same seed makes the same log."""
+    """The log's pages and the answer, "<user whose session failed> <hours:minutes of the failure>"; the same seed
+    makes the same log."""
     rng = random.Random(seed)
     users = rng.sample(USERS, 4)
     sessions = {u: f"S-{rng.randrange(1000, 10000)}" for u in users}
@@ -45,10 +49,12 @@ def make_log(seed: int, pages: int) -> tuple[list[str], str]:
             for i, u in enumerate(users):
                 page[3 + 5 * i] = f"8:{3 + 5 * i:02d}:00 auth-1 login user={u} session={sessions[u]}"
         if p == pages - 1:
-            page[rng.randrange(LINES_PER_PAGE)] = (f"{8 + p}:30:00 billing-2 ERROR session={sessions[failed]} "
-                                                   "payment failed")
+            at = rng.randrange(LINES_PER_PAGE)  # the failure's minute is its line's, as every line's
+            page[at] = (f"{8 + p}:{at:02d}:{rng.randrange(60):02d} billing-2 ERROR session={sessions[failed]} "
+                        "payment failed")
+            answer = f"{failed} {8 + p}:{at:02d}"
         lines.append("\n".join(page))
-    return lines, failed
+    return lines, answer
 
 
 def read_log_tool(pages: list[str]):
@@ -91,10 +97,23 @@ class LogAgent(Workflow):
         return WorkflowOutput(reward=None, metadata={"final_answer": final})
 
 
+def parse_answer(text: str) -> str | None:
+    """The last \\boxed{} of a reply as "<name> <hours:minutes>" (seconds dropped), or None."""
+    boxed = BOXED.findall(str(text or "").lower())
+    found = ANSWER.match(boxed[-1]) if boxed else None
+    if not found:
+        return None
+    hours, minutes = found.group(2).split(":")
+    return f"{found.group(1)} {int(hours)}:{minutes}"
+
+
 class UserJudge(BaseJudge):
-    """Reward 1.0 when the last boxed name is the user whose session failed."""
+    """Half the reward for the user whose session failed, half for the failure's time; a success is both. The time
+    is on the last page only, so an answer after the first page earns at most half, 1 time in 4 (a guessed name),
+    while reading to the end earns the time's half and what the summary kept earns the name's."""
 
     def compute_reward(self, workflow_task, workflow_output):
-        boxed = BOXED.findall(str(workflow_output.metadata.get("final_answer") or "").lower())
-        ok = bool(boxed) and boxed[-1] == workflow_task.task.metadata["answer"]
-        return float(ok), ok
+        got = (parse_answer(workflow_output.metadata.get("final_answer")) or " ").split(" ")
+        want = workflow_task.task.metadata["answer"].split(" ")
+        user, time = got[0] == want[0], got[1] == want[1]
+        return 0.5 * user + 0.5 * time, user and time

@@ -1,23 +1,30 @@
-"""Writes logs/demos.jsonl: the warm start's demonstrations (warm_start.yaml), on *twins* of the task.
+"""Writes logs/demos.jsonl: the warm start's demonstrations (warm_start.yaml): 8 episodes of the log task itself,
+on logs no task uses (seeds from 5000), and 24 of six *twins* of it.
 
 A twin is a record read page by page with its own tool: a hotel journal (`read_journal`: check-ins `guest=<name>
-room=<id>` on the first page, an `ALARM room=<id>` on the last, "whose room was it?"), a warehouse ledger (shift
-starts and a FAULT) or a lab notebook (assignments and a SPILL). Same shape as the log task (log_task.py), none
-of its words: other tools, names, lines and ids, so what GRPO then learns on the log is left to it.
+room=<id>` on the first page, an `ALARM room=<id>` on the last, "whose room was it, and when?"), a warehouse ledger
+(shift starts and a FAULT), a lab notebook (assignments and a SPILL), a parking register (arrivals and a TOW), a
+ship manifest (boardings and a LEAK) or a library roster (loans and a LOST). Same shape as the log task
+(log_task.py), none of its words: other tools, names, lines and ids. Twins alone did not carry to the log: warm
+starts on them summarized logs without a login in 16 of 16 validation episodes (README.md), so a quarter of the
+episodes are the log's, and the twins teach the pattern apart from one kind's words.
 
 Each demonstrated episode is the three kinds of call a summarizing run makes (rollout.context_policy: summarize),
 rendered with astuner's own context functions so the rows are what the rollouts show:
   1. the reading before the window fills: pages 1, 2 and 3 read in order, and the call for page 4;
-  2. the summary call: the summary request over pages 1-3, answered with the first page's entries and what is left
-     to do;
-  3. the reading after it: the task, the summary, page 4 (and 5), and the answer inside \\boxed{}.
+  2. the summary call: the summary request over pages 1-3, answered with the first page's entries, copied as
+     written, and what is left to do;
+  3. the reading after it: the task, the summary, page 4 (and 5), and the answer inside \\boxed{}: the name and
+     the key line's time.
 """
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import log_task
 from astuner.model_tuner.context import summarized_view, summary_cut, summary_request
 
 NAMES = ["omar", "petra", "quinn", "rosa", "sven", "tara", "uma", "viktor", "wen", "xena", "yusuf", "zoe"]
@@ -27,7 +34,7 @@ PAGES_BEFORE_SUMMARY = 3  # the log task's window (2,048 tokens) holds three pag
 
 @dataclass(frozen=True)
 class Twin:
-    """A kind of record read page by page: its tool, its words, and the formats of its lines. Three kinds, so the
+    """A kind of record read page by page: its tool, its words, and the formats of its lines. Six kinds, so the
     warm start learns the pattern (the line the system prompt names, the entries that map it to a name) rather
     than one kind's words."""
     tool: str
@@ -48,8 +55,8 @@ class Twin:
     def system(self) -> str:
         return (f"You investigate {self.title}s. The {self.title} has several pages; read them in order with "
                 f"{self.tool}(page), starting at page 1. {self.entries} name the {self.role} of each {self.thing}. "
-                f"When you find the {self.key} line, answer with the {self.role} whose {self.thing} it was, inside "
-                "\\boxed{}.")
+                f"When you find the {self.key} line, answer with the {self.role} whose {self.thing} it was and the "
+                f"time of the {self.key} line (hours:minutes), inside \\boxed{{}}: \\boxed{{name 9:05}}.")
 
     def schema(self) -> dict:
         return {"type": "function", "function": {
@@ -59,23 +66,42 @@ class Twin:
 
 
 TWINS = (
-    Twin("read_journal", "journal", "hotel journal",
-         "An alarm went off somewhere in this journal of {pages} pages. Whose room was it?", "Check-ins", "ALARM",
-         "guest", "room", "R", ("hvac", "lift", "door", "boiler", "pool", "kitchen"), "desk-1 checkin guest={name} "
-         "room={id}", "alarm-2 ALARM room={id} smoke detected", "ok reading level={n}%"),
-    Twin("read_ledger", "ledger", "warehouse ledger",
-         "A fault was logged somewhere in this ledger of {pages} pages. Whose bay was it?", "Shift starts", "FAULT",
-         "worker", "bay", "B", ("belt", "crane", "scale", "dock", "forklift", "chiller"), "gate-2 shift start "
-         "worker={name} bay={id}", "belt-3 FAULT bay={id} conveyor jammed", "ok load={n}kg"),
-    Twin("read_notebook", "notebook", "lab notebook",
-         "A spill was noted somewhere in this notebook of {pages} pages. Whose sample was it?", "Assignments",
-         "SPILL", "technician", "sample", "X", ("fridge", "oven", "pump", "hood", "mixer", "scope"), "desk-3 assign "
-         "technician={name} sample={id}", "bench-1 SPILL sample={id} contaminated", "ok temp={n}C"),
+    Twin("read_journal", "journal", "hotel journal", "An alarm went off somewhere in this journal of {pages} pages. "
+         "Whose room was it, and when did it go off?", "Check-ins", "ALARM", "guest", "room", "R",
+         ("hvac", "lift", "door", "boiler", "pool", "kitchen"), "desk-1 checkin guest={name} room={id}",
+         "alarm-2 ALARM room={id} smoke detected", "ok reading level={n}%"),
+    Twin("read_ledger", "ledger", "warehouse ledger", "A fault was logged somewhere in this ledger of {pages} pages. "
+         "Whose bay was it, and when was it logged?", "Shift starts", "FAULT", "worker", "bay", "B",
+         ("belt", "crane", "scale", "dock", "forklift", "chiller"), "gate-2 shift start worker={name} bay={id}",
+         "belt-3 FAULT bay={id} conveyor jammed", "ok load={n}kg"),
+    Twin("read_notebook", "notebook", "lab notebook", "A spill was noted somewhere in this notebook of {pages} pages. "
+         "Whose sample was it, and when was it noted?", "Assignments", "SPILL", "technician", "sample", "X",
+         ("fridge", "oven", "pump", "hood", "mixer", "scope"), "desk-3 assign technician={name} sample={id}",
+         "bench-1 SPILL sample={id} contaminated", "ok temp={n}C"),
+    Twin("read_register", "register", "parking register", "A car was towed somewhere in this register of {pages} "
+         "pages. Whose spot was it, and when was it towed?", "Arrivals", "TOW", "driver", "spot", "P",
+         ("barrier", "ramp", "meter", "camera", "lamp", "elevator"), "gate-4 arrival driver={name} spot={id}",
+         "tow-1 TOW spot={id} blocking exit", "ok count={n}"),
+    Twin("read_manifest", "manifest", "ship manifest", "A leak was reported somewhere in this manifest of {pages} "
+         "pages. Whose cabin was it, and when was it reported?", "Boardings", "LEAK", "passenger", "cabin", "C",
+         ("engine", "galley", "deck", "radar", "bilge", "winch"), "pier-2 boarding passenger={name} cabin={id}",
+         "deck-3 LEAK cabin={id} water rising", "ok pressure={n}bar"),
+    Twin("read_roster", "roster", "library roster", "A book went missing somewhere in this roster of {pages} pages. "
+         "Whose locker was it, and when did it go missing?", "Loans", "LOST", "reader", "locker", "L",
+         ("shelf", "scanner", "printer", "aircon", "gate", "kiosk"), "desk-2 loan reader={name} locker={id}",
+         "shelf-4 LOST locker={id} book missing", "ok visitors={n}"),
 )
 
+# The log task as a twin: its words, so a demonstrated episode of the log shows the log agent's own prompts
+# (log_task.SYSTEM is this twin's system prompt).
+LOG = Twin("read_log", "log", "log", log_task.QUESTION, "Logins", "ERROR", "user", "session", "S",
+           tuple(log_task.SERVICES), "auth-1 login user={name} session={id}", "billing-2 ERROR session={id} payment "
+           "failed", "ok heartbeat latency={n}ms")
+LOG_SEED = 5000  # the log episodes' seeds: the tasks' are 0-63 (train) and 1000-1015 (validation)
 
-def make_record(twin: Twin, rng: random.Random, pages: int) -> tuple[list[str], dict[str, str], str]:
-    """The record's pages, each name's id, and the name whose id the key line names."""
+
+def make_record(twin: Twin, rng: random.Random, pages: int) -> tuple[list[str], dict[str, str], str, str]:
+    """The record's pages, each name's id, the name whose id the key line names, and the key line's time."""
     names = rng.sample(NAMES, 4)
     ids = {name: f"{twin.prefix}-{rng.randrange(1000, 10000)}" for name in names}
     found = rng.choice(names)
@@ -88,12 +114,16 @@ def make_record(twin: Twin, rng: random.Random, pages: int) -> tuple[list[str], 
         page = [f"{start + p}:{m:02d}:{rng.randrange(60):02d} {rng.choice(twin.units)}-{rng.randrange(1, 5)} "
                 + twin.routine.format(n=rng.randrange(3, 90)) for m in range(LINES_PER_PAGE)]
         if p == 0:
-            for i, name in enumerate(names):
-                page[2 + 5 * i] = f"{start}:{2 + 5 * i:02d}:00 " + twin.entry.format(name=name, id=ids[name])
+            # Entries on random lines: a warm start whose entries sat on fixed lines copied those lines of the log,
+            # whatever they held, into its summaries.
+            for at, name in zip(sorted(rng.sample(range(LINES_PER_PAGE), len(names))), names):
+                page[at] = f"{start}:{at:02d}:00 " + twin.entry.format(name=name, id=ids[name])
         if p == pages - 1:
-            page[rng.randrange(LINES_PER_PAGE)] = f"{start + p}:30:00 " + twin.event.format(id=ids[found])
+            at = rng.randrange(LINES_PER_PAGE)
+            page[at] = f"{start + p}:{at:02d}:{rng.randrange(60):02d} " + twin.event.format(id=ids[found])
+            when = page[at].split()[0]
         out.append("\n".join(page))
-    return out, ids, found
+    return out, ids, found, when
 
 
 def call(twin: Twin, n: int) -> dict:
@@ -106,9 +136,22 @@ def result(n: int, pages: list[str]) -> dict:
 
 
 def episode(rng: random.Random, twin: Twin) -> list[dict]:
-    """One demonstrated episode: its three rows (module docstring)."""
-    pages, ids, found = make_record(twin, rng, rng.choice((4, 5)))
-    tools = [twin.schema()]
+    """One demonstrated episode of a twin: its three rows (module docstring)."""
+    pages, ids, found, when = make_record(twin, rng, rng.choice((4, 5)))
+    return rows(twin, [twin.schema()], pages, ids, found, when)
+
+
+def log_episode(seed: int, pages: int) -> list[dict]:
+    """One demonstrated episode of the log task itself (log_task.make_log, the tool and prompts its agent uses)."""
+    pages_, answer = log_task.make_log(seed, pages)
+    found, hours_minutes = answer.split()
+    ids = dict(re.findall(r"user=(\w+) session=(\S+)", pages_[0]))
+    when = next(line.split()[0] for line in pages_[-1].splitlines() if f" {LOG.key} " in line)
+    assert when.startswith(hours_minutes + ":"), (when, answer)
+    return rows(LOG, [log_task.READ_LOG], pages_, ids, found, when)
+
+
+def rows(twin: Twin, tools: list[dict], pages: list[str], ids: dict[str, str], found: str, when: str) -> list[dict]:
     view = [{"role": "system", "content": twin.system},
             {"role": "user", "content": twin.question.format(pages=len(pages))}]
     for n in range(1, PAGES_BEFORE_SUMMARY + 2):
@@ -117,26 +160,37 @@ def episode(rng: random.Random, twin: Twin) -> list[dict]:
     cut = summary_cut(view)
     rest = range(PAGES_BEFORE_SUMMARY + 1, len(pages) + 1)
     left = f"page {rest[0]}" if len(rest) == 1 else f"pages {' and '.join(map(str, rest))}"
-    entries = ", ".join(f"{name} {twin.thing} {i}" for name, i in ids.items())
-    summary = (f"I read pages 1 to {PAGES_BEFORE_SUMMARY} of {len(pages)}. {twin.entries}: {entries}. No {twin.key} "
-               f"line yet. Left to do: read {left}, find the {twin.key} line and answer with the {twin.role} of its "
-               f"{twin.thing}.")
+    # The entries are copied as written: the copy a small model makes most reliably, and every fact kept.
+    entries = "\n".join(line for line in pages[0].splitlines() if f" {twin.role}=" in line)
+    summary = (f"I read pages 1 to {PAGES_BEFORE_SUMMARY} of {len(pages)}. {twin.entries}, as written:\n{entries}\n"
+               f"No {twin.key} line yet. Left to do: read {left}, find the {twin.key} line and answer with the "
+               f"{twin.role} of its {twin.thing} and its time.")
     summarizing = {"messages": summary_request(view, cut, lambda request: True) + [
         {"role": "assistant", "content": summary}]}
     after, _ = summarized_view(view, cut, summary)
     for n in range(PAGES_BEFORE_SUMMARY + 2, len(pages) + 1):
         after += [call(twin, n), result(n, pages)]
-    after.append({"role": "assistant", "content": f"The {twin.key} line names {twin.thing} {ids[found]}, the "
-                                                  f"{twin.thing} of {found}. The answer is \\boxed{{{found}}}."})
+    hours_minutes = when.rsplit(":", 1)[0]
+    after.append({"role": "assistant", "content": f"The {twin.key} line at {when} names {twin.thing} {ids[found]}, "
+                                                  f"the {twin.thing} of {found}. The answer is "
+                                                  f"\\boxed{{{found} {hours_minutes}}}."})
     return [reading, summarizing, {"tools": tools, "messages": after}]
 
 
 def demonstrations(count: int, seed: int = 0) -> list[dict]:
+    """`count` episodes, every fourth one of the log itself (seeds from LOG_SEED, which no task uses), the others
+    of the twins in turn."""
     rng = random.Random(seed)
-    return [row for i in range(count) for row in episode(rng, TWINS[i % len(TWINS)])]
+    out = []
+    for i in range(count):
+        if i % 4 == 3:
+            out += log_episode(LOG_SEED + i, rng.choice((4, 5)))
+        else:
+            out += episode(rng, TWINS[(i - i // 4) % len(TWINS)])
+    return out
 
 
 if __name__ == "__main__":
     out = Path(__file__).parent / "logs" / "demos.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in demonstrations(32)))
-    print(f"wrote {out} (32 episodes, 3 rows each)")
+    print(f"wrote {out} (32 episodes, 3 rows each: 8 of the log, 24 of its twins)")

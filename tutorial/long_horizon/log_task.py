@@ -3,8 +3,8 @@
 Early pages hold the logins (`login user=<name> session=<id>`) among routine lines; the last page holds one
 failure (`<time> ... ERROR session=<id> ...`). The question: whose session failed, and when? The answer needs a fact
 from the first page and two from the last, and the pages together do not fit in the window (2,048 tokens for the
-demo model), so no answer is right without reading to the end; a user's name taken from the first page alone is
-worth nothing without the failure's time (a shortcut GRPO found when the name alone was the answer).
+demo model), so no answer is right without reading to the end; a user's name taken from the first page alone
+earns half the reward at most (UserJudge), where it earned all when the name alone was the answer.
 Without a context policy the episode is cut (labelled "window"); with `rollout.context_policy: summarize` the
 agent writes a summary when the window fills, and what it kept decides the reward, which trains the summary too.
 

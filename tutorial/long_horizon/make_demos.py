@@ -143,12 +143,12 @@ def episode(rng: random.Random, twin: Twin) -> list[dict]:
 
 def log_episode(seed: int, pages: int) -> list[dict]:
     """One demonstrated episode of the log task itself (log_task.make_log, the tool and prompts its agent uses)."""
-    pages_, answer = log_task.make_log(seed, pages)
+    record, answer = log_task.make_log(seed, pages)
     found, hours_minutes = answer.split()
-    ids = dict(re.findall(r"user=(\w+) session=(\S+)", pages_[0]))
-    when = next(line.split()[0] for line in pages_[-1].splitlines() if f" {LOG.key} " in line)
+    ids = dict(re.findall(r"user=(\w+) session=(\S+)", record[0]))
+    when = next(line.split()[0] for line in record[-1].splitlines() if f" {LOG.key} " in line)
     assert when.startswith(hours_minutes + ":"), (when, answer)
-    return rows(LOG, [log_task.READ_LOG], pages_, ids, found, when)
+    return rows(LOG, [log_task.READ_LOG], record, ids, found, when)
 
 
 def rows(twin: Twin, tools: list[dict], pages: list[str], ids: dict[str, str], found: str, when: str) -> list[dict]:

@@ -58,9 +58,10 @@ def _summaries_kept(conn: sqlite3.Connection, tasks: dict[str, dict]) -> dict[tu
             "WHERE c.context = 'summary'"):
         row = tasks[task_id]
         pages, answer = make_log(int(row["seed"]), int(row["pages"]))
-        failed = answer.split()[0]  # "<user> <time>"
-        logins = [line.split("login ", 1)[1] for line in pages[0].splitlines() if " login " in line]
-        pairs = [tuple(part.split("=", 1)[1] for part in login.split()) for login in logins]  # (user, session)
+        failed = answer.split()[0]  # "<user> <reason>"
+        logins = [dict(part.split("=", 1) for part in line.split("login ", 1)[1].split())
+                  for line in pages[0].splitlines() if " login " in line]
+        pairs = [(login["user"], login["session"]) for login in logins]
         kept = [user in text and session in text for user, session in pairs]
         kept_failed = next(k for (user, _), k in zip(pairs, kept) if user == failed)
         found.setdefault((split, step), []).append((kept_failed, all(kept)))

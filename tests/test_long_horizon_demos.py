@@ -46,8 +46,9 @@ class Player:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("twin", (*make_demos.TWINS, make_demos.LOG), ids=lambda twin: twin.tool)
-@pytest.mark.parametrize("seed,pages", [(0, 5), (3, 4)])
-def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed, pages, demo_tokenizer):
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed, demo_tokenizer):
+    pages = log_task.PAGES
     if twin is make_demos.LOG:  # the log's own episodes: the prompts and tool of log_task's agent
         reading, summarizing, after = make_demos.log_episode(make_demos.LOG_SEED + seed, pages)
         assert reading["messages"][0]["content"] == log_task.SYSTEM and reading["tools"] == [log_task.READ_LOG]
@@ -84,9 +85,10 @@ def test_a_demonstrated_episode_is_what_a_summarizing_rollout_records(twin, seed
     assert summary.prompt_ids == renderer.render(summarizing["messages"][:-1], None)
     assert summary.response_text.strip() == summarizing["messages"][-1]["content"]
     assert last.prompt_ids == renderer.render(after["messages"][:-1], tools)
-    # The log task's judge reads the twins' answer: the name and the key line's time.
+    # The log task's judge reads the twins' answer: the name and the word the key line gives.
+    value = re.search(rf"^{twin.key} {twin.thing}=\S+ {twin.attr}=(\w+)$", after["messages"][-1]["content"], re.M)
     assert log_task.parse_answer(last.response_text) == log_task.parse_answer(after["messages"][-1]["content"])
-    assert log_task.parse_answer(last.response_text).count(":") == 1
+    assert log_task.parse_answer(last.response_text).split()[1] == value.group(1) and value.group(1) in twin.values
 
 
 def test_the_log_is_demonstrated_on_logs_no_task_uses_and_its_twins_never_name_it():
@@ -101,27 +103,39 @@ def test_the_log_is_demonstrated_on_logs_no_task_uses_and_its_twins_never_name_i
     used = {log_task.make_log(t["seed"], t["pages"])[0][0] for t in tasks}  # every task's first page
     assert not any(e[0]["messages"][3]["content"].split("\n", 1)[1] in used for e in log)
     twins = json.dumps([e for e in episodes if e not in log])
-    for word in ("read_log", "user=", "session=", "ERROR", *log_task.USERS, *log_task.SERVICES):
+    for word in ("read_log", "user=", "session=", "ERROR", *log_task.USERS, *log_task.SERVICES, *log_task.REASONS):
         assert not re.search(rf"\b{word}\b", twins), word
 
 
-def test_the_log_judge_wants_the_user_and_the_time_of_the_failure():
+def test_the_log_judge_wants_the_user_and_the_reason_of_the_failure():
     """A name from the first page alone earns half at most (the shortcut GRPO learnt when it earned everything):
-    the other half is the failure's time, which only the last page has; a success is both."""
+    the other half is the failure's reason, which only the ERROR line on the last page gives; a success is both."""
     pages, answer = log_task.make_log(7, 5)
-    user, time = answer.split()
+    user, reason = answer.split()
     failure = next(line for line in pages[-1].splitlines() if " ERROR " in line)
-    assert failure.startswith(time + ":") and f"user={user} " in pages[0]
-    assert not any(line.startswith(time + ":") for page in pages[:-1] for line in page.splitlines())
+    session = re.search(rf"session=(\S+) user={user}\n", pages[0]).group(1)
+    assert failure.endswith(f" ERROR session={session} reason={reason}")  # each fact after what finds it
+    assert sum(" ERROR " in page for page in pages) == 1
     task = SimpleNamespace(task=SimpleNamespace(metadata={"answer": answer}))
 
     def reward(text):
         return log_task.UserJudge().compute_reward(task, SimpleNamespace(metadata={"final_answer": text}))
 
-    hours, minutes = time.split(":")
-    assert reward(f"It was {user}. \\boxed{{{user} {time}}}") == (1.0, True)
-    assert reward(f"\\boxed{{{user.title()}, at {time}:59}}") == (1.0, True)
+    other = next(r for r in log_task.REASONS if r != reason)
+    assert reward(f"It was {user}. \\boxed{{{user} {reason}}}") == (1.0, True)
+    assert reward(f"\\boxed{{{user.title()}, reason={reason}}}") == (1.0, True)
     assert reward(f"\\boxed{{{user}}}") == (0.0, False)  # a name alone is not an answer
-    assert reward(f"\\boxed{{{user} {hours}:{(int(minutes) + 1) % 60:02d}}}") == (0.5, False)
-    assert reward(f"\\boxed{{nobody {time}}}") == (0.5, False)
+    assert reward(f"\\boxed{{{user} {other}}}") == (0.5, False)
+    assert reward(f"\\boxed{{nobody {reason}}}") == (0.5, False)
     assert reward("no box") == (0.0, False)
+
+
+def test_the_log_is_read_in_order():
+    """Pages 1 and 5 alone fit the window: the tool refuses a page past the next unread one, so the failure is
+    reached through the middle pages (and the window fills on the way)."""
+    pages, _ = log_task.make_log(7, 5)
+    read_log = log_task.read_log_tool(pages)
+    assert read_log(1).startswith("Page 1 of 5:")
+    assert read_log(5) == "Error: the pages are read in order; read page 2 first."
+    assert all(read_log(n).startswith(f"Page {n} of 5:") for n in (2, 3, 4, 1, 5))
+    assert read_log(6) == "Error: the log has pages 1 to 5." and read_log("x") == "Error: page must be a number."

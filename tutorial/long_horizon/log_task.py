@@ -1,10 +1,11 @@
 """The long-horizon tutorial's task: a log longer than the model's window, read page by page with one tool.
 
-Early pages hold the logins (`login user=<name> session=<id>`) among routine lines; the last page holds one
-failure (`<time> ... ERROR session=<id> ...`). The question: whose session failed, and when? The answer needs a fact
-from the first page and two from the last, and the pages together do not fit in the window (2,048 tokens for the
-demo model), so no answer is right without reading to the end; a user's name taken from the first page alone
-earns half the reward at most (UserJudge), where it earned all when the name alone was the answer.
+Early pages hold the logins (`login session=<id> user=<name>`) among routine lines; the last page holds one
+failure (`<time> <service>-<n> ERROR session=<id> reason=<word>`). The question: whose session failed, and why?
+The answer needs a fact from the first page and two from the last, and the pages together do not fit in the window
+(2,048 tokens for the demo model), so no answer is right without reading to the end, and the tool serves the pages
+in order (no skipping from page 1 to the last). A name taken from the first page alone earns half the reward at
+most (UserJudge), where it earned all when the name alone was the answer.
 Without a context policy the episode is cut (labelled "window"); with `rollout.context_policy: summarize` the
 agent writes a summary when the window fills, and what it kept decides the reward, which trains the summary too.
 
@@ -20,23 +21,28 @@ from astuner.task_judge.base_judge import BaseJudge
 
 USERS = ["alice", "bruno", "chen", "dana", "emil", "farah", "goran", "hana", "ivo", "jun", "kira", "lena"]
 SERVICES = ["cache", "queue", "auth", "billing", "search", "mailer"]
+REASONS = ["timeout", "refused", "quota", "corrupt", "overload", "deadlock"]
 LINES_PER_PAGE = 24
+PAGES = 5  # one length: demonstrations of 4 and 5 pages left the model saying "pages 4 and 5" on 4-page logs
 SYSTEM = ("You investigate logs. The log has several pages; read them in order with read_log(page), starting at "
           "page 1. Logins name the user of each session. When you find the ERROR line, answer with the user whose "
-          "session it was and the time of the ERROR line (hours:minutes), inside \\boxed{}: \\boxed{name 9:05}.")
-QUESTION = "A session failed somewhere in this log of {pages} pages. Whose session was it, and when did it fail?"
+          "session it was and the reason on the ERROR line, inside \\boxed{}: \\boxed{name reason}.")
+QUESTION = "A session failed somewhere in this log of {pages} pages. Whose session was it, and why did it fail?"
 MAX_TURNS = 8
 READ_LOG = {"type": "function", "function": {
     "name": "read_log", "description": "One page of the log.",
     "parameters": {"type": "object", "properties": {"page": {"type": "integer", "description": "The page, from 1."}},
                    "required": ["page"]}}}
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-ANSWER = re.compile(r"^\s*([a-z]+)[\s,]+(?:at\s+)?(\d{1,2}:\d{2})(?::\d{2})?\s*$")  # "name 9:05" in a box
+ANSWER = re.compile(r"^\s*([a-z]+)[\s,]+(?:reason=)?([a-z]+)\s*$")  # "name reason" in a box
 
 
 def make_log(seed: int, pages: int) -> tuple[list[str], str]:
-    """The log's pages and the answer, "<user whose session failed> <hours:minutes of the failure>"; the same seed
-    makes the same log."""
+    """The log's pages and the answer, "<user whose session failed> <reason of the failure>"; the same seed makes
+    the same log. Each fact follows the one that finds it (`ERROR session=<id> reason=<word>`, `login session=<id>
+    user=<name>`): the demo model copies what comes after a matched token well and what comes before it badly
+    (with the failure's time, then its service, both before ERROR, 1 of 16 answers at step 0 copied the ERROR
+    line; the others copied a heartbeat)."""
     rng = random.Random(seed)
     users = rng.sample(USERS, 4)
     sessions = {u: f"S-{rng.randrange(1000, 10000)}" for u in users}
@@ -47,17 +53,21 @@ def make_log(seed: int, pages: int) -> tuple[list[str], str]:
                 f"heartbeat latency={rng.randrange(3, 90)}ms" for m in range(LINES_PER_PAGE)]
         if p == 0:
             for i, u in enumerate(users):
-                page[3 + 5 * i] = f"8:{3 + 5 * i:02d}:00 auth-1 login user={u} session={sessions[u]}"
+                page[3 + 5 * i] = f"8:{3 + 5 * i:02d}:00 auth-1 login session={sessions[u]} user={u}"
         if p == pages - 1:
-            at = rng.randrange(LINES_PER_PAGE)  # the failure's minute is its line's, as every line's
-            page[at] = (f"{8 + p}:{at:02d}:{rng.randrange(60):02d} billing-2 ERROR session={sessions[failed]} "
-                        "payment failed")
-            answer = f"{failed} {8 + p}:{at:02d}"
+            at, reason = rng.randrange(LINES_PER_PAGE), rng.choice(REASONS)
+            page[at] = (f"{8 + p}:{at:02d}:{rng.randrange(60):02d} {rng.choice(SERVICES)}-{rng.randrange(1, 5)} ERROR "
+                        f"session={sessions[failed]} reason={reason}")
+            answer = f"{failed} {reason}"
         lines.append("\n".join(page))
     return lines, answer
 
 
 def read_log_tool(pages: list[str]):
+    """The tool: a page, in order. A page past the next unread one is refused, so the last page (the failure)
+    comes after the middle ones and the window fills on the way: reading pages 1 and 5 alone would fit it."""
+    read = [0]  # the furthest page read
+
     def read_log(page: int) -> str:
         try:
             n = int(page)
@@ -65,6 +75,9 @@ def read_log_tool(pages: list[str]):
             return "Error: page must be a number."
         if not 1 <= n <= len(pages):
             return f"Error: the log has pages 1 to {len(pages)}."
+        if n > read[0] + 1:
+            return f"Error: the pages are read in order; read page {read[0] + 1} first."
+        read[0] = max(read[0], n)
         return f"Page {n} of {len(pages)}:\n{pages[n - 1]}"
     return read_log
 
@@ -98,22 +111,19 @@ class LogAgent(Workflow):
 
 
 def parse_answer(text: str) -> str | None:
-    """The last \\boxed{} of a reply as "<name> <hours:minutes>" (seconds dropped), or None."""
+    """The last \\boxed{} of a reply as "<name> <reason>", or None."""
     boxed = BOXED.findall(str(text or "").lower())
     found = ANSWER.match(boxed[-1]) if boxed else None
-    if not found:
-        return None
-    hours, minutes = found.group(2).split(":")
-    return f"{found.group(1)} {int(hours)}:{minutes}"
+    return f"{found.group(1)} {found.group(2)}" if found else None
 
 
 class UserJudge(BaseJudge):
-    """Half the reward for the user whose session failed, half for the failure's time; a success is both. The time
-    is on the last page only, so an answer after the first page earns at most half, 1 time in 4 (a guessed name),
-    while reading to the end earns the time's half and what the summary kept earns the name's."""
+    """Half the reward for the user whose session failed, half for the failure's reason; a success is both. The
+    reason is on the last page only, so an answer before it is a guess (a name 1 time in 4, a reason 1 in 6),
+    while reading to the end earns the reason's half and what the summary kept earns the name's."""
 
     def compute_reward(self, workflow_task, workflow_output):
         got = (parse_answer(workflow_output.metadata.get("final_answer")) or " ").split(" ")
         want = workflow_task.task.metadata["answer"].split(" ")
-        user, time = got[0] == want[0], got[1] == want[1]
-        return 0.5 * user + 0.5 * time, user and time
+        user, reason = got[0] == want[0], got[1] == want[1]
+        return 0.5 * user + 0.5 * reason, user and reason

@@ -1,15 +1,15 @@
-"""Writes logs/train.jsonl (64 logs) and logs/val.jsonl (16): each a seed, a page count (4 or 5) and the answer.
+"""Writes logs/train.jsonl (64 logs) and logs/val.jsonl (16): each a seed, a page count (5) and the answer.
 A folder named logs/, not data/: the warm start the README runs from here reads the agent quick-start's data/."""
 
 import json
 from pathlib import Path
 
-from log_task import QUESTION, make_log
+from log_task import PAGES, QUESTION, make_log
 
 
 def rows(seeds):
     for seed in seeds:
-        pages = 4 + seed % 2
+        pages = PAGES
         _, failed = make_log(seed, pages)
         yield {"id": f"log{seed}", "question": QUESTION.format(pages=pages), "seed": seed, "pages": pages,
                "answer": failed}

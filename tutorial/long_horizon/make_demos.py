@@ -1,10 +1,10 @@
 """Writes logs/demos.jsonl: the warm start's demonstrations (warm_start.yaml): 8 episodes of the log task itself,
 on logs no task uses (seeds from 5000), and 24 of six *twins* of it.
 
-A twin is a record read page by page with its own tool: a hotel journal (`read_journal`: check-ins `guest=<name>
-room=<id>` on the first page, an `ALARM room=<id>` on the last, "whose room was it, and when?"), a warehouse ledger
-(shift starts and a FAULT), a lab notebook (assignments and a SPILL), a parking register (arrivals and a TOW), a
-ship manifest (boardings and a LEAK) or a library roster (loans and a LOST). Same shape as the log task
+A twin is a record read page by page with its own tool: a hotel journal (`read_journal`: check-ins `room=<id>
+guest=<name>` on the first page, an `ALARM room=<id> cause=<word>` on the last, "whose room was it, and what set it
+off?"), a warehouse ledger (shift starts and a FAULT), a lab notebook (assignments and a SPILL), a parking register
+(arrivals and a TOW), a ship manifest (boardings and a LEAK) or a library roster (loans and a LOST). Same shape as the log task
 (log_task.py), none of its words: other tools, names, lines and ids. Twins alone did not carry to the log: warm
 starts on them summarized logs without a login in 16 of 16 validation episodes (README.md), so a quarter of the
 episodes are the log's, and the twins teach the pattern apart from one kind's words.
@@ -14,8 +14,9 @@ rendered with astuner's own context functions so the rows are what the rollouts 
   1. the reading before the window fills: pages 1, 2 and 3 read in order, and the call for page 4;
   2. the summary call: the summary request over pages 1-3, answered with the first page's entries, copied as
      written, and what is left to do;
-  3. the reading after it: the task, the summary, page 4 (and 5), and the answer inside \\boxed{}: the name and
-     the key line's time.
+  3. the reading after it: the task, the summary, pages 4 and 5, and the answer, each fact copied from after what
+     finds it (the key line from its key word on, then the id's entry), inside \\boxed{}: the name and the word
+     the key line gives (the failure's reason on the log).
 """
 
 import json
@@ -29,6 +30,7 @@ from astuner.model_tuner.context import summarized_view, summary_cut, summary_re
 
 NAMES = ["omar", "petra", "quinn", "rosa", "sven", "tara", "uma", "viktor", "wen", "xena", "yusuf", "zoe"]
 LINES_PER_PAGE = 24  # as the log's pages: the window fills at the same page
+PAGES = log_task.PAGES
 PAGES_BEFORE_SUMMARY = 3  # the log task's window (2,048 tokens) holds three pages
 
 
@@ -46,9 +48,11 @@ class Twin:
     role: str  # "guest"
     thing: str  # "room"
     prefix: str  # the ids' prefix: "R"
-    units: tuple[str, ...]
+    attr: str  # what the key line says besides the id, the answer's second word: "cause" (key line `ALARM
+    # room=<id> cause=<value>`); after the id, as the name after the id in an entry: each fact follows what finds it
+    values: tuple[str, ...]  # its values: "smoke", ...
+    units: tuple[str, ...]  # the units of the lines' prefix: "hvac", ...
     entry: str  # an entry line, from {name} and {id}
-    event: str  # the key line, from {id}
     routine: str  # a routine line's end, from {n}
 
     @property
@@ -56,7 +60,7 @@ class Twin:
         return (f"You investigate {self.title}s. The {self.title} has several pages; read them in order with "
                 f"{self.tool}(page), starting at page 1. {self.entries} name the {self.role} of each {self.thing}. "
                 f"When you find the {self.key} line, answer with the {self.role} whose {self.thing} it was and the "
-                f"time of the {self.key} line (hours:minutes), inside \\boxed{{}}: \\boxed{{name 9:05}}.")
+                f"{self.attr} on the {self.key} line, inside \\boxed{{}}: \\boxed{{name {self.attr}}}.")
 
     def schema(self) -> dict:
         return {"type": "function", "function": {
@@ -67,41 +71,41 @@ class Twin:
 
 TWINS = (
     Twin("read_journal", "journal", "hotel journal", "An alarm went off somewhere in this journal of {pages} pages. "
-         "Whose room was it, and when did it go off?", "Check-ins", "ALARM", "guest", "room", "R",
-         ("hvac", "lift", "door", "boiler", "pool", "kitchen"), "desk-1 checkin guest={name} room={id}",
-         "alarm-2 ALARM room={id} smoke detected", "ok reading level={n}%"),
+         "Whose room was it, and what set it off?", "Check-ins", "ALARM", "guest", "room", "R", "cause",
+         ("smoke", "flood", "heat", "glass", "panic", "gas"), ("hvac", "lift", "door", "boiler", "pool", "kitchen"),
+         "desk-1 checkin room={id} guest={name}", "ok reading level={n}%"),
     Twin("read_ledger", "ledger", "warehouse ledger", "A fault was logged somewhere in this ledger of {pages} pages. "
-         "Whose bay was it, and when was it logged?", "Shift starts", "FAULT", "worker", "bay", "B",
-         ("belt", "crane", "scale", "dock", "forklift", "chiller"), "gate-2 shift start worker={name} bay={id}",
-         "belt-3 FAULT bay={id} conveyor jammed", "ok load={n}kg"),
+         "Whose bay was it, and which part failed?", "Shift starts", "FAULT", "worker", "bay", "B", "part",
+         ("belt", "motor", "sensor", "valve", "brake", "fuse"), ("crane", "scale", "dock", "forklift", "chiller"),
+         "gate-2 shift start bay={id} worker={name}", "ok load={n}kg"),
     Twin("read_notebook", "notebook", "lab notebook", "A spill was noted somewhere in this notebook of {pages} pages. "
-         "Whose sample was it, and when was it noted?", "Assignments", "SPILL", "technician", "sample", "X",
-         ("fridge", "oven", "pump", "hood", "mixer", "scope"), "desk-3 assign technician={name} sample={id}",
-         "bench-1 SPILL sample={id} contaminated", "ok temp={n}C"),
+         "Whose sample was it, and what spilled?", "Assignments", "SPILL", "technician", "sample", "X", "agent",
+         ("acid", "solvent", "dye", "enzyme", "resin", "saline"), ("fridge", "oven", "pump", "hood", "mixer"),
+         "desk-3 assign sample={id} technician={name}", "ok temp={n}C"),
     Twin("read_register", "register", "parking register", "A car was towed somewhere in this register of {pages} "
-         "pages. Whose spot was it, and when was it towed?", "Arrivals", "TOW", "driver", "spot", "P",
-         ("barrier", "ramp", "meter", "camera", "lamp", "elevator"), "gate-4 arrival driver={name} spot={id}",
-         "tow-1 TOW spot={id} blocking exit", "ok count={n}"),
+         "pages. Whose spot was it, and under which rule?", "Arrivals", "TOW", "driver", "spot", "P", "rule",
+         ("fireline", "loading", "disabled", "permit", "overtime", "tandem"), ("barrier", "ramp", "meter", "camera"),
+         "gate-4 arrival spot={id} driver={name}", "ok count={n}"),
     Twin("read_manifest", "manifest", "ship manifest", "A leak was reported somewhere in this manifest of {pages} "
-         "pages. Whose cabin was it, and when was it reported?", "Boardings", "LEAK", "passenger", "cabin", "C",
-         ("engine", "galley", "deck", "radar", "bilge", "winch"), "pier-2 boarding passenger={name} cabin={id}",
-         "deck-3 LEAK cabin={id} water rising", "ok pressure={n}bar"),
+         "pages. Whose cabin was it, and what leaked?", "Boardings", "LEAK", "passenger", "cabin", "C", "fluid",
+         ("water", "fuel", "oil", "steam", "brine", "coolant"), ("engine", "galley", "deck", "radar", "bilge"),
+         "pier-2 boarding cabin={id} passenger={name}", "ok pressure={n}bar"),
     Twin("read_roster", "roster", "library roster", "A book went missing somewhere in this roster of {pages} pages. "
-         "Whose locker was it, and when did it go missing?", "Loans", "LOST", "reader", "locker", "L",
-         ("shelf", "scanner", "printer", "aircon", "gate", "kiosk"), "desk-2 loan reader={name} locker={id}",
-         "shelf-4 LOST locker={id} book missing", "ok visitors={n}"),
+         "Whose locker was it, and which book?", "Loans", "LOST", "reader", "locker", "L", "item",
+         ("atlas", "novel", "manual", "diary", "thesis", "almanac"), ("shelf", "scanner", "printer", "kiosk"),
+         "desk-2 loan locker={id} reader={name}", "ok visitors={n}"),
 )
 
 # The log task as a twin: its words, so a demonstrated episode of the log shows the log agent's own prompts
 # (log_task.SYSTEM is this twin's system prompt).
-LOG = Twin("read_log", "log", "log", log_task.QUESTION, "Logins", "ERROR", "user", "session", "S",
-           tuple(log_task.SERVICES), "auth-1 login user={name} session={id}", "billing-2 ERROR session={id} payment "
-           "failed", "ok heartbeat latency={n}ms")
+LOG = Twin("read_log", "log", "log", log_task.QUESTION, "Logins", "ERROR", "user", "session", "S", "reason",
+           tuple(log_task.REASONS), tuple(log_task.SERVICES), "auth-1 login session={id} user={name}",
+           "ok heartbeat latency={n}ms")
 LOG_SEED = 5000  # the log episodes' seeds: the tasks' are 0-63 (train) and 1000-1015 (validation)
 
 
 def make_record(twin: Twin, rng: random.Random, pages: int) -> tuple[list[str], dict[str, str], str, str]:
-    """The record's pages, each name's id, the name whose id the key line names, and the key line's time."""
+    """The record's pages, each name's id, the name whose id the key line names, and the key line."""
     names = rng.sample(NAMES, 4)
     ids = {name: f"{twin.prefix}-{rng.randrange(1000, 10000)}" for name in names}
     found = rng.choice(names)
@@ -120,10 +124,11 @@ def make_record(twin: Twin, rng: random.Random, pages: int) -> tuple[list[str], 
                 page[at] = f"{start}:{at:02d}:00 " + twin.entry.format(name=name, id=ids[name])
         if p == pages - 1:
             at = rng.randrange(LINES_PER_PAGE)
-            page[at] = f"{start + p}:{at:02d}:{rng.randrange(60):02d} " + twin.event.format(id=ids[found])
-            when = page[at].split()[0]
+            page[at] = (f"{start + p}:{at:02d}:{rng.randrange(60):02d} {rng.choice(twin.units)}-{rng.randrange(1, 5)} "
+                        f"{twin.key} {twin.thing}={ids[found]} {twin.attr}={rng.choice(twin.values)}")
+            key_line = page[at]
         out.append("\n".join(page))
-    return out, ids, found, when
+    return out, ids, found, key_line
 
 
 def call(twin: Twin, n: int) -> dict:
@@ -137,21 +142,22 @@ def result(n: int, pages: list[str]) -> dict:
 
 def episode(rng: random.Random, twin: Twin) -> list[dict]:
     """One demonstrated episode of a twin: its three rows (module docstring)."""
-    pages, ids, found, when = make_record(twin, rng, rng.choice((4, 5)))
-    return rows(twin, [twin.schema()], pages, ids, found, when)
+    pages, ids, found, key_line = make_record(twin, rng, PAGES)
+    return rows(twin, [twin.schema()], pages, ids, found, key_line)
 
 
 def log_episode(seed: int, pages: int) -> list[dict]:
     """One demonstrated episode of the log task itself (log_task.make_log, the tool and prompts its agent uses)."""
     record, answer = log_task.make_log(seed, pages)
-    found, hours_minutes = answer.split()
-    ids = dict(re.findall(r"user=(\w+) session=(\S+)", record[0]))
-    when = next(line.split()[0] for line in record[-1].splitlines() if f" {LOG.key} " in line)
-    assert when.startswith(hours_minutes + ":"), (when, answer)
-    return rows(LOG, [log_task.READ_LOG], record, ids, found, when)
+    found, reason = answer.split()
+    ids = {name: id_ for id_, name in re.findall(r"session=(\S+) user=(\w+)", record[0])}
+    key_line = next(line for line in record[-1].splitlines() if f" {LOG.key} " in line)
+    assert key_line.endswith(f"session={ids[found]} reason={reason}"), (key_line, answer)
+    return rows(LOG, [log_task.READ_LOG], record, ids, found, key_line)
 
 
-def rows(twin: Twin, tools: list[dict], pages: list[str], ids: dict[str, str], found: str, when: str) -> list[dict]:
+def rows(twin: Twin, tools: list[dict], pages: list[str], ids: dict[str, str], found: str,
+         key_line: str) -> list[dict]:
     view = [{"role": "system", "content": twin.system},
             {"role": "user", "content": twin.question.format(pages=len(pages))}]
     for n in range(1, PAGES_BEFORE_SUMMARY + 2):
@@ -164,16 +170,18 @@ def rows(twin: Twin, tools: list[dict], pages: list[str], ids: dict[str, str], f
     entries = "\n".join(line for line in pages[0].splitlines() if f" {twin.role}=" in line)
     summary = (f"I read pages 1 to {PAGES_BEFORE_SUMMARY} of {len(pages)}. {twin.entries}, as written:\n{entries}\n"
                f"No {twin.key} line yet. Left to do: read {left}, find the {twin.key} line and answer with the "
-               f"{twin.role} of its {twin.thing} and its time.")
+               f"{twin.role} of its {twin.thing} and its {twin.attr}.")
     summarizing = {"messages": summary_request(view, cut, lambda request: True) + [
         {"role": "assistant", "content": summary}]}
     after, _ = summarized_view(view, cut, summary)
     for n in range(PAGES_BEFORE_SUMMARY + 2, len(pages) + 1):
         after += [call(twin, n), result(n, pages)]
-    hours_minutes = when.rsplit(":", 1)[0]
-    after.append({"role": "assistant", "content": f"The {twin.key} line at {when} names {twin.thing} {ids[found]}, "
-                                                  f"the {twin.thing} of {found}. The answer is "
-                                                  f"\\boxed{{{found} {hours_minutes}}}."})
+    # The answer copies forward from what finds each fact: the key word to the rest of its line ("ALARM room=R-12
+    # cause=smoke"), then the id to the name after it in the summary's entry ("room=R-12 guest=uma").
+    fact = key_line.split(f" {twin.key} ", 1)[1]
+    value = fact.rsplit("=", 1)[1]
+    after.append({"role": "assistant", "content": f"{twin.key} {fact}\n{twin.thing}={ids[found]} {twin.role}={found}\n"
+                                                  f"The answer is \\boxed{{{found} {value}}}."})
     return [reading, summarizing, {"tools": tools, "messages": after}]
 
 
@@ -184,7 +192,7 @@ def demonstrations(count: int, seed: int = 0) -> list[dict]:
     out = []
     for i in range(count):
         if i % 4 == 3:
-            out += log_episode(LOG_SEED + i, rng.choice((4, 5)))
+            out += log_episode(LOG_SEED + i, PAGES)
         else:
             out += episode(rng, TWINS[(i - i // 4) % len(TWINS)])
     return out

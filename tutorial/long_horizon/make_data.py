@@ -9,9 +9,8 @@ from log_task import PAGES, QUESTION, make_log
 
 def rows(seeds):
     for seed in seeds:
-        pages = PAGES
-        _, failed = make_log(seed, pages)
-        yield {"id": f"log{seed}", "question": QUESTION.format(pages=pages), "seed": seed, "pages": pages,
+        _, failed = make_log(seed, PAGES)
+        yield {"id": f"log{seed}", "question": QUESTION.format(pages=PAGES), "seed": seed, "pages": PAGES,
                "answer": failed}
 
 

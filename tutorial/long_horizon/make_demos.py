@@ -29,7 +29,7 @@ import log_task
 from astuner.model_tuner.context import summarized_view, summary_cut, summary_request
 
 NAMES = ["omar", "petra", "quinn", "rosa", "sven", "tara", "uma", "viktor", "wen", "xena", "yusuf", "zoe"]
-LINES_PER_PAGE = 24  # as the log's pages: the window fills at the same page
+LINES_PER_PAGE = log_task.LINES_PER_PAGE  # the window fills at the same page
 PAGES = log_task.PAGES
 PAGES_BEFORE_SUMMARY = 3  # the log task's window (2,048 tokens) holds three pages
 

@@ -110,3 +110,37 @@ def test_pipeline_metrics_and_their_warning(caplog):
         warn_pipeline(3, metrics)
     text = caplog.text
     assert "tool_call_parse_failure_rate" in text and "logprob_abs_diff_mean" in text and "step 3" in text
+
+
+@pytest.mark.parametrize("objective", ["policy", "sft"])
+def test_the_lm_head_runs_on_the_trained_tokens_alone_for_the_same_loss_and_gradient(tiny_model_dir, monkeypatch,
+                                                                                     objective):
+    """A merged sample's tool outputs carry no loss: `trained_only` (the training step's forward) applies the LM
+    head to the trained tokens alone. Same loss and gradient as the head over every response token, with the KL
+    loss's reference and the entropy's gradient on the same rows."""
+    from astuner.trainer import forward
+
+    seen = []  # rows through the LM head
+    head = forward.head_logits
+    monkeypatch.setattr(forward, "head_logits", lambda model, hidden: seen.append(len(hidden)) or head(model, hidden))
+    results = {}
+    for trained_only in (False, True):
+        trainer = _trainer(tiny_model_dir, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+        samples = _samples([_three_turns("a", 1.0)], "merge") + _samples([_episode("b", [_call([7, 8], [40, 41])],
+                                                                                     0.0)], "merge")
+        for s, advantage in zip(samples, (1.0, 0.5)):  # no two terms cancel
+            full = trainer.compute_logprobs(s.prompt_ids, s.response_ids, 1.0)
+            s.old_logprobs = [lp - 0.1 if m else 0.0 for lp, m in zip(full, s.loss_mask or [1] * len(full))]
+            s.advantage = advantage
+        seen.clear()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums = trainer.forward_backward(samples, objective, trained_only=trained_only)
+        results[trained_only] = (sums, _grads(trainer), sum(seen))
+    (a, ga, rows_a), (b, gb, rows_b) = results[False], results[True]
+    trained, response = len(R1 + R2 + R3) + 2, len(R1 + X1 + R2 + X2 + R3) + 2
+    heads = 2 if objective == "policy" else 1  # the policy's forward and the reference's
+    assert (rows_a, rows_b) == (heads * response, heads * trained)
+    assert a["response_tokens"] == b["response_tokens"] == trained
+    assert_scalar_close(a["loss"], b["loss"], scale=abs(a["loss"]) + 1.0, what="loss")
+    for name in ga:
+        assert_close_normwise(gb[name], ga[name], what=name, scale=ga[name].norm().item())

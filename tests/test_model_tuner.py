@@ -287,8 +287,10 @@ def test_each_model_samples_with_its_own_settings(demo_tokenizer, tmp_path):
     yaml.write_text("astuner:\n  model: {path: a}\n  models: {critic: {path: b, top_p: 0.8, top_k: 5}}\n"
                     "  rollout: {top_p: 0.95}\n")
     typed = load_config(str(yaml), []).typed
+    from astuner.algorithm.catalog import algorithm
     from astuner.config.model_set import model_set
 
-    settings = runtime.trainer_settings(typed, 1, spec=model_set(typed)["critic"])
+    grpo = algorithm("grpo")
+    settings = runtime.trainer_settings(typed, grpo, 1, spec=model_set(typed)["critic"])
     assert (settings.top_p, settings.top_k) == (0.8, 5)
-    assert runtime.trainer_settings(typed, 1).top_p == 0.95
+    assert runtime.trainer_settings(typed, grpo, 1).top_p == 0.95

@@ -35,6 +35,5 @@ def test_an_engine_start_runs_in_a_phase(monkeypatch):
     monkeypatch.setattr("astuner.phase._say", seen.append)
     monkeypatch.setitem(runtime.ENGINES, "hf", lambda *args: time.sleep(0.3) or "engine")
     monkeypatch.setattr("astuner.phase.AFTER_S", 0.1)
-    typed = type("T", (), {"astuner": type("A", (), {"rollout": type("R", (), {"engine": "hf"})})})
-    assert runtime.build_engine(typed, "/models/tiny", None, 256) == "engine"
+    assert runtime.build_engine(None, "/models/tiny", None, 256, engine="hf") == "engine"
     assert seen and seen[0].startswith("starting the hf engine (tiny, max_model_len 256)")

@@ -69,13 +69,14 @@ def _sft_loss(tmp_path, tiny_model_dir, overrides):
     from astuner.config import load_config
     from astuner.model_tuner import ChatRenderer
     from astuner.task_reader.offline_data import tokenize_conversation
+    from astuner.config.derived import run_facts
     from astuner.runtime import build_trainer, load_tokenizer
 
     _write(tmp_path, "train.jsonl", _rows(2))
     _write(tmp_path, "val.jsonl", _rows(2))
     typed = load_config(_config(tmp_path, tiny_model_dir, "sft"), overrides).typed
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    trainer = build_trainer(typed, str(tiny_model_dir), 1)
+    trainer = build_trainer(typed, run_facts(typed).algorithm, str(tiny_model_dir), 1)
     renderer = ChatRenderer(tokenizer)
     samples = [tokenize_conversation(renderer, r["messages"], None, ("<|im_end|>",)).as_sample(str(i))
                for i, r in enumerate(_rows(2))]

@@ -261,4 +261,4 @@ def test_adapters_on_vllm_with_an_fp32_trainer_on_cuda_are_refused_before_the_en
                                      "astuner.trainer_common.lora.rank=4"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(UserError, match="precision: bf16"):
-        build_adapter_engine(loaded.typed, model_set(loaded.typed), None, 256, None)
+        build_adapter_engine(loaded.typed, "vllm", model_set(loaded.typed), None, 256, None)

@@ -294,7 +294,7 @@ class RayStages(Stages):
             return self.get(refs, self.trainer_names[:len(refs)], "score the preflight answer")[0]
 
         runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
-                                      prep.model_path, prep.max_model_len)
+                                      prep.stop_ids, prep.max_model_len)
         sampling = runtime.check_sampling(self.loaded.typed)
         check = logprob_check(
             runner.renderer,

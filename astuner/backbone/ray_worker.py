@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from astuner.backbone.local_models import save_model_folders, sync_models, train_models
+from astuner.config.derived import run_facts
 from astuner.config.schema_models import strategy_of
 from astuner.run_models import build_models, roster_of_models
 
@@ -87,14 +88,14 @@ class Worker:
                          "choose)", name, ENGINE_ALONE_GPU_SHARE, SHARE_KEY)
         # name -> LocalModel: the policy's engine and trainer (for this worker's roles), then astuner.models'; `only`:
         # a trainer group of some models (trinity's trainer_groups: per_model)
-        self.models = build_models(typed, self.tokenizer, model_set, max_model_len, total_steps, roles=roles,
-                                   kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
+        self.models = build_models(typed, run_facts(typed), self.tokenizer, model_set, max_model_len, total_steps,
+                                   roles=roles, kv_cache_bytes=kv_cache_bytes, micro_batch_tokens=micro_batch_tokens,
                                    world=world, gpu_share=share, only=only)
         first = next(iter(self.models.values()))  # the run's first model, or a one-model group's model
         self.engine, self.trainer = first.engine, first.trainer
         if "engine" in roles:
-            self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, model_path,
-                                               max_model_len, roster_of_models(typed, model_set, self.models))
+            self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge,
+                                               runtime.stop_token_ids(model_path, self.tokenizer), max_model_len, roster_of_models(typed, model_set, self.models))
 
     def ready(self) -> tuple[str, str]:
         """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""

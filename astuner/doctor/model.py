@@ -21,6 +21,7 @@ import copy
 import time
 from pathlib import Path
 
+from astuner.config.derived import resolve_engine_name, run_facts, vllm_available
 from astuner.doctor.base import GIB, Check, Context
 
 PARITY_LIMITS = {"float32": (1e-3, 2e-2), "bfloat16": (2e-2, 0.3)}  # dtype -> (mean, max) of |logprob diff|
@@ -110,7 +111,8 @@ def _build(ctx: Context, role: str) -> dict:
     if "tokenizer" not in ctx.built:
         ctx.built["tokenizer"] = load_tokenizer(_model_path(ctx))
     steps = typed.astuner.trainer_common.total_training_steps or 1
-    built = build_models(typed, ctx.built["tokenizer"], _models(ctx), _max_model_len(ctx), steps, roles=(role,))
+    built = build_models(typed, run_facts(typed), ctx.built["tokenizer"], _models(ctx), _max_model_len(ctx), steps,
+                         roles=(role,))
     models = ctx.built.setdefault("models", {})
     for name, model in built.items():
         have = models.setdefault(name, LocalModel(None, None, model.adapter))
@@ -166,7 +168,6 @@ def check_trainer(ctx: Context) -> Check:
 def check_engine_start(ctx: Context) -> Check:
     """Start the engine(s) of the config's roster with the config's arguments (vLLM's share of the GPU, its
     max_num_seqs, tensor parallelism; adapters on one base in one engine)."""
-    from astuner.config.derived import resolve_engine_name, vllm_available
 
     typed = _typed(ctx)
     name = resolve_engine_name(typed.astuner.rollout.engine)

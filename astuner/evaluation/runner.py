@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from astuner.config.derived import run_facts
 from astuner.errors import UserError
 from astuner.algorithm.pass_at_k import TaskResult, ks_for, paired_difference, summarize, task_results
 from astuner.monitor.metrics import void_note
@@ -135,8 +136,9 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     label = model_label(spec, {r.label for r in reports})
     path, max_len, tokenizer, engine = load_model(typed, spec, "eval")
     models = model_set(typed)
-    engines = {models.first.name: engine, **{name: build_engine(typed, other, tokenizer, max_len)
-                                             for name, other in _other_model_paths(models, spec, path).items()}}
+    name = run_facts(typed).engine
+    engines = {models.first.name: engine, **{model: build_engine(typed, other, tokenizer, max_len, engine=name)
+                                             for model, other in _other_model_paths(models, spec, path).items()}}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
                            stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary,
                            roster=roster_of(typed, models, engines))
@@ -202,7 +204,7 @@ def load_model(typed, spec: str | None, command: str):
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, preflight.read_model_facts(path),
                                               typed.astuner.rollout.max_response_length_in_one_turn)
     tokenizer = load_tokenizer(path)
-    return path, max_len, tokenizer, build_engine(typed, path, tokenizer, max_len)
+    return path, max_len, tokenizer, build_engine(typed, path, tokenizer, max_len, engine=run_facts(typed).engine)
 
 
 def _other_model_paths(models, spec: str | None, path: str) -> dict[str, str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from astuner.algorithm.catalog import algorithm
 from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 
 
@@ -25,9 +24,8 @@ def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     setup_logging(loaded.experiment_dir)
     settings = LoopSettings.from_config(typed)
     prep = prepare(loaded, "debug", total_steps_of=lambda n: count_steps(n, settings))
-    trainer = build_trainer(typed, prep.model_path, prep.total_steps,
+    trainer = build_trainer(typed, prep.facts.algorithm, prep.model_path, prep.total_steps,
                             micro_batch_tokens=prep.plan.micro_batch_token_budget)
-    stages = OfflineStages(trainer, prep.tokenizer, algorithm(typed.astuner.trainer_common.algorithm.type),
-                           loaded.experiment_dir)
+    stages = OfflineStages(trainer, prep.tokenizer, prep.facts.algorithm, loaded.experiment_dir)
     return drive(loaded, settings, stages, prep.train_tasks, prep.val_tasks, prep.total_steps, prep.tokenizer,
                  checkpoint)

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from astuner.config.derived import run_facts
 from astuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
     """Episodes of the config's workflow and judge on `tasks` with the model at `model_path`: one greedy episode
     per task, or `sampled_repeats` per task at the config's temperature."""
     from astuner import preflight
-    from astuner.runtime import build_engine, build_judge, build_runner, load_tokenizer, load_workflow
+    from astuner.runtime import build_engine, build_judge, build_runner, load_tokenizer, load_workflow, stop_token_ids
 
     typed = loaded.typed
     workflow_cls, judge = load_workflow(loaded), build_judge(loaded)
@@ -112,8 +113,9 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, facts,
                                               typed.astuner.rollout.max_response_length_in_one_turn)
     tokenizer = load_tokenizer(model_path)
-    engine = build_engine(typed, model_path, tokenizer, max_len)
-    runner = build_runner(loaded, engine, tokenizer, workflow_cls, judge, model_path, max_len)
+    engine = build_engine(typed, model_path, tokenizer, max_len, engine=run_facts(typed).engine)
+    runner = build_runner(loaded, engine, tokenizer, workflow_cls, judge, stop_token_ids(model_path, tokenizer),
+                          max_len)
     from tqdm import tqdm
 
     bar = tqdm(total=len(tasks) * (sampled_repeats or 1), desc=desc, unit="episode", file=sys.stderr,

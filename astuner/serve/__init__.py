@@ -27,6 +27,7 @@ import ipaddress
 import socket
 from pathlib import Path
 
+from astuner.config.derived import gpu_share_per_engine, run_facts
 from astuner.errors import UserError
 
 LOOPBACK = "127.0.0.1"
@@ -56,8 +57,6 @@ def build_service(loaded, limits=None):
     import torch
 
     from astuner import runtime
-    from astuner.config.derived import resolve_engine_name
-    from astuner.config.derived import gpu_share_per_engine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
 
@@ -65,14 +64,15 @@ def build_service(loaded, limits=None):
     typed = loaded.typed
     bases = served_bases(typed)
     share = gpu_share_per_engine(typed, len(bases), torch.cuda.is_available())
+    engine = run_facts(typed).engine
 
     def make_engine(base):
         """The config's engine, as a run builds it; vLLM's context: rollout.max_model_len capped by the model's."""
         limits = [n for n in (typed.astuner.rollout.max_model_len, base.facts.max_position_embeddings) if n]
         return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None,
-                                    gpu_share=share)
+                                    engine=engine, gpu_share=share)
 
-    eager = resolve_engine_name(typed.astuner.rollout.engine) == "vllm"
+    eager = engine == "vllm"
     for i, base in enumerate(bases.values()):
         base.make_engine = make_engine
         if i == 0 or eager:

@@ -66,10 +66,9 @@ def build_models(typed, facts, tokenizer, models, max_model_len: int, total_step
     """Every model of the `ModelSet` `models` by name, in its order (`only`: these), with an engine if `roles` holds
     "engine" (together taking `gpu_share` of a GPU, default rollout.gpu_memory_utilization) and a trainer if it
     holds "trainer" (of a group of `world` workers); `facts`: the run's config.derived.RunFacts (its engine and
-    algorithm). Each model's trainer takes its own LoRA rank, learning rate and
-    filter (its `ModelSpec`); the tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other
-    vLLM engines this process will run beside them (a distillation teacher's), which take their part of the GPU
-    share too."""
+    algorithm). Each model's trainer takes its own LoRA rank, learning rate and filter (its `ModelSpec`); the
+    tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process will
+    run beside them (a distillation teacher's), which take their part of the GPU share too."""
     from astuner.runtime import build_engine, build_trainer
     from astuner.trainer.lora import share_frozen_weights
 

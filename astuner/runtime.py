@@ -131,10 +131,10 @@ def model_set(typed, first_folder: str | None = None):
 def build_trainer(typed, kind, model_path: str, total_steps: int, micro_batch_tokens: int | None = None,
                   world: int = 1, spec=None, models_in_group: int = 1):
     """The trainer for the algorithm `kind` (RunFacts.algorithm); `micro_batch_tokens`: the memory fit's budget
-    (preflight), else the configured one; `world`: the workers of the trainer group it will join (sharded, the model then reaches the device as shards only);
-    `spec`: the model's `ModelSpec` (its LoRA rank, learning rate and sampling filter; None: the run's first
-    model's); `models_in_group`: the models whose trainers each worker of the group holds
-    (config/schema_models.strategy_of)."""
+    (preflight), else the configured one; `world`: the workers of the trainer group it will join (sharded, the
+    model then reaches the device as shards only); `spec`: the model's `ModelSpec` (its LoRA rank, learning rate
+    and sampling filter; None: the run's first model's); `models_in_group`: the models whose trainers each worker
+    of the group holds (config/schema_models.strategy_of)."""
     from astuner.trainer import Trainer
 
     return Trainer(model_path, trainer_settings(typed, kind, total_steps, micro_batch_tokens, world, spec,

@@ -124,8 +124,8 @@ def test_vllm_bases_split_the_gpu_share_and_all_start_before_serving(tmp_path, t
     shutil.copytree(tiny_model_dir, other)
     built = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, tokenizer, max_len, engine, gpu_share=None: built.append(
-        (path, gpu_share)) or object())
+    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, tokenizer, max_len, engine, gpu_share=None:
+                        built.append((path, gpu_share)) or object())
     roster = f"  models: {{critic: {{path: {other}}}}}\n"
     yaml = write_yaml(tmp_path, tiny_model_dir, roster).read_text().replace("engine: hf", f"engine: {engine}")
     (tmp_path / "serve.yaml").write_text(yaml)

@@ -94,8 +94,9 @@ class Worker:
         first = next(iter(self.models.values()))  # the run's first model, or a one-model group's model
         self.engine, self.trainer = first.engine, first.trainer
         if "engine" in roles:
-            self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge,
-                                               runtime.stop_token_ids(model_path, self.tokenizer), max_model_len, roster_of_models(typed, model_set, self.models))
+            stop_ids = runtime.stop_token_ids(model_path, self.tokenizer)
+            self.runner = runtime.build_runner(loaded, self.engine, self.tokenizer, workflow_cls, judge, stop_ids,
+                                               max_model_len, roster_of_models(typed, model_set, self.models))
 
     def ready(self) -> tuple[str, str]:
         """(Ray node id, node IP) of this process: the driver logs where each actor was placed."""

@@ -44,7 +44,8 @@ def check_endpoint_teacher(typed, tokenizer, student: str) -> None:
         teacher.shutdown()
 
 
-def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model_len: int) -> tuple[int, str] | None:
+def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model_len: int
+                    ) -> tuple[int, str] | None:
     """At start, before any weights load: the teacher reads the student's tokens, and what a model-folder teacher
     holds in memory for the start-up plan (`teacher_memory`; None for a server). `engine`: the one a model-folder
     teacher scores on (config.derived.RunFacts.teacher_engine; None: a server); `device_type()`: where the loop's
@@ -64,10 +65,10 @@ def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model
 
 def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
     """The run's teacher (teachers.py): a model folder on an engine in this process (`build_engine(typed, path,
-    tokenizer, max_model_len, engine=...)`, runtime's), or a server. `vllm_engines_here`: the vLLM engines this process already
-    runs (the debug backbone's); on CUDA a vLLM teacher takes an equal part of astuner.rollout.gpu_memory_utilization
-    beside them, as they took theirs (run_models.build_models counted it), where a whole share of its own would not
-    fit beside theirs."""
+    tokenizer, max_model_len, engine=...)`, runtime's), or a server. `vllm_engines_here`: the vLLM engines this
+    process already runs (the debug backbone's); on CUDA a vLLM teacher takes an equal part of
+    astuner.rollout.gpu_memory_utilization beside them, as they took theirs (run_models.build_models counted it),
+    where a whole share of its own would not fit beside theirs."""
     import torch
 
     from astuner import preflight

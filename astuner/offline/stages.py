@@ -46,9 +46,10 @@ class OfflineStages(LocalTrainerStages):
 
         objective = token_objective(self.kind.objective, self.trainer.settings)
         if objective.paired:
-            sums = self.trainer.forward(pair_samples(tasks, "val"), objective)
+            sums = self.trainer.forward(pair_samples(tasks, "val"), objective, trained_only=True)
             metrics = {"loss": sums["loss"], **{k: sums[k] / len(tasks) for k in objective.reported()}}
         else:
-            sums = self.trainer.forward([x.as_sample(f"val{i}") for i, x in enumerate(tasks)], objective)
+            sums = self.trainer.forward([x.as_sample(f"val{i}") for i, x in enumerate(tasks)], objective,
+                                        trained_only=True)
             metrics = {"loss": sums["nll"] / max(sums["response_tokens"], 1)}
         return Validation({f"val/{k}": v for k, v in metrics.items()}, "loss")

@@ -223,10 +223,10 @@ class Trainer:
 
     @torch.no_grad()
     def forward(self, samples: list[Sample], objective: str | TokenObjective = "policy",
-                logprobs_out: list | None = None) -> dict[str, float]:
+                logprobs_out: list | None = None, trained_only: bool = False) -> dict[str, float]:
         """The sums `forward_backward` returns, without a gradient and in eval mode (validation losses)."""
         self.model.eval()
-        return forward_backward(self, samples, objective, logprobs_out, backward=False)
+        return forward_backward(self, samples, objective, logprobs_out, backward=False, trained_only=trained_only)
 
     @property
     def current_lr(self) -> float:

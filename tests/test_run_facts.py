@@ -5,19 +5,12 @@ start before any data is read."""
 from __future__ import annotations
 
 import pytest
+from test_effective_config import YAML  # a run's config: a model, tasks and a workflow
 
 from astuner.algorithm.catalog import algorithm
 from astuner.config import derived, load_config
 from astuner.errors import UserError
 
-YAML = """\
-astuner:
-  model: {path: demo:smollm2-135m-instruct}
-  task_reader:
-    type: jsonl_dataset_file
-    jsonl_dataset_file: {training: {file_path: train.jsonl}}
-  rollout: {agentscope_workflow: "wf.py->W"}
-"""
 DISTILL = ["astuner.trainer_common.algorithm.type=on_policy_distillation", "astuner.teacher.model=teacher/"]
 SFT = ["astuner.trainer_common.algorithm.type=sft", "astuner.offline_data.train_file=rows.jsonl"]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from astuner.config.derived import run_facts
+from astuner.algorithm.catalog import algorithm
 from astuner.serve import provenance
 from astuner.serve.bases import ServedBase, base_of, base_of_file
 from astuner.serve.futures import NotFound, Outcome, RequestError
@@ -119,7 +119,7 @@ class TinkerService:
         from astuner import runtime
         from astuner.trainer import Trainer
 
-        settings = runtime.trainer_settings(self.typed, run_facts(self.typed).algorithm, 1)
+        settings = runtime.trainer_settings(self.typed, algorithm(self.typed.astuner.trainer_common.algorithm.type), 1)
         lora = runtime.lora_settings(self.typed.astuner.trainer_common.lora, rank)
         # Plain logprobs (no sampling filter), no reference model: the caller's losses need neither.
         settings = replace(settings, lora=lora, top_k=0, top_p=1.0, reference_model=False, use_kl_loss=False)

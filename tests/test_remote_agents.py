@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,8 +101,7 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     late result is refused; the other is run by the same client, with a model call, and trains."""
     from astuner.remote import RemoteClient
 
-    # One validation task (the run validates at its end, and nobody here takes those episodes: each waits out its
-    # deadline).
+    # One validation task (the run validates at its end: the client takes it and vanishes with it too).
     val = tmp_path / "val.jsonl"
     val.write_text((REPO / "tutorial/agent_quickstart/data/val.jsonl").read_text().splitlines()[0] + "\n")
     proc, url = start_server(tmp_path, tiny_model_dir, "astuner.trainer_common.total_training_steps=1",
@@ -117,7 +117,13 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
     with pytest.raises(Exception, match="has ended"):  # the episode ended: its key takes no more calls
         answered.openai_client(sync=True).chat.completions.create(model="policy", max_tokens=2,
                                                                  messages=[{"role": "user", "content": "hi"}])
+    # The client goes on asking, as a client's loop does (taking and dropping the validation episode), so it hears
+    # the run's end at once: the server waits at its end for a client that asked lately to be told (`wait_told`).
+    asking = threading.Thread(target=lambda: [client.next_episode(wait_s=30) for _ in range(3) if not client.run_over])
+    asking.start()
     code, rest = finish(proc, timeout=120)
+    asking.join(timeout=60)
+    assert client.run_over
     assert code == 0, rest
     by_uid = {e["episode_uid"]: e for e in trajectories(tmp_path / "out")}
     timed_out = by_uid[held.episode_uid]

@@ -15,7 +15,7 @@ from astuner.config.derived import run_facts
 from astuner.config.schema_models import strategy_of
 from astuner.errors import UserError, user_code_error
 from astuner.logs import debug_from_user_modules
-from astuner.tokenizer import load_tokenizer, stop_token_ids
+from astuner.tokenizer import check_same_tokenizer, load_tokenizer, stop_token_ids
 from astuner.types import Task
 from astuner.workflow import ClassSpecError, Workflow, load_class
 
@@ -416,18 +416,6 @@ def seed_everything(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_same_tokenizer(tokenizer, path: str, key: str) -> None:
-    """The model at `path` reads and writes the policy's tokens, under the same chat template; else UserError."""
-    other = load_tokenizer(path, key)
-    differs = [what for what, a, b in (
-        ("vocabulary", tokenizer.get_vocab(), other.get_vocab()),
-        ("chat template", tokenizer.chat_template, other.chat_template),
-        ("end-of-sequence token", tokenizer.eos_token, other.eos_token)) if a != b]
-    if differs:
-        raise UserError(f"{key}: {path} has another {' and '.join(differs)} than the policy (astuner.model.path); "
-                        "the models of a run share one tokenizer and chat template: pick models of one family")
 
 
 def roster_of(typed, models, engines: dict):

@@ -43,3 +43,28 @@ def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def check_same_tokenizer(tokenizer, path: str, key: str, *, other=None, template: bool = True,
+                         whose: str = "the policy (astuner.model.path)",
+                         remedy: str = "the models of a run share one tokenizer and chat template: pick models of "
+                                       "one family") -> None:
+    """UserError (exit 2) unless the model at `path` (its tokenizer `other`, else loaded from `path`, `key` the
+    config key that named it) reads and writes `tokenizer`'s tokens: the same vocabulary and end-of-sequence token,
+    and with `template` the same chat template (a model of the roster is prompted through the run's renderer; a
+    teacher only scores token ids)."""
+    other = other if other is not None else load_tokenizer(path, key)
+    ours, theirs = tokenizer.get_vocab(), other.get_vocab()
+    differs: dict[str, str] = {}
+    if ours != theirs:
+        only_ours, only_theirs = sorted(set(ours) - set(theirs))[:3], sorted(set(theirs) - set(ours))[:3]
+        differs["vocabulary"] = (f"{len(theirs)} tokens against {len(ours)}"
+                                 + (f", e.g. {only_ours} only in {whose}" if only_ours else "")
+                                 + (f", {only_theirs} only in {path}" if only_theirs else ""))
+    if template and tokenizer.chat_template != other.chat_template:
+        differs["chat template"] = "another text around the messages"
+    if tokenizer.eos_token != other.eos_token:
+        differs["end-of-sequence token"] = f"{other.eos_token!r} against {tokenizer.eos_token!r}"
+    if differs:
+        raise UserError(f"{key}: {path} has another {' and '.join(differs)} than {whose}: "
+                        f"{'; '.join(differs.values())}. {remedy[:1].upper()}{remedy[1:]}")

@@ -342,6 +342,26 @@ def test_a_teacher_with_another_vocabulary_stops_the_run_at_start(tmp_path, tiny
     assert not (tmp_path / "run" / "out" / "metrics.jsonl").exists()
 
 
+def test_one_tokenizer_check_serves_the_roster_and_the_teacher(demo_tokenizer):
+    """A teacher scores token ids: another chat template is no matter; a model of the roster is prompted through the
+    run's renderer: it is. Another end-of-sequence token matters to both."""
+    import copy
+
+    from astuner.errors import UserError
+    from astuner.tokenizer import check_same_tokenizer
+
+    ours, other = demo_tokenizer, copy.deepcopy(demo_tokenizer)
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    check_same_tokenizer(ours, "teacher", "astuner.teacher.model", other=other, template=False)
+    with pytest.raises(UserError, match=r"critic has another chat template than the policy \(astuner.model.path\)"):
+        check_same_tokenizer(ours, "critic", "astuner.models.critic.path", other=other)
+    other.eos_token = "<|im_start|>"
+    with pytest.raises(UserError, match="teacher has another end-of-sequence token than the student s: "
+                                        r"'<\|im_start\|>' against '<\|im_end\|>'"):
+        check_same_tokenizer(ours, "teacher", "astuner.teacher.model", other=other, template=False,
+                             whose="the student s")
+
+
 def test_no_teacher_or_two_is_a_config_error(tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir, "{}")
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2

@@ -14,8 +14,8 @@ failure of one sequence or request never takes down the others' results).
                       `compute_logprobs` ([None, logprobs...]), or with top-k its `sample` with
                       `topk_prompt_logprobs`; one future per sequence
 
-Each is checked at start to read the student's tokens (`check_vocabulary`, `check_model_vocabulary`): a run whose
-teacher splits text differently would distil noise.
+Each is checked at start to read the student's tokens (a server's by `check_vocabulary`, a model's tokenizer by
+tokenizer.check_same_tokenizer): a run whose teacher splits text differently would distil noise.
 """
 
 from __future__ import annotations
@@ -241,24 +241,3 @@ def check_vocabulary(teacher: EndpointTeacher, tokenizer, student: str) -> None:
         f"{len(theirs)} tokens to its tokenizer and {len(ours_cmp)} to the student's ({student}), first differing at "
         f"token {first} ({theirs[first:first + 3]!r} against {ours_cmp[first:first + 3]!r}). On-policy distillation "
         "scores the student's exact token ids: serve a teacher of the student's family (same vocabulary)")
-
-
-def check_model_vocabulary(tokenizer, path: str, student: str, other=None,
-                           key: str = "astuner.teacher.model") -> None:
-    """UserError (exit 2) unless the model at `path` (its tokenizer `other`, else loaded from `path`) has the
-    student's vocabulary and special tokens."""
-    from astuner.tokenizer import load_tokenizer
-
-    other = other if other is not None else load_tokenizer(path, key)
-    ours, theirs = tokenizer.get_vocab(), other.get_vocab()
-    if ours == theirs and tokenizer.eos_token == other.eos_token:
-        return
-    only_ours = sorted(set(ours) - set(theirs))[:3]
-    only_theirs = sorted(set(theirs) - set(ours))[:3]
-    raise UserError(
-        f"{key}: {path} has another vocabulary than the student {student}: {len(theirs)} tokens "
-        f"against {len(ours)}" + (f", e.g. only the student's: {only_ours}" if only_ours else "")
-        + (f", only the teacher's: {only_theirs}" if only_theirs else "")
-        + (f"; end of sequence {other.eos_token!r} against {tokenizer.eos_token!r}"
-           if tokenizer.eos_token != other.eos_token else "")
-        + ". On-policy distillation scores the student's exact token ids: pick a teacher of the student's family")

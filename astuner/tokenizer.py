@@ -47,7 +47,7 @@ def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
 
 def check_same_tokenizer(tokenizer, path: str, key: str, *, other=None, template: bool = True,
                          whose: str = "the policy (astuner.model.path)",
-                         remedy: str = "the models of a run share one tokenizer and chat template: pick models of "
+                         remedy: str = "The models of a run share one tokenizer and chat template: pick models of "
                                        "one family") -> None:
     """UserError (exit 2) unless the model at `path` (its tokenizer `other`, else loaded from `path`, `key` the
     config key that named it) reads and writes `tokenizer`'s tokens: the same vocabulary and end-of-sequence token,
@@ -67,4 +67,4 @@ def check_same_tokenizer(tokenizer, path: str, key: str, *, other=None, template
         differs["end-of-sequence token"] = f"{other.eos_token!r} against {tokenizer.eos_token!r}"
     if differs:
         raise UserError(f"{key}: {path} has another {' and '.join(differs)} than {whose}: "
-                        f"{'; '.join(differs.values())}. {remedy[:1].upper()}{remedy[1:]}")
+                        f"{'; '.join(differs.values())}. {remedy}")

@@ -119,12 +119,17 @@ def test_a_client_that_vanishes_leaves_its_episode_untrained(tmp_path, tiny_mode
                                                                  messages=[{"role": "user", "content": "hi"}])
     # The client goes on asking, as a client's loop does (taking and dropping the validation episode), so it hears
     # the run's end at once: the server waits at its end for a client that asked lately to be told (`wait_told`).
-    asking = threading.Thread(target=lambda: [client.next_episode(wait_s=30) for _ in range(3) if not client.run_over])
+    def keep_asking() -> None:
+        for _ in range(3):
+            if not client.run_over:
+                client.next_episode(wait_s=30)
+
+    asking = threading.Thread(target=keep_asking)
     asking.start()
     code, rest = finish(proc, timeout=120)
     asking.join(timeout=60)
-    assert client.run_over
     assert code == 0, rest
+    assert client.run_over
     by_uid = {e["episode_uid"]: e for e in trajectories(tmp_path / "out")}
     timed_out = by_uid[held.episode_uid]
     assert "timeout" in timed_out["flags"] and not timed_out["calls"]

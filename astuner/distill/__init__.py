@@ -25,14 +25,18 @@ def _endpoint(typed):
     return EndpointTeacher(t.base_url, t.served_model, t.api_key_env, t.timeout_s, t.batch_size)
 
 
-# A teacher scores the student's token ids: its vocabulary must be the student's, its chat template need not.
-_REMEDY = "on-policy distillation scores the student's exact token ids: pick a teacher of the student's family"
+def _check_teacher_tokens(tokenizer, path: str, key: str, student: str, other=None) -> None:
+    """A teacher scores the student's token ids: its vocabulary must be the student's, its chat template need not."""
+    from astuner.tokenizer import check_same_tokenizer
+
+    check_same_tokenizer(tokenizer, path, key, other=other, template=False, whose=f"the student {student}",
+                         remedy="On-policy distillation scores the student's exact token ids: pick a teacher of the "
+                                "student's family")
 
 
 def check_endpoint_teacher(typed, tokenizer, student: str) -> None:
     """Before any weights load: a teacher server reads the student's tokens (UserError, exit 2, naming both)."""
     from astuner.distill.teachers import check_vocabulary
-    from astuner.tokenizer import check_same_tokenizer
 
     teacher = _endpoint(typed)
     try:
@@ -42,8 +46,7 @@ def check_endpoint_teacher(typed, tokenizer, student: str) -> None:
             except Exception as exc:  # noqa: BLE001
                 raise UserError(f"astuner.teacher: could not load the tokenizer of {teacher.name} to check that it "
                                 f"reads the student's tokens ({type(exc).__name__}: {exc})") from None
-            check_same_tokenizer(tokenizer, teacher.name, "astuner.teacher.served_model", other=theirs,
-                                 template=False, whose=f"the student {student}", remedy=_REMEDY)
+            _check_teacher_tokens(tokenizer, teacher.name, "astuner.teacher.served_model", student, theirs)
         else:
             check_vocabulary(teacher, tokenizer, student)
     finally:
@@ -57,15 +60,13 @@ def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model
     teacher scores on (config.derived.RunFacts.teacher_engine; None: a server); `device_type()`: where the loop's
     process computes."""
     from astuner import preflight
-    from astuner.tokenizer import check_same_tokenizer
 
     student = typed.astuner.model.path
     if engine is None:
         check_endpoint_teacher(typed, tokenizer, student)
         return None
     path = teacher_path(typed)
-    check_same_tokenizer(tokenizer, path, "astuner.teacher.model", template=False, whose=f"the student {student}",
-                         remedy=_REMEDY)
+    _check_teacher_tokens(tokenizer, path, "astuner.teacher.model", student)
     facts = preflight.read_model_facts(path, "astuner.teacher.model")
     return teacher_memory(engine, facts, device_type(), max_model_len, typed.astuner.rollout)
 

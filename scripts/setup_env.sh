@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # pip compiles every module it installs to bytecode, on one core. Installs here skip that (--no-compile) and
-# compile_installed does it once an environment at the end, on every core: .venv takes 108 s instead of 156 on 2
+# compile_installed does it once an environment at the end, on every core: .venv takes 118 s instead of 156 on 2
 # cores. Not skipped altogether: where PYTHONDONTWRITEBYTECODE is set, a module without bytecode is compiled again
 # at every import of every process (torch, transformers and vLLM: 19 s instead of 8).
 pip_install() {  # pip_install VENV ARGS...

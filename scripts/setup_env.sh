@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # pip compiles every module it installs to bytecode, on one core. Installs here skip that (--no-compile) and
-# compile_installed does it once an environment at the end, on every core: .venv takes 118 s instead of 156 on 2
+# compile_installed does it once an environment after its installs, on every core: .venv takes 118 s, not 156, on 2
 # cores. Not skipped altogether: where PYTHONDONTWRITEBYTECODE is set, a module without bytecode is compiled again
 # at every import of every process (torch, transformers and vLLM: 19 s instead of 8).
 pip_install() {  # pip_install VENV ARGS...
@@ -22,8 +22,8 @@ compile_installed() {  # each environment whose distributions changed since its 
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     now=$(ls "$site" | grep '\.dist-info$' | sort || true)  # a name and version a line
     [ "$now" = "$(cat "$venv/.compiled" 2>/dev/null)" ] && continue
-    # Some packages ship files that are not Python 3 (templates, test data): compileall names them, as pip
-    # ignores them.
+    # Some packages ship files that are not Python 3 (templates, test data): compileall reports them and exits 1,
+    # pip skips them alike.
     "$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
     echo "$now" > "$venv/.compiled"
   done
@@ -83,6 +83,7 @@ if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null 2>&1 && command
     echo "setup: install chromium and chromium-driver (apt) for the log viewer's browser test" >&2
   fi
 fi
+compile_installed  # .venv now: the model cache's conversion below imports transformers
 python -m astuner.model_cache
 # Tests only: the remote agents' light client alone (.venv-remote: astuner_remote, httpx, openai; no torch), as a
 # machine that only runs agents installs it; the tutorial's client runs from it in the tests.
@@ -107,4 +108,4 @@ if [ "${1:-}" = "--test" ] && [ ! -x .venv-vf/bin/python ]; then
   .venv-vf/bin/python -c "import torch" 2>/dev/null || pip_install .venv-vf "torch==2.13.0"
   pip_install .venv-vf -e ".[verifiers]" "pytest>=8"
 fi
-compile_installed
+compile_installed  # the test environments

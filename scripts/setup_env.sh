@@ -17,7 +17,7 @@ pip_install() {  # pip_install VENV ARGS...
 }
 compile_installed() {  # each environment whose distributions changed since its last compile (.venv*/.compiled)
   local venv site now
-  for venv in .venv .venv-remote .venv-as2 .venv-vf; do
+  for venv in .venv .venv-*; do  # every environment this script makes (.venv-remote, .venv-as2, .venv-vf)
     [ -x "$venv/bin/python" ] || continue
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     now=$(ls "$site" | grep '\.dist-info$' | sort || true)  # a name and version a line

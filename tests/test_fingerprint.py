@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from astuner.engine.fingerprint import (BLOCK, CHUNK, SyncMismatch, TensorPrint, changed, chunk_elements, compared,
-                                        differences, fingerprint, probe_columns, sigma, signed_sums)
+from astuner.engine.fingerprint import (BLOCK, CHUNK, PROBE_COLUMNS, SyncMismatch, TensorPrint, changed,
+                                        chunk_elements, compared, differences, fingerprint, probe_columns, sigma,
+                                        signed_sums, tensor_print)
 from tolerances import rounding_rtol
 
 
@@ -149,6 +150,33 @@ def test_the_cpu_and_accelerator_chunkings_agree_with_the_definition_beyond_one_
     strided = t.t().contiguous().t()
     for got in (signed_sums(t), signed_sums(t, BLOCK), signed_sums(strided), signed_sums(strided, BLOCK)):
         assert all(abs(x - y) <= tol for x, y in zip(got, ref)), (got, ref)
+
+
+@pytest.mark.parametrize("chunk", [4096, CHUNK, 16])
+def test_probe_columns_taken_from_each_chunk_equal_the_definition(chunk):
+    """The probe columns B = W[:, J] are gathered from each chunk's whole rows (4096: 204 rows a chunk, not a
+    multiple of the row), or apart where a row is longer than the chunk (16); B (262,149 x 16) is longer than a
+    BLOCK, so its sign weights w change within it (300 rows where chunks are tiny). Strided and contiguous alike."""
+    torch.manual_seed(0)
+    t = torch.randn(BLOCK // PROBE_COLUMNS + 5 if chunk > 20 else 300, 20)
+    block = t.double()[:, probe_columns(20)].reshape(-1)
+    ref_q, ref_qa = (block * sigma(0, block.numel(), "cpu")).sum().item(), block.abs().sum().item()
+    wide = t.double().view(-1)
+    ref = (wide.sum().item(), wide.abs().sum().item(), (wide * sigma(0, wide.numel(), "cpu")).sum().item())
+    for w in (t, t.t().contiguous().t()):
+        got = tensor_print(w, chunk)
+        assert abs(got.q - ref_q) <= rounding_rtol(torch.float64, block.numel()) * ref_qa, (got.q, ref_q)
+        assert abs(got.qa - ref_qa) <= rounding_rtol(torch.float64, block.numel()) * ref_qa
+        tol = rounding_rtol(torch.float64, wide.numel()) * ref[1]
+        assert all(abs(x - y) <= tol for x, y in zip((got.s, got.a, got.p), ref)), ((got.s, got.a, got.p), ref)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0,), (0, 3, 2), ()])
+def test_empty_and_scalar_tensors_have_prints(shape):
+    t = torch.ones(shape)
+    got = fingerprint([("w", t)], threads=2)["w"]
+    assert got.shape == shape and got.s == got.a == float(t.sum())
+    assert (got.q is None) == (len(shape) != 2 or not t.numel())
 
 
 def test_two_whole_blocks_swapped_change_the_print():
@@ -298,32 +326,23 @@ def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_mode
     assert "model.layers.0" not in str(info.value)  # only the tensor that missed its update
 
 
-def test_host_tensors_are_summed_on_threads_with_the_same_prints_in_the_same_order():
-    """A sync's host tensors are fingerprinted on a pool of threads (torch releases the GIL in its kernels; a Ray
-    actor's torch runs one thread per kernel): every print is the serial one, the names in the order they came."""
-    import threading
-
+def test_host_tensors_are_summed_with_torch_threads_raised_and_put_back(monkeypatch):
+    """A sync's host tensors are summed with torch running the builder's threads per kernel (a Ray actor's torch runs
+    one), put back after each tensor; the prints agree with one thread's and keep the order the tensors came in."""
     from astuner.engine import fingerprint as fp
 
     gen = torch.Generator().manual_seed(0)
     tensors = [(f"t{i}", torch.randn(300 + 37 * i, 129, generator=gen).to(torch.bfloat16)) for i in range(12)]
-    serial = fp.FingerprintBuilder(threads=1)
-    for name, t in tensors:
-        serial.add(name, t)
-    seen: set = set()
-    real = fp.tensor_print
-
-    def noting(tensor):
-        seen.add(threading.current_thread().name)
-        return real(tensor)
-
-    fp.tensor_print = noting
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        pooled = fp.FingerprintBuilder(threads=4)
-        for name, t in tensors:
-            pooled.add(name, t)
-        got = pooled.result()
+        serial = fp.fingerprint(tensors, threads=1)
+        seen: list[int] = []
+        real = fp.tensor_print
+        monkeypatch.setattr(fp, "tensor_print", lambda t: seen.append(torch.get_num_threads()) or real(t))
+        got = fp.fingerprint(tensors, threads=3)
+        assert torch.get_num_threads() == 1, "the builder left torch's thread count raised"
     finally:
-        fp.tensor_print = real
-    assert got == serial.result() and list(got) == [n for n, _ in tensors]
-    assert any(name.startswith("astuner-fingerprint") for name in seen)
+        torch.set_num_threads(before)
+    assert seen == [3] * len(tensors)
+    assert list(got) == [n for n, _ in tensors] and differences(serial, got) == []

@@ -20,14 +20,15 @@ For a 2-D tensor W (rows x cols) it also holds Q, the same signed sum over a fix
 which an engine can read back exactly from a layer whose weights it keeps only in packed form (vLLM's CPU
 backend): multiplying the layer by m one-hot rows returns those columns, each output one exact product.
 
-Cost and memory: each tensor is reduced one chunk at a time (host tensors on a pool of threads: one chunk per
-thread), cast to float64 on its own device, never whole; a chunk is `chunk_elements(device)`: 2^18 elements on a CPU (2 MiB of float64, cache-sized), BLOCK = 2^22 on an
-accelerator (32 MiB), where each chunk costs a handful of kernel launches (about 1,700 chunks for a 7B model).
-In flight: the chunk in float64, a contiguous copy of it for a strided tensor, and the cached h of at most BLOCK
-float64 per device (32 MiB, kept; built a chunk at a time). The chunk size is not part of the definition: both
-sides sum the same values (the engine's dtype, exact in float64), so they differ by float64 rounding in another
-order only: at most rtol(n) = C * eps(float64) * sqrt(n) relative to A (tests/tolerances.py's probabilistic
-bound). A tensor whose update is below the engine dtype's resolution is unchanged, and harmless.
+Cost and memory: each tensor is reduced one chunk at a time (host tensors with torch's threads raised to the
+cores' count, `FingerprintBuilder`), copied into a float64 buffer on its own device, never whole; a chunk is
+`chunk_elements(device)`: 2^20 elements on a CPU (8 MiB of float64), BLOCK = 2^22 on an accelerator (32 MiB), where
+each chunk costs a handful of kernel launches (about 1,700 chunks for a 7B model). In flight: that buffer (one,
+reused for each chunk), a contiguous copy of a chunk of a strided tensor, and the cached h of at most BLOCK float64
+per device (32 MiB, kept; built a chunk at a time). The chunk size is not part of the definition: both sides sum
+the same values (the engine's dtype, exact in float64), so they differ by float64 rounding in another order only:
+at most rtol(n) = C * eps(float64) * sqrt(n) relative to A (tests/tolerances.py's probabilistic bound). A tensor
+whose update is below the engine dtype's resolution is unchanged, and harmless.
 
 A check that compared only weights this sync did not change (frozen ones, where the changed ones cannot be read
 back) proves nothing: `changed` and `compared` let the engine report such a sync unverified.
@@ -36,11 +37,11 @@ back) proves nothing: `changed` and `compared` let the engine report such a sync
 from __future__ import annotations
 
 import math
-from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-CHUNK = 1 << 18  # elements reduced at a time on a CPU: 2 MiB of float64, so each pass stays in cache
+CHUNK = 1 << 20  # elements reduced at a time on a CPU: 8 MiB of float64 (the fastest measured, 1 to 16 threads)
 BLOCK = 1 << 22  # the period of h (part of sigma's definition), and the chunk on an accelerator: 32 MiB of float64
 PROBE_COLUMNS = 16
 C = 8.0  # the constant of tests/tolerances.py: a few roundings per term
@@ -133,14 +134,15 @@ def _pattern(length: int, device):
 
 
 def _chunks(tensor, chunk: int, start: int = 0) -> Iterator[tuple[int, object]]:
-    """(flat index of its first element, 1-D chunk of at most `chunk` elements) over `tensor` in row-major order;
-    a non-contiguous tensor is copied one bounded block of rows at a time, never whole."""
-    if tensor.is_contiguous():
-        flat = tensor.view(-1)
-        for lo in range(0, flat.numel(), chunk):
-            yield start + lo, flat[lo : lo + chunk]
+    """(flat index of its first element, 1-D chunk of at most `chunk` elements) over `tensor` in row-major order,
+    each chunk whole rows where a row fits in one; a non-contiguous tensor is copied one bounded block of rows at a
+    time, never whole."""
+    row = max(1, math.prod(tensor.shape[1:]))  # elements of one row (1 for a vector)
+    if tensor.is_contiguous():  # whole rows where a row fits (a 2-D tensor's probe columns come from the chunk)
+        flat, step = tensor.view(-1), chunk // row * row if row <= chunk else chunk
+        for lo in range(0, flat.numel(), step):
+            yield start + lo, flat[lo : lo + step]
         return
-    row = tensor[0].numel() if tensor.dim() else 1
     if row > chunk:  # one row alone is too big to copy: descend into it
         for i in range(tensor.shape[0]):
             yield from _chunks(tensor[i], chunk, start + i * row)
@@ -160,25 +162,42 @@ def _signed_sum(wide, start: int):
         offset = (start + pos) % BLOCK
         take = min(n - pos, BLOCK - offset)
         h = _pattern(offset + take, wide.device)[offset : offset + take]
-        part = torch.dot(wide[pos : pos + take], h) * _w((start + pos) // BLOCK)
+        part = torch.dot(wide if take == n else wide[pos : pos + take], h) * _w((start + pos) // BLOCK)
         total = part if total is None else total + part
         pos += take
     return total
 
 
-def signed_sums(tensor, chunk: int | None = None) -> tuple[float, float, float]:
-    """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device; `chunk` (elements)
-    defaults to the device's `chunk_elements` and changes the result by rounding only. The tensor is only
-    read: a float64 tensor's chunk is a view of it, so nothing here works in place."""
+def _reduce(tensor, chunk: int | None, probe: bool) -> list[float]:
+    """[S, A, P] of `tensor`, and with `probe` [.., Q, QA] of its probe columns (a 2-D tensor whose rows fit in a
+    chunk: each chunk is whole rows, so B's rows are gathered from the chunk in cache, not by a strided pass over
+    the tensor), reduced chunk by chunk in float64 on the tensor's own device. The tensor is only read: each chunk
+    is copied into a float64 buffer of the call's own, reused for every chunk (a fresh allocation per chunk costs
+    page faults, under gVisor most of the time), and |x| is taken in place once S, P (and B) are read."""
     import torch
 
     tensor = tensor.detach()
-    chunk = min(chunk or chunk_elements(tensor.device), BLOCK)
-    acc = torch.zeros(3, dtype=torch.float64, device=tensor.device)
+    acc = torch.zeros(5 if probe else 3, dtype=torch.float64, device=tensor.device)
+    scratch = torch.empty(min(chunk, tensor.numel()), dtype=torch.float64, device=tensor.device)
+    if probe:
+        cols = tensor.shape[1]
+        index = torch.tensor(probe_columns(cols), device=tensor.device)
     for start, part in _chunks(tensor, chunk):
-        wide = part.to(torch.float64)
-        acc += torch.stack((wide.sum(), torch.linalg.vector_norm(wide, 1), _signed_sum(wide, start)))
-    s, a, p = acc.tolist()  # one device sync per tensor, not per chunk
+        wide = scratch if part.numel() == scratch.numel() else scratch[: part.numel()]
+        wide.copy_(part)
+        terms = [wide.sum(), None, _signed_sum(wide, start)]
+        if probe:  # B's rows of this chunk: B's flat index of its first entry is (first row) x m
+            block = wide.view(-1, cols).index_select(1, index).view(-1)
+            terms += [_signed_sum(block, start // cols * index.numel()), block.abs_().sum()]
+        terms[1] = wide.abs_().sum()
+        acc += torch.stack(terms)
+    return acc.tolist()  # one device sync per tensor, not per chunk
+
+
+def signed_sums(tensor, chunk: int | None = None) -> tuple[float, float, float]:
+    """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device; `chunk` (elements)
+    defaults to the device's `chunk_elements` and changes the result by rounding only."""
+    s, a, p = _reduce(tensor, min(chunk or chunk_elements(tensor.device), BLOCK), probe=False)
     return s, a, p
 
 
@@ -193,56 +212,57 @@ def probe_block(tensor):
     return tensor.detach()[:, probe_columns(tensor.shape[1])]
 
 
-def tensor_print(tensor) -> TensorPrint:
-    s, a, p = signed_sums(tensor)
-    q = qa = None
-    if tensor.dim() == 2 and tensor.numel():
-        q, qa = column_sums(probe_block(tensor))
+def tensor_print(tensor, chunk: int | None = None) -> TensorPrint:
+    chunk = min(chunk or chunk_elements(tensor.device), BLOCK)
+    if tensor.dim() != 2 or not tensor.numel():
+        return TensorPrint(tuple(tensor.shape), *_reduce(tensor, chunk, probe=False))
+    if tensor.shape[1] <= chunk:  # the probe columns from each chunk's rows
+        s, a, p, q, qa = _reduce(tensor, chunk, probe=True)
+    else:  # rows longer than a chunk: gathered apart
+        (s, a, p), (q, qa) = _reduce(tensor, chunk, probe=False), column_sums(probe_block(tensor))
     return TensorPrint(tuple(tensor.shape), s, a, p, q, qa)
 
 
 class FingerprintBuilder:
     """Accumulates a fingerprint one tensor at a time (a sync streams its tensors).
 
-    A tensor in host memory is summed on a pool of `threads` (its torch kernels release the GIL): in a Ray actor,
-    where torch runs each kernel on one thread, a 7B sync's fingerprint took about 96 s on one core. At most
-    2 x threads tensors are pending, so a stream of fresh copies stays bounded; each print is the serial one (the
-    same sums in the same order). A tensor on an accelerator is summed at once, on its device."""
+    A tensor in host memory is summed with torch running `threads` threads per kernel (raised for the sums, then
+    put back): a Ray actor's torch runs one (a 7B sync's fingerprint took about 96 s on one core), and a pool of
+    Python threads, one tensor each, stopped at 2.6x on 16 cores (each kernel call takes the GIL; measured 9.6 s
+    for a 7B model, against 1.4 s this way). A tensor on an accelerator is summed on its device."""
 
     def __init__(self, threads: int | None = None) -> None:
         self._prints: Fingerprint = {}
         self._threads = fingerprint_threads() if threads is None else threads
-        self._pending: deque = deque()  # (name, future), in the order the tensors came
-        self._pool = None
 
     def add(self, name: str, tensor) -> None:
-        if self._threads <= 1 or tensor.device.type != "cpu":
-            self._settle(0)
+        if tensor.device.type != "cpu":
             self._prints[name] = tensor_print(tensor)
             return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="astuner-fingerprint")
-        self._pending.append((name, self._pool.submit(tensor_print, tensor)))
-        self._settle(2 * self._threads)
-
-    def _settle(self, most: int) -> None:
-        """Wait for the oldest pending prints until at most `most` are left."""
-        while len(self._pending) > most:
-            name, future = self._pending.popleft()
-            self._prints[name] = future.result()
+        with torch_threads(self._threads):
+            self._prints[name] = tensor_print(tensor)
 
     def result(self) -> Fingerprint:
-        self._settle(0)
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
         return dict(self._prints)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's threads per kernel raised to at least `n` inside the block, and put back after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n > before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n > before:
+            torch.set_num_threads(before)
+
+
 def fingerprint_threads() -> int:
-    """Threads for summing host tensors: the cores this process may run on, at most 16."""
+    """torch threads for summing host tensors: the cores this process may run on, at most 16."""
     import os
 
     try:

@@ -76,6 +76,7 @@ class SelectionSettings:
     distill_kl_coef: float = 1.0
     distill_reward_weight: float = 0.0
     distill_topk: int = 0
+    distill_teacher_temperature: float = 1.0
 
     @classmethod
     def from_config(cls, typed) -> SelectionSettings:
@@ -101,6 +102,7 @@ class SelectionSettings:
             distill_kl_coef=tc.algorithm.distill_kl_coef,
             distill_reward_weight=tc.algorithm.distill_reward_weight,
             distill_topk=tc.algorithm.distill_topk,
+            distill_teacher_temperature=tc.algorithm.distill_teacher_temperature,
         )
 
 @dataclass
@@ -266,7 +268,9 @@ class Distillation(Plain):
 
         self._stop_if_all_failed(chosen.episodes, state, step)
         samples = self._samples(chosen.kept)
-        return samples, distill_samples(samples, self.settings.distill_kl_coef, self.settings.distill_reward_weight)
+        s = self.settings
+        return samples, distill_samples(samples, s.distill_kl_coef, s.distill_reward_weight,
+                                        s.distill_teacher_temperature)
 
     def idle_reason(self, zero_adv_group_fraction: float) -> str:
         return "the teacher scored no token (every episode failed, or none made a trainable call)"

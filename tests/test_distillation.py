@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from astuner.algorithm.distillation import (
-    distill_advantages, distill_samples, response_slice, teacher_chains, token_advantages, topk_rows)
+    distill_advantages, distill_samples, response_slice, sharpen, teacher_chains, token_advantages, topk_rows)
 from astuner.algorithm.objective_base import TokenBatch
 from astuner.algorithm.objectives import PolicyGradient
 from astuner.algorithm.samples import episodes_to_samples
@@ -93,6 +93,33 @@ def test_the_topk_term_by_hand():
     loss.backward()
     assert student.grad.tolist() == [pytest.approx([-0.5 * 0.25 * 0.75, -0.5 * 0.25 * 0.25]), [0.0, 0.0],
                                      pytest.approx([-0.5 * 0.25, 0.0])]
+
+
+def test_a_teacher_temperature_sharpens_over_the_top_k_by_hand():
+    # tau 0.5: p^2 renormalised over the top k. Row (0.6, 0.2, 0.1): squares 0.36, 0.04, 0.01, Z = 0.41.
+    q, rows = sharpen([LN(0.2), LN(0.5), -9.0], [[(7, LN(0.6)), (8, LN(0.2)), (2, LN(0.1))],
+                                                 [(9, LN(0.5)), (4, LN(0.5))], []], 0.5)
+    assert q == pytest.approx([LN(0.04 / 0.41), LN(0.5), -9.0])  # the row-less (masked) position is kept
+    assert [t for t, _ in rows[0]] == [7, 8, 2]
+    assert [math.exp(x) for _, x in rows[0]] == pytest.approx([0.36 / 0.41, 0.04 / 0.41, 0.01 / 0.41])
+    assert [math.exp(x) for _, x in rows[1]] == pytest.approx([0.5, 0.5]) and rows[2] == []
+    # A flatter teacher (tau 2): square roots, renormalised.
+    q2, _ = sharpen([LN(0.6)], [[(7, LN(0.6)), (8, LN(0.2))]], 2.0)
+    assert q2 == pytest.approx([LN(0.6**0.5 / (0.6**0.5 + 0.2**0.5))])
+
+
+def test_distillation_at_a_teacher_temperature_trains_on_the_sharpened_teacher():
+    # The sampled token 8 (student logprob -1.0): the teacher 0.4 -> 0.16 / (0.16 + 0.36) at tau 0.5.
+    s = Sample([1], [8], [-1.0], 0.0, 1.0, "e", teacher_logprobs=[LN(0.4)],
+               teacher_topk=[[(7, LN(0.6)), (8, LN(0.4))]])
+    metrics = distill_samples([s], kl_coef=1.0, reward_weight=0.0, teacher_temperature=0.5)
+    sharp = 0.16 / 0.52
+    assert s.token_advantages == pytest.approx([LN(sharp) + 1.0])
+    assert metrics["distill/reverse_kl"] == pytest.approx(-1.0 - LN(sharp))
+    assert metrics["distill/teacher_topk_mass"] == pytest.approx(1.0)  # the teacher's own, before sharpening
+    assert topk_rows([s], 2)[1] == [pytest.approx([0.36 / 0.52, sharp])]  # the top-k term reads it too
+    with pytest.raises(ValueError, match="needs the teacher's top k"):
+        distill_samples([Sample([1], [8], [-1.0], 0.0, 1.0, "x", teacher_logprobs=[-1.0])], 1.0, 0.0, 0.5)
 
 
 @pytest.mark.slow
@@ -369,6 +396,9 @@ def test_no_teacher_or_two_is_a_config_error(tmp_path, tiny_model_dir, capsys):
     yaml = write_run(tmp_path, tiny_model_dir, "{model: a, base_url: 'http://x/v1'}")
     assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
     assert "not both" in capsys.readouterr().err
+    yaml = write_run(tmp_path, tiny_model_dir, "{model: a}", extra=", distill_teacher_temperature: 0.5")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 2
+    assert "distill_teacher_temperature 0.5 needs the teacher's top k" in capsys.readouterr().err
 
 
 def teacher_server(model_dir: Path, tokenizer, fail: bool = False, other_vocab: bool = False):

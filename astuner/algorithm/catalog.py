@@ -68,6 +68,7 @@ ALGORITHMS: dict[str, AlgorithmType] = {
                       "teacher's logprobs (reverse KL), optionally plus the reward's", "rollouts", "policy", "distillation",
                       epochs="ppo_epochs", reads=(ALGO + "distill_kl_coef", ALGO + "distill_reward_weight",
                                                   ALGO + "distill_topk", ALGO + "distill_topk_coef",
+                                                  ALGO + "distill_teacher_temperature",
                                                   "astuner.teacher")),
         AlgorithmType("sft", "SFT on offline_data conversations", "conversations", "sft", "offline_sft",
                       reads=("astuner.offline_data",)),

@@ -34,6 +34,17 @@ Its gradient lifts every token of V_t towards p~_t whether or not it was sampled
 the teacher's top k rather than the whole vocabulary, which is what a server returns). Reported as
 actor/distill_topk_kl, the mean of KL~_t over trained tokens.
 
+The teacher's temperature (algorithm.distill_teacher_temperature = tau, with the top k). At a decision where the
+teacher itself hesitates (here: 0.35 to 0.46 for starting another tool call once the code is known, against
+answering), distillation pulls the student toward that hesitation, and greedy decoding follows whichever side the
+last updates left ahead. With tau < 1 the teacher is sharpened before both terms, over its top k:
+
+    log Z_t = log sum_{v in V_t} exp(q_tv / tau)       q_t <- q_t / tau - log Z_t       q_tv <- q_tv / tau - log Z_t
+
+(0.4 against 0.6 becomes 0.31 against 0.69 at tau = 0.5). Z_t over V_t rather than the whole vocabulary: the tail
+outside it adds at most (1 - mass_t)^(1/tau) for tau < 1, and the top 8 held 0.99 of the teacher by step 7 here.
+distill/teacher_topk_mass is the teacher's own, before sharpening; distill/reverse_kl is to the sharpened teacher.
+
 Which tokens a teacher scores: each trainable call's response, in its own context. Calls of one agent whose prompt
 extends the previous call's prompt + response exactly (`teacher_chains`) are scored as one sequence, the last
 call's: the earlier responses sit at the same positions with the same prefix, so their logprobs are read from it.
@@ -58,15 +69,43 @@ def distill_advantages(student: list[float], teacher: list[float], mask: list[in
     return [(kl_coef * (q - s) + base) if m else 0.0 for s, q, m in zip(student, teacher, mask)]
 
 
-def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float) -> dict[str, float]:
+def sharpen(teacher: list[float], topk: list[list[tuple[int, float]]], tau: float
+            ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The teacher's logprobs of the sampled tokens and its top-k rows at temperature `tau`, renormalised over each
+    position's top k (module docstring); a position without a top-k row (masked) keeps its logprob."""
+    if len(topk) != len(teacher):
+        raise ValueError(f"{len(teacher)} teacher logprobs but top-k rows at {len(topk)} positions")
+    out_q, out_rows = [], []
+    for q, row in zip(teacher, topk):
+        if not row:
+            out_q.append(q)
+            out_rows.append(row)
+            continue
+        scaled = [lp / tau for _, lp in row]
+        top = max(scaled)
+        log_z = top + math.log(sum(math.exp(x - top) for x in scaled))
+        out_q.append(q / tau - log_z)
+        out_rows.append([(t, x - log_z) for (t, _), x in zip(row, scaled)])
+    return out_q, out_rows
+
+
+def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float,
+                    teacher_temperature: float = 1.0) -> dict[str, float]:
     """Set every sample's `token_advantages` (its `advantage` is the reward's group advantage on entry; it becomes
-    reward_weight times that, the part every token shares); the step's distill/ figures. A sample without teacher
-    logprobs is a bug of the stage before (its episode should have been flagged), hence ValueError."""
+    reward_weight times that, the part every token shares); the step's distill/ figures. With a teacher
+    temperature other than 1 the sample's teacher logprobs and top k are replaced by the sharpened ones first (the
+    top-k term then reads those). A sample without teacher logprobs is a bug of the stage before (its episode
+    should have been flagged), hence ValueError."""
     kl = student_sum = teacher_sum = tokens = mass = 0.0
     for s in samples:
         if s.teacher_logprobs is None:
             raise ValueError(f"episode {s.episode_uid}: a sample without teacher logprobs reached distillation")
         mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        mass += sum(math.exp(q) for row, m in zip(s.teacher_topk or [], mask) if m for _, q in row)
+        if teacher_temperature != 1.0:
+            if s.teacher_topk is None:
+                raise ValueError(f"episode {s.episode_uid}: a teacher temperature needs the teacher's top k")
+            s.teacher_logprobs, s.teacher_topk = sharpen(s.teacher_logprobs, s.teacher_topk, teacher_temperature)
         s.token_advantages = distill_advantages(s.old_logprobs, s.teacher_logprobs, mask, kl_coef, s.advantage,
                                                 reward_weight)
         s.advantage = reward_weight * s.advantage
@@ -76,7 +115,6 @@ def distill_samples(samples: list[Sample], kl_coef: float, reward_weight: float)
                 student_sum += lp
                 teacher_sum += tq
                 tokens += 1
-        mass += sum(math.exp(q) for row, m in zip(s.teacher_topk or [], mask) if m for _, q in row)
     if not tokens:
         return {}
     out = {"distill/reverse_kl": kl / tokens, "distill/student_logprob": student_sum / tokens,

@@ -75,6 +75,10 @@ def teacher_problems(typed) -> list[tuple[str, str]]:
     if algo.distill_kl_coef == 0 and algo.distill_reward_weight == 0:
         return [("astuner.trainer_common.algorithm.distill_kl_coef", "distill_kl_coef and distill_reward_weight are "
                  "both 0: the step would train on nothing; set distill_kl_coef > 0 (the teacher's signal)")]
+    if algo.distill_teacher_temperature != 1 and not algo.distill_topk:
+        return [("astuner.trainer_common.algorithm.distill_teacher_temperature", "distill_teacher_temperature "
+                 f"{algo.distill_teacher_temperature} needs the teacher's top k to renormalise over: set distill_topk "
+                 "(8 is plenty), or leave the temperature at 1")]
     return []
 
 

@@ -109,17 +109,34 @@ def test_a_teacher_temperature_sharpens_over_the_top_k_by_hand():
 
 
 def test_distillation_at_a_teacher_temperature_trains_on_the_sharpened_teacher():
-    # The sampled token 8 (student logprob -1.0): the teacher 0.4 -> 0.16 / (0.16 + 0.36) at tau 0.5.
-    s = Sample([1], [8], [-1.0], 0.0, 1.0, "e", teacher_logprobs=[LN(0.4)],
-               teacher_topk=[[(7, LN(0.6)), (8, LN(0.4))]])
+    # The sampled token 8 (student logprob -1.0): the teacher 0.3 -> 0.09 / (0.09 + 0.36) at tau 0.5.
+    s = Sample([1], [8], [-1.0], 0.0, 1.0, "e", teacher_logprobs=[LN(0.3)],
+               teacher_topk=[[(7, LN(0.6)), (8, LN(0.3))]])
     metrics = distill_samples([s], kl_coef=1.0, reward_weight=0.0, teacher_temperature=0.5)
-    sharp = 0.16 / 0.52
+    sharp = 0.09 / 0.45
     assert s.token_advantages == pytest.approx([LN(sharp) + 1.0])
     assert metrics["distill/reverse_kl"] == pytest.approx(-1.0 - LN(sharp))
-    assert metrics["distill/teacher_topk_mass"] == pytest.approx(1.0)  # the teacher's own, before sharpening
-    assert topk_rows([s], 2)[1] == [pytest.approx([0.36 / 0.52, sharp])]  # the top-k term reads it too
+    assert metrics["distill/teacher_topk_mass"] == pytest.approx(0.9)  # the teacher's own, before sharpening
+    assert topk_rows([s], 2)[1] == [pytest.approx([0.36 / 0.45, sharp])]  # the top-k term reads it too
     with pytest.raises(ValueError, match="needs the teacher's top k"):
         distill_samples([Sample([1], [8], [-1.0], 0.0, 1.0, "x", teacher_logprobs=[-1.0])], 1.0, 0.0, 0.5)
+
+
+@pytest.mark.slow
+def test_a_runs_teacher_temperature_reaches_the_step(tmp_path, tiny_model_dir, teacher_dir):
+    """The config's distill_teacher_temperature is the one the step trains with: the step's reverse KL is to the
+    sharpened teacher, not the mean gap to the teacher's own logprobs that the log viewer keeps."""
+    from astuner.logview import store
+
+    yaml = write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}", steps=1,
+                     extra=", distill_topk: 4, distill_teacher_temperature: 0.5")
+    assert main(["--conf", str(yaml), "--backbone", "debug"]) == 0
+    conn = store.connect(tmp_path / "out" / store.FILE_NAME, readonly=True)
+    gaps = [s - q for item in store.episodes(conn, "train", 1)["items"]
+            for c in store.episode(conn, item["id"])["calls"]
+            for s, q in zip(c["tokens"]["logprob"], c["tokens"]["teacher_logprob"])]
+    raw = sum(gaps) / len(gaps)
+    assert abs(rows(tmp_path / "out")[0]["distill/reverse_kl"] - raw) > 0.05, raw
 
 
 @pytest.mark.slow

@@ -346,3 +346,11 @@ def test_host_tensors_are_summed_with_torch_threads_raised_and_put_back(monkeypa
         torch.set_num_threads(before)
     assert seen == [3] * len(tensors)
     assert list(got) == [n for n, _ in tensors] and differences(serial, got) == []
+    torch.set_num_threads(1)
+    try:  # put back when the sums fail too
+        monkeypatch.setattr(fp, "tensor_print", lambda t: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            fp.fingerprint(tensors, threads=3)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -43,7 +43,9 @@ last updates left ahead. With tau < 1 the teacher is sharpened before both terms
 
 (0.4 against 0.6 becomes 0.31 against 0.69 at tau = 0.5). Z_t over V_t rather than the whole vocabulary: the tail
 outside it adds at most (1 - mass_t)^(1/tau) for tau < 1, and the top 8 held 0.99 of the teacher by step 7 here.
-distill/teacher_topk_mass is the teacher's own, before sharpening; distill/reverse_kl is to the sharpened teacher.
+distill/teacher_topk_mass is the teacher's own, before sharpening; distill/reverse_kl and distill/teacher_logprob
+are the sharpened teacher's (the log viewer shows the teacher's own). tau > 1 is refused by the config: the tail
+outside V_t would then hold more than Z_t counts.
 
 Which tokens a teacher scores: each trainable call's response, in its own context. Calls of one agent whose prompt
 extends the previous call's prompt + response exactly (`teacher_chains`) are scored as one sequence, the last

@@ -57,9 +57,10 @@ class AlgorithmSection(Section):
                             ge=0, le=20)
     distill_topk_coef: float = key(1.0, "on_policy_distillation with distill_topk: the weight of the top-k term.", gt=0)
     distill_teacher_temperature: float = key(
-        1.0, "on_policy_distillation with distill_topk: the teacher's distribution sharpened (< 1) or flattened "
-        "(> 1), p_T^(1/tau) renormalised over its top k, in both terms: below 1 the student is drawn to the "
-        "teacher's likeliest token where the teacher hesitates (1: the teacher as it is).", gt=0)
+        1.0, "on_policy_distillation with distill_topk: the teacher's distribution sharpened, p_T^(1/tau) "
+        "renormalised over its top k, in both terms: below 1 the student is drawn to the teacher's likeliest token "
+        "where the teacher hesitates (1: the teacher as it is; above 1 is refused: renormalised over the top k, a "
+        "flattened teacher would lose the tail it lifts).", gt=0, le=1)
     adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = key(
         "grpo",
         "Advantage estimator: grpo | dr_grpo (r - mean, pair with loss_agg_mode seq-mean-token-sum-norm) | rloo "

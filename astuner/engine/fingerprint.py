@@ -135,11 +135,11 @@ def _pattern(length: int, device):
 
 def _chunks(tensor, chunk: int, start: int = 0) -> Iterator[tuple[int, object]]:
     """(flat index of its first element, 1-D chunk of at most `chunk` elements) over `tensor` in row-major order,
-    each chunk whole rows where a row fits in one; a non-contiguous tensor is copied one bounded block of rows at a
-    time, never whole."""
+    a matrix's chunks whole rows where a row fits in one; a non-contiguous tensor is copied one bounded block of
+    rows at a time, never whole."""
     row = max(1, math.prod(tensor.shape[1:]))  # elements of one row (1 for a vector)
-    if tensor.is_contiguous():  # whole rows where a row fits (a 2-D tensor's probe columns come from the chunk)
-        flat, step = tensor.view(-1), chunk // row * row if row <= chunk else chunk
+    if tensor.is_contiguous():  # a matrix in whole rows where a row fits (its probe columns come from the chunk)
+        flat, step = tensor.view(-1), chunk // row * row if tensor.dim() == 2 and row <= chunk else chunk
         for lo in range(0, flat.numel(), step):
             yield start + lo, flat[lo : lo + step]
         return
@@ -249,7 +249,9 @@ class FingerprintBuilder:
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """torch's threads per kernel raised to at least `n` inside the block, and put back after it."""
+    """torch's threads per kernel raised to at least `n` inside the block, and put back after it. The count is
+    process-wide: another thread whose first torch call falls inside the block keeps `n` (a sync's other threads
+    have made theirs long before)."""
     import torch
 
     before = torch.get_num_threads()

@@ -71,6 +71,14 @@ def distill_advantages(student: list[float], teacher: list[float], mask: list[in
     return [(kl_coef * (q - s) + base) if m else 0.0 for s, q, m in zip(student, teacher, mask)]
 
 
+def log_normaliser(logits: list[float]) -> float:
+    """log sum_i exp(x_i), shifted by the largest so no term overflows (-inf for none)."""
+    if not logits:
+        return -math.inf
+    top = max(logits)
+    return top + math.log(sum(math.exp(x - top) for x in logits))
+
+
 def sharpen(teacher: list[float], topk: list[list[tuple[int, float]]], tau: float
             ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """The teacher's logprobs of the sampled tokens and its top-k rows at temperature `tau`, renormalised over each
@@ -84,8 +92,7 @@ def sharpen(teacher: list[float], topk: list[list[tuple[int, float]]], tau: floa
             out_rows.append(row)
             continue
         scaled = [lp / tau for _, lp in row]
-        top = max(scaled)
-        log_z = top + math.log(sum(math.exp(x - top) for x in scaled))
+        log_z = log_normaliser(scaled)
         out_q.append(q / tau - log_z)
         out_rows.append([(t, x - log_z) for (t, _), x in zip(row, scaled)])
     return out_q, out_rows
@@ -140,11 +147,9 @@ def topk_rows(samples: list[Sample], k: int) -> tuple[list[list[int]], list[list
         mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
         for row, m in zip(rows, mask):
             row = row[:k] if m else []
-            top = max((lp for _, lp in row), default=0.0)
-            weights = [math.exp(lp - top) for _, lp in row]
-            total = sum(weights) or 1.0
+            log_z = log_normaliser([lp for _, lp in row])
             ids.append([t for t, _ in row] + [0] * (k - len(row)))
-            probs.append([w / total for w in weights] + [0.0] * (k - len(row)))
+            probs.append([math.exp(lp - log_z) for _, lp in row] + [0.0] * (k - len(row)))
     return ids, probs
 
 

@@ -168,7 +168,12 @@ def _signed_sum(wide, start: int):
     return total
 
 
-def _reduce(tensor, chunk: int | None, probe: bool) -> list[float]:
+def _chunk_size(tensor, chunk: int | None) -> int:
+    """`chunk` (elements), else the device's `chunk_elements`; at most BLOCK."""
+    return min(chunk or chunk_elements(tensor.device), BLOCK)
+
+
+def _reduce(tensor, chunk: int, probe: bool) -> list[float]:
     """[S, A, P] of `tensor`, and with `probe` [.., Q, QA] of its probe columns (a 2-D tensor whose rows fit in a
     chunk: each chunk is whole rows, so B's rows are gathered from the chunk in cache, not by a strided pass over
     the tensor), reduced chunk by chunk in float64 on the tensor's own device. The tensor is only read: each chunk
@@ -198,7 +203,7 @@ def _reduce(tensor, chunk: int | None, probe: bool) -> list[float]:
 def signed_sums(tensor, chunk: int | None = None) -> tuple[float, float, float]:
     """(S, A, P) of `tensor`, reduced chunk by chunk in float64 on the tensor's own device; `chunk` (elements)
     defaults to the device's `chunk_elements` and changes the result by rounding only."""
-    s, a, p = _reduce(tensor, min(chunk or chunk_elements(tensor.device), BLOCK), probe=False)
+    s, a, p = _reduce(tensor, _chunk_size(tensor, chunk), probe=False)
     return s, a, p
 
 
@@ -214,7 +219,7 @@ def probe_block(tensor):
 
 
 def tensor_print(tensor, chunk: int | None = None) -> TensorPrint:
-    chunk = min(chunk or chunk_elements(tensor.device), BLOCK)
+    chunk = _chunk_size(tensor, chunk)
     if tensor.dim() != 2 or not tensor.numel():
         return TensorPrint(tuple(tensor.shape), *_reduce(tensor, chunk, probe=False))
     if tensor.shape[1] <= chunk:  # the probe columns from each chunk's rows
@@ -237,10 +242,7 @@ class FingerprintBuilder:
         self._threads = fingerprint_threads() if threads is None else threads
 
     def add(self, name: str, tensor) -> None:
-        if tensor.device.type != "cpu":
-            self._prints[name] = tensor_print(tensor)
-            return
-        with torch_threads(self._threads):
+        with torch_threads(self._threads if tensor.device.type == "cpu" else 1):
             self._prints[name] = tensor_print(tensor)
 
     def result(self) -> Fingerprint:

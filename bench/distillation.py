@@ -2,15 +2,18 @@
 a teacher checkpoint, with no warm start.
 
     python bench/distillation.py --teacher CHECKPOINT [--seeds 0 1 2] [--steps 8] [--test-freq 2]
-                                 [--reward-weight 0 ...] [--out bench_distillation] [KEY=VALUE ...]
+                                 [--reward-weight 0 ...] [--stop-at-target] [--out bench_distillation] [KEY=VALUE ...]
     python bench/distillation.py --curves RUN_FOLDER [--png curves.png]
+    python bench/distillation.py --versus RESULTS_JSON ... [--draws DRAWS_JSON] [--png versus.png]
 
 Per seed and distill_reward_weight, one `astuner` process of tutorial/distillation/distillation.yaml from the demo
 model (bench/agent_quickstart.py's grpo(): validation, greedy, before training and every --test-freq steps, each
 point stamped with the minutes since the run started, model loading included). Printed: the curve, the minutes to
-0.8 validation success, and per step the reverse KL to the teacher; results.json beside. --curves prints a run
-folder's curves by step (also one extended by a resumed run) and draws them (--png). Compare with the warm
-start + GRPO recipe of bench/warmstart_seeds.py (tutorial/agent_quickstart/README.md). One run at a time.
+0.8 validation success (--stop-at-target ends the run there), and per step the reverse KL to the teacher;
+results.json beside. --curves prints a run folder's curves by step (also one extended by a resumed run) and draws
+them (--png). Compare with the warm start + GRPO recipe of bench/warmstart_seeds.py
+(tutorial/agent_quickstart/README.md); --versus draws runs' curves in minutes beside that recipe's measured draws
+(tutorial/distillation/warmstart_grpo_draws.json). One run at a time.
 """
 
 from __future__ import annotations
@@ -67,20 +70,52 @@ def curves(folder: Path, png: Path | None) -> None:
     print(f"curves: {png}")
 
 
+def versus(results: list[Path], draws: Path, png: Path) -> None:
+    """Greedy validation success against minutes from the start: the distillation runs of `results` (results.json
+    files this bench wrote) beside the warm start + GRPO draws of `draws` (a JSON list of measured draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for k, draw in enumerate(json.loads(draws.read_text())["draws"]):
+        ax.plot([0, draw["warm_start_min"], draw["total_min"]], [0.0, draw["warm_start_success"], draw["success"]],
+                color="0.6", ls="--", marker="s", label="warm start, then 2 GRPO steps (6 draws)" if k == 0 else None)
+    for path in results:
+        for run in json.loads(path.read_text()):
+            curve = run["curve"]
+            ax.plot([p["minutes"] for p in curve], [p["success"] for p in curve], marker="o",
+                    label=f"distillation, seed {run['seed']}")
+    ax.axhline(TARGET, color="k", lw=0.8, ls=":")
+    ax.set(xlabel="minutes from the start (2 cores)", ylabel="greedy validation success", ylim=(-0.05, 1.05),
+           title="the agent quick-start's student: distillation beside its warm start + GRPO")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"curves: {png}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--curves", type=Path, help="print (and with --png draw) the curves of this run folder")
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--versus", type=Path, nargs="+", help="results.json files to draw beside --draws (--png)")
+    ap.add_argument("--draws", type=Path, default=REPO / "tutorial" / "distillation" / "warmstart_grpo_draws.json")
     ap.add_argument("--teacher", type=Path)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--test-freq", type=int, default=2)
     ap.add_argument("--reward-weight", type=float, nargs="+", default=[0.0])
     ap.add_argument("--out", type=Path, default=Path("bench_distillation"))
+    ap.add_argument("--stop-at-target", action="store_true", help="end each run at its first validation >= target")
     ap.add_argument("overrides", nargs="*", help="further KEY=VALUE overrides for every run")
     args = ap.parse_args()
     if args.curves:
         curves(args.curves, args.png)
+        return
+    if args.versus:
+        versus(args.versus, args.draws, args.png or Path("distillation_versus.png"))
         return
     if args.teacher is None:
         ap.error("--teacher CHECKPOINT is required (or --curves RUN_FOLDER)")
@@ -91,6 +126,7 @@ def main() -> None:
         for seed in args.seeds:
             run_args = argparse.Namespace(
                 conf=CONF, workflow=None, steps=args.steps, test_freq=args.test_freq,
+                stop_at_target=args.stop_at_target,
                 overrides=[f"astuner.teacher.model={args.teacher.resolve()}",
                            f"astuner.trainer_common.algorithm.distill_reward_weight={weight}", *args.overrides])
             folder = out / f"reward_weight_{weight:g}"

@@ -79,9 +79,11 @@ def versus(results: list[Path], draws: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    for k, draw in enumerate(json.loads(draws.read_text())["draws"]):
+    baseline = json.loads(draws.read_text())["draws"]
+    for k, draw in enumerate(baseline):
         ax.plot([0, draw["warm_start_min"], draw["total_min"]], [0.0, draw["warm_start_success"], draw["success"]],
-                color="0.6", ls="--", marker="s", label="warm start, then 2 GRPO steps (6 draws)" if k == 0 else None)
+                color="0.6", ls="--", marker="s",
+                label=f"warm start, then 2 GRPO steps ({len(baseline)} draws)" if k == 0 else None)
     for path in results:
         for run in json.loads(path.read_text()):
             curve = run["curve"]

@@ -84,11 +84,13 @@ def versus(results: list[Path], draws: Path, png: Path) -> None:
         ax.plot([0, draw["warm_start_min"], draw["total_min"]], [0.0, draw["warm_start_success"], draw["success"]],
                 color="0.6", ls="--", marker="s",
                 label=f"warm start, then 2 GRPO steps ({len(baseline)} draws)" if k == 0 else None)
+    labels: set[str] = set()
     for path in results:
         for run in json.loads(path.read_text()):
-            curve = run["curve"]
-            ax.plot([p["minutes"] for p in curve], [p["success"] for p in curve], marker="o",
-                    label=f"distillation, seed {run['seed']}")
+            curve, label = run["curve"], f"distillation, seed {run['seed']}"
+            label += " (again)" if label in labels else ""
+            labels.add(label)
+            ax.plot([p["minutes"] for p in curve], [p["success"] for p in curve], marker="o", label=label)
     ax.axhline(TARGET, color="k", lw=0.8, ls=":")
     ax.set(xlabel="minutes from the start (2 cores)", ylabel="greedy validation success", ylim=(-0.05, 1.05),
            title="the agent quick-start's student: distillation beside its warm start + GRPO")

@@ -87,7 +87,7 @@ def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
            *workflow, *args.overrides]
     metrics = folder / "metrics.jsonl"
     curve, train = [], []
-    seen = 0
+    seen, stop_at_target = 0, getattr(args, "stop_at_target", False)
     start = time.perf_counter()
     with open(out / f"{name}.console.txt", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -102,7 +102,7 @@ def grpo(model: Path, mode: str, seed: int, args, out: Path) -> dict:
                     print(f"  {name}: step {p['step']:2d}  success {p['success']:.3f}  tool calls/ep "
                           f"{p['tool_calls']:.2f}  parse failures {p['parse_failures']:.3f}  calls/ep "
                           f"{p['calls']:.2f}  tokens/ep {p['tokens']:5.1f}  {p['minutes']:5.1f} min", flush=True)
-                    if p["success"] >= TARGET and getattr(args, "stop_at_target", False):
+                    if stop_at_target and p["success"] >= TARGET:
                         proc.terminate()  # the time to the target is what is measured; the rest is not needed
                 if "time/train_s" in row:
                     train.append({"step": row["step"], "train_s": row["time/train_s"],

@@ -30,6 +30,16 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "tutorial" / "distillation" / "distillation.yaml"
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (the figures are written, never shown)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def reverse_kl(folder: Path) -> list[tuple[int, float]]:
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [(r["step"], r["distill/reverse_kl"]) for r in rows if "distill/reverse_kl" in r]
@@ -50,11 +60,7 @@ def curves(folder: Path, png: Path | None) -> None:
               f"{cell(t, 'train/success_rate')} | {cell(v, 'val/accuracy')} | {cell(v, 'val/tool_calls_per_episode')} |")
     if png is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = sorted(train)
     a.plot(steps, [train[s]["distill/reverse_kl"] for s in steps], marker="o")
@@ -73,11 +79,7 @@ def curves(folder: Path, png: Path | None) -> None:
 def versus(results: list[Path], draws: Path, png: Path) -> None:
     """Greedy validation success against minutes from the start: the distillation runs of `results` (results.json
     files this bench wrote) beside the warm start + GRPO draws of `draws` (a JSON list of measured draws)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     baseline = json.loads(draws.read_text())["draws"]
     for k, draw in enumerate(baseline):

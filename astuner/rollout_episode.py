@@ -118,7 +118,8 @@ async def judge_output(judge: BaseJudge, timeout: float, episode: Episode, workf
     """Score what the workflow returned into the episode, with its metadata and metrics. A judge that raised or
     did not answer within `timeout` flags the episode failed; then what happened, for the log, else None."""
     episode.output_metadata = dict(output.metadata)
-    output.stats = {"calls": len(tuner.calls), "response_tokens": tuner.generated_tokens}
+    output.stats = {"calls": len(tuner.calls), "response_tokens": tuner.generated_tokens,
+                    "summary_tokens": sum(len(c.response_ids) for c in tuner.calls if c.context == "summary")}
     try:
         await score(judge, timeout, episode, workflow_task, output)
         episode.output_metadata = dict(output.metadata)  # a judge may add to it (EnvServiceJudge)

@@ -33,7 +33,8 @@ class WorkflowOutput:
 
     response: the agent's answer (e.g. an AgentScope `Msg`), handed to a function judge as `response`.
     metrics: numbers to log for this episode (their mean per step is logged as `<split>/metrics/<name>`).
-    stats: filled by astuner before judging: {"calls": LLM calls, "response_tokens": tokens generated}.
+    stats: filled by astuner before judging: {"calls": LLM calls, "response_tokens": tokens generated,
+        "summary_tokens": tokens of the summaries rollout.context_policy=summarize asked for}.
     agent_rewards: {agent name: reward} for agents rewarded apart from the episode (a judge may set them too);
         the calls of an agent listed here train with its own reward, the others with the episode's.
     """

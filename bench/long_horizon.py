@@ -19,11 +19,14 @@ from pathlib import Path
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorial" / "long_horizon"
 
-COLUMNS = (("train/reward_mean", "train: reward"), ("train/success_rate", "success"),
-           ("rollout/cut/window", "cut at the window"),
+# With task_judge.combine (short_summaries.yaml) the reward is the answer's term plus the summary length's; each
+# term is logged apart (train/metrics/reward/<name>), and a column left blank where a run has no such term.
+COLUMNS = (("train/reward_mean", "train: reward"), ("train/metrics/reward/answer", "of it, the answer's"),
+           ("train/success_rate", "success"), ("rollout/cut/window", "cut at the window"),
            ("rollout/context/compactions", "compactions/ep"), ("rollout/context/summary_length", "summary tokens"),
            ("train/turns_per_episode", "calls/ep"), ("val/reward_mean", "validation: reward"),
-           ("val/accuracy", "validation: success"))
+           ("val/metrics/reward/answer", "of it, the answer's"), ("val/accuracy", "validation: success"),
+           ("val/context/summary_length", "validation: summary tokens"))
 
 
 def rows_of(folder: Path) -> dict[int, dict]:

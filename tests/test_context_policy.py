@@ -83,6 +83,31 @@ def test_without_a_policy_the_window_refuses(demo_tokenizer):
     assert tuner.overflow_limit == "window" and all(c.segment == 0 for c in tuner.calls)
 
 
+def test_a_summary_length_term_charges_the_summaries_tokens_and_nothing_else(demo_tokenizer):
+    """task_judge.shaping->SummaryLengthPenalty: r = -alpha * max(0, S - target), S the summary calls' tokens."""
+    from astuner.rollout_episode import judge_output
+    from astuner.task_judge.base_judge import FunctionJudge
+    from astuner.task_judge.shaping import CombinedJudge, SummaryLengthPenalty
+    from astuner.workflow import JudgeOutput, WorkflowOutput, WorkflowTask
+
+    def right(task, response, auxiliary_models):
+        return JudgeOutput(reward=1.0, is_success=True)
+
+    short = SummaryLengthPenalty(target=4, alpha=0.25)
+    judge = CombinedJudge([("right", 1.0, FunctionJudge(right), True), ("short", 1.0, short, False)])
+    tuner, _ = tuner_for(demo_tokenizer, "summarize", window_for(demo_tokenizer, 2))
+    asyncio.run(tuner.chat(history(tuner, 3), TOOLS))  # three pages do not fit: a summary, then a call after it
+    episode = Episode(Task("t", "q"), 0, "a")
+    output = WorkflowOutput(reward=None, metadata={"final_answer": "x"})
+    asyncio.run(judge_output(judge, 10.0, episode, WorkflowTask(episode.task), output, tuner))
+    summaries = [len(c.response_ids) for c in tuner.calls if c.context == "summary"]
+    assert len(summaries) == 1 and summaries[0] > 4 + 8  # SUMMARY's tokens and eos, well past the target
+    assert episode.metrics["reward/short"] == -0.25 * (summaries[0] - 4)  # the other calls' tokens not counted
+    assert episode.reward == 1.0 - 0.25 * (summaries[0] - 4) and episode.is_success
+    without = WorkflowOutput(reward=None, stats={"response_tokens": 900, "summary_tokens": 0})
+    assert short.compute_reward(WorkflowTask(episode.task), without) == (0.0, True)  # no summary, no charge
+
+
 def test_drop_tool_outputs_keeps_the_latest_and_starts_a_segment(demo_tokenizer):
     tuner, engine = tuner_for(demo_tokenizer, "drop_tool_outputs", window_for(demo_tokenizer, 2))
     messages = history(tuner, 3)

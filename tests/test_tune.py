@@ -28,6 +28,7 @@ from astuner.task_judge.shaping import (
     FormatReward,
     LengthPenalty,
     StepBonus,
+    Term,
     format_reward,
     length_penalty,
     step_bonus,
@@ -198,6 +199,20 @@ def test_combined_judge_weighted_sum_and_terms_as_metrics():
     assert asyncio.run(judge.compute_reward(wrong_task, wrong)) == (pytest.approx(0.2), False)
     with pytest.raises(UserError, match="names must differ"):
         CombinedJudge([("a", 1.0, LengthPenalty(), False), ("a", 1.0, StepBonus(), False)])
+
+
+def test_a_term_set_if_success_counts_only_for_a_right_answer():
+    # if_success: the length term breaks ties among right answers; a wrong one is not charged (nor pushed shorter).
+    judge = CombinedJudge([Term("accuracy", 1.0, FunctionJudge(exact)),
+                           Term("length", 1.0, LengthPenalty(target=10, alpha=0.1), if_success=True)])
+    task, output = _judge_input()  # right, 15 tokens: 1 - 0.1 * (15 - 10)
+    assert asyncio.run(judge.compute_reward(task, output)) == (pytest.approx(0.5), True)
+    assert output.metrics == pytest.approx({"reward/accuracy": 1.0, "reward/length": -0.5})
+    wrong_task, wrong = _judge_input("no idea", tokens=40)
+    assert asyncio.run(judge.compute_reward(wrong_task, wrong)) == (0.0, False)
+    assert wrong.metrics == {"reward/accuracy": 0.0, "reward/length": 0.0}  # the term as counted
+    with pytest.raises(UserError, match="cannot set if_success"):
+        CombinedJudge([Term("accuracy", 1.0, FunctionJudge(exact), success=True, if_success=True)])
 
 
 @pytest.mark.slow

@@ -315,6 +315,8 @@ class CombineItem(Section):
     name: Optional[str] = key(None, "Metric name of the term (reward/<name>); null: the judge's class name.")
     args: dict[str, Any] = key({}, "Keyword arguments of the judge class, e.g. {target: 256, alpha: 0.001}.")
     success: bool = key(False, "Whether this term decides is_success (default: the first term).")
+    if_success: bool = key(False, "Count this term only in episodes judged a success: a shape that breaks ties "
+                           "among right answers (a shorter one wins) without pushing wrong ones the same way.")
 
 
 class TaskJudgeSection(Section):
@@ -329,6 +331,7 @@ class TaskJudgeSection(Section):
         [],
         "Reward as a weighted sum of judges, each logged as its own metric (reward/<name>); when set, "
         "judge_protocol is not used. Shapes in astuner.task_judge.shaping: LengthPenalty {target, alpha}, "
+        "SummaryLengthPenalty {target, alpha} (the tokens of context_policy=summarize's summaries), "
         "StepBonus {per_step, max_steps}, FormatReward {pattern}. E.g. [{judge: astuner.task_judge."
         "math_answer_as_judge->MathAnswerAsJudge, weight: 1.0}, {judge: astuner.task_judge.shaping->LengthPenalty, "
         "args: {target: 256, alpha: 0.001}}].",

@@ -1,14 +1,17 @@
 """Reward shaping: small judges that each compute one term, and `CombinedJudge`, their weighted sum.
 
-Configured by `astuner.task_judge.combine: [{judge, weight, name, args, success}, ...]`:
-    reward     = sum_i  w_i * r_i
+Configured by `astuner.task_judge.combine: [{judge, weight, name, args, success, if_success}, ...]`:
+    reward     = sum_i  w_i * c_i * r_i,   c_i = is_success if the term sets `if_success: true`, else 1
     is_success = is_success of the term marked `success: true` (default: the first term)
-and each term r_i is logged as the episode metric `reward/<name>` (its mean per step: `train/metrics/reward/<name>`),
-so a user sees which term moves.
+and each term as counted, c_i * r_i, is logged as the episode metric `reward/<name>` (its mean per step:
+`train/metrics/reward/<name>`), so a user sees which term moves. `if_success` makes a shape a tie-breaker among
+right answers (as Kimi k1.5's length reward is for correct ones): a wrong answer is not pushed to be shorter.
 
-Terms (L = tokens the episode generated, over all its calls; n = its LLM calls; T = the final text):
+Terms (L = tokens the episode generated, over all its calls; n = its LLM calls; T = the final text;
+S = tokens of the summaries rollout.context_policy=summarize had the policy write, all its summary calls together):
     LengthPenalty(target, alpha)     r = -alpha * max(0, L - target)
         with an accuracy term of weight 1 this is the usual  r_acc - alpha * max(0, L - target)
+    SummaryLengthPenalty(target, alpha)  r = -alpha * max(0, S - target)    (0 for an episode without a summary)
     StepBonus(per_step, max_steps)   r = per_step * min(n, max_steps)       (per_step < 0: a step penalty)
     FormatReward(pattern, value=1)   r = value if re.search(pattern, T) else 0
 Accuracy is any correctness judge, e.g. MathAnswerAsJudge (math-verify) or ExactMatchJudge.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from astuner.errors import UserError
@@ -57,6 +61,17 @@ class LengthPenalty(BaseJudge):
         return length_penalty(workflow_output.stats.get("response_tokens", 0), self.target, self.alpha), True
 
 
+class SummaryLengthPenalty(BaseJudge):
+    """LengthPenalty on the summaries alone; with `if_success: true`, among right answers the shorter summary wins."""
+
+    def __init__(self, config: Any = None, target: int = 64, alpha: float = 0.002) -> None:
+        super().__init__(config)
+        self.target, self.alpha = int(target), float(alpha)
+
+    def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
+        return length_penalty(workflow_output.stats.get("summary_tokens", 0), self.target, self.alpha), True
+
+
 class StepBonus(BaseJudge):
     def __init__(self, config: Any = None, per_step: float = 0.1, max_steps: int = 5) -> None:
         super().__init__(config)
@@ -80,32 +95,50 @@ class FormatReward(BaseJudge):
         return value, value > 0
 
 
+@dataclass(frozen=True)
+class Term:
+    """One term of CombinedJudge: its metric name, weight and judge; whether it decides success, and whether it
+    counts only in an episode that succeeded."""
+
+    name: str
+    weight: float
+    judge: BaseJudge
+    success: bool = False
+    if_success: bool = False
+
+
 class CombinedJudge(BaseJudge):
-    """The weighted sum of `terms`: [(name, weight, judge, decides_success)] (rules in the module docstring).
+    """The weighted sum of `terms` (Terms, or tuples of their fields; rules in the module docstring).
     The terms run one after another within the episode's one judge deadline (astuner.task_judge.timeout, set by
     the rollout): they share it, each getting what the terms before it left."""
 
-    def __init__(self, terms: list[tuple[str, float, BaseJudge, bool]], config: Any = None) -> None:
+    def __init__(self, terms: list, config: Any = None) -> None:
         super().__init__(config)
         if not terms:
             raise UserError("astuner.task_judge.combine is empty; list at least one {judge, weight}")
-        names = [t[0] for t in terms]
+        self.terms = [t if isinstance(t, Term) else Term(*t) for t in terms]
+        names = [t.name for t in self.terms]
         if len(set(names)) != len(names):
             raise UserError(f"astuner.task_judge.combine: term names must differ, got {names}; set 'name'")
-        self.terms = terms
-        deciders = [i for i, t in enumerate(terms) if t[3]]
+        deciders = [i for i, t in enumerate(self.terms) if t.success]
         if len(deciders) > 1:
             raise UserError("astuner.task_judge.combine: only one term may set success: true")
         self.success_index = deciders[0] if deciders else 0
+        if self.terms[self.success_index].if_success:
+            raise UserError("astuner.task_judge.combine: the term that decides success cannot set if_success")
 
     async def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
-        total, success = 0.0, False
-        for i, (name, weight, judge, _) in enumerate(self.terms):
-            value, ok = await call_judge(judge.compute_reward, workflow_task, workflow_output)
-            workflow_output.metrics[f"reward/{name}"] = float(value)
-            total += weight * float(value)
+        values, success = [], False
+        for i, term in enumerate(self.terms):
+            value, ok = await call_judge(term.judge.compute_reward, workflow_task, workflow_output)
+            values.append(float(value))
             if i == self.success_index:
                 success = bool(ok)
+        total = 0.0
+        for term, value in zip(self.terms, values):
+            counted = value if success or not term.if_success else 0.0
+            workflow_output.metrics[f"reward/{term.name}"] = counted
+            total += term.weight * counted
         return total, success
 
 
@@ -123,5 +156,6 @@ def build_combined_judge(items, cfg, load) -> CombinedJudge:
                 raise UserError(f"astuner.task_judge.combine[{index}]: {target.__qualname__}(**{dict(item.args)}) "
                                 f"failed: {exc}") from None
             default_name = target.__name__
-        terms.append((item.name or default_name, float(item.weight), judge, bool(item.success)))
+        terms.append(Term(item.name or default_name, float(item.weight), judge, bool(item.success),
+                          bool(item.if_success)))
     return CombinedJudge(terms, cfg)

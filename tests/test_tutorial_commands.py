@@ -6,11 +6,12 @@ Only the size changes, never the text: `astuner` on the PATH is a stand-in that 
 random model (the demo tokenizer) in place of the demo model, the HF engine, 2 samples per task, 2 tasks per
 rolled-out step, 8-token turns, 4 validation tasks and no stop for steps without signal appended to each run,
 eval, warm start and serve (a key the command sets itself is left to it); a warm start makes one draw. The start-up
-memory check is off (ASTUNER_SKIP_MEMORY_CHECK): what is free depends on the tests running beside. Step
-counts are kept, so a command that reads `launcher_record/<run>/global_step_N` reads what the commands before it
-wrote. `astuner logview` is started, its runs read from its JSON API, and stopped. The commands run in children
-of a fork server that has imported the CLI once (tests/cli_forkserver.py): the same code, without ~6 s of
-imports per command.
+memory check is off (ASTUNER_SKIP_MEMORY_CHECK): what is free depends on the tests running beside. A run trains 2
+steps (a tutorial's CI check) unless a later command, or the YAML a later command reads, names its folder's
+`global_step_N`: such a run keeps its step count, so a command that reads `launcher_record/<run>/global_step_N`
+reads what the commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and
+stopped. The commands run in children of a fork server that has imported the CLI once (tests/cli_forkserver.py):
+the same code, without ~6 s of imports per command.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
 a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import stat
@@ -57,13 +59,18 @@ SHRINK = {  # appended to every run and eval unless the command sets the key its
 # Appended to runs that roll out (their steps keep their count, each rolls out fewer tasks); a config that trains
 # on offline data counts its steps in conversations per step, so its batch is left as written.
 SHRINK_ROLLOUTS = {"astuner.data.train_batch_size": "2"}
+# Appended to a run whose checkpoints no later command reads (short_runs).
+SHRINK_STEPS = {"astuner.trainer_common.total_training_steps": "2"}
 
 STAND_IN = '''#!{python}
 """`astuner` for the tutorial commands' test: the real CLI, smaller (tests/test_tutorial_commands.py)."""
 import json, os, subprocess, sys, time, urllib.request
 
-TINY, SHRINK, SHRINK_ROLLOUTS, TESTS = {tiny!r}, {shrink!r}, {shrink_rollouts!r}, {tests!r}
+TINY, SHRINK, SHRINK_ROLLOUTS, SHRINK_STEPS, TESTS = (
+    {tiny!r}, {shrink!r}, {shrink_rollouts!r}, {shrink_steps!r}, {tests!r})
 args = sys.argv[1:]
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "short_runs.json")) as f:
+    short = args in json.load(f)  # the test's list for this README: runs no later command reads
 real = [sys.executable, "-m", "astuner.cli"]
 if args[:1] == ["logview"]:
     # A server: start it, read its runs through the JSON API, stop it.
@@ -92,6 +99,8 @@ if args[:1] in (["eval"], ["warmstart"], ["--conf"], ["-c"], ["serve"]):
     conf = next((b for a, b in zip(args, args[1:]) if a in ("--conf", "-c")), None)
     offline = conf is not None and os.path.isfile(conf) and "offline_data" in open(conf).read()
     extra = {{k: v for k, v in {{**SHRINK, **({{}} if offline else SHRINK_ROLLOUTS)}}.items() if k not in given}}
+    if short:
+        extra.update({{k: v for k, v in SHRINK_STEPS.items() if k not in given}})
     if "astuner.model.path" not in given:
         extra["astuner.model.path"] = TINY
     args = args + [f"{{k}}={{v}}" for k, v in extra.items()]
@@ -124,6 +133,34 @@ def readme_script(readme: Path) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", skipped
 
 
+def run_folder(words: list[str], here: Path) -> str:
+    """The name of the folder a run writes: astuner.experiment_dir's last part (given, else the YAML's), else the
+    YAML's name without .yaml (the default)."""
+    given = [w.split("=", 1)[1] for w in words if w.startswith("astuner.experiment_dir=")]
+    conf = here / words[1]
+    found = re.search(r"^\s*experiment_dir:\s*(\S+)", conf.read_text(), re.M) if conf.is_file() else None
+    return Path(given[-1] if given else found.group(1) if found else conf.stem).name
+
+
+def short_runs(script: str, cwd: Path) -> list[list[str]]:
+    """The arguments of each `astuner --conf` run (not eval, warmstart or serve) that may train 2 steps: no later
+    line, and no YAML a later line names, mentions its folder's `<name>/global_step_` (a checkpoint a later command
+    reads). `cd` is followed to find the YAMLs; a run named again where it must keep its steps keeps them."""
+    runs, keep, lines, here = [], [], script.splitlines(), cwd
+    for i, line in enumerate(lines):
+        words = shlex.split(line, comments=True) if line.strip() and not line.startswith(":") else []
+        if words[:1] == ["cd"] and len(words) == 2:
+            here = here / words[1]
+        if words[:1] != ["astuner"] or words[1:2] not in (["--conf"], ["-c"]) or "&" in words or len(words) < 3:
+            continue
+        later = "\n".join(lines[i + 1:])
+        yamls = [here / w for w in re.findall(r"(?:--conf|-c)\s+(\S+\.ya?ml)", later) if (here / w).is_file()]
+        mark = f"{run_folder(words[1:], here)}/global_step_"
+        reads = mark in later or any(mark in y.read_text() for y in yamls)
+        (keep if reads else runs).append(words[1:])
+    return [r for r in runs if r not in keep]
+
+
 def readmes() -> list[Path]:
     return sorted(p for p in (REPO / "tutorial").glob("**/README.md") if "```bash" in p.read_text())
 
@@ -140,7 +177,9 @@ def stand_in(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("bin")
     path = folder / "astuner"
     path.write_text(STAND_IN.format(python=sys.executable, tiny=str(tiny), shrink=SHRINK,
-                                    shrink_rollouts=SHRINK_ROLLOUTS, tests=str(REPO / "tests")))
+                                    shrink_rollouts=SHRINK_ROLLOUTS, shrink_steps=SHRINK_STEPS,
+                                    tests=str(REPO / "tests")))
+    (folder / "short_runs.json").write_text("[]")
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     socket_path = folder / "forkserver.sock"
     env = {**os.environ, "PATH": f"{folder}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -167,6 +206,23 @@ def test_readme_script_keeps_every_line_and_says_why_one_is_left_out():
     assert "set-up and the full-size quick-start" in script
 
 
+def test_a_run_trains_2_steps_unless_a_later_command_reads_its_checkpoints(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "student.yaml").write_text("astuner:\n  teacher: {path: launcher_record/teacher/global_step_6}\n")
+    (tmp_path / "t" / "a.yaml").write_text("astuner:\n  experiment_dir: launcher_record/mine\n")
+    script = "\n".join([
+        "cd t",
+        "astuner --conf a.yaml                                      # read below, by its YAML's folder",
+        "astuner --conf a.yaml astuner.experiment_dir=launcher_record/teacher   # read by student.yaml",
+        "astuner --conf a.yaml astuner.experiment_dir=launcher_record/other     # read by no one",
+        "astuner eval --conf a.yaml --model launcher_record/mine/global_step_4",
+        "astuner --conf student.yaml",
+        ": skipped, 'set-up'",
+        "astuner serve --conf a.yaml &"])
+    assert short_runs(script, tmp_path) == [["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/other"],
+                                            ["--conf", "student.yaml"]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("readme", readmes(), ids=lambda p: str(p.relative_to(REPO / "tutorial").parent))
 def test_tutorial_readme_commands_run_as_written(readme, tmp_path, stand_in):
@@ -176,6 +232,7 @@ def test_tutorial_readme_commands_run_as_written(readme, tmp_path, stand_in):
                     ignore=shutil.ignore_patterns("launcher_record", "__pycache__", "*.png"))
     script, _ = readme_script(readme)
     (tmp_path / "commands.sh").write_text(script)
+    (folder / "short_runs.json").write_text(json.dumps(short_runs(script, root)))
     env = {**env, "PYTEST_CURRENT_TEST": os.environ.get("PYTEST_CURRENT_TEST", "")}
     # Its own session, output to a file: a server the README starts with `&` outlives the script (and would hold a
     # pipe open); it is stopped with the session.

@@ -7,11 +7,11 @@ random model (the demo tokenizer) in place of the demo model, the HF engine, 2 s
 rolled-out step, 8-token turns, 4 validation tasks and no stop for steps without signal appended to each run,
 eval, warm start and serve (a key the command sets itself is left to it); a warm start makes one draw. The start-up
 memory check is off (ASTUNER_SKIP_MEMORY_CHECK): what is free depends on the tests running beside. A run trains 2
-steps (a tutorial's CI check) unless a later command, or the YAML a later command reads, names its folder's
-`global_step_N`: such a run keeps its step count, so a command that reads `launcher_record/<run>/global_step_N`
-reads what the commands before it wrote. `astuner logview` is started, its runs read from its JSON API, and
-stopped. The commands run in children of a fork server that has imported the CLI once (tests/cli_forkserver.py):
-the same code, without ~6 s of imports per command.
+steps (a tutorial's CI check) unless a later command, or the YAML a later command reads (its model.path aside,
+which the stand-in replaces), names its folder's `global_step_N`: such a run keeps its step count, so a command that
+reads `launcher_record/<run>/global_step_N` reads what the commands before it wrote. `astuner logview` is started,
+its runs read from its JSON API, and stopped. The commands run in children of a fork server that has imported the
+CLI once (tests/cli_forkserver.py): the same code, without ~6 s of imports per command.
 
 Lines not run, each with its reason (SKIPPED): the set-up commands (CI's own set-up is them), the placeholders of
 a model the reader has, and the tune() script whose full-size run the stand-in cannot shrink (tests/test_tune.py
@@ -142,6 +142,15 @@ def run_folder(words: list[str], here: Path) -> str:
     return Path(given[-1] if given else found.group(1) if found else conf.stem).name
 
 
+def checkpoints_named(yaml_path: Path) -> str:
+    """A YAML's text without its astuner.model.path, which the stand-in replaces unless the command gives it."""
+    import yaml
+
+    config = yaml.safe_load(yaml_path.read_text()) or {}
+    ((config.get("astuner") or {}).get("model") or {}).pop("path", None)
+    return yaml.safe_dump(config)
+
+
 def short_runs(script: str, cwd: Path) -> list[list[str]]:
     """The arguments of each `astuner --conf` run (not eval, warmstart or serve) that may train 2 steps: no later
     line, and no YAML a later line names, mentions its folder's `<name>/global_step_` (a checkpoint a later command
@@ -156,7 +165,7 @@ def short_runs(script: str, cwd: Path) -> list[list[str]]:
         later = "\n".join(lines[i + 1:])
         yamls = [here / w for w in re.findall(r"(?:--conf|-c)\s+(\S+\.ya?ml)", later) if (here / w).is_file()]
         mark = f"{run_folder(words[1:], here)}/global_step_"
-        reads = mark in later or any(mark in y.read_text() for y in yamls)
+        reads = mark in later or any(mark in checkpoints_named(y) for y in yamls)
         (keep if reads else runs).append(words[1:])
     return [r for r in runs if r not in keep]
 
@@ -208,10 +217,14 @@ def test_readme_script_keeps_every_line_and_says_why_one_is_left_out():
 
 def test_a_run_trains_2_steps_unless_a_later_command_reads_its_checkpoints(tmp_path):
     (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "student.yaml").write_text("astuner:\n  teacher: {path: launcher_record/teacher/global_step_6}\n")
+    (tmp_path / "t" / "student.yaml").write_text("astuner:\n  teacher: {path: launcher_record/teacher/global_step_6}\n"
+                                                 "  model: {path: launcher_record/warm/global_step_8}\n"
+                                                 "  models: {keeper: {path: launcher_record/kept/global_step_2}}\n")
     (tmp_path / "t" / "a.yaml").write_text("astuner:\n  experiment_dir: launcher_record/mine\n")
     script = "\n".join([
         "cd t",
+        "astuner --conf a.yaml astuner.experiment_dir=launcher_record/warm      # its model.path: the stand-in's",
+        "astuner --conf a.yaml astuner.experiment_dir=launcher_record/kept      # another model's path: read",
         "astuner --conf a.yaml                                      # read below, by its YAML's folder",
         "astuner --conf a.yaml astuner.experiment_dir=launcher_record/teacher   # read by student.yaml",
         "astuner --conf a.yaml astuner.experiment_dir=launcher_record/other     # read by no one",
@@ -219,7 +232,8 @@ def test_a_run_trains_2_steps_unless_a_later_command_reads_its_checkpoints(tmp_p
         "astuner --conf student.yaml",
         ": skipped, 'set-up'",
         "astuner serve --conf a.yaml &"])
-    assert short_runs(script, tmp_path) == [["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/other"],
+    assert short_runs(script, tmp_path) == [["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/warm"],
+                                            ["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/other"],
                                             ["--conf", "student.yaml"]]
 
 

@@ -26,7 +26,17 @@ ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile tes
   tests/test_vllm_engine.py tests/test_sampling_filters.py tests/test_advantage.py tests/test_chunked_head_filters.py \
   tests/test_precision_buffers.py tests/test_depth_mismatch.py \
   -k "not sigterm and not debug_backbone_two_steps and not later_engine"  # vLLM's process handling: no arithmetic
-echo "AgentScope 2.x, in its own environment (.venv-as2):"
-.venv-as2/bin/python -m pytest -q tests/test_agentscope2.py
-echo "verifiers, in its own environment (.venv-vf):"
-.venv-vf/bin/python -m pytest -q tests/test_verifiers.py
+# Two single-process runs, one core each: side by side, each printed when both are done.
+echo "AgentScope 2.x (.venv-as2) and verifiers (.venv-vf), each in its own environment, side by side:"
+apart=$(mktemp -d)
+.venv-as2/bin/python -m pytest -q --basetemp "$apart/as2" tests/test_agentscope2.py > "$apart/as2.log" 2>&1 &
+as2=$!
+.venv-vf/bin/python -m pytest -q --basetemp "$apart/vf" tests/test_verifiers.py > "$apart/vf.log" 2>&1 &
+vf=$!
+failed=0
+wait "$as2" || failed=1
+wait "$vf" || failed=1
+echo "AgentScope 2.x:"; cat "$apart/as2.log"
+echo "verifiers:"; cat "$apart/vf.log"
+rm -rf "$apart"
+exit "$failed"

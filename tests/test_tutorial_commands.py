@@ -133,40 +133,62 @@ def readme_script(readme: Path) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", skipped
 
 
-def run_folder(words: list[str], here: Path) -> str:
-    """The name of the folder a run writes: astuner.experiment_dir's last part (given, else the YAML's), else the
-    YAML's name without .yaml (the default)."""
-    given = [w.split("=", 1)[1] for w in words if w.startswith("astuner.experiment_dir=")]
-    conf = here / words[1]
-    found = re.search(r"^\s*experiment_dir:\s*(\S+)", conf.read_text(), re.M) if conf.is_file() else None
-    return Path(given[-1] if given else found.group(1) if found else conf.stem).name
-
-
-def checkpoints_named(yaml_path: Path) -> str:
-    """A YAML's text without its astuner.model.path, which the stand-in replaces unless the command gives it."""
+def yaml_chain(path: Path) -> list[dict]:
+    """A YAML's config and those its Hydra `defaults:` list names (beside it, `_self_` aside), recursively."""
     import yaml
 
-    config = yaml.safe_load(yaml_path.read_text()) or {}
-    ((config.get("astuner") or {}).get("model") or {}).pop("path", None)
-    return yaml.safe_dump(config)
+    config = yaml.safe_load(path.read_text()) or {}
+    chain = [config]
+    for name in config.get("defaults") or []:
+        if isinstance(name, str) and name != "_self_" and (path.parent / f"{name}.yaml").is_file():
+            chain += yaml_chain(path.parent / f"{name}.yaml")
+    return chain
+
+
+def run_folder(words: list[str], here: Path) -> str:
+    """The name of the folder a run writes: astuner.experiment_dir's last part (given, else its YAML's or one it
+    builds on), else the YAML's name without .yaml (the default)."""
+    given = [w.split("=", 1)[1] for w in words if w.startswith("astuner.experiment_dir=")]
+    conf = here / words[1]
+    found = [d for c in (yaml_chain(conf) if conf.is_file() else []) if (d := (c.get("astuner") or {}).get(
+        "experiment_dir"))]
+    return Path(given[-1] if given else found[0] if found else conf.stem).name
+
+
+def checkpoints_named(yaml_path: Path, stand_in: bool) -> str:
+    """What a YAML (and those it builds on) names; for an `astuner` command, without astuner.model.path, which the
+    stand-in replaces unless the command gives it."""
+    import yaml
+
+    chain = yaml_chain(yaml_path)
+    for config in chain if stand_in else []:
+        ((config.get("astuner") or {}).get("model") or {}).pop("path", None)
+    return "\n".join(yaml.safe_dump(c) for c in chain)
 
 
 def short_runs(script: str, cwd: Path) -> list[list[str]]:
     """The arguments of each `astuner --conf` run (not eval, warmstart or serve) that may train 2 steps: no later
     line, and no YAML a later line names, mentions its folder's `<name>/global_step_` (a checkpoint a later command
-    reads). `cd` is followed to find the YAMLs; a run named again where it must keep its steps keeps them."""
-    runs, keep, lines, here = [], [], script.splitlines(), cwd
-    for i, line in enumerate(lines):
-        words = shlex.split(line, comments=True) if line.strip() and not line.startswith(":") else []
+    reads). Each line's folder follows `cd`; a run named again where it must keep its steps keeps them."""
+    lines, parsed, here = script.splitlines(), [], cwd
+    for line in lines:
+        try:
+            words = shlex.split(line, comments=True) if line.strip() and not line.startswith(":") else []
+        except ValueError:  # unbalanced quotes (a heredoc, an apostrophe): not a run this rule reads
+            words = []
         if words[:1] == ["cd"] and len(words) == 2:
             here = here / words[1]
+        parsed.append((words, here))
+    runs, keep = [], []
+    for i, (words, here) in enumerate(parsed):
         if words[:1] != ["astuner"] or words[1:2] not in (["--conf"], ["-c"]) or "&" in words or len(words) < 3:
             continue
-        later = "\n".join(lines[i + 1:])
-        yamls = [here / w for w in re.findall(r"(?:--conf|-c)\s+(\S+\.ya?ml)", later) if (here / w).is_file()]
         mark = f"{run_folder(words[1:], here)}/global_step_"
-        reads = mark in later or any(mark in checkpoints_named(y) for y in yamls)
-        (keep if reads else runs).append(words[1:])
+        named = ["\n".join(lines[i + 1:])]
+        for later, folder in parsed[i + 1:]:
+            confs = [folder / b for a, b in zip(later, later[1:]) if a in ("--conf", "-c") and (folder / b).is_file()]
+            named += [checkpoints_named(conf, later[:1] == ["astuner"]) for conf in confs]
+        (keep if any(mark in text for text in named) else runs).append(words[1:])
     return [r for r in runs if r not in keep]
 
 
@@ -221,6 +243,10 @@ def test_a_run_trains_2_steps_unless_a_later_command_reads_its_checkpoints(tmp_p
                                                  "  model: {path: launcher_record/warm/global_step_8}\n"
                                                  "  models: {keeper: {path: launcher_record/kept/global_step_2}}\n")
     (tmp_path / "t" / "a.yaml").write_text("astuner:\n  experiment_dir: launcher_record/mine\n")
+    (tmp_path / "t" / "u").mkdir()
+    (tmp_path / "t" / "u" / "base.yaml").write_text(
+        "astuner:\n  models: {m: {path: launcher_record/deep/global_step_3}}\n")
+    (tmp_path / "t" / "u" / "child.yaml").write_text("defaults: [base, _self_]\n")
     script = "\n".join([
         "cd t",
         "astuner --conf a.yaml astuner.experiment_dir=launcher_record/warm      # its model.path: the stand-in's",
@@ -229,12 +255,16 @@ def test_a_run_trains_2_steps_unless_a_later_command_reads_its_checkpoints(tmp_p
         "astuner --conf a.yaml astuner.experiment_dir=launcher_record/teacher   # read by student.yaml",
         "astuner --conf a.yaml astuner.experiment_dir=launcher_record/other     # read by no one",
         "astuner eval --conf a.yaml --model launcher_record/mine/global_step_4",
+        "astuner --conf a.yaml astuner.experiment_dir=launcher_record/deep      # read by what child.yaml builds on",
         "astuner --conf student.yaml",
+        "cd u",
+        "astuner --conf child.yaml",
+        "echo 'it's",
         ": skipped, 'set-up'",
         "astuner serve --conf a.yaml &"])
     assert short_runs(script, tmp_path) == [["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/warm"],
                                             ["--conf", "a.yaml", "astuner.experiment_dir=launcher_record/other"],
-                                            ["--conf", "student.yaml"]]
+                                            ["--conf", "student.yaml"], ["--conf", "child.yaml"]]
 
 
 @pytest.mark.slow

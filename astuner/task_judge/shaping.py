@@ -5,7 +5,9 @@ Configured by `astuner.task_judge.combine: [{judge, weight, name, args, success,
     is_success = is_success of the term marked `success: true` (default: the first term)
 and each term as counted, c_i * r_i, is logged as the episode metric `reward/<name>` (its mean per step:
 `train/metrics/reward/<name>`), so a user sees which term moves. `if_success` makes a shape a tie-breaker among
-right answers (as Kimi k1.5's length reward is for correct ones): a wrong answer is not pushed to be shorter.
+right answers (as Kimi k1.5's length reward is for correct ones): a wrong answer is not pushed to be shorter. For
+that, its largest value, alpha * (the most tokens an episode can have - target), must stay below the gap between a
+success's reward and the best failure's (else a long right answer scores under a half-right one).
 
 Terms (L = tokens the episode generated, over all its calls; n = its LLM calls; T = the final text;
 S = tokens of the summaries rollout.context_policy=summarize had the policy write, all its summary calls together):

@@ -150,8 +150,8 @@ def run_folder(words: list[str], here: Path) -> str:
     builds on), else the YAML's name without .yaml (the default)."""
     given = [w.split("=", 1)[1] for w in words if w.startswith("astuner.experiment_dir=")]
     conf = here / words[1]
-    found = [d for c in (yaml_chain(conf) if conf.is_file() else []) if (d := (c.get("astuner") or {}).get(
-        "experiment_dir"))]
+    chain = yaml_chain(conf) if conf.is_file() else []
+    found = [c["astuner"]["experiment_dir"] for c in chain if (c.get("astuner") or {}).get("experiment_dir")]
     return Path(given[-1] if given else found[0] if found else conf.stem).name
 
 
@@ -170,8 +170,8 @@ def short_runs(script: str, cwd: Path) -> list[list[str]]:
     """The arguments of each `astuner --conf` run (not eval, warmstart or serve) that may train 2 steps: no later
     line, and no YAML a later line names, mentions its folder's `<name>/global_step_` (a checkpoint a later command
     reads). Each line's folder follows `cd`; a run named again where it must keep its steps keeps them."""
-    lines, parsed, here = script.splitlines(), [], cwd
-    for line in lines:
+    parsed, named, here = [], [], cwd  # per line: (its words, its folder); what it names, YAMLs included
+    for line in script.splitlines():
         try:
             words = shlex.split(line, comments=True) if line.strip() and not line.startswith(":") else []
         except ValueError:  # unbalanced quotes (a heredoc, an apostrophe): not a run this rule reads
@@ -179,16 +179,14 @@ def short_runs(script: str, cwd: Path) -> list[list[str]]:
         if words[:1] == ["cd"] and len(words) == 2:
             here = here / words[1]
         parsed.append((words, here))
+        confs = [here / b for a, b in zip(words, words[1:]) if a in ("--conf", "-c") and (here / b).is_file()]
+        named.append("\n".join([line] + [checkpoints_named(c, words[:1] == ["astuner"]) for c in confs]))
     runs, keep = [], []
     for i, (words, here) in enumerate(parsed):
         if words[:1] != ["astuner"] or words[1:2] not in (["--conf"], ["-c"]) or "&" in words or len(words) < 3:
             continue
         mark = f"{run_folder(words[1:], here)}/global_step_"
-        named = ["\n".join(lines[i + 1:])]
-        for later, folder in parsed[i + 1:]:
-            confs = [folder / b for a, b in zip(later, later[1:]) if a in ("--conf", "-c") and (folder / b).is_file()]
-            named += [checkpoints_named(conf, later[:1] == ["astuner"]) for conf in confs]
-        (keep if any(mark in text for text in named) else runs).append(words[1:])
+        (keep if any(mark in text for text in named[i + 1:]) else runs).append(words[1:])
     return [r for r in runs if r not in keep]
 
 

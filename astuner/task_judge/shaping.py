@@ -55,23 +55,23 @@ def final_text(output: WorkflowOutput) -> str:
 
 
 class LengthPenalty(BaseJudge):
+    counted = "response_tokens"  # the WorkflowOutput.stats entry it charges
+
     def __init__(self, config: Any = None, target: int = 512, alpha: float = 0.001) -> None:
         super().__init__(config)
         self.target, self.alpha = int(target), float(alpha)
 
     def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
-        return length_penalty(workflow_output.stats.get("response_tokens", 0), self.target, self.alpha), True
+        return length_penalty(workflow_output.stats.get(self.counted, 0), self.target, self.alpha), True
 
 
-class SummaryLengthPenalty(BaseJudge):
+class SummaryLengthPenalty(LengthPenalty):
     """LengthPenalty on the summaries alone; with `if_success: true`, among right answers the shorter summary wins."""
 
-    def __init__(self, config: Any = None, target: int = 64, alpha: float = 0.002) -> None:
-        super().__init__(config)
-        self.target, self.alpha = int(target), float(alpha)
+    counted = "summary_tokens"
 
-    def compute_reward(self, workflow_task: WorkflowTask, workflow_output: WorkflowOutput):
-        return length_penalty(workflow_output.stats.get("summary_tokens", 0), self.target, self.alpha), True
+    def __init__(self, config: Any = None, target: int = 64, alpha: float = 0.002) -> None:
+        super().__init__(config, target, alpha)
 
 
 class StepBonus(BaseJudge):

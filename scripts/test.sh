@@ -26,18 +26,5 @@ ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile tes
   tests/test_vllm_engine.py tests/test_sampling_filters.py tests/test_advantage.py tests/test_chunked_head_filters.py \
   tests/test_precision_buffers.py tests/test_depth_mismatch.py \
   -k "not sigterm and not debug_backbone_two_steps and not later_engine"  # vLLM's process handling: no arithmetic
-# Two single-process runs, one core each: side by side, each printed when both are done.
 echo "AgentScope 2.x (.venv-as2) and verifiers (.venv-vf), each in its own environment, side by side:"
-apart=$(mktemp -d)
-as2= vf=
-trap 'kill $as2 $vf 2>/dev/null; rm -rf "$apart"' EXIT  # an interrupt stops both
-.venv-as2/bin/python -m pytest -q --basetemp "$apart/as2" tests/test_agentscope2.py > "$apart/as2.log" 2>&1 &
-as2=$!
-.venv-vf/bin/python -m pytest -q --basetemp "$apart/vf" tests/test_verifiers.py > "$apart/vf.log" 2>&1 &
-vf=$!
-as2_rc=0 vf_rc=0
-wait "$as2" || as2_rc=$?
-wait "$vf" || vf_rc=$?
-echo "AgentScope 2.x (exit $as2_rc):"; cat "$apart/as2.log"
-echo "verifiers (exit $vf_rc):"; cat "$apart/vf.log"
-[ "$as2_rc" = 0 ] && [ "$vf_rc" = 0 ]
+exec bash scripts/test_apart.sh

@@ -54,7 +54,7 @@ def launch(
     backbone: Annotated[str, typer.Option(help="Where training runs: debug | verl | trinity.")] = "debug",
     with_ray: Annotated[
         bool, typer.Option("--with-ray", help="verl / trinity: start a local Ray cluster for this run when none "
-                           "answers (without it they only join RAY_ADDRESS or a running local cluster).")
+                           "answers (without it they only join RAY_ADDRESS or the cluster `ray start` runs here).")
     ] = False,
     with_logview: Annotated[
         bool, typer.Option("--with-logview", help="Serve the trajectory and metrics viewer on 127.0.0.1 beside "

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,7 @@ def test_a_killed_explorer_stops_cleanly_and_the_run_resumes_exactly(cluster, de
     workflow = (tmp_path / "wf.py").read_text()
     (tmp_path / "wf.py").write_text('''
 import os
+import shutil
 from astuner import Workflow, WorkflowOutput
 
 CALLS = [0]
@@ -181,6 +184,34 @@ def test_with_ray_joins_the_cluster_at_ray_address_or_says_nothing_answers(clust
               "try:\n    connect()\nexcept UserError as e:\n    print(e)")
     refused = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert "RAY_ADDRESS=127.0.0.1:9: nothing answers there" in refused.stdout
+
+
+def test_without_ray_address_only_the_cluster_ray_start_recorded_is_joined(cluster):
+    # This module's cluster is private (ray.init, no `ray start`): Ray's address="auto" finds it among the machine's
+    # processes all the same, and a run that joined it would die with it (seen: another test's cluster, mid-run).
+    script = ("from astuner.backbone.ray_cluster import connect\nfrom astuner.errors import UserError\nimport ray\n"
+              "try:\n    print(connect(start_local=False), ray.cluster_resources()['CPU'])\n"
+              "except UserError as e:\n    print(e)")
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(temp)}
+
+    def connect_in_a_new_process():
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+    try:
+        refused = connect_in_a_new_process()
+        assert "no Ray cluster to join" in refused.stdout, refused.stdout + refused.stderr[-2000:]
+        # The record `ray start --head` writes: its cluster is joined (here, this module's 2-CPU one)
+        (temp / "ray").mkdir()
+        (temp / "ray" / "ray_current_cluster").write_text(ray.get_runtime_context().gcs_address)
+        joined = connect_in_a_new_process()
+        assert joined.stdout.split() == ["False", "2.0"], joined.stderr[-2000:]
+        # A stale record (its cluster stopped without `ray stop`): none, said in the log, and no minutes of retries
+        (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")
+        stale = connect_in_a_new_process()
+        assert "no Ray cluster to join" in stale.stdout and "does not answer" in stale.stderr, stale.stderr[-2000:]
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -32,34 +32,56 @@ def _unreachable(address: str, why: str = "") -> UserError:
 
 
 def connect(start_local: bool = True) -> bool:
-    """Join the cluster at RAY_ADDRESS or a running local one (`ray start --head`); when none is reachable, start a
-    private local cluster if `start_local` (the CLI's --with-ray), else stop with what to do. Returns True when this
-    process started it (it stops with `ray.shutdown()`)."""
+    """Join the cluster at RAY_ADDRESS, else the one `ray start --head` started on this machine; when there is
+    none, start a private local cluster if `start_local` (the CLI's --with-ray), else stop with what to do. Returns
+    True when this process started it (it stops with `ray.shutdown()`)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 writes an auth token otherwise
     import ray
 
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS")
-    if address and address != "auto" and not _answers(address):
-        raise _unreachable(address)  # Ray itself retries an unreachable address for minutes before it gives up
     quiet = dict(include_dashboard=False, logging_level=logging.WARNING)
-    try:
-        ray.init(address=address or "auto", **quiet)
-        log.info("joined the Ray cluster at %s", address or "auto (a running local cluster)")
-        return False
-    except ConnectionError as exc:
-        if address:
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if address != "auto" and not _answers(address):
+            raise _unreachable(address)  # Ray itself retries an unreachable address for minutes before it gives up
+        try:
+            ray.init(address=address, **quiet)
+        except ConnectionError as exc:
             raise _unreachable(address, f" as a Ray cluster ({exc})") from None
+        log.info("joined the Ray cluster at %s", address)
+        return False
+    # Not Ray's own address="auto": when `ray start` left no record, it joins any Ray cluster it finds among the
+    # machine's processes, such as another run's private one, whose end then takes this run's actors with it.
+    recorded = _recorded_cluster()
+    if recorded:
+        ray.init(address=recorded, **quiet)
+        log.info("joined the Ray cluster `ray start` started on this machine (%s)", recorded)
+        return False
     if not start_local:
         raise UserError(
-            "no Ray cluster to join: RAY_ADDRESS is unset and no local cluster runs. Add --with-ray (tune(): "
-            "with_ray=True) to start a local cluster for this run, or start one with `ray start --head` (and "
-            "`ray start --address=<head>:6379` on each other node).")
-    ray.init(**quiet)
+            "no Ray cluster to join: RAY_ADDRESS is unset and `ray start` runs no cluster on this machine. Add "
+            "--with-ray (tune(): with_ray=True) to start a local cluster for this run, or start one with `ray start "
+            "--head` (and `ray start --address=<head>:6379` on each other node).")
+    ray.init(address="local", **quiet)
     log.info("started a local Ray cluster for this run (%s CPUs, %s GPUs); it stops when the run ends",
              ray.cluster_resources().get("CPU", 0), ray.cluster_resources().get("GPU", 0))
     return True
+
+
+def _recorded_cluster() -> str | None:
+    """The address `ray start --head` recorded in Ray's temp folder (RAY_TMPDIR/ray, else /tmp/ray), when something
+    answers there; None when there is no record, or only a stale one (its cluster was stopped without `ray stop`)."""
+    from ray._private.utils import read_ray_address  # the file `ray start` writes and `ray.init()` reads
+
+    address = read_ray_address()
+    if not address:
+        return None
+    if not _answers(address):
+        log.warning("the Ray cluster `ray start` recorded at %s does not answer (stopped without `ray stop`?): "
+                    "taking it as none", address)
+        return None
+    return address
 
 
 def _answers(address: str, timeout_s: float = 5.0) -> bool:

@@ -18,15 +18,10 @@ fi
 if [ $# -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-# loadfile: a module's tests share one worker, so a module's Ray cluster or engine is started once; the longest
-# files go first, in the order tests/conftest.py gives them (tests/schedule.py), so the workers end together.
-# ASTUNER_FILE_SECONDS=PATH writes this pass's seconds per file there (tests/file_seconds.json is that order's).
-record=${ASTUNER_FILE_SECONDS:-}
-unset ASTUNER_FILE_SECONDS
-ASTUNER_FILE_SECONDS=$record python -m pytest -q "${workers[@]}" --dist loadfile --no-loadscope-reorder --durations=10
+# loadfile: a module's tests share one worker, so a module's Ray cluster or engine is started once.
+python -m pytest -q "${workers[@]}" --dist loadfile --durations=10
 echo "numerical tests on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2):"
-ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile --no-loadscope-reorder \
-  tests/test_trainer.py tests/test_fsdp.py \
+ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" --dist loadfile tests/test_trainer.py tests/test_fsdp.py \
   tests/test_loss.py tests/test_merge.py tests/test_precision.py tests/test_lora.py tests/test_hf_engine.py \
   tests/test_vllm_engine.py tests/test_sampling_filters.py tests/test_advantage.py tests/test_chunked_head_filters.py \
   tests/test_precision_buffers.py tests/test_depth_mismatch.py \

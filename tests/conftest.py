@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -67,21 +66,7 @@ def pytest_runtest_logreport(report):
         _unmarked.add(report.nodeid)
 
 
-def pytest_collection_modifyitems(config, items):
-    # Longest files first (tests/schedule.py): with --no-loadscope-reorder, xdist hands them out in this order.
-    from schedule import longest_files_first, read_seconds
-
-    order = longest_files_first([item.nodeid for item in items], read_seconds())
-    items[:] = [items[i] for i in order]
-
-
 def pytest_terminal_summary(terminalreporter):
-    record = os.environ.get("ASTUNER_FILE_SECONDS")  # scripts/test.sh sets it for its main pass only
-    if record and _durations:
-        from schedule import seconds_by_file
-
-        Path(record).write_text(json.dumps(seconds_by_file(_durations), indent=0) + "\n")
-        terminalreporter.write_line(f"each test file's seconds written to {record} (tests/schedule.py)")
     over = sorted((d, n) for n, d in _durations.items() if n in _unmarked and d > FAST_TIER_LIMIT_S)
     if over:
         terminalreporter.write_sep("-", f"not marked slow, over {FAST_TIER_LIMIT_S:g} s (add @pytest.mark.slow)")

@@ -133,7 +133,6 @@ def test_a_killed_explorer_stops_cleanly_and_the_run_resumes_exactly(cluster, de
     workflow = (tmp_path / "wf.py").read_text()
     (tmp_path / "wf.py").write_text('''
 import os
-import shutil
 from astuner import Workflow, WorkflowOutput
 
 CALLS = [0]

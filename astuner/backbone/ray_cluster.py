@@ -55,7 +55,11 @@ def connect(start_local: bool = True) -> bool:
     # machine's processes, such as another run's private one, whose end then takes this run's actors with it.
     recorded = _recorded_cluster()
     if recorded:
-        ray.init(address=recorded, **quiet)
+        try:
+            ray.init(address=recorded, **quiet)
+        except ConnectionError as exc:
+            raise UserError(f"the Ray cluster `ray start` recorded at {recorded} answers but not as a Ray cluster "
+                            f"({exc}): run `ray stop` and start it again, or set RAY_ADDRESS.") from None
         log.info("joined the Ray cluster `ray start` started on this machine (%s)", recorded)
         return False
     if not start_local:

@@ -42,25 +42,20 @@ def connect(start_local: bool = True) -> bool:
         return False
     quiet = dict(include_dashboard=False, logging_level=logging.WARNING)
     address = os.environ.get("RAY_ADDRESS")
-    if address:
-        if address != "auto" and not _answers(address):
-            raise _unreachable(address)  # Ray itself retries an unreachable address for minutes before it gives up
+    if address and address != "auto" and not _answers(address):
+        raise _unreachable(address)  # Ray itself retries an unreachable address for minutes before it gives up
+    # Not Ray's own address="auto" when RAY_ADDRESS is unset: with no `ray start` record it joins any Ray cluster it
+    # finds among the machine's processes, such as another run's private one, whose end takes this run's actors.
+    recorded = None if address else _recorded_cluster()
+    if address or recorded:
         try:
-            ray.init(address=address, **quiet)
+            ray.init(address=address or recorded, **quiet)
         except ConnectionError as exc:
-            raise _unreachable(address, f" as a Ray cluster ({exc})") from None
-        log.info("joined the Ray cluster at %s", address)
-        return False
-    # Not Ray's own address="auto": when `ray start` left no record, it joins any Ray cluster it finds among the
-    # machine's processes, such as another run's private one, whose end then takes this run's actors with it.
-    recorded = _recorded_cluster()
-    if recorded:
-        try:
-            ray.init(address=recorded, **quiet)
-        except ConnectionError as exc:
+            if address:
+                raise _unreachable(address, f" as a Ray cluster ({exc})") from None
             raise UserError(f"the Ray cluster `ray start` recorded at {recorded} answers but not as a Ray cluster "
                             f"({exc}): run `ray stop` and start it again, or set RAY_ADDRESS.") from None
-        log.info("joined the Ray cluster `ray start` started on this machine (%s)", recorded)
+        log.info("joined the Ray cluster at %s", address or f"{recorded} (recorded by `ray start` on this machine)")
         return False
     if not start_local:
         raise UserError(
@@ -74,7 +69,7 @@ def connect(start_local: bool = True) -> bool:
 
 
 def _recorded_cluster() -> str | None:
-    """The address `ray start --head` recorded in Ray's temp folder (RAY_TMPDIR/ray, else /tmp/ray), when something
+    """The address `ray start` recorded in Ray's temp folder (RAY_TMPDIR/ray, else /tmp/ray), when something
     answers there; None when there is no record, or only a stale one (its cluster was stopped without `ray stop`)."""
     from ray._private.utils import read_ray_address  # the file `ray start` writes and `ray.init()` reads
 

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from astuner.errors import UserError
+from astuner.http_body import tls_context
 from astuner.tokenizer import load_tokenizer, stop_token_ids
 
 KEY = "astuner.auxiliary_models"
@@ -38,7 +39,8 @@ class EndpointChatModel:
 
         key = os.environ.get(self.section.api_key_env, "") if self.section.api_key_env else "unused"
         return openai.AsyncOpenAI(base_url=self.section.base_url, api_key=key or "unused",
-                                  timeout=self.section.timeout, max_retries=2)
+                                  timeout=self.section.timeout, max_retries=2,
+                                  http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()))
 
     async def _create(self, messages: list[dict], tools: list[dict] | None) -> Any:
         kwargs: dict[str, Any] = {"model": self.model_name, "messages": messages,

@@ -42,6 +42,7 @@ import uuid
 from typing import Any
 
 from astuner.environments import failures as env_failures
+from astuner.http_body import tls_context
 from astuner.watchdog import watch
 
 RETRYABLE_STATUS = (500, 502, 503, 504)
@@ -151,7 +152,7 @@ class EnvServiceClient:
         import httpx
 
         last, headers = "", self._headers(method)
-        with httpx.Client(timeout=self.request_timeout) as http:
+        with httpx.Client(timeout=self.request_timeout, verify=tls_context()) as http:
             for attempt in range(self.retries + 1):
                 if attempt:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -169,7 +170,7 @@ class EnvServiceClient:
 
         last, headers = "", self._headers(method)
         with watch("env service", f"{method} {path}"):
-            async with httpx.AsyncClient(timeout=self.request_timeout) as http:
+            async with httpx.AsyncClient(timeout=self.request_timeout, verify=tls_context()) as http:
                 for attempt in range(self.retries + 1):
                     if attempt:
                         await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))

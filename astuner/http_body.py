@@ -1,9 +1,10 @@
 """What astuner's HTTP apps (the Tinker API and the remote agents' board of `astuner serve`, the run's OpenAI and
 Anthropic gateway) share: an HTTP failure with its status, and request bodies read within a size limit (a client
-on the network may send anything)."""
+on the network may send anything); and the TLS context its HTTP clients share."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 
@@ -47,3 +48,14 @@ async def read_json(request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise HttpError(400, "the body must be a JSON object")
     return data
+
+
+@functools.cache
+def tls_context():
+    """One TLS context for every HTTP client of the process, with httpx's defaults (certifi's roots, or
+    SSL_CERT_FILE / SSL_CERT_DIR). httpx builds a context per client by reading the whole CA bundle, ~20 ms of
+    CPU; the clients that live for one request (an episode's event loop is short-lived) spent more on that than
+    on the request itself. An `ssl.SSLContext` may be shared by clients on any thread or loop."""
+    import httpx
+
+    return httpx.create_ssl_context()

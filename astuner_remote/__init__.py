@@ -31,6 +31,7 @@ same token, so the server hands back the episode it already gave.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -47,6 +48,13 @@ RESULT_FIELDS = ("reward", "is_success", "metadata", "metrics", "agent_rewards",
 STOP_POST_S = 10.0  # a stopping client's error posts for what it still runs: at most this long
 TAKE_GRACE_S = 2.0  # a stopping client's take in flight: its answer, if the server already gave an episode
 log = logging.getLogger("astuner_remote")
+
+
+@functools.cache
+def _tls_context():
+    """One TLS context for every request of the process: httpx builds one per client by reading the whole CA bundle
+    (~20 ms of CPU), and each request opens a client of its own (the blocking methods each run an event loop)."""
+    return httpx.create_ssl_context()
 
 
 class RemoteError(RuntimeError):
@@ -137,7 +145,7 @@ class RemoteClient:
         return asyncio.run(self._post(f"/astuner/v1/episodes/{episode.episode_id}/error", {"error": error}))
 
     def status(self) -> dict:
-        with httpx.Client(headers=self.headers, timeout=self.timeout_s) as http:
+        with httpx.Client(headers=self.headers, timeout=self.timeout_s, verify=_tls_context()) as http:
             return self._check(http.get(f"{self.url}/astuner/v1/status"))
 
     # --- a loop of episodes ---------------------------------------------------------------------------------
@@ -242,7 +250,8 @@ class RemoteClient:
         """POST `body`; a connection that fails or drops is retried (the same body) until `reconnect_s`."""
         deadline = time.monotonic() + self.reconnect_s
         delay = 0.5
-        async with httpx.AsyncClient(headers=self.headers, timeout=timeout or self.timeout_s) as http:
+        async with httpx.AsyncClient(headers=self.headers, timeout=timeout or self.timeout_s,
+                                     verify=_tls_context()) as http:
             while True:
                 try:
                     return self._check(await http.post(f"{self.url}{path}", json=body))

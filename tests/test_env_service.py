@@ -209,3 +209,33 @@ def test_a_post_that_never_reached_the_service_is_retried():
     client = EnvServiceClient(f"http://127.0.0.1:{port}", request_timeout=1, retries=2, backoff_s=0.01)
     with pytest.raises(EnvServiceError, match="did not answer .*ConnectError.* after 3 attempts"):
         asyncio.run(client.step("i", {"role": "assistant", "content": "x"}))
+
+
+def test_the_clients_built_per_request_share_one_tls_context(env_server, monkeypatch):
+    """httpx reads the whole CA bundle for each client it builds (~20 ms of CPU, more than a local request): the
+    env-service client, which opens one per request, and an auxiliary endpoint's, one per call, share one."""
+    import ssl
+
+    from astuner.auxiliary import EndpointChatModel
+    from astuner.http_body import tls_context
+
+    built, real = [], ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    url, env = env_server
+    client = EnvServiceClient(url, "arithmetic", 5.0, 0)
+    endpoint = EndpointChatModel("critic", SimpleNamespace(base_url="https://models.example/v1", api_key_env=None,
+                                                           timeout=5.0, model_name="m"), {})
+
+    async def episodes(n):
+        for task in client.list_tasks("train")[:n]:
+            created = await client.create(task["task_id"])
+            await client.release(created["instance_id"])
+
+    tls_context.cache_clear()
+    asyncio.run(episodes(1))  # imports done (aiohttp builds a context of its own once), the shared one built
+    endpoint._client()
+    assert len(built) >= 1
+    built.clear()
+    asyncio.run(episodes(3))
+    assert endpoint._client()._client is not endpoint._client()._client  # a client per call, as episodes need
+    assert built == [] and env.instances == {}

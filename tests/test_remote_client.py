@@ -221,3 +221,26 @@ def test_a_client_stopped_while_its_take_is_answered_reports_that_episode_too(bo
     asyncio.run(main())
     got = outcome(offers[0], timeout=5.0)
     assert isinstance(got, RemoteAgentError) and "client stopped" in str(got)
+
+
+def test_requests_share_one_tls_context(board, monkeypatch):
+    """httpx reads the whole CA bundle for each client it builds (~20 ms of CPU, more than a loopback request), and
+    the client opens one per request: they share one context."""
+    import ssl
+
+    import astuner_remote
+    from astuner_remote import RemoteClient
+
+    built, real = [], ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    astuner_remote._tls_context.cache_clear()
+    client = RemoteClient(board.public_url, name="c")
+    client.status()
+    assert len(built) == 1  # the shared context
+    offers = offer(board, *({"i": i} for i in range(3)))
+
+    async def agent(episode):
+        return 1.0
+
+    assert client.run(agent, concurrency=1, episodes=3) == 3 and client.status()
+    assert [outcome(o).reward for o in offers] == [1.0] * 3 and len(built) == 1

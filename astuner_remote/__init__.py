@@ -99,9 +99,10 @@ class RemoteEpisode:
         second sampled call."""
         import openai
 
-        cls = openai.OpenAI if sync else openai.AsyncOpenAI
+        cls, http = (openai.OpenAI, openai.DefaultHttpxClient) if sync else (openai.AsyncOpenAI,
+                                                                             openai.DefaultAsyncHttpxClient)
         return cls(base_url=self.base_url, api_key=self.key_for(agent), max_retries=0,
-                   timeout=max(1.0, self.seconds_left + 5))
+                   timeout=max(1.0, self.seconds_left + 5), http_client=http(verify=_tls_context()))
 
 
 def _as_result(value) -> dict:

@@ -224,8 +224,8 @@ def test_a_client_stopped_while_its_take_is_answered_reports_that_episode_too(bo
 
 
 def test_requests_share_one_tls_context(board, monkeypatch):
-    """httpx reads the whole CA bundle for each client it builds (~20 ms of CPU, more than a loopback request), and
-    the client opens one per request: they share one context."""
+    """httpx reads the whole CA bundle for each client it builds (~20 ms of CPU, more than a loopback request): the
+    client's requests, each with a client of its own, and the agents' OpenAI clients, one per episode, share one."""
     import ssl
 
     import astuner_remote
@@ -235,12 +235,15 @@ def test_requests_share_one_tls_context(board, monkeypatch):
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
     astuner_remote._tls_context.cache_clear()
     client = RemoteClient(board.public_url, name="c")
-    client.status()
-    assert len(built) == 1  # the shared context
-    offers = offer(board, *({"i": i} for i in range(3)))
 
     async def agent(episode):
+        assert episode.openai_client()._client is not episode.openai_client(sync=True)._client
         return 1.0
 
+    offers = offer(board, {"i": 0})
+    assert client.run(agent, concurrency=1, episodes=1) == 1  # imports done, the shared context built
+    assert len(built) >= 1
+    built.clear()
+    offers += offer(board, *({"i": i} for i in range(1, 4)))
     assert client.run(agent, concurrency=1, episodes=3) == 3 and client.status()
-    assert [outcome(o).reward for o in offers] == [1.0] * 3 and len(built) == 1
+    assert [outcome(o).reward for o in offers] == [1.0] * 4 and built == []

@@ -12,10 +12,10 @@ sys.path.insert(0, str(BENCH))
 
 import suite_profile  # noqa: E402
 
-RAW = ('process 1:"python -m pytest";process 2:"python -u -c import sys;exec(eval(sys.stdin.readline()))";'
-       "main (astuner/cli.py:10);_find_and_load (<frozen importlib._bootstrap>:1165);<module> (torch/__init__.py:3) 20\n"
-       'process 1:"python -m pytest";process 2:"python -u -c import sys;exec(eval(sys.stdin.readline()))";'
-       "main (astuner/cli.py:12);run (astuner/loop.py:5) 10\n"
+WORKER = 'process 1:"python -m pytest";process 2:"python -u -c import sys;exec(eval(sys.stdin.readline()))";'
+RAW = (WORKER + "main (astuner/cli.py:10);_find_and_load (<frozen importlib._bootstrap>:1165);"
+       "<module> (torch/__init__.py:3) 20\n"
+       + WORKER + "main (astuner/cli.py:12);run (astuner/loop.py:5) 10\n"
        "exec(globals().pop('__code')) /tmp/x.py\" 3\n")
 
 

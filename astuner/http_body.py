@@ -55,7 +55,8 @@ def tls_context():
     """One TLS context for every HTTP client of the process, with httpx's defaults (certifi's roots, or
     SSL_CERT_FILE / SSL_CERT_DIR). httpx builds a context per client by reading the whole CA bundle, ~20 ms of
     CPU; the clients that live for one request (an episode's event loop is short-lived) spent more on that than
-    on the request itself. An `ssl.SSLContext` may be shared by clients on any thread or loop."""
+    on the request itself. An `ssl.SSLContext` may be shared by clients on any thread or loop. (`astuner_remote`,
+    installable without astuner, keeps the same three lines.)"""
     import httpx
 
     return httpx.create_ssl_context()

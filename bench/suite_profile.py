@@ -27,20 +27,22 @@ KINDS = (("cli_forkserver", "tutorial fork server"), ("default_worker", "Ray wor
 
 
 def stacks(path: Path, rate: float):
-    """(process chain, frames without line numbers, CPU-seconds) per line of a py-spy raw profile."""
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue  # a process's command line that held a newline: the rest of that stack's first line
-        processes, frames = [], []
-        for part in stack.split(";"):
-            if part.startswith("process "):
-                processes.append(part)
-            elif processes and not frames and not FRAME.match(part):  # a command line's own ";"
-                processes[-1] += ";" + part
-            else:
-                frames.append(LINE.sub(")", part))
-        yield processes, frames, int(count) / rate
+    """(process chain, frames without line numbers, CPU-seconds) per line of a py-spy raw profile, read a line at a
+    time (tens of MB for a whole pass)."""
+    with open(path, errors="replace") as lines:
+        for line in lines:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():
+                continue  # a process's command line that held a newline: the rest of that stack's first line
+            processes, frames = [], []
+            for part in stack.split(";"):
+                if part.startswith("process "):
+                    processes.append(part)
+                elif processes and not frames and not FRAME.match(part):  # a command line's own ";"
+                    processes[-1] += ";" + part
+                else:
+                    frames.append(LINE.sub(")", part))
+            yield processes, frames, int(count) / rate
 
 
 def kind(processes: list[str]) -> str:

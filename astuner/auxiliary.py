@@ -83,7 +83,8 @@ class AuxiliaryPool:
 
     @classmethod
     def build(cls, typed, max_model_len_of) -> "AuxiliaryPool":
-        """Check every entry (and load the locally served ones); `max_model_len_of(path)` resolves a length."""
+        """Check every entry (and load the locally served ones); `max_model_len_of(path)` resolves a length
+        (`auxiliary_pool`: the model's own)."""
         from astuner.model_tuner import ChatRenderer, detect_formats
         from astuner.model_tuner.formats import template_source
         from astuner.model_tuner.tool_parser import TOOL_PARSERS
@@ -158,3 +159,14 @@ def judging_deadline(models: dict[str, Any], deadline: float) -> None:
     for model in models.values():
         if hasattr(model, "deadline"):
             model.deadline = deadline
+
+
+def auxiliary_pool(typed) -> AuxiliaryPool | None:
+    """The auxiliary models (astuner.auxiliary_models), checked and loaded, each at its own context length; None
+    when there are none."""
+    if not typed.astuner.auxiliary_models:
+        return None
+    from astuner import preflight
+
+    return AuxiliaryPool.build(
+        typed, lambda path: preflight.resolve_max_model_len(None, preflight.read_model_facts(path, "auxiliary model")))

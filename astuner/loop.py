@@ -307,7 +307,7 @@ def drive(loaded, settings: LoopSettings, stages: Stages, train_tasks: list, val
     try:
         if algorithm(loaded.typed.astuner.trainer_common.algorithm.type).has_teacher:
             from astuner.distill import build_teacher
-            from astuner.runtime import build_engine
+            from astuner.engine.build import build_engine
 
             stages.teacher = build_teacher(loaded.typed, tokenizer, build_engine, vllm_engines_here)
         resume = None

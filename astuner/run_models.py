@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from astuner.errors import UserError
 from astuner.types import SyncReport
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,8 @@ def build_models(typed, facts, tokenizer, models, max_model_len: int, total_step
     algorithm). Each model's trainer takes its own LoRA rank, learning rate and filter (its `ModelSpec`); the
     tokenizers were checked to be one at `runtime.prepare`. `extra_engines`: other vLLM engines this process will
     run beside them (a distillation teacher's), which take their part of the GPU share too."""
-    from astuner.runtime import build_engine, build_trainer
+    from astuner.engine.build import build_adapter_engine, build_engine
+    from astuner.trainer.build import build_trainer
     from astuner.trainer.lora import share_frozen_weights
 
     mine = models.only(only)
@@ -104,42 +104,11 @@ def build_models(typed, facts, tokenizer, models, max_model_len: int, total_step
     return out
 
 
-def build_adapter_engine(typed, engine: str, models, tokenizer, max_model_len: int, kv_cache_bytes: int | None,
-                         gpu_share: float | None = None):
-    """One `engine` ("vllm" or "hf") over the shared base of `models` (a `ModelSet`) with an adapter for each of its
-    adapters: vLLM's multi-LoRA (engine/vllm_adapters.py) or the HF engine's PEFT adapters (engine/adapters.py)."""
-    from astuner.runtime import lora_settings, vllm_engine_settings
-
-    tc = typed.astuner.trainer_common
-    adapters = [models[name] for name in models.adapters]
-    lora = {spec.name: lora_settings(tc.lora, spec.lora_rank) for spec in adapters}
-    base = adapters[0].folder
-    if engine == "vllm":
-        import torch
-
-        from astuner.engine.vllm_adapters import AdapterVLLMEngine
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        settings = vllm_engine_settings(typed, max_model_len, kv_cache_bytes, device_type, gpu_share)
-        if device_type == "cuda" and settings["dtype"] == "float32":  # before the engine fails at its start
-            raise UserError(
-                f"models {', '.join(lora)} are LoRA adapters on one base, served by vLLM's LoRA kernels, "
-                "which compute in bf16 or fp16 only; this run's trainer is fp32 (astuner.trainer_common.precision), "
-                "and its engine computes as it does. Set astuner.trainer_common.precision: bf16 (auto is bf16 on "
-                "CUDA), or astuner.rollout.engine: hf")
-        return AdapterVLLMEngine(base, lora, **settings)
-    from astuner.engine.adapters import AdapterHFEngine
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return AdapterHFEngine(base, lora, max_batch_size=typed.astuner.rollout.max_env_worker,
-                           seed=typed.astuner.seed, pad_token_id=pad)
-
-
 def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     """Every piece of a run in this process (the debug backbone): `runtime.prepare`, then every model's weights,
     the rollout runner over them and the token-pipeline check; a `runtime.Runtime`."""
     from astuner import runtime
-    from astuner.model_tuner.pipeline_check import engine_trainer_logprob_check
+    from astuner.model_tuner.pipeline_check import CheckSampling, check_runner, engine_trainer_logprob_check
 
     typed = loaded.typed
     runtime.seed_everything(typed.astuner.seed)
@@ -151,14 +120,15 @@ def build_runtime(loaded, backbone: str = "debug", total_steps_of=None):
     engine, trainer = models[prep.models.first.name].engine, models[prep.models.first.name].trainer
     runner = runtime.build_runner(loaded, engine, prep.tokenizer, prep.workflow_cls, prep.judge, prep.stop_ids,
                                   prep.max_model_len, roster_of_models(typed, prep.models, models))
-    runtime.check_token_pipeline(typed, runner, engine_trainer_logprob_check(
-        engine, trainer, runner.renderer, runner.stop_token_ids, runtime.check_sampling(typed)))
+    check_runner(typed.astuner.rollout.preflight, runner, engine_trainer_logprob_check(
+        engine, trainer, runner.renderer, runner.stop_token_ids, CheckSampling.of(prep.models.first)))
     return runtime.Runtime(prep.tokenizer, prep.train_tasks, prep.val_tasks, engine, trainer, runner, prep.plan,
                            models)
 
 
 def roster_of_models(typed, model_set, models: dict[str, LocalModel]):
-    """`runtime.roster_of` over the engines of `models` (None for a one-model run without named agents)."""
-    from astuner.runtime import roster_of
+    """The `Roster` of the engines of `models` (model_tuner/roster.py; None for a one-model run without named
+    agents)."""
+    from astuner.model_tuner.roster import roster_of
 
-    return roster_of(typed, model_set, {name: m.engine for name, m in models.items()})
+    return roster_of(typed.astuner.agents, model_set, {name: m.engine for name, m in models.items()})

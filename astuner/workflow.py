@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from astuner.errors import UserError, user_code_error
+from astuner.logs import debug_from_user_modules
 from astuner.types import Task
 
 if TYPE_CHECKING:
@@ -220,3 +223,65 @@ def _import_module(target: str, dirs: list[Path], spec: str):
         if exc.name and target.startswith(exc.name):
             raise ClassSpecError(f"{spec!r}: no module named {target!r}") from None
         raise
+
+
+def load_user_class(spec, base_dir: Path, what: str, key: str, base: type | None = None) -> type:
+    if not spec:
+        raise UserError(f"{key} is not set: name your {what} as 'pkg.module->Class' or 'path/file.py->Class'")
+    try:
+        cls = load_class(str(spec), [base_dir])
+    except ClassSpecError as exc:
+        raise UserError(f"{key}: {exc}") from None
+    except Exception as exc:  # the user's module itself raised at import: show their traceback, not ours
+        raise user_code_error(f"{key}: your {what} module", _module_file(str(spec), exc), exc) from None
+    debug_from_user_modules(sys.modules.get(getattr(cls, "__module__", ""), None))  # its DEBUG: the log file
+    if base is not None and not isinstance(cls, type) and inspect.isfunction(cls):
+        return cls  # a function workflow or judge: the caller wraps it
+    if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+        raise UserError(f"{key}: {spec!r} is not a subclass of {base.__module__}.{base.__qualname__}")
+    return cls
+
+
+def _module_file(spec: str, exc: BaseException) -> str:
+    """The user's file an import error came from: the innermost traceback frame outside astuner, else the spec."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename
+              and not f.filename.startswith(str(Path(__file__).resolve().parent))]
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename
+    return frames[0].filename if frames else spec.split("->")[0]
+
+
+def workflow_spec(typed) -> str | None:
+    """agentscope_workflow, or the environment's own workflow when it is null."""
+    from astuner.environments import environment_of
+
+    env = environment_of(typed.astuner.task_reader.type)
+    spec = typed.astuner.rollout.agentscope_workflow
+    return env.workflow if spec is None and env is not None else spec
+
+
+def load_workflow(loaded):
+    """The workflow class named by astuner.rollout.agentscope_workflow (a function is wrapped into one), or the one
+    the caller gave in its place (`LoadedConfig.workflow`)."""
+    if loaded.workflow is not None:
+        return loaded.workflow
+    typed = loaded.typed
+    workflow_cls = load_user_class(
+        workflow_spec(typed), loaded.config_dir, "workflow", "astuner.rollout.agentscope_workflow",
+        Workflow,
+    )
+    if inspect.isfunction(workflow_cls):
+        if not inspect.iscoroutinefunction(workflow_cls):
+            raise UserError(
+                f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__} must be 'async def "
+                f"{workflow_cls.__name__}(task, model, auxiliary_models)' (it awaits the model); it is a plain function."
+            )
+        workflow_cls = function_workflow(workflow_cls)
+    if not inspect.iscoroutinefunction(workflow_cls.execute):
+        raise UserError(
+            f"astuner.rollout.agentscope_workflow: {workflow_cls.__qualname__}.execute must be 'async def execute("
+            "self, workflow_task, model_tuner)' (it awaits the model); it is a plain function."
+        )
+    return workflow_cls

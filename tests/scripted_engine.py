@@ -71,16 +71,16 @@ def hermes_call(tool: str, argument: str, pattern: str) -> Callable[[str], str]:
 def install(monkeypatch, script: Callable[[str], str] | dict[int, Callable[[str], str]]) -> list[ScriptedCalls]:
     """Make `astuner.rollout.engine: hf` build a ScriptedCalls around the HF engine; returns the engines
     built, so a test can count the scripted calls."""
-    from astuner import runtime
+    from astuner.engine.build import ENGINES
 
     built: list[ScriptedCalls] = []
-    real = runtime.ENGINES["hf"]
+    real = ENGINES["hf"]
 
     def factory(typed, model_path, tokenizer, *args):
         built.append(ScriptedCalls(real(typed, model_path, tokenizer, *args), tokenizer, script))
         return built[-1]
 
-    monkeypatch.setitem(runtime.ENGINES, "hf", factory)
+    monkeypatch.setitem(ENGINES, "hf", factory)
     return built
 
 

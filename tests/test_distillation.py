@@ -578,15 +578,16 @@ def test_on_cuda_a_vllm_teacher_and_the_runs_engines_split_the_gpu_share(tmp_pat
     from astuner.config import load_config
     from astuner.config.derived import run_facts
     from astuner.distill import build_teacher
+    from astuner.engine import build
     from astuner.run_models import build_models
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     built = []
-    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, *a, gpu_share=None, **k: built.append(
+    monkeypatch.setattr(build, "build_engine", lambda typed, path, *a, gpu_share=None, **k: built.append(
         (path, gpu_share)) or object())
     typed = load_config(str(write_run(tmp_path, tiny_model_dir, f"{{model: {teacher_dir}}}")),
                         ["astuner.rollout.engine=vllm"]).typed
     build_models(typed, run_facts(typed), None, runtime.model_set(typed), 256, 1, roles=("engine",), extra_engines=1)
-    teacher = build_teacher(typed, None, runtime.build_engine, vllm_engines_here=1)
+    teacher = build_teacher(typed, None, build.build_engine, vllm_engines_here=1)
     assert [share for _, share in built] == [pytest.approx(0.3), pytest.approx(0.3)]
     assert built[1][0] == str(teacher_dir) and teacher.engine is not None

@@ -57,7 +57,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out: str, strategy:
     from astuner.trainer import Trainer
 
     before = held_bytes()
-    # Built as runtime.build_trainer builds a worker: knowing the group, so the model stays on the host until sharded.
+    # Built as trainer/build.py's build_trainer builds a worker: knowing the group, so the model stays on the host until sharded.
     trainer = Trainer(model_dir, **SETTINGS, precision=precision, strategy=strategy, group_size=world)
     whole = [weakref.ref(p) for p in (*trainer.model.parameters(), *trainer.ref_model.parameters())]
     used = trainer.join_group(DataParallel.init(rank, world, "127.0.0.1", port, "cpu", 120.0))

@@ -1,6 +1,6 @@
 """An fsdp2 start puts only each worker's share on its device (astuner/trainer/core.py: Trainer.shard_on_join).
 
-Built knowing its group (settings strategy and group_size, as runtime.build_trainer builds a Ray worker), the
+Built knowing its group (settings strategy and group_size, as trainer/build.py's build_trainer builds a Ray worker), the
 trainer keeps the whole fp32 model on the host; join_group shards it, and fully_shard moves each unit to the device
 and keeps its shard. Built not knowing, it put the whole fp32 model and its fp32 masters on every GPU first (8
 bytes a parameter with bf16 and a reference model, 10 at the peak). On CPU the host is the device, so the tests

@@ -259,7 +259,6 @@ def test_each_model_samples_with_its_own_settings(demo_tokenizer, tmp_path):
     """astuner.models' temperature / top_p / top_k apply to the calls of their agents (recorded, so the trainer
     takes the same temperature), the rollout's to the rest; validation (temperature 0) stays greedy; a model's
     trainer takes its top_p / top_k."""
-    from astuner import runtime
     from astuner.config import load_config
     from astuner.model_tuner.roster import Roster
 
@@ -289,8 +288,9 @@ def test_each_model_samples_with_its_own_settings(demo_tokenizer, tmp_path):
     typed = load_config(str(yaml), []).typed
     from astuner.algorithm.catalog import algorithm
     from astuner.config.model_set import model_set
+    from astuner.trainer.build import trainer_settings
 
     grpo = algorithm("grpo")
-    settings = runtime.trainer_settings(typed, grpo, 1, spec=model_set(typed)["critic"])
+    settings = trainer_settings(typed, grpo, 1, spec=model_set(typed)["critic"])
     assert (settings.top_p, settings.top_k) == (0.8, 5)
-    assert runtime.trainer_settings(typed, grpo, 1).top_p == 0.95
+    assert trainer_settings(typed, grpo, 1).top_p == 0.95

@@ -29,11 +29,11 @@ def test_a_short_phase_says_nothing_and_a_failed_one_says_it_stopped():
 
 
 def test_an_engine_start_runs_in_a_phase(monkeypatch):
-    from astuner import runtime
+    from astuner.engine import build
 
     seen = []
     monkeypatch.setattr("astuner.phase._say", seen.append)
-    monkeypatch.setitem(runtime.ENGINES, "hf", lambda *args: time.sleep(0.3) or "engine")
+    monkeypatch.setitem(build.ENGINES, "hf", lambda *args: time.sleep(0.3) or "engine")
     monkeypatch.setattr("astuner.phase.AFTER_S", 0.1)
-    assert runtime.build_engine(None, "/models/tiny", None, 256, engine="hf") == "engine"
+    assert build.build_engine(None, "/models/tiny", None, 256, engine="hf") == "engine"
     assert seen and seen[0].startswith("starting the hf engine (tiny, max_model_len 256)")

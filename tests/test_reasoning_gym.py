@@ -14,7 +14,8 @@ from test_model_tuner import make_tuner
 from astuner.config import load_config
 from astuner.environments import reasoning_gym as env
 from astuner.errors import UserError
-from astuner.runtime import judge_spec, workflow_spec
+from astuner.task_judge.loading import judge_spec
+from astuner.workflow import workflow_spec
 from astuner.task_reader import build_task_reader
 from astuner.task_reader import reasoning_gym_reader as reader
 from astuner.workflow import WorkflowOutput, WorkflowTask

@@ -60,9 +60,10 @@ def test_task_readers():
 
 
 def test_engines():
-    from astuner.runtime import ENGINES
+    from astuner.engine.build import ADAPTER_ENGINES, ENGINES
 
     assert literal(schema.RolloutSection, "engine") == {"auto", *ENGINES}
+    assert set(ADAPTER_ENGINES) == set(ENGINES)  # every engine serves adapters on a shared base too
 
 
 def test_backbones():

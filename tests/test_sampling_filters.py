@@ -70,7 +70,8 @@ def _sft_loss(tmp_path, tiny_model_dir, overrides):
     from astuner.model_tuner import ChatRenderer
     from astuner.task_reader.offline_data import tokenize_conversation
     from astuner.config.derived import run_facts
-    from astuner.runtime import build_trainer, load_tokenizer
+    from astuner.runtime import load_tokenizer
+    from astuner.trainer.build import build_trainer
 
     _write(tmp_path, "train.jsonl", _rows(2))
     _write(tmp_path, "val.jsonl", _rows(2))

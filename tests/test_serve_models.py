@@ -116,15 +116,15 @@ def test_vllm_bases_split_the_gpu_share_and_all_start_before_serving(tmp_path, t
     """On CUDA, each vLLM engine asks for rollout.gpu_memory_utilization of the card: two bases split it, and both
     start with the server (one started at its first sampling request, beside trainers, would find its share
     taken). The HF engine keeps starting a base's engine at its first sampling request."""
-    from astuner import runtime
     from astuner.config import load_config
+    from astuner.engine import build
     from astuner.serve import build_service
 
     other = tmp_path / "critic_model"
     shutil.copytree(tiny_model_dir, other)
     built = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runtime, "build_engine", lambda typed, path, tokenizer, max_len, engine, gpu_share=None:
+    monkeypatch.setattr(build, "build_engine", lambda typed, path, tokenizer, max_len, engine, gpu_share=None:
                         built.append((path, gpu_share)) or object())
     roster = f"  models: {{critic: {{path: {other}}}}}\n"
     yaml = write_yaml(tmp_path, tiny_model_dir, roster).read_text().replace("engine: hf", f"engine: {engine}")

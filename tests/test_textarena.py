@@ -134,7 +134,8 @@ def test_the_config_makes_one_task_per_seed_with_the_games_own_workflow_and_judg
     import sys
 
     from astuner.config import load_config
-    from astuner.runtime import judge_spec, workflow_spec
+    from astuner.task_judge.loading import judge_spec
+    from astuner.workflow import workflow_spec
     from astuner.task_reader import build_task_reader
     from conftest import REPO
 

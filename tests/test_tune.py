@@ -128,7 +128,8 @@ GAME = EnvConfig("textarena", {"env_id": "GuessTheNumber-v0", "size": 4, "valida
 
 def test_an_environment_others_wrote_is_named_not_coded(tmp_path):
     from astuner.config import load_config
-    from astuner.runtime import judge_spec, workflow_spec
+    from astuner.task_judge.loading import judge_spec
+    from astuner.workflow import workflow_spec
     from astuner.tune_api import build_yaml
 
     tree = build_yaml(workflow_spec=None, judge_spec=None, model=None, train_dataset=None, eval_dataset=None,

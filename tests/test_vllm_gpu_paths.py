@@ -172,7 +172,7 @@ def test_engine_dtype_follows_the_trainer_precision():
 @pytest.mark.parametrize("precision, device, dtype", [("fp32", "cuda", "float32"), ("auto", "cuda", "bfloat16"),
                                                       ("bf16", "cuda", "bfloat16"), ("auto", "cpu", "float32")])
 def test_the_vllm_builder_gives_the_engine_the_trainers_dtype(precision, device, dtype):
-    from astuner.runtime import vllm_engine_settings
+    from astuner.engine.build import vllm_engine_settings
 
     typed = RunConfig.model_validate({"astuner": {"trainer_common": {"precision": precision}}})
     assert vllm_engine_settings(typed, 4096, None, device)["dtype"] == dtype
@@ -180,7 +180,7 @@ def test_the_vllm_builder_gives_the_engine_the_trainers_dtype(precision, device,
 
 def test_the_engine_start_deadline_grows_with_the_engines_starting_at_once():
     from astuner.engine.vllm_engine import START_TIMEOUT_S, start_timeout_s
-    from astuner.runtime import vllm_engine_settings
+    from astuner.engine.build import vllm_engine_settings
 
     assert start_timeout_s(1) == START_TIMEOUT_S and start_timeout_s(0) == START_TIMEOUT_S
     assert start_timeout_s(8) >= 3 * START_TIMEOUT_S  # eight compiling on one node
@@ -216,8 +216,8 @@ def test_an_engine_alone_on_its_gpu_takes_vllms_default_share():
     assert gpu_share_per_engine(loaded().typed, 3, on_cuda=True) == pytest.approx(0.2)  # verl, debug
     assert gpu_share_per_engine(loaded().typed, 1, on_cuda=True) is None  # the config's, unsplit
     assert gpu_share_per_engine(hf.typed, 2, on_cuda=True) is None
-    # The config is never rewritten: the share reaches vLLM's arguments (runtime.vllm_engine_settings).
-    from astuner.runtime import vllm_engine_settings
+    # The config is never rewritten: the share reaches vLLM's arguments (engine/build.py's vllm_engine_settings).
+    from astuner.engine.build import vllm_engine_settings
 
     typed = loaded().typed
     assert vllm_engine_settings(typed, 256, None, "cuda", 0.2)["gpu_memory_utilization"] == 0.2
@@ -251,7 +251,7 @@ def test_adapters_on_vllm_with_an_fp32_trainer_on_cuda_are_refused_before_the_en
 
     from astuner.config import load_config
     from astuner.errors import UserError
-    from astuner.run_models import build_adapter_engine
+    from astuner.engine.build import build_adapter_engine
     from astuner.runtime import model_set
     from test_several_models import write_run
 

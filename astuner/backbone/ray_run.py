@@ -285,7 +285,7 @@ class RayStages(Stages):
     def check_pipeline(self, engine_actor, engine_name: str) -> None:
         """The token-pipeline table of the debug backbone, with the logprob check across the two actors."""
         from astuner import runtime
-        from astuner.model_tuner.pipeline_check import logprob_check
+        from astuner.model_tuner.pipeline_check import CheckSampling, check_runner, logprob_check
 
         prep, trainer, trainer_name = self.prep, self.trainers[0], self.trainer_names[:1]
 
@@ -295,7 +295,7 @@ class RayStages(Stages):
 
         runner = runtime.build_runner(self.loaded, None, prep.tokenizer, prep.workflow_cls, prep.judge,
                                       prep.stop_ids, prep.max_model_len)
-        sampling = runtime.check_sampling(self.loaded.typed)
+        sampling = CheckSampling.of(prep.models.first)
         check = logprob_check(
             runner.renderer,
             lambda prompt: self.get(engine_actor.sample_for_check.remote(prompt, runner.stop_token_ids, sampling),
@@ -303,7 +303,7 @@ class RayStages(Stages):
             score,
             self.get(trainer.precision.remote(), trainer_name, "report its precision"),
             sampling)
-        runtime.check_token_pipeline(self.loaded.typed, runner, check)
+        check_runner(self.loaded.typed.astuner.rollout.preflight, runner, check)
 
     def all_actors(self) -> list[tuple[str, object]]:
         groups = [pair for g in self.model_groups.values() for pair in zip(g.names, g.actors)]

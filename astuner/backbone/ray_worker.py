@@ -22,6 +22,8 @@ from astuner.backbone.local_models import save_model_folders, sync_models, train
 from astuner.config.derived import run_facts
 from astuner.config.schema_models import strategy_of
 from astuner.run_models import build_models, roster_of_models
+from astuner.task_judge.loading import build_judge
+from astuner.workflow import load_workflow
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,7 @@ class Worker:
         self.version = 0  # trainer steps behind the engine's weights (see sync_schedule.py)
         share = None
         if "engine" in roles:
-            workflow_cls = runtime.load_workflow(loaded)
-            judge = runtime.build_judge(loaded)
+            workflow_cls, judge = load_workflow(loaded), build_judge(loaded)
             import torch
 
             share = engine_share(loaded, roles, torch.cuda.is_available())

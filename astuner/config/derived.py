@@ -91,7 +91,7 @@ def gpu_share_per_engine(typed, engines: int, on_cuda: bool, share: float | None
     (None: astuner.rollout.gpu_memory_utilization), since vLLM reads it per engine (two at 0.6 would ask for 1.2
     cards); the start-up estimate counts the run's engines as that one share (preflight.py). `share` itself where
     nothing is split (None: the engine reads the config's). The config is never rewritten: the share goes to the
-    engine's builder (runtime.build_engine)."""
+    engine's builder (engine/build.py)."""
     if engines <= 1 or not on_cuda or resolve_engine_name(typed.astuner.rollout.engine) != "vllm":
         return share
     share = typed.astuner.rollout.gpu_memory_utilization if share is None else share

@@ -1,7 +1,7 @@
 """The config as a run uses it: every key that does nothing under the chosen settings reads its neutral value.
 
 `config/applicability.py` says where a key acts (and warns when a user sets one where it does not). The settings
-builders (`TrainerSettings` in runtime.py, `SelectionSettings` in selection.py) copy fields from
+builders (`TrainerSettings` in trainer/build.py, `SelectionSettings` in selection.py) copy fields from
 `effective(typed)` without restating those rules: `kl_loss_coef` already reads 0 there when `use_kl_loss` is off,
 `epsilon` 0 when advantages are not divided by their std, and so on. The neutral values are the ones under which
 the key changes nothing.

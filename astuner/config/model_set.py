@@ -22,6 +22,20 @@ from astuner.config.schema_models import POLICY
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (astuner/trainer/lora.py): rank 0 trains the full model."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | str
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     key: str  # where the config sets it: astuner.model or astuner.models.<name>
@@ -36,6 +50,7 @@ class ModelSpec:
     # may still override the rollout's temperature, never the model's own (model_tuner/completion.py)
     own_sampling: tuple = (None, None, None)
     adapter: bool = False  # a LoRA adapter on the base the set's first model trains, sharing its engine
+    lora: LoraSettings | None = None  # at lora_rank, trainer_common.lora's other settings; None at rank 0
 
 
 @dataclass(frozen=True)
@@ -91,16 +106,25 @@ def model_set(typed) -> ModelSet:
 
     def spec(name: str, key: str, path, entry) -> ModelSpec:
         own = tuple(None if entry is None else getattr(entry, k) for k in ("temperature", "top_p", "top_k"))
-        rank = None if entry is None else entry.lora_rank
+        rank = lora.rank if entry is None or entry.lora_rank is None else entry.lora_rank
         own_lr = None if entry is None else entry.lr
-        return ModelSpec(name, key, str(path), str(path), lora.rank if rank is None else rank,
-                         lr if own_lr is None else own_lr,
+        return ModelSpec(name, key, str(path), str(path), rank, lr if own_lr is None else own_lr,
                          *(getattr(r, k) if v is None else v for k, v in zip(("temperature", "top_p", "top_k"), own)),
-                         own_sampling=own)
+                         own_sampling=own, lora=lora_settings(lora, rank))
 
     models = (spec(POLICY, "astuner.model", a.model.path, None),
               *(spec(name, f"astuner.models.{name}", e.path, e) for name, e in a.models.items()))
     return _mark_adapters(models)
+
+
+def lora_settings(section, rank: int | None = None):
+    """The `LoraSettings` of trainer_common.lora (`section`) at `rank` (None: the section's); None at rank 0 (full
+    fine-tuning)."""
+    rank = section.rank if rank is None else rank
+    if rank == 0:
+        return None
+    targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
+    return LoraSettings(rank=rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets)
 
 
 def _mark_adapters(models: tuple[ModelSpec, ...]) -> ModelSet:

@@ -18,10 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from astuner.config.derived import run_facts
-from astuner.errors import UserError
 from astuner.algorithm.pass_at_k import TaskResult, ks_for, paired_difference, summarize, task_results
+from astuner.auxiliary import auxiliary_pool
+from astuner.config.derived import run_facts
+from astuner.engine.build import build_engine
+from astuner.errors import UserError
 from astuner.monitor.metrics import void_note
+from astuner.task_judge.loading import build_judge
+from astuner.workflow import load_workflow
 
 log = logging.getLogger(__name__)
 SPLITS = ("val", "train")
@@ -92,7 +96,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
              out_dir: Path | None = None, progress=None, baseline: str | None = None) -> list[ModelReport]:
     """Run the evaluation of every model in `models` (None: the config's model); write and return the reports.
     `baseline`: which pairs the written summary compares (`choose_pairs`), checked before any model runs."""
-    from astuner.runtime import _auxiliary_pool, quiet_library_progress, build_judge, load_workflow
+    from astuner.runtime import quiet_library_progress
     from astuner.task_reader import build_task_reader
 
     if split not in SPLITS:
@@ -111,7 +115,7 @@ def evaluate(loaded, models: list[str | None], split: str = "val", num_repeat: i
                         "task reader's validation file or split, or pass --split train")
     quiet_library_progress()
     ks = ks_for(k_samples) if k_samples > 0 else []
-    auxiliary = _auxiliary_pool(typed)  # frozen helpers (an LLM judge...): loaded once for every model
+    auxiliary = auxiliary_pool(typed)  # frozen helpers (an LLM judge...): loaded once for every model
     reports: list[ModelReport] = []
     try:
         for spec in models:
@@ -130,7 +134,8 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
     """One model: its engine, the greedy and sampled episodes (kept for the log viewer in
     `out_dir/episodes/<label>/`), its report."""
     from astuner.rollout import RolloutRunner, RolloutSettings
-    from astuner.runtime import build_engine, model_set, roster_of, stop_token_ids
+    from astuner.model_tuner.roster import roster_of
+    from astuner.runtime import model_set, stop_token_ids
 
     typed = loaded.typed
     label = model_label(spec, {r.label for r in reports})
@@ -141,7 +146,7 @@ def _evaluate_model(loaded, spec, reports, tasks, k_samples, ks, workflow_cls, j
                                              for model, other in _other_model_paths(models, spec, path).items()}}
     runner = RolloutRunner(RolloutSettings.from_config(typed, max_len), engine, tokenizer, workflow_cls, judge,
                            stop_token_ids(path, tokenizer), config=loaded.cfg, auxiliary=auxiliary,
-                           roster=roster_of(typed, models, engines))
+                           roster=roster_of(typed.astuner.agents, models, engines))
     start = time.perf_counter()
     try:
         bar = progress(f"eval {label}", len(tasks) * (1 + k_samples)) if progress else None
@@ -198,7 +203,7 @@ def checked_model_path(typed, spec: str | None, command: str) -> str:
 def load_model(typed, spec: str | None, command: str):
     """(folder, max_model_len, tokenizer, engine) of `spec` (None: the config's model), as a run samples it."""
     from astuner import preflight
-    from astuner.runtime import build_engine, load_tokenizer
+    from astuner.runtime import load_tokenizer
 
     path = checked_model_path(typed, spec, command)
     max_len = preflight.resolve_max_model_len(typed.astuner.rollout.max_model_len, preflight.read_model_facts(path),

@@ -177,6 +177,12 @@ def format_table(rows: list[CheckRow], chat_format, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def check_runner(mode: str, runner, logprob_check=None) -> list[CheckRow]:
+    """`run_preflight` over a rollout runner's renderer, parsers and turn ends (`mode`: astuner.rollout.preflight)."""
+    return run_preflight(mode, runner.renderer, runner.chat_format, runner.parser, runner.reasoning_parser,
+                         runner.stop_texts(), logprob_check)
+
+
 def run_preflight(mode: str, renderer, chat_format, tool_parser, reasoning_parser, stop_texts,
                   logprob_check=None) -> list[CheckRow]:
     if mode == "off":
@@ -205,6 +211,11 @@ class CheckSampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+    @classmethod
+    def of(cls, spec) -> "CheckSampling":
+        """A model's training-rollout sampling (its `config.model_set.ModelSpec`)."""
+        return cls(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
 
     def describe(self) -> str:
         return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from astuner.config.schema_models import POLICY
 from astuner.engine.base import InferenceEngine
 
-__all__ = ["POLICY", "Roster"]
+__all__ = ["POLICY", "Roster", "roster_of"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,12 @@ class Roster:
         """False when astuner.agents says the agent's calls do not train (`for_agent(name, trainable=False)` can
         turn them off too, never on)."""
         return self.agents[agent][1] if agent in self.agents else True
+
+
+def roster_of(agents, models, engines: dict) -> Roster | None:
+    """Which engine serves each named agent (`agents`: the astuner.agents section); `engines`: {model name: its
+    engine} over the `ModelSet` `models`, the first model's first. None for a one-model run without named agents."""
+    if len(engines) == 1 and not agents:
+        return None
+    return Roster(dict(engines), {agent: (entry.model, entry.trainable) for agent, entry in agents.items()},
+                  {spec.name: spec.own_sampling for spec in models if spec.name in engines})

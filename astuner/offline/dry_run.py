@@ -29,7 +29,7 @@ def agent_fingerprint(loaded) -> str:
 
     from omegaconf import OmegaConf
 
-    from astuner.runtime import load_user_class, workflow_spec
+    from astuner.workflow import load_user_class, workflow_spec
 
     digest = hashlib.sha256(str(workflow_spec(loaded.typed)).encode())
     digest.update(json.dumps(OmegaConf.to_container(loaded.cfg.astuner.rollout, resolve=True), sort_keys=True,

@@ -18,7 +18,8 @@ from astuner.loop import LoopSettings, RunSummary, count_steps, drive
 def run(loaded, checkpoint: Path | None = None) -> RunSummary:
     from astuner.logs import setup_logging
     from astuner.offline.stages import OfflineStages
-    from astuner.runtime import build_trainer, prepare
+    from astuner.runtime import prepare
+    from astuner.trainer.build import build_trainer
 
     typed = loaded.typed
     setup_logging(loaded.experiment_dir)

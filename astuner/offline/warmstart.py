@@ -30,7 +30,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astuner.config.derived import run_facts
+from astuner.engine.build import build_engine
 from astuner.errors import UserError
+from astuner.task_judge.loading import build_judge
+from astuner.workflow import load_workflow
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,7 @@ def run_episodes(loaded, model_path: str, tasks: list, sampled_repeats: int | No
     """Episodes of the config's workflow and judge on `tasks` with the model at `model_path`: one greedy episode
     per task, or `sampled_repeats` per task at the config's temperature."""
     from astuner import preflight
-    from astuner.runtime import build_engine, build_judge, build_runner, load_tokenizer, load_workflow, stop_token_ids
+    from astuner.runtime import build_runner, load_tokenizer, stop_token_ids
 
     typed = loaded.typed
     workflow_cls, judge = load_workflow(loaded), build_judge(loaded)

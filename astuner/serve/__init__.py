@@ -57,6 +57,7 @@ def build_service(loaded, limits=None):
     import torch
 
     from astuner import runtime
+    from astuner.engine.build import build_engine
     from astuner.serve.bases import served_bases
     from astuner.serve.tinker_service import TinkerService
 
@@ -69,8 +70,8 @@ def build_service(loaded, limits=None):
     def make_engine(base):
         """The config's engine, as a run builds it; vLLM's context: rollout.max_model_len capped by the model's."""
         limits = [n for n in (typed.astuner.rollout.max_model_len, base.facts.max_position_embeddings) if n]
-        return runtime.build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None,
-                                    engine=engine, gpu_share=share)
+        return build_engine(typed, base.model_path, base.tokenizer, min(limits) if limits else None, engine=engine,
+                            gpu_share=share)
 
     eager = engine == "vllm"
     for i, base in enumerate(bases.values()):

@@ -116,11 +116,12 @@ class TinkerService:
         return Outcome(json={"type": "create_model", "model_id": model_id})
 
     def _new_trainer(self, base: ServedBase, rank: int):
-        from astuner import runtime
+        from astuner.config.model_set import lora_settings
         from astuner.trainer import Trainer
+        from astuner.trainer.build import trainer_settings
 
-        settings = runtime.trainer_settings(self.typed, algorithm(self.typed.astuner.trainer_common.algorithm.type), 1)
-        lora = runtime.lora_settings(self.typed.astuner.trainer_common.lora, rank)
+        settings = trainer_settings(self.typed, algorithm(self.typed.astuner.trainer_common.algorithm.type), 1)
+        lora = lora_settings(self.typed.astuner.trainer_common.lora, rank)
         # Plain logprobs (no sampling filter), no reference model: the caller's losses need neither.
         settings = replace(settings, lora=lora, top_k=0, top_p=1.0, reference_model=False, use_kl_loss=False)
         return Trainer(base.model_path, settings)

@@ -1,6 +1,6 @@
 """The trainer's settings: one typed, validated record (`Trainer(model_path, settings)`).
 
-Defaults are those of `config/schema.py`; `runtime.build_trainer` fills the record from the composed config.
+Defaults are those of `config/schema.py`; `trainer/build.py` fills the record from the composed config.
 The record is checked when built, against the registries of `algorithm/loss.py`, before any model loads.
 """
 
@@ -8,22 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from astuner.config.model_set import LoraSettings  # resolved with each model (config/model_set.py)
+
 
 STRATEGIES = ("auto", "ddp", "fsdp2")  # the trainer group's: whole replicas (ddp) or shards (fsdp2, trainer/fsdp.py)
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA adapters (astuner/trainer/lora.py): rank 0 trains the full model."""
-
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...] | str
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,13 @@ def test_engines():
     assert set(ADAPTER_ENGINES) == set(ENGINES)  # every engine serves adapters on a shared base too
 
 
+def test_teacher_apis():
+    from astuner.config.schema_models import TeacherSection
+    from astuner.distill.teachers import TEACHER_APIS
+
+    assert literal(TeacherSection, "api") == set(TEACHER_APIS)
+
+
 def test_backbones():
     """Each backbone's record names entry points that exist and packaged defaults that exist."""
     import importlib

@@ -375,3 +375,38 @@ def test_several_models_are_named_alike_and_the_pipeline_reads_the_worst_gap():
     # A run of one model keeps its names.
     one = merge_model_results({"policy": results["policy"]}, {"policy": [0, 1]}, 2)
     assert one.metrics == results["policy"].metrics
+
+
+def test_each_model_carries_its_lora_settings_and_its_engine_and_trainer_take_them(tmp_path, monkeypatch):
+    """trainer_common.lora resolves once into each ModelSpec, at the model's own rank: the trainer's settings and
+    the adapter engine's adapters are those records (config/model_set.py), not re-read from the config."""
+    from astuner.algorithm.catalog import algorithm
+    from astuner.config import load_config
+    from astuner.config.model_set import LoraSettings, model_set
+    from astuner.engine import build
+    from astuner.trainer.build import trainer_settings
+
+    model = tmp_path / "base"
+    model.mkdir()
+    roster = (f"models: {{critic: {{path: {model}, lora_rank: 4}}, judge: {{path: {model}, lora_rank: 0}}}}\n"
+              "  agents: {critic: {model: critic}}")
+    yaml = write_run(tmp_path, model, "WriterAndCritic", roster=roster)
+    typed = load_config(str(yaml), ["astuner.trainer_common.lora.rank=8", "astuner.trainer_common.lora.alpha=16",
+                                    "astuner.trainer_common.lora.target_modules=[q_proj,v_proj]"]).typed
+    models = model_set(typed)
+    targets = ("q_proj", "v_proj")
+    assert models["policy"].lora == LoraSettings(rank=8, alpha=16.0, dropout=0.0, target_modules=targets)
+    assert models["critic"].lora == LoraSettings(rank=4, alpha=16.0, dropout=0.0, target_modules=targets)
+    assert models["judge"].lora is None  # rank 0: full fine-tuning
+    grpo = algorithm("grpo")
+    assert [trainer_settings(typed, grpo, 1, spec=s).lora for s in models] == [s.lora for s in models]
+
+    # policy and critic are adapters on one base (the judge trains in full): one engine serves both, each adapter
+    # at its own settings, started in a phase that names them
+    said, got = [], {}
+    monkeypatch.setattr("astuner.phase._say", said.append)
+    monkeypatch.setattr("astuner.phase.AFTER_S", 0.0)
+    monkeypatch.setitem(build.ADAPTER_ENGINES, "hf", lambda typed, base, lora, *rest: got.update(lora, base=base))
+    build.build_adapter_engine(typed, "hf", models, None, 256, None)
+    assert got == {"base": str(model), "policy": models["policy"].lora, "critic": models["critic"].lora}
+    assert said and said[0].startswith("starting the hf engine (base with adapters policy, critic")

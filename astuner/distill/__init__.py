@@ -17,38 +17,18 @@ def teacher_path(typed) -> str:
 
 
 def _endpoint(typed):
-    from astuner.distill.teachers import EndpointTeacher, TinkerTeacher
+    """The teacher server of astuner.teacher, of the class its `api` names (teachers.TEACHER_APIS)."""
+    from astuner.distill.teachers import TEACHER_APIS
 
     t = typed.astuner.teacher
-    if t.api == "tinker":
-        return TinkerTeacher(t.base_url, t.served_model, t.api_key_env, t.timeout_s)
-    return EndpointTeacher(t.base_url, t.served_model, t.api_key_env, t.timeout_s, t.batch_size)
-
-
-def _check_teacher_tokens(tokenizer, path: str, key: str, student: str, other=None) -> None:
-    """A teacher scores the student's token ids: its vocabulary must be the student's, its chat template need not."""
-    from astuner.tokenizer import check_same_tokenizer
-
-    check_same_tokenizer(tokenizer, path, key, other=other, template=False, whose=f"the student {student}",
-                         remedy="On-policy distillation scores the student's exact token ids: pick a teacher of the "
-                                "student's family")
+    return TEACHER_APIS[t.api].from_section(t)
 
 
 def check_endpoint_teacher(typed, tokenizer, student: str) -> None:
     """Before any weights load: a teacher server reads the student's tokens (UserError, exit 2, naming both)."""
-    from astuner.distill.teachers import check_vocabulary
-
     teacher = _endpoint(typed)
     try:
-        if typed.astuner.teacher.api == "tinker":
-            try:
-                theirs = teacher.tokenizer()
-            except Exception as exc:  # noqa: BLE001
-                raise UserError(f"astuner.teacher: could not load the tokenizer of {teacher.name} to check that it "
-                                f"reads the student's tokens ({type(exc).__name__}: {exc})") from None
-            _check_teacher_tokens(tokenizer, teacher.name, "astuner.teacher.served_model", student, theirs)
-        else:
-            check_vocabulary(teacher, tokenizer, student)
+        teacher.check_tokens(tokenizer, student)
     finally:
         teacher.shutdown()
 
@@ -60,13 +40,14 @@ def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model
     teacher scores on (config.derived.RunFacts.teacher_engine; None: a server); `device_type()`: where the loop's
     process computes."""
     from astuner import preflight
+    from astuner.distill.teachers import check_teacher_tokens
 
     student = typed.astuner.model.path
     if engine is None:
         check_endpoint_teacher(typed, tokenizer, student)
         return None
     path = teacher_path(typed)
-    _check_teacher_tokens(tokenizer, path, "astuner.teacher.model", student)
+    check_teacher_tokens(tokenizer, path, "astuner.teacher.model", student)
     facts = preflight.read_model_facts(path, "astuner.teacher.model")
     return teacher_memory(engine, facts, device_type(), max_model_len, typed.astuner.rollout)
 

@@ -14,8 +14,9 @@ failure of one sequence or request never takes down the others' results).
                       `compute_logprobs` ([None, logprobs...]), or with top-k its `sample` with
                       `topk_prompt_logprobs`; one future per sequence
 
-Each is checked at start to read the student's tokens (a server's by `check_vocabulary`, a model's tokenizer by
-tokenizer.check_same_tokenizer): a run whose teacher splits text differently would distil noise.
+Each is checked at start to read the student's tokens (a server by its `check_tokens`: an OpenAI server by
+`check_vocabulary`, a Tinker server's tokenizer and a model folder's by `check_teacher_tokens`): a run whose
+teacher splits text differently would distil noise. `TEACHER_APIS` picks a server's class by astuner.teacher.api.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ class EndpointTeacher:
         self.timeout_s, self.batch_size = timeout_s, batch_size
         self.model = model or self._first_model()
         self.name = f"{self.model} at {self.base_url}"
+
+    @classmethod
+    def from_section(cls, t) -> "EndpointTeacher":
+        """The server of astuner.teacher (`t`): base_url, served_model, api_key_env, timeout_s, batch_size."""
+        return cls(t.base_url, t.served_model, t.api_key_env, t.timeout_s, t.batch_size)
+
+    def check_tokens(self, tokenizer, student: str) -> None:
+        """UserError (exit 2) unless the server tokenizes as the student does (`check_vocabulary`)."""
+        check_vocabulary(self, tokenizer, student)
 
     def _first_model(self) -> str:
         try:
@@ -152,6 +162,20 @@ class TinkerTeacher:
                             "Start the server (e.g. `astuner serve`), check the URL and key, and name a tinker:// "
                             "path or a base model in astuner.teacher.served_model") from None
 
+    @classmethod
+    def from_section(cls, t) -> "TinkerTeacher":
+        """The sampler of astuner.teacher (`t`): base_url, served_model, api_key_env, timeout_s."""
+        return cls(t.base_url, t.served_model, t.api_key_env, t.timeout_s)
+
+    def check_tokens(self, tokenizer, student: str) -> None:
+        """UserError (exit 2) unless the server's tokenizer has the student's vocabulary."""
+        try:
+            theirs = self.tokenizer()
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"astuner.teacher: could not load the tokenizer of {self.name} to check that it "
+                            f"reads the student's tokens ({type(exc).__name__}: {exc})") from None
+        check_teacher_tokens(tokenizer, self.name, "astuner.teacher.served_model", student, theirs)
+
     def score(self, sequences: list[list[int]], topk: int = 0) -> list[PromptLogprobs | BaseException]:
         from tinker import types
 
@@ -210,6 +234,20 @@ def checked(scored: PromptLogprobs, seq: list[int], topk: int, name: str) -> Pro
                                f"{len(seq) - 1} positions")
         scored = PromptLogprobs(list(scored.values), [[(int(t), float(lp)) for t, lp in p[:topk]] for p in top])
     return scored
+
+
+# astuner.teacher.api -> the class of a teacher server (astuner.teacher.base_url)
+TEACHER_APIS = {"openai": EndpointTeacher, "tinker": TinkerTeacher}
+
+
+def check_teacher_tokens(tokenizer, path: str, key: str, student: str, other=None) -> None:
+    """A teacher scores the student's token ids: its vocabulary (the tokenizer at `path`, or `other`) must be the
+    student's, its chat template need not."""
+    from astuner.tokenizer import check_same_tokenizer
+
+    check_same_tokenizer(tokenizer, path, key, other=other, template=False, whose=f"the student {student}",
+                         remedy="On-policy distillation scores the student's exact token ids: pick a teacher of the "
+                                "student's family")
 
 
 PROBE = [{"role": "system", "content": "You check tools."},

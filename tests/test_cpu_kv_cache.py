@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from astuner.engine.vllm_engine import _cpu_kv_cache_bytes
+from astuner.engine.vllm_engine import cpu_kv_cache_bytes
 from astuner.preflight import available_memory, node_available_memory
 
 GIB = 2**30
@@ -29,14 +29,14 @@ def test_the_kv_cache_fits_in_what_the_weights_leave_of_the_node_by_hand(tmp_pat
     per_token = 24 * 2 * 2 * 64 * 4
     per_seq = per_token * 8192  # 8192 tokens: 64 whole blocks of 128; 192 MiB a sequence
     # Plenty of memory: max_num_seqs = 64 full-length sequences want 12 GiB (rounded up to whole GiB).
-    assert _cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=100 * GIB) == 12 * GIB
+    assert cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=100 * GIB) == 12 * GIB
     # 9.7 GiB available (a busy 24 GiB machine's node 0): half of what the weights (fp32: twice the bf16 file) leave.
-    assert _cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=int(9.7 * GIB)) == \
+    assert cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=int(9.7 * GIB)) == \
         (int(9.7 * GIB) - 2000) // 2
     # Less than one sequence's worth: one full-length sequence still (vLLM then says what does not fit).
-    assert _cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=GIB // 4) == per_seq
+    assert cpu_kv_cache_bytes(str(model), 8192, 64, "float32", available=GIB // 4) == per_seq
     # A short max_model_len: whole blocks, at least 1 GiB as before.
-    assert _cpu_kv_cache_bytes(str(model), 100, 4, "float32", available=100 * GIB) == GIB
+    assert cpu_kv_cache_bytes(str(model), 100, 4, "float32", available=100 * GIB) == GIB
 
 
 def test_the_node_memory_is_what_vllm_reads():

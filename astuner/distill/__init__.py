@@ -82,7 +82,7 @@ def teacher_memory(engine: str, teacher, device: str, max_model_len: int, rollou
     preflight.ModelFacts; `rollout`: the config's rollout section) in the start-up plan (preflight.make_plan): the
     HF engine's fp32 weights (it loads fp32 everywhere); vLLM on CPU its fp32 weights, runtime and its own KV cache
     (rollout.max_num_seqs full-length sequences, as an engine started outside the memory fit takes:
-    vllm_engine._cpu_kv_cache_bytes); vLLM on a GPU nothing more, since it takes its part of the run's share
+    vllm_engine.cpu_kv_cache_bytes); vLLM on a GPU nothing more, since it takes its part of the run's share
     (distill.build_teacher)."""
     from astuner.preflight import GIB, VLLM_CPU_RUNTIME
 
@@ -90,9 +90,9 @@ def teacher_memory(engine: str, teacher, device: str, max_model_len: int, rollou
     if engine == "vllm" and device == "cuda":
         held, where = 0, "its part of astuner.rollout.gpu_memory_utilization, split with the run's engines"
     elif engine == "vllm":
-        from astuner.engine.vllm_engine import _cpu_kv_cache_bytes
+        from astuner.engine.vllm_engine import cpu_kv_cache_bytes
 
-        kv = _cpu_kv_cache_bytes(teacher.path, max_model_len, rollout.max_num_seqs, "float32")
+        kv = cpu_kv_cache_bytes(teacher.path, max_model_len, rollout.max_num_seqs, "float32")
         held += VLLM_CPU_RUNTIME + kv
         where = f"fp32 weights, vLLM's runtime and a KV cache of {kv / GIB:.1f} GiB"
     else:

@@ -122,7 +122,7 @@ def prepare_cpu_backend(extra_args: dict, model_path: str, max_model_len: int, m
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         extra_args.setdefault("kv_cache_memory_bytes", int(
-            kv_cache_bytes or _cpu_kv_cache_bytes(model_path, max_model_len, max_num_seqs, dtype)))
+            kv_cache_bytes or cpu_kv_cache_bytes(model_path, max_model_len, max_num_seqs, dtype)))
 
 
 def vllm_sampling_params(sampling: SamplingParams):
@@ -407,8 +407,8 @@ class VLLMEngine(FolderWeights):
             self._thread.join(timeout=10)
 
 
-def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
-                        available: int | None = None) -> int:
+def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
+                       available: int | None = None) -> int:
     """The KV cache of an engine started outside a run's memory fit (`astuner eval`, the warm start): max_num_seqs
     sequences of max_model_len tokens (rounded up to whole GiB, at most 16 GiB), but at most half of what the
     model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's), and

@@ -34,9 +34,9 @@ def board(tmp_path):
     loop.call_soon_threadsafe(loop.stop)
 
 
-def offer(board, *tasks: dict, on_take=None) -> list:
+def offer(board, *tasks: dict, on_take=None, on_end=None) -> list:
     async def make():
-        return [board.offer({"task": task, "base_url": "", "api_key": "k", "model": "policy"}, on_take)
+        return [board.offer({"task": task, "base_url": "", "api_key": "k", "model": "policy"}, on_take, on_end)
                 for task in tasks]
 
     return asyncio.run_coroutine_threadsafe(make(), board.loop).result(5)
@@ -92,6 +92,23 @@ def test_a_client_takes_no_more_than_asked_and_counts_only_what_the_run_took(boa
     client = RemoteClient(board.public_url, name="c")
     assert client.run(late, concurrency=4, episodes=2, idle_exit_s=3) == 0  # 410s: not counted
     assert board.taken == 2  # concurrency 4, episodes 2: two taken, not four
+
+
+def test_a_result_ends_its_episodes_calls_before_the_client_hears_it_was_taken(board):
+    """The episode's keys are revoked when its result (or error) is accepted, before the answer: a call the client
+    makes after posting is refused, not recorded into the episode while the run's loop has yet to end it."""
+    from astuner_remote import RemoteClient
+
+    ended = []
+    offers = offer(board, {"i": 0}, {"i": 1}, on_end=lambda: ended.append(board.counts()["finished"]))
+    client = RemoteClient(board.public_url, name="c")
+    first = client.next_episode(wait_s=5)
+    assert ended == []  # taken, not ended
+    assert client.post_result(first, 1.0) and ended == [1]  # ended when the answer came
+    second = client.next_episode(wait_s=5)
+    assert client.post_error(second, "the agent broke") and ended == [1, 2]
+    results = [outcome(o) for o in offers]
+    assert results[0].reward == 1.0 and "the agent broke" in str(results[1])
 
 
 @pytest.mark.slow

@@ -171,12 +171,18 @@ class ModelTuner:
             self._keys[slot] = self.require_gateway().register(self, options)
         return self._keys[slot]
 
-    def close(self) -> None:
-        """The episode is over: revoke its API keys (a late request gets 401 and records nothing)."""
-        close_item(self.tool_item)
+    def end_calls(self) -> None:
+        """Revoke the episode's API keys: a later request is refused (408 `episode_ended`) and records nothing.
+        Thread-safe: a remote client's result ends its episode's calls from the server's thread, before the
+        episode itself returns (serve/remote_board.py)."""
         if self.gateway is not None:
-            for key in self._keys.values():
+            for key in list(self._keys.values()):
                 self.gateway.revoke(key)
+
+    def close(self) -> None:
+        """The episode is over: its tools and its API keys (`end_calls`)."""
+        close_item(self.tool_item)
+        self.end_calls()
 
     # --- AgentScope chat-model front end -------------------------------------------------------------------
     async def __call__(

@@ -46,6 +46,7 @@ class Offer:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     on_take: Callable[[str, float], None] | None = None  # (client, deadline): the episode's deadline starts
+    on_end: Callable[[], None] | None = None  # its result or error was accepted: the episode's calls end now
     taken_by: str | None = None
     deadline: float | None = None  # time.monotonic(), from the take
 
@@ -77,12 +78,13 @@ class EpisodeBoard:
     def take_wait_s(self) -> float:
         return self.take_timeout_s if self.take_timeout_s is not None else 4 * self.episode_timeout_s
 
-    def offer(self, payload: dict, on_take: Callable[[str, float], None] | None = None) -> Offer:
+    def offer(self, payload: dict, on_take: Callable[[str, float], None] | None = None,
+              on_end: Callable[[], None] | None = None) -> Offer:
         loop = asyncio.get_running_loop()
         with self._lock:
             episode_id = f"ep-{self._start}-{next(self._ids)}"
             offer = Offer(episode_id, {**payload, "episode_id": episode_id}, time.monotonic() + self.take_wait_s,
-                          self.episode_timeout_s, loop.create_future(), loop, on_take)
+                          self.episode_timeout_s, loop.create_future(), loop, on_take, on_end)
             self._offers[episode_id] = offer
         return offer
 
@@ -152,6 +154,8 @@ class EpisodeBoard:
                 raise BoardError(409, f"episode {episode_id} was taken by another client")
             del self._offers[episode_id]
             self.finished += 1
+        if offer.on_end is not None:  # before the client hears its result was taken: no call of it lands after
+            offer.on_end()
 
         def resolve() -> None:
             if not offer.future.done():
@@ -215,7 +219,7 @@ class RemoteAgents(Workflow):
             # One key per agent of astuner.agents: a call under it is that agent's, served by its model.
             "agent_keys": {agent: model_tuner.for_agent(agent).api_key for agent in model_tuner.roster.agents},
         }
-        offer = board.offer(payload, on_take)
+        offer = board.offer(payload, on_take, on_end=model_tuner.end_calls)
         try:
             return await offer.future
         finally:

@@ -1,10 +1,11 @@
-"""The user-facing workflow API and the loader for `module->Class` strings."""
+"""The user-facing workflow API, the loader for `module->Class` strings (`load_class`, `load_user_class`) and
+the run's workflow from the config (`load_workflow`)."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -117,10 +117,8 @@ def model_set(typed) -> ModelSet:
     return _mark_adapters(models)
 
 
-def lora_settings(section, rank: int | None = None):
-    """The `LoraSettings` of trainer_common.lora (`section`) at `rank` (None: the section's); None at rank 0 (full
-    fine-tuning)."""
-    rank = section.rank if rank is None else rank
+def lora_settings(section, rank: int) -> LoraSettings | None:
+    """The `LoraSettings` of trainer_common.lora (`section`) at `rank`; None at rank 0 (full fine-tuning)."""
     if rank == 0:
         return None
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)

@@ -32,7 +32,7 @@ def trainer_settings(typed, kind, total_steps: int, micro_batch_tokens: int | No
     tc = typed.astuner.trainer_common
     # The model's settings read through `effective` too (a filter that does nothing here is off).
     spec = configured(typed).first if spec is None else configured(typed)[spec.name]
-    settings = TrainerSettings(
+    return TrainerSettings(
         lr=spec.lr,
         weight_decay=tc.optim.weight_decay,
         lr_warmup_steps=tc.optim.lr_warmup_steps,
@@ -71,4 +71,3 @@ def trainer_settings(typed, kind, total_steps: int, micro_batch_tokens: int | No
         strategy=strategy_of(typed, models_in_group),
         group_size=world,
     )
-    return settings

@@ -22,8 +22,10 @@ def run(conf: str, backbone: str, overrides: list[str], with_ray: bool = False, 
 
     from astuner import run_lock
     from astuner.config import config_warnings, load_config, save_config
+    from astuner.engine.fingerprint import fingerprint_threads
     from astuner.resume import plan_start
 
+    fingerprint_threads()  # a bad ASTUNER_FINGERPRINT_THREADS refused now, not at the first sync
     loaded = load_config(conf, overrides, backbone=backbone)
     for note in loaded.derived:
         print(f"astuner: derived {note}", file=sys.stderr)

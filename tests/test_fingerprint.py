@@ -4,6 +4,7 @@ was sent (astuner/engine/fingerprint.py)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -324,6 +325,29 @@ def test_the_hf_engine_verifies_each_sync_and_catches_a_skipped_tensor(tiny_mode
                                            r"sent sum") as info:
         faulty.load_weights(new.named_parameters())
     assert "model.layers.0" not in str(info.value)  # only the tensor that missed its update
+
+
+def test_the_fingerprints_threads_are_the_cores_unless_astuner_fingerprint_threads_caps_them(monkeypatch, tmp_path):
+    """Cores shared with other work (the tests' workers, another job) cap the sums' threads by the variable; a Ray
+    actor's OMP_NUM_THREADS=1 does not; a bad value is refused when the run starts, before its folder is made."""
+    from astuner.backbone.ray_cluster import worker_env
+    from astuner.engine import fingerprint as fp
+    from astuner.errors import UserError
+    from astuner.launch import run
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv(fp.THREADS_ENV, raising=False)
+    assert fp.fingerprint_threads() == max(1, min(16, len(os.sched_getaffinity(0))))
+    monkeypatch.setenv(fp.THREADS_ENV, "3")
+    assert fp.fingerprint_threads() == 3 and fp.FingerprintBuilder()._threads == 3
+    assert worker_env()[fp.THREADS_ENV] == "3"  # a joined cluster's actors get it too
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(fp.THREADS_ENV, bad)
+        with pytest.raises(UserError, match=f"ASTUNER_FINGERPRINT_THREADS={bad!r}.*1 or more"):
+            fp.fingerprint_threads()
+        with pytest.raises(UserError, match="ASTUNER_FINGERPRINT_THREADS"):
+            run(str(tmp_path / "absent.yaml"), "debug", [f"astuner.experiment_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_host_tensors_are_summed_with_torch_threads_raised_and_put_back(monkeypatch):

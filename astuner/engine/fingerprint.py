@@ -266,10 +266,28 @@ def torch_threads(n: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+THREADS_ENV = "ASTUNER_FINGERPRINT_THREADS"
+
+
 def fingerprint_threads() -> int:
-    """torch threads for summing host tensors: the cores this process may run on, at most 16."""
+    """torch threads for summing host tensors: ASTUNER_FINGERPRINT_THREADS where set (cores shared with other
+    work: OpenMP threads beyond a process's share of the cores wait by spinning, and a fingerprint beside a busy
+    process took 2.7x the CPU on 2 threads than on 1), else the cores this process may run on, at most 16.
+    OMP_NUM_THREADS is not read: Ray sets it to 1 in every actor, where the sums would then take one core."""
     import os
 
+    given = os.environ.get(THREADS_ENV, "").strip()
+    if given:
+        try:
+            threads = int(given)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            from astuner.errors import UserError
+
+            raise UserError(f"{THREADS_ENV}={given!r}: give a whole number of threads, 1 or more (or unset it "
+                             "to use the cores this process may run on)")
+        return threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

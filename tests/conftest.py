@@ -25,6 +25,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _cores = len(os.sched_getaffinity(0))
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // _workers)))
+    # A sync's fingerprint raises torch's threads to every core (astuner/engine/fingerprint.py): held to the share.
+    os.environ.setdefault("ASTUNER_FINGERPRINT_THREADS", os.environ["OMP_NUM_THREADS"])
 
 
 def _agentscope_major() -> int:
@@ -106,14 +108,17 @@ def demo_tokenizer(demo_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, demo_tokenizer) -> Path:
-    """A 2-layer Llama with random weights and the demo tokenizer (head_dim 64, as vLLM's CPU attention needs)."""
+    """A 2-layer Llama with random weights and the demo tokenizer (head_dim 64, as vLLM's CPU attention needs).
+    Hidden size 64: the tied embedding / LM head (49,152 x hidden) is nearly all of each forward, sync, fingerprint
+    and checkpoint, and 64 took a fifth off the CPU of tests that run training against 128. Its 2 query heads of 64
+    (wider than the hidden size, as Llama's `head_dim` allows) are grouped over 1 KV head: q/k/v still differ."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_model")
     config = LlamaConfig(
         vocab_size=len(demo_tokenizer),
-        hidden_size=128,
+        hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,

@@ -110,7 +110,7 @@ def demo_tokenizer(demo_model_dir):
 def tiny_model_dir(tmp_path_factory, demo_tokenizer) -> Path:
     """A 2-layer Llama with random weights and the demo tokenizer (head_dim 64, as vLLM's CPU attention needs).
     Hidden size 64: the tied embedding / LM head (49,152 x hidden) is nearly all of each forward, sync, fingerprint
-    and checkpoint, and 64 took a fifth off the CPU of tests that run training against 128. Its 2 query heads of 64
+    and checkpoint, and 64 took 18 % off the CPU of tests that run training against 128. Its 2 query heads of 64
     (wider than the hidden size, as Llama's `head_dim` allows) are grouped over 1 KV head: q/k/v still differ."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

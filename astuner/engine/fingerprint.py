@@ -272,7 +272,7 @@ THREADS_ENV = "ASTUNER_FINGERPRINT_THREADS"
 def fingerprint_threads() -> int:
     """torch threads for summing host tensors: ASTUNER_FINGERPRINT_THREADS where set (cores shared with other
     work: OpenMP threads beyond a process's share of the cores wait by spinning, and a fingerprint beside a busy
-    process took 2.7x the CPU on 2 threads than on 1), else the cores this process may run on, at most 16.
+    process took 2.7x as much CPU on 2 threads as on 1), else the cores this process may run on, at most 16.
     OMP_NUM_THREADS is not read: Ray sets it to 1 in every actor, where the sums would then take one core."""
     import os
 

@@ -82,7 +82,8 @@ class SelectionSettings:
     def from_config(cls, typed) -> SelectionSettings:
         from astuner.config.effective import effective
 
-        typed = effective(typed)  # keys that do nothing here read their neutral values
+        kind = algorithm(typed.astuner.trainer_common.algorithm.type)
+        typed = effective(typed, kind)  # keys that do nothing here read their neutral values
         a, tc = typed.astuner, typed.astuner.trainer_common
         fg = tc.algorithm.filter_groups
         return cls(

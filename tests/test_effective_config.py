@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from astuner.algorithm.catalog import algorithm
 from astuner.config import load_config
-from astuner.config.effective import NEUTRAL, effective
+from astuner.config.effective import NEUTRAL
+from astuner.config.effective import effective as view
 
 YAML = """\
 astuner:
@@ -22,6 +24,10 @@ astuner:
     optim: {min_lr_ratio: 0.3}
     algorithm: {epsilon: 0.01, rft_reward_threshold: 0.7, filter_groups: {metric: acc, max_num_gen_batches: 4}}
 """
+
+
+def effective(typed):
+    return view(typed, algorithm(typed.astuner.trainer_common.algorithm.type))
 
 
 @pytest.fixture

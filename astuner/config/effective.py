@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from astuner.algorithm.catalog import algorithm
 from astuner.config.applicability import APPLIES_ONLY_WITH
 
 TC = "astuner.trainer_common."
@@ -37,12 +36,12 @@ NEUTRAL: dict[str, Any] = {
 OFFLINE_NEUTRAL: dict[str, Any] = {"astuner.rollout.top_k": 0, "astuner.rollout.top_p": 1.0}
 
 
-def effective(typed):
+def effective(typed, kind):
     """A read-only view of the typed config (`RunConfig`) in which every inactive key of NEUTRAL reads its neutral
     value; every other read goes to the config itself. Which keys are inactive is decided on the config as
-    given, before any is reset."""
+    given, before any is reset. `kind`: the record of its algorithm type (algorithm/catalog.py; the set-up's
+    config.derived.RunFacts.algorithm), looked up once by the caller."""
     inactive = {key: value for key, value in NEUTRAL.items() if not APPLIES_ONLY_WITH[key][1](typed, None)}
-    kind = algorithm(typed.astuner.trainer_common.algorithm.type)
     if kind.offline:
         inactive.update(OFFLINE_NEUTRAL)
     if not kind.mini_batches:  # the whole batch is one optimizer step

@@ -28,7 +28,7 @@ def trainer_settings(typed, kind, total_steps: int, micro_batch_tokens: int | No
     """The TrainerSettings of `build_trainer`; `kind`: the run's algorithm record (RunFacts.algorithm)."""
     from astuner import preflight
 
-    typed = effective(typed)  # keys that do nothing here read their neutral values (config/effective.py)
+    typed = effective(typed, kind)  # keys that do nothing here read their neutral values (config/effective.py)
     tc = typed.astuner.trainer_common
     # The model's settings read through `effective` too (a filter that does nothing here is off).
     spec = configured(typed).first if spec is None else configured(typed)[spec.name]

@@ -23,11 +23,17 @@ model of width 128 with the demo vocabulary (V 49152), where the head is nearly 
 above malloc's mmap threshold (RSS sees each come and go): 20.0 V a token for the plain head, 21.3 V with top-k 50
 / top-p 0.9, 21.2 V with entropy_coeff; the chunked head (C = 256) under 0.4 V a token in all three. The KV cache
 is 46 KB a token in fp32 on the demo model (SmolLM2-135M: L 30, H 576, I 1536, 3 KV heads of 64).
+
+What this machine has for it is read here too: the trainer's device (`DeviceFacts`, `local_device`) and the memory
+available (`available_memory`: what the kernel says, capped by the process's cgroup and by its NUMA node, the figure
+vLLM's CPU backend checks its KV cache against).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 VLLM_CPU_BLOCK = 128  # vLLM's CPU KV-cache block (tokens); only whole blocks are allocated
 CHUNK_ENTRY_BYTES = 8  # the chunked head's peak per entry of one chunk's C x V logits (astuner/trainer/fused_head.py)
@@ -86,3 +92,71 @@ class ModelShape:
 def blocks_of(tokens: int, block: int = VLLM_CPU_BLOCK) -> int:
     """Tokens rounded up to whole KV blocks."""
     return -(-tokens // block) * block
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Where the trainer runs: its device type and, on a GPU, one card's free and total memory (None: unknown)."""
+
+    type: str  # "cuda" or "cpu"
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+def local_device() -> DeviceFacts:
+    """This process's device, for a trainer in this process (the debug backbone). It starts CUDA here: a Ray
+    driver asks its GPU workers instead (`backbone/ray_run.cluster_device`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return DeviceFacts("cpu")
+    free, total = torch.cuda.mem_get_info()
+    return DeviceFacts("cuda", int(free), int(total))
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit and by
+    the NUMA node's available memory (vLLM's CPU backend checks its KV cache against the node's)."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            room = int(limit) - usage
+            available = room if available is None else min(available, room)
+        break
+    node = node_available_memory()
+    return available if node is None else node if available is None else min(available, node)
+
+
+def node_available_memory() -> int | None:
+    """What vLLM's CPU backend checks its KV cache against: the available memory of the NUMA node of this process's
+    first CPU (free + file cache + reclaimable slab, from /sys/devices/system/node/nodeN/meminfo). On a machine of
+    several nodes this is less than MemAvailable; None where the kernel has no node files."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        node = next(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*")).name
+        fields = {}
+        for line in Path(f"/sys/devices/system/node/{node}/meminfo").read_text().splitlines():
+            parts = line.split()  # "Node 0 MemFree:  13420192 kB"
+            if len(parts) >= 4:
+                fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        return fields["MemFree"] + fields["Active(file)"] + fields["Inactive(file)"] + fields.get("SReclaimable", 0)
+    except (OSError, StopIteration, KeyError, ValueError, AttributeError):
+        return None

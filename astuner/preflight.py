@@ -33,7 +33,7 @@ from pathlib import Path
 from astuner.algorithm.catalog import algorithm
 from astuner.cuts import POLICIES as ON_CUT
 from astuner.errors import UserError
-from astuner.memory import ModelShape, blocks_of
+from astuner.memory import DeviceFacts, ModelShape, available_memory, blocks_of, local_device
 from astuner.resume import checkpoint_models
 
 log = logging.getLogger(__name__)
@@ -188,74 +188,6 @@ def resolve_max_model_len(configured: int | None, facts: ModelFacts, per_turn: i
     return resolved
 
 
-@dataclass(frozen=True)
-class DeviceFacts:
-    """Where the trainer runs: its device type and, on a GPU, one card's free and total memory (None: unknown)."""
-
-    type: str  # "cuda" or "cpu"
-    free_bytes: int | None = None
-    total_bytes: int | None = None
-
-
-def local_device() -> DeviceFacts:
-    """This process's device, for a trainer in this process (the debug backbone). It starts CUDA here: a Ray
-    driver asks its GPU workers instead (`backbone/ray_run.cluster_device`)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return DeviceFacts("cpu")
-    free, total = torch.cuda.mem_get_info()
-    return DeviceFacts("cuda", int(free), int(total))
-
-
-def available_memory(device: str) -> int | None:
-    """Bytes this process can use: free GPU memory on cuda; on cpu MemAvailable, capped by a cgroup limit and by
-    the NUMA node's available memory (vLLM's CPU backend checks its KV cache against the node's)."""
-    if device == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info()[0])
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:
-            room = int(limit) - usage
-            available = room if available is None else min(available, room)
-        break
-    node = node_available_memory()
-    return available if node is None else node if available is None else min(available, node)
-
-
-def node_available_memory() -> int | None:
-    """What vLLM's CPU backend checks its KV cache against: the available memory of the NUMA node of this process's
-    first CPU (free + file cache + reclaimable slab, from /sys/devices/system/node/nodeN/meminfo). On a machine of
-    several nodes this is less than MemAvailable; None where the kernel has no node files."""
-    try:
-        cpu = min(os.sched_getaffinity(0))
-        node = next(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*")).name
-        fields = {}
-        for line in Path(f"/sys/devices/system/node/{node}/meminfo").read_text().splitlines():
-            parts = line.split()  # "Node 0 MemFree:  13420192 kB"
-            if len(parts) >= 4:
-                fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
-        return fields["MemFree"] + fields["Active(file)"] + fields["Inactive(file)"] + fields.get("SReclaimable", 0)
-    except (OSError, StopIteration, KeyError, ValueError, AttributeError):
-        return None
-
-
 def optimizer_steps_per_step(typed) -> int:
     """Optimizer steps one training step takes: ppo_epochs x mini_batch_num for RL, mini_batch_num for SFT and
     RFT, one for the preference losses."""
@@ -276,10 +208,10 @@ def _base_bytes(P: int, precision: str) -> int:
 
 def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total_steps: int,
               device_facts: DeviceFacts | None = None, others: dict[str, ModelFacts] | None = None,
-              teacher: tuple[int, str] | None = None) -> RunPlan:
+              teacher: ModelFacts | None = None) -> RunPlan:
     """The run's plan for a trainer on `device_facts` (None: this process's device, `local_device`); `others`:
-    the facts of astuner.models by name, whose trainers and engines it counts too; `teacher`: the bytes and line of
-    a distillation teacher loaded in the debug backbone's one process (distill.teacher_memory)."""
+    the facts of astuner.models by name, whose trainers and engines it counts too; `teacher`: the facts of a
+    model-folder distillation teacher, counted where the backbone loads it in its one process (`teacher_memory`)."""
     from astuner.tools.python_exec import describe_sandbox
 
     from astuner.config.backbones import backbone as backbone_record
@@ -328,8 +260,61 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
     if others:
         plan = replace(plan, **_other_models(typed, others, precision, engine_bytes, facts, other_shards))
     if teacher is not None and not record.on_ray:
-        plan = replace(plan, teacher=teacher)
+        plan = replace(plan, teacher=teacher_memory(typed, teacher, device, max_model_len))
     return fit_memory(plan, facts.shape, typed, precision, processes)
+
+def teacher_memory(typed, teacher: ModelFacts, device: str, max_model_len: int) -> tuple[int, str]:
+    """(bytes, the plan's line) of a model-folder teacher (`teacher`: its facts) on its engine
+    (config.derived.teacher_engine): the HF engine's fp32 weights (it loads fp32 everywhere); vLLM on CPU its fp32
+    weights, runtime and its own KV cache (rollout.max_num_seqs full-length sequences, as an engine started outside
+    the memory fit takes: `cpu_kv_cache_bytes`); vLLM on a GPU nothing more, since it takes its part of the run's
+    share (distill.build_teacher)."""
+    from astuner.config.derived import teacher_engine
+
+    engine = teacher_engine(typed)
+    held = 4 * teacher.num_params
+    if engine == "vllm" and device == "cuda":
+        held, where = 0, "its part of astuner.rollout.gpu_memory_utilization, split with the run's engines"
+    elif engine == "vllm":
+        kv = cpu_kv_cache_bytes(teacher.path, max_model_len, typed.astuner.rollout.max_num_seqs, "float32")
+        held += VLLM_CPU_RUNTIME + kv
+        where = f"fp32 weights, vLLM's runtime and a KV cache of {kv / GIB:.1f} GiB"
+    else:
+        where = "fp32 weights"
+    return held, (f"{teacher.path} ({teacher.architecture}, {teacher.num_params / 1e6:.1f}M parameters) on {engine}: "
+                  f"{held / GIB:.2f} GiB ({where})")
+
+
+def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
+                       available: int | None = None) -> int:
+    """The KV cache of an engine started outside a run's memory fit (`astuner eval`, the warm start): max_num_seqs
+    sequences of max_model_len tokens (rounded up to whole GiB, at most 16 GiB), but at most half of what the
+    model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's: host_memory.py), and
+    at least one full-length sequence (more wait their turn)."""
+    import json
+    from types import SimpleNamespace
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        shape = ModelShape.from_config(SimpleNamespace(**config))
+    except (OSError, ValueError, TypeError):
+        config, shape = {}, None
+    if shape is None:
+        return 4 * 2**30
+    per_seq = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * blocks_of(max_model_len)
+    wanted = min(16 * 2**30, max(2**30, -(-per_seq * max_num_seqs // 2**30) * 2**30))
+    available = available_memory("cpu") if available is None else available
+    if available is None:
+        return wanted
+    stored = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    widen = 2 if dtype == "float32" and config.get("torch_dtype") in ("bfloat16", "float16") else 1
+    room = (available - stored * widen) // 2
+    kv = max(per_seq, min(wanted, room))
+    if kv < wanted:
+        log.info("vLLM KV cache %.2f GiB (%.1f of max_num_seqs=%d sequences of %d tokens): half of what the weights "
+                 "leave of %.1f GiB available", kv / 2**30, kv / per_seq, max_num_seqs, max_model_len,
+                 available / 2**30)
+    return int(kv)
 
 
 def _cuts_line(typed, max_model_len: int) -> str:

@@ -79,7 +79,7 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     """In the order that fails fastest: user code, data, the model's config and memory estimate; no weights.
     The data source is the catalog's (`task_reader/sources.py`: the workflow's tasks, or offline_data's
     conversations or pairs, which need no workflow). `total_steps_of(n_train_items)` gives the run's step count;
-    `device_of()` the trainer's `preflight.DeviceFacts` (None: this process's device, where the debug backbone
+    `device_of()` the trainer's `memory.DeviceFacts` (None: this process's device, where the debug backbone
     trains)."""
     from astuner import preflight
     from astuner.logs import announce
@@ -107,8 +107,7 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
     if facts.algorithm.has_teacher:
         from astuner.distill import prepare_teacher
 
-        teacher = prepare_teacher(typed, facts.teacher_engine, tokenizer,
-                                  lambda: (device_facts or preflight.local_device()).type, max_model_len)
+        teacher = prepare_teacher(typed, facts.teacher_engine, tokenizer)
     others = {}
     for spec in models.models[1:]:  # before any weights load, on every backbone
         others[spec.name] = preflight.read_model_facts(spec.folder, f"{spec.key}.path")

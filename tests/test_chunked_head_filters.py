@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from astuner.trainer import fused_head
-from astuner.memory import ModelShape
+from astuner.memory import DeviceFacts, ModelShape
 from astuner.trainer.forward import HeadPath, response_logprobs
 from astuner.types import Sample
 
@@ -166,7 +166,7 @@ def test_the_estimate_counts_the_head_of_the_run(tmp_path, tiny_model_dir, monke
     from test_run_contract import write_run
 
     from astuner.config import load_config
-    from astuner.preflight import GIB, DeviceFacts, make_plan
+    from astuner.preflight import GIB, make_plan
 
     monkeypatch.setattr("astuner.preflight.available_memory", lambda device: 200 * GIB)
     yaml = write_run(tmp_path, tiny_model_dir)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from astuner.engine.vllm_engine import cpu_kv_cache_bytes
-from astuner.preflight import available_memory, node_available_memory
+from astuner.preflight import cpu_kv_cache_bytes
+from astuner.memory import available_memory, node_available_memory
 
 GIB = 2**30
 

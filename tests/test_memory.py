@@ -9,12 +9,11 @@ from test_run_contract import write_run
 
 from astuner.config import load_config
 from astuner.errors import UserError
-from astuner.memory import ModelShape, blocks_of
+from astuner.memory import DeviceFacts, ModelShape, blocks_of
 from astuner.preflight import (
     GIB,
     RESERVE,
     VLLM_CPU_RUNTIME,
-    DeviceFacts,
     ModelFacts,
     check_fits,
     make_plan,

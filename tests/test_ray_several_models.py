@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from astuner.cli import main
+from astuner.memory import DeviceFacts
 from astuner.logview import store
 from test_several_models import changed, metric_rows, write_run
 from tolerances import ADAM_FLIP_FRACTION, LORA_FLIP_FRACTION, assert_adam_close
@@ -234,7 +235,7 @@ def test_the_gpu_estimate_of_several_models_follows_their_placement(tmp_path, ti
 
     yaml = write_run(tmp_path, tiny_model_dir, "WriterAndCritic")
     facts = preflight.read_model_facts(str(tiny_model_dir))
-    card = preflight.DeviceFacts("cuda", 80 * 2**30, 80 * 2**30)
+    card = DeviceFacts("cuda", 80 * 2**30, 80 * 2**30)
     P = facts.num_params
 
     def plan(*overrides):
@@ -264,7 +265,7 @@ def test_a_trinity_trainer_card_is_planned_without_the_explorers_engine(tmp_path
 
     yaml = write_run(tmp_path, tiny_model_dir, "WriterAndCritic", roster="")
     facts = preflight.ModelFacts(str(tiny_model_dir), "Qwen2ForCausalLM", 3_090_000_000, 32768)
-    card = preflight.DeviceFacts("cuda", 79 * 2**30, 80 * 2**30)
+    card = DeviceFacts("cuda", 79 * 2**30, 80 * 2**30)
 
     def plan(backbone):
         typed = load_config(yaml, ["astuner.rollout.engine=hf", "astuner.rollout.gpu_memory_utilization=0.6"]).typed

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from astuner.algorithm.samples import episodes_to_samples
 from astuner.cli import main
+from astuner.memory import DeviceFacts
 from astuner.types import Episode, LLMCall, Task
 
 WORKFLOW = '''
@@ -261,7 +262,7 @@ def test_the_memory_estimate_counts_every_model(tmp_path, tiny_model_dir):
 
     typed = load_config(write_run(tmp_path, tiny_model_dir, "CriticOnly")).typed
     facts = preflight.read_model_facts(str(tiny_model_dir))
-    device = preflight.DeviceFacts("cpu", None, None)
+    device = DeviceFacts("cpu", None, None)
     one = preflight.make_plan(typed, "debug", facts, 256, 2, device)
     two = preflight.make_plan(typed, "debug", facts, 256, 2, device, {"critic": facts})
     P = facts.num_params

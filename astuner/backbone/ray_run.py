@@ -373,7 +373,7 @@ def cluster_device(resources: dict, timeout_s: float, probe=probe_gpu_worker):
     driver: that would hold a CUDA context on the head's GPU 0 for the whole run, and a CPU-only head would plan
     for CPU. cuda when the cluster has GPUs, with one card's memory from `probe(gpus, timeout_s)` on a GPU worker
     (the trainer workers take one GPU each); cpu otherwise."""
-    from astuner.preflight import DeviceFacts
+    from astuner.memory import DeviceFacts
 
     if resources.get("GPU", 0) <= 0:
         return DeviceFacts("cpu")

@@ -33,12 +33,10 @@ def check_endpoint_teacher(typed, tokenizer, student: str) -> None:
         teacher.shutdown()
 
 
-def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model_len: int
-                    ) -> tuple[int, str] | None:
-    """At start, before any weights load: the teacher reads the student's tokens, and what a model-folder teacher
-    holds in memory for the start-up plan (`teacher_memory`; None for a server). `engine`: the one a model-folder
-    teacher scores on (config.derived.RunFacts.teacher_engine; None: a server); `device_type()`: where the loop's
-    process computes."""
+def prepare_teacher(typed, engine: str | None, tokenizer):
+    """At start, before any weights load: the teacher reads the student's tokens. The facts of a model-folder
+    teacher (preflight.ModelFacts), which the start-up plan counts (preflight.teacher_memory); None for a server.
+    `engine`: the one a model-folder teacher scores on (config.derived.RunFacts.teacher_engine; None: a server)."""
     from astuner import preflight
     from astuner.distill.teachers import check_teacher_tokens
 
@@ -48,8 +46,7 @@ def prepare_teacher(typed, engine: str | None, tokenizer, device_type, max_model
         return None
     path = teacher_path(typed)
     check_teacher_tokens(tokenizer, path, "astuner.teacher.model", student)
-    facts = preflight.read_model_facts(path, "astuner.teacher.model")
-    return teacher_memory(engine, facts, device_type(), max_model_len, typed.astuner.rollout)
+    return preflight.read_model_facts(path, "astuner.teacher.model")
 
 
 def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
@@ -75,28 +72,3 @@ def build_teacher(typed, tokenizer, build_engine, vllm_engines_here: int = 0):
         share = gpu_share_per_engine(typed, vllm_engines_here + 1, torch.cuda.is_available())
     engine = build_engine(typed, path, tokenizer, max_model_len, engine=name, gpu_share=share)
     return EngineTeacher(engine, t.timeout_s, path)
-
-
-def teacher_memory(engine: str, teacher, device: str, max_model_len: int, rollout) -> tuple[int, str]:
-    """(bytes, a line saying what it holds) of a model-folder teacher on `engine` (`teacher`: its
-    preflight.ModelFacts; `rollout`: the config's rollout section) in the start-up plan (preflight.make_plan): the
-    HF engine's fp32 weights (it loads fp32 everywhere); vLLM on CPU its fp32 weights, runtime and its own KV cache
-    (rollout.max_num_seqs full-length sequences, as an engine started outside the memory fit takes:
-    vllm_engine.cpu_kv_cache_bytes); vLLM on a GPU nothing more, since it takes its part of the run's share
-    (distill.build_teacher)."""
-    from astuner.preflight import GIB, VLLM_CPU_RUNTIME
-
-    held = 4 * teacher.num_params
-    if engine == "vllm" and device == "cuda":
-        held, where = 0, "its part of astuner.rollout.gpu_memory_utilization, split with the run's engines"
-    elif engine == "vllm":
-        from astuner.engine.vllm_engine import cpu_kv_cache_bytes
-
-        kv = cpu_kv_cache_bytes(teacher.path, max_model_len, rollout.max_num_seqs, "float32")
-        held += VLLM_CPU_RUNTIME + kv
-        where = f"fp32 weights, vLLM's runtime and a KV cache of {kv / GIB:.1f} GiB"
-    else:
-        where = "fp32 weights"
-    return held, (f"{teacher.path} ({teacher.architecture}, {teacher.num_params / 1e6:.1f}M parameters) on {engine}: "
-                  f"{held / GIB:.2f} GiB ({where})")
-

@@ -43,7 +43,6 @@ import os
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Iterable
 
 from astuner.engine.base import FolderWeights
@@ -119,6 +118,8 @@ def prepare_cpu_backend(extra_args: dict, model_path: str, max_model_len: int, m
     `kv_cache_bytes` (the start-up memory fit, astuner/preflight.py), else max_num_seqs full-length sequences
     instead of vLLM's fixed default (set in `extra_args`, the further engine arguments). A user's
     VLLM_CPU_KVCACHE_SPACE wins."""
+    from astuner.preflight import cpu_kv_cache_bytes
+
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         extra_args.setdefault("kv_cache_memory_bytes", int(
@@ -405,41 +406,6 @@ class VLLMEngine(FolderWeights):
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-
-
-def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype: str,
-                       available: int | None = None) -> int:
-    """The KV cache of an engine started outside a run's memory fit (`astuner eval`, the warm start): max_num_seqs
-    sequences of max_model_len tokens (rounded up to whole GiB, at most 16 GiB), but at most half of what the
-    model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's), and
-    at least one full-length sequence (more wait their turn)."""
-    import json
-    from types import SimpleNamespace
-
-    from astuner.memory import ModelShape, blocks_of
-    from astuner.preflight import available_memory
-
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        shape = ModelShape.from_config(SimpleNamespace(**config))
-    except (OSError, ValueError, TypeError):
-        config, shape = {}, None
-    if shape is None:
-        return 4 * 2**30
-    per_seq = shape.kv_bytes_per_token(4 if dtype == "float32" else 2) * blocks_of(max_model_len)
-    wanted = min(16 * 2**30, max(2**30, -(-per_seq * max_num_seqs // 2**30) * 2**30))
-    available = available_memory("cpu") if available is None else available
-    if available is None:
-        return wanted
-    stored = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    widen = 2 if dtype == "float32" and config.get("torch_dtype") in ("bfloat16", "float16") else 1
-    room = (available - stored * widen) // 2
-    kv = max(per_seq, min(wanted, room))
-    if kv < wanted:
-        log.info("vLLM KV cache %.2f GiB (%.1f of max_num_seqs=%d sequences of %d tokens): half of what the weights "
-                 "leave of %.1f GiB available", kv / 2**30, kv / per_seq, max_num_seqs, max_model_len,
-                 available / 2**30)
-    return int(kv)
 
 
 async def _score_prompt(llm, token_ids: list[int], topk: int, lora):

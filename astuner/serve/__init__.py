@@ -84,6 +84,7 @@ def build_service(loaded, limits=None):
 def serve_summary(service, url: str, keys) -> str:
     """The effective-config block of `astuner serve`: what is served, where, to whom, and the memory it takes."""
     from astuner import preflight
+    from astuner.memory import available_memory
 
     gib = preflight.GIB
     engine = service.engine
@@ -95,7 +96,7 @@ def serve_summary(service, url: str, keys) -> str:
     engines = sum(4 * b.facts.num_params for b in service.bases.values())
     full, lora = preflight.trainer_bytes(P, "fp32", False), preflight.trainer_bytes(P, "fp32", True)
     most = engines + service.max_training_clients * full
-    available = preflight.available_memory(device)
+    available = available_memory(device)
     names = keys.names()
     if names:
         access = (f"{len(names)} ({', '.join(names)}): only these; each key reaches only the sessions, training "

@@ -251,7 +251,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         ref_bytes=4 * P // shards if tc.use_kl_loss or kind.needs_reference else 0,
         available_bytes=found.free_bytes if device == "cuda" else available_memory(device),
         device=device,
-        sandbox=describe_sandbox().removeprefix("python tool sandbox: "),
+        sandbox=describe_sandbox(a.rollout.python_tool_unsandboxed).removeprefix("python tool sandbox: "),
         cuts="" if offline else _cuts_line(typed, max_model_len),
         # trinity's explorers run their engines on GPUs of their own (ray_worker.ENGINE_ALONE_GPU_SHARE): a trainer
         # rank's card holds its trainer only

@@ -87,7 +87,6 @@ def prepare(loaded, backbone: str = "debug", total_steps_of=None, device_of=None
 
     typed = loaded.typed
     quiet_library_progress()
-    configure_tools(typed)
     facts = run_facts(typed)
     source = DATA_SOURCES[facts.algorithm.data](typed, loaded.config_dir, facts.algorithm.data)
     workflow_cls, judge = (load_workflow(loaded), build_judge(loaded)) if source.runs_workflow else (None, None)
@@ -129,7 +128,7 @@ def _chat_text(typed, tokenizer, stop_ids):
 
 
 def configure_tools(typed) -> None:
-    """Settings of astuner's own tools, in every process that runs episodes (and the start-up block)."""
+    """Settings of astuner's own tools, in every process that runs episodes."""
     from astuner.tools.python_exec import allow_unsandboxed
 
     allow_unsandboxed(typed.astuner.rollout.python_tool_unsandboxed)

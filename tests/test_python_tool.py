@@ -272,6 +272,23 @@ def fresh_plans():
     python_exec._process_plan.cache_clear()
 
 
+def test_the_start_up_plan_describes_the_configs_setting_and_leaves_the_process_alone(
+        monkeypatch, fresh_plans, tmp_path, tiny_model_dir):
+    """The start-up block describes the sandbox the config asks for (python_tool_unsandboxed), without setting it
+    in the process that plans: only a process that runs episodes does (runtime.configure_tools)."""
+    from test_run_contract import write_run
+
+    from astuner.config import load_config
+    from astuner.runtime import prepare
+
+    no_bubblewrap(monkeypatch)
+    yaml = str(write_run(tmp_path, tiny_model_dir))
+    opted = prepare(load_config(yaml, ["astuner.rollout.python_tool_unsandboxed=true"])).plan.sandbox
+    assert "process level" in opted and "THE NETWORK IS REACHABLE" in opted
+    assert python_exec._allow_unsandboxed is False and describe_sandbox().startswith("python tool sandbox: REFUSED")
+    assert prepare(load_config(yaml, [])).plan.sandbox.startswith("REFUSED: bubblewrap is not installed")
+
+
 @pytest.mark.parametrize("landlock", ["as the kernel has it", "without"])
 def test_process_level_shows_model_code_nothing_of_the_users(monkeypatch, users_files, fresh_plans, landlock):
     if landlock == "without":

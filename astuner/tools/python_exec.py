@@ -229,8 +229,11 @@ def _probe_process(executable: str, user: str, landlock: bool) -> str:
     return _run_probe("process", user, executable, landlock)
 
 
-def describe_sandbox() -> str:
-    """The start-up line: exactly what model-written code can and cannot reach here."""
+def describe_sandbox(unsandboxed: bool | None = None) -> str:
+    """The start-up line: exactly what model-written code can and cannot reach here, for a run whose
+    `astuner.rollout.python_tool_unsandboxed` is `unsandboxed` (None: this process's setting, `allow_unsandboxed`).
+    The start-up plan passes the config's, so describing a run changes nothing in the process that describes it."""
+    unsandboxed = _allow_unsandboxed if unsandboxed is None else unsandboxed
     folders = ", ".join(_own_folders(sys.executable)) or "in /usr"
     mib = 1024 * 1024
     if sandbox_level() == "bubblewrap":
@@ -239,7 +242,7 @@ def describe_sandbox() -> str:
                 f"({_SCRATCH_BYTES // mib} MiB each); no home, no project, no data, no other users' files, nothing "
                 f"written to disk; {_who_and_bounds()}; no network, own PID namespace")
     why = _bubblewrap_problem() or "bubblewrap not in use"
-    plan = _process_plan(sys.executable, _allow_unsandboxed)
+    plan = _process_plan(sys.executable, unsandboxed)
     if not plan.user:
         if os.geteuid() == 0:
             risk = ("as a uid of its own (or as root where such a uid cannot run this interpreter), and reach this "
@@ -249,7 +252,7 @@ def describe_sandbox() -> str:
                     f"files where the kernel lacks Landlock, and reach this machine's loopback services (the log "
                     f"viewer included)")
         opted = (f"; {_OPT_IN_KEY} is true but no user could start {sys.executable} ({plan.why.splitlines()[-1]})"
-                 if _allow_unsandboxed and plan.why else "")
+                 if unsandboxed and plan.why else "")
         return (f"python tool sandbox: REFUSED: {why}{opted}. Without bubblewrap the code would run {risk}. To use "
                 f"bubblewrap: {bw.how_to_enable(why)}; or set {_OPT_IN_KEY}: true to accept the process sandbox")
     who = {"nobody": "runs as a uid of its own per call, which cannot signal this run",

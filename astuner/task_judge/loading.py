@@ -27,21 +27,30 @@ def build_judge(loaded):
     from astuner.task_judge.base_judge import BaseJudge
 
     section, cfg, base_dir = loaded.typed.astuner.task_judge, loaded.cfg, loaded.config_dir
-    if section.combine:
-        from astuner.task_judge.shaping import build_combined_judge
 
-        return build_combined_judge(
-            section.combine, cfg,
-            lambda spec, where: load_user_class(spec, base_dir, "judge", where, BaseJudge))
-    key = "astuner.task_judge.judge_protocol"
-    judge_cls = load_user_class(judge_spec(loaded.typed), base_dir, "judge", key, BaseJudge)
-    if inspect.isfunction(judge_cls):
-        from astuner.task_judge.base_judge import FunctionJudge
+    def judge(spec: str, key: str, args: dict | None = None):
+        target = load_user_class(spec, base_dir, "judge", key, BaseJudge)
+        return instantiate_judge(target, cfg, key, args), target.__name__
 
-        return FunctionJudge(judge_cls, cfg)
+    if not section.combine:
+        return judge(judge_spec(loaded.typed), "astuner.task_judge.judge_protocol")[0]
+    from astuner.task_judge.shaping import build_combined_judge
+
+    return build_combined_judge(section.combine, cfg, judge)
+
+
+def instantiate_judge(target, cfg, key: str, args: dict | None = None):
+    """The judge of a user's class, `target(cfg, **args)`, or of a function (a `FunctionJudge`); an error its
+    constructor raises is the user's, naming `key` and the file (exit 2), whether the judge is the run's one or a
+    term of `combine`."""
+    from astuner.task_judge.base_judge import FunctionJudge
+
+    if inspect.isfunction(target):
+        return FunctionJudge(target, cfg)
     try:
-        return judge_cls(cfg)
+        return target(cfg, **(args or {}))
     except UserError:
         raise
     except Exception as exc:
-        raise user_code_error(f"{key}: {judge_cls.__qualname__}.__init__ in", inspect.getfile(judge_cls), exc) from None
+        called = f"{target.__qualname__}.__init__" + (f" (with {args})" if args else "")
+        raise user_code_error(f"{key}: {called} in", inspect.getfile(target), exc) from None

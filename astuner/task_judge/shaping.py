@@ -22,13 +22,12 @@ T is `metadata["final_answer"]`, else the text of `response` (an AgentScope Msg 
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from astuner.errors import UserError
-from astuner.task_judge.base_judge import BaseJudge, FunctionJudge, call_judge
+from astuner.task_judge.base_judge import BaseJudge, call_judge
 from astuner.workflow import WorkflowOutput, WorkflowTask
 
 
@@ -144,20 +143,12 @@ class CombinedJudge(BaseJudge):
         return total, success
 
 
-def build_combined_judge(items, cfg, load) -> CombinedJudge:
-    """From the `combine` config items; `load(spec)` resolves a "module->Class" / "module->function" string."""
+def build_combined_judge(items, cfg, judge) -> CombinedJudge:
+    """From the `combine` config items; `judge(spec, key, args)` builds one term's judge from its "module->Class" /
+    "module->function" string and gives its default name (task_judge/loading.py)."""
     terms = []
     for index, item in enumerate(items):
-        target = load(item.judge, f"astuner.task_judge.combine[{index}].judge")
-        if inspect.isfunction(target):
-            judge, default_name = FunctionJudge(target, cfg), target.__name__
-        else:
-            try:
-                judge = target(cfg, **dict(item.args))
-            except TypeError as exc:
-                raise UserError(f"astuner.task_judge.combine[{index}]: {target.__qualname__}(**{dict(item.args)}) "
-                                f"failed: {exc}") from None
-            default_name = target.__name__
-        terms.append(Term(item.name or default_name, float(item.weight), judge, bool(item.success),
+        built, default_name = judge(item.judge, f"astuner.task_judge.combine[{index}].judge", dict(item.args))
+        terms.append(Term(item.name or default_name, float(item.weight), built, bool(item.success),
                           bool(item.if_success)))
     return CombinedJudge(terms, cfg)

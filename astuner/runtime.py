@@ -143,8 +143,9 @@ def build_runner(loaded, engine, tokenizer, workflow_cls, judge, stop_ids, max_m
 
     typed = loaded.typed
     configure_tools(typed)
+    settings = RolloutSettings.from_config(typed, max_model_len)
     return RolloutRunner(
-        RolloutSettings.from_config(typed, max_model_len),
+        settings,
         engine,
         tokenizer,
         workflow_cls,

@@ -342,14 +342,24 @@ def test_syntax_error_in_the_judge_module(tmp_path, tiny_model_dir, capsys, no_m
 
 def test_error_in_the_judges_init(tmp_path, tiny_model_dir, capsys, no_model_load):
     yaml = write_run(tmp_path, tiny_model_dir)
-    (tmp_path / "judge.py").write_text(JUDGE + "\n    def __init__(self, config, **args):\n        raise ValueError('no key')\n")
+    (tmp_path / "judge.py").write_text(JUDGE + "\n    def __init__(self, config):\n        raise ValueError('no key')\n")
     err = cli_error(capsys, yaml)
     assert "LengthJudge.__init__" in err and "ValueError: no key" in err and "judge.py" in err
-    # A term of `combine` is built the same way: its error names the term's key, its arguments and the file.
+
+
+def test_errors_in_building_a_term_of_combine(tmp_path, tiny_model_dir, capsys, no_model_load):
+    """A term of `combine` is built as the run's one judge is: its constructor's error names the term's key, its
+    arguments and the file; arguments its constructor does not take are named as the config's mistake."""
+    yaml = write_run(tmp_path, tiny_model_dir)
+    (tmp_path / "judge.py").write_text(JUDGE + "\n    def __init__(self, config, **args):\n        raise ValueError('no key')\n")
     err = cli_error(capsys, yaml, "astuner.task_judge.combine=[{judge: 'judge.py->LengthJudge', weight: 1.0, "
                                   "args: {target: 3}}]")
     assert "astuner.task_judge.combine[0].judge: LengthJudge.__init__ (with {'target': 3})" in err
     assert "ValueError: no key" in err and "judge.py" in err and "Traceback (your code):" in err
+    err = cli_error(capsys, yaml, "astuner.task_judge.combine=[{judge: 'astuner.task_judge.shaping->LengthPenalty', "
+                                  "weight: 1.0, args: {tarrget: 3}}]")
+    assert "astuner.task_judge.combine[0].judge: LengthPenalty does not take the arguments {'tarrget': 3}" in err
+    assert "unexpected keyword argument 'tarrget'" in err
 
 
 def test_data_that_is_not_utf8(tmp_path, tiny_model_dir, capsys, no_model_load):

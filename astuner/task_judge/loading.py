@@ -47,8 +47,16 @@ def instantiate_judge(target, cfg, key: str, args: dict | None = None):
 
     if inspect.isfunction(target):
         return FunctionJudge(target, cfg)
+    args = args or {}
+    try:  # arguments its constructor does not take are the config's mistake, not the class's
+        inspect.signature(target).bind(cfg, **args)
+    except TypeError as exc:
+        raise UserError(f"{key}: {target.__qualname__} does not take the arguments {args} ({exc}); set "
+                        f"`args` to what its constructor takes") from None
+    except ValueError:  # no signature to read (a class built in C): its constructor tells
+        pass
     try:
-        return target(cfg, **(args or {}))
+        return target(cfg, **args)
     except UserError:
         raise
     except Exception as exc:

@@ -263,6 +263,7 @@ def make_plan(typed, backbone: str, facts: ModelFacts, max_model_len: int, total
         plan = replace(plan, teacher=teacher_memory(typed, teacher, device, max_model_len))
     return fit_memory(plan, facts.shape, typed, precision, processes)
 
+
 def teacher_memory(typed, teacher: ModelFacts, device: str, max_model_len: int) -> tuple[int, str]:
     """(bytes, the plan's line) of a model-folder teacher (`teacher`: its facts) on its engine
     (config.derived.teacher_engine): the HF engine's fp32 weights (it loads fp32 everywhere); vLLM on CPU its fp32
@@ -289,8 +290,8 @@ def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, d
                        available: int | None = None) -> int:
     """The KV cache of an engine started outside a run's memory fit (`astuner eval`, the warm start): max_num_seqs
     sequences of max_model_len tokens (rounded up to whole GiB, at most 16 GiB), but at most half of what the
-    model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's: host_memory.py), and
-    at least one full-length sequence (more wait their turn)."""
+    model's weights leave of the available memory (`available`, default: what vLLM checks, the NUMA node's:
+    memory.available_memory), and at least one full-length sequence (more wait their turn)."""
     import json
     from types import SimpleNamespace
 

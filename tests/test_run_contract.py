@@ -351,7 +351,8 @@ def test_errors_in_building_a_term_of_combine(tmp_path, tiny_model_dir, capsys, 
     """A term of `combine` is built as the run's one judge is: its constructor's error names the term's key, its
     arguments and the file; arguments its constructor does not take are named as the config's mistake."""
     yaml = write_run(tmp_path, tiny_model_dir)
-    (tmp_path / "judge.py").write_text(JUDGE + "\n    def __init__(self, config, **args):\n        raise ValueError('no key')\n")
+    raising = "\n    def __init__(self, config, **args):\n        raise ValueError('no key')\n"
+    (tmp_path / "judge.py").write_text(JUDGE + raising)
     err = cli_error(capsys, yaml, "astuner.task_judge.combine=[{judge: 'judge.py->LengthJudge', weight: 1.0, "
                                   "args: {target: 3}}]")
     assert "astuner.task_judge.combine[0].judge: LengthJudge.__init__ (with {'target': 3})" in err
